@@ -1,0 +1,17 @@
+"""ckptd: checkpoints off the training loop's critical path.
+
+    from ckptd import producer            # emit / commit / checkpoint / save, in training
+    import ckptd; ckptd.load("run")       # resume from the newest complete checkpoint
+"""
+
+from . import producer
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
+from .manifest import CheckpointInfo
+from .producer import CommitHandle, Producer
+from .reader import latest, list_checkpoints, load
+
+__all__ = [
+    "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointNotFound",
+    "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "producer",
+]
+__version__ = "0.1.0"

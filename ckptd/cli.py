@@ -1,0 +1,148 @@
+"""The ``ckptd`` command line: ``serve`` runs the daemon; the rest read the checkpoint root.
+
+Every failure prints one line on stderr and exits non-zero; ``--json`` prints
+machine-readable results on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any, Sequence
+
+from . import config as config_mod, reader
+from .errors import CheckpointError
+from .manifest import CheckpointInfo
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"ckptd {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptd", description="Checkpoint daemon for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the writer daemon in the foreground (systemd runs this)")
+    s.add_argument("-c", "--config", help="config file (default: $CKPTD_CONFIG, else built-in defaults)")
+    s.set_defaults(func=_serve)
+
+    def reading(name: str, help: str, step: bool) -> argparse.ArgumentParser:
+        r = sub.add_parser(name, help=help, description=help)
+        r.add_argument("run", metavar="RUN", help="run id")
+        if step:
+            r.add_argument("step", metavar="STEP", nargs="?", type=int, help="step (default: the newest complete)")
+        r.add_argument("--root", help="checkpoint root (default: $CKPTD_ROOT, else the config's root)")
+        r.add_argument("-c", "--config", help="config file whose root to read")
+        r.add_argument("--json", action="store_true", help="print JSON")
+        return r
+
+    reading("latest", "print the newest complete checkpoint of RUN", False).set_defaults(func=_latest)
+    reading("list", "list the complete checkpoints of RUN, oldest first", False).set_defaults(func=_list)
+    reading("show", "describe one checkpoint and its tensors", True).set_defaults(func=_show)
+    reading("verify", "check every tensor of a checkpoint against its checksum", True).set_defaults(func=_verify)
+    return p
+
+
+def _root(args: argparse.Namespace) -> Any:
+    if args.root is None and args.config:
+        return config_mod.load(args.config).root
+    return config_mod.default_root(args.root)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .daemon.server import serve
+
+    cfg = config_mod.load(args.config)
+    logging.basicConfig(
+        stream=sys.stderr, level=cfg.daemon.log_level.upper(),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    return serve(cfg)
+
+
+def _latest(args: argparse.Namespace) -> int:
+    root = _root(args)
+    info = reader.latest(args.run, root=root)
+    if info is None:
+        raise CheckpointError(f"run {args.run!r} has no complete checkpoint under {root}")
+    print(json.dumps(info.to_dict()) if args.json else _describe(info))
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    root = _root(args)
+    infos = reader.list_checkpoints(args.run, root=root)
+    if args.json:
+        print(json.dumps([i.to_dict() for i in infos]))
+        return 0
+    if not infos:
+        print(f"run {args.run!r} has no complete checkpoints under {root}", file=sys.stderr)
+        return 0
+    print(f"{'STEP':>12}  {'TIME':<19}  {'SIZE':>10}  {'TENSORS':>7}  FORMAT")
+    for i in infos:
+        print(f"{i.step:>12}  {_time(i.time):<19}  {_size(i.nbytes):>10}  {i.ntensors:>7}  {i.format}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    path, manifests = reader.find(args.run, args.step, _root(args))
+    info = CheckpointInfo.from_manifests(str(path), manifests)
+    if args.json:
+        out = info.to_dict()
+        out["ranks"] = [
+            {"rank": m.rank, "tensors": {n: t.to_dict() for n, t in m.tensors.items()}} for m in manifests
+        ]
+        print(json.dumps(out))
+        return 0
+    print(_describe(info))
+    for m in manifests:
+        if len(manifests) > 1:
+            print(f"rank {m.rank}:")
+        for name, t in m.tensors.items():
+            shape = "x".join(map(str, t.shape)) or "scalar"
+            print(f"  {name}  {t.dtype}[{shape}]  {_size(t.nbytes)}  {t.file}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    path, problems = reader.verify(args.run, args.step, root=_root(args))
+    if args.json:
+        print(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))
+    elif problems:
+        for p in problems:
+            print(f"damaged: {p}", file=sys.stderr)
+    else:
+        print(f"ok: {path}: every tensor matches its checksum")
+    return 1 if problems else 0
+
+
+def _describe(info: CheckpointInfo) -> str:
+    meta = f"  metadata {json.dumps(info.metadata)}" if info.metadata else ""
+    return (f"run {info.run} step {info.step}  {_time(info.time)}  {_size(info.nbytes)} in "
+            f"{info.ntensors} tensors  {info.format}  {info.path}{meta}")
+
+
+def _time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+

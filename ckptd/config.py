@@ -1,0 +1,215 @@
+"""Typed configuration, loaded from ``config.toml``.
+
+One keyword-only dataclass per component. Every key has a default; an unknown key
+or a bad value is a ``ConfigError`` naming the key and the file. Relative paths
+resolve against the config file's folder (or the current directory when no file
+is used), so the shipped ``config.toml`` works unchanged from a checkout.
+
+Which file: an explicit path, else ``$CKPTD_CONFIG``, else none (built-in defaults,
+which equal the shipped file's values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from .errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_DURATION_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_QUANTITY = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: object) -> int:
+    """``4096`` or ``"256MiB"`` -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError("a size cannot be negative")
+        return value
+    if isinstance(value, str):
+        m = _QUANTITY.fullmatch(value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    raise ValueError(f"{value!r} is not a size; write bytes as an integer or a string like \"256MiB\"")
+
+
+def parse_duration(value: object) -> float:
+    """``30``, ``2.5`` or ``"30s"``/``"500ms"``/``"6h"`` -> seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return float(value)
+    if isinstance(value, str):
+        m = _QUANTITY.fullmatch(value)
+        if m and m.group(2).lower() in _DURATION_UNITS:
+            return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+    raise ValueError(f"{value!r} is not a duration; write seconds or a string like \"30s\"")
+
+
+def _choice(*allowed: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        if value not in allowed:
+            raise ValueError(f"{value!r} is not one of {', '.join(map(repr, allowed))}")
+        return value  # type: ignore[return-value]
+
+    return parse
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{value!r} is not a non-empty string")
+    return value
+
+
+def _positive(parse: Callable[[object], Any]) -> Callable[[object], Any]:
+    def check(value: object) -> Any:
+        parsed = parse(value)
+        if parsed <= 0:
+            raise ValueError(f"{value!r} must be greater than zero")
+        return parsed
+
+    return check
+
+
+def _opt(default: Any, parse: Callable[[object], Any]) -> Any:
+    return field(default=default, metadata={"parse": parse})
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    endpoint: str = _opt("ipc://var/run/ckptd.sock", _string)
+    root: str = _opt("var/checkpoints", _string)
+    format: str = _opt("chunk", _choice("chunk"))
+    chunk_size: int = _opt(256 * 2**20, _positive(parse_size))
+    memory_budget: int = _opt(2 * 2**30, _positive(parse_size))
+    max_frame: int = _opt(256 * 2**20, _positive(parse_size))
+    session_timeout: float = _opt(60.0, _positive(parse_duration))
+    fsync: bool = _opt(True, lambda v: _bool(v))
+    log_level: str = _opt("info", _choice("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProducerConfig:
+    timeout: float = _opt(10.0, _positive(parse_duration))
+    staging_size: int = _opt(2**30, _positive(parse_size))
+    on_full: str = _opt("block", _choice("block", "raise"))
+    emit_timeout: float = _opt(300.0, _positive(parse_duration))
+    heartbeat: float = _opt(2.0, _positive(parse_duration))
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r} is not true or false")
+    return value
+
+
+@dataclass(frozen=True)
+class Config:
+    daemon: DaemonConfig = DaemonConfig()
+    producer: ProducerConfig = ProducerConfig()
+    path: Path | None = None  # the file these values came from, if any
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent if self.path else Path.cwd()
+
+    def resolve_path(self, value: str) -> Path:
+        return resolve_path(value, self.base_dir)
+
+    @property
+    def root(self) -> Path:
+        return self.resolve_path(self.daemon.root)
+
+    @property
+    def endpoint(self) -> str:
+        return resolve_endpoint(self.daemon.endpoint, self.base_dir)
+
+
+_TABLES: dict[str, type] = {"daemon": DaemonConfig, "producer": ProducerConfig}
+
+
+def build(cls: type, values: dict[str, Any], where: str) -> Any:
+    """Make a ``cls`` from raw TOML (or keyword) values, naming ``where`` in errors."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, raw in values.items():
+        f = fields.get(key)
+        if f is None:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key {key!r} in {where}; known keys: {known}")
+        try:
+            kwargs[key] = f.metadata["parse"](raw)
+        except ValueError as exc:
+            raise ConfigError(f"bad value for {key!r} in {where}: {exc}") from None
+    return cls(**kwargs)
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Config:
+    """Load ``path``, else ``$CKPTD_CONFIG``, else the built-in defaults."""
+    if path is None:
+        path = os.environ.get("CKPTD_CONFIG") or None
+    if path is None:
+        return Config()
+    file = Path(path).expanduser().absolute()
+    try:
+        with open(file, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {file} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {file}: {exc.strerror}") from None
+    tables = {}
+    for name, table in data.items():
+        cls = _TABLES.get(name)
+        if cls is None or not isinstance(table, dict):
+            raise ConfigError(
+                f"unknown table [{name}] in {file}; known tables: "
+                + ", ".join(f"[{t}]" for t in _TABLES)
+            )
+        tables[name] = build(cls, table, f"[{name}] of {file}")
+    return Config(path=file, **tables)
+
+
+def resolve_path(value: str, base: Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def resolve_endpoint(endpoint: str, base: Path) -> str:
+    """Make an ``ipc://`` path absolute; other transports pass through."""
+    if endpoint.startswith("ipc://"):
+        return "ipc://" + str(resolve_path(endpoint[len("ipc://"):], base))
+    if endpoint.startswith("tcp://"):
+        # DESIGN §6: a tcp:// endpoint requires CurveZMQ keys, which are not built yet.
+        raise ValueError(
+            f"endpoint {endpoint!r}: tcp:// endpoints need CurveZMQ keys, which this "
+            "version does not support yet; use an ipc:// path on this host"
+        )
+    raise ValueError(f"endpoint {endpoint!r} must start with ipc://")
+
+
+def default_root(root: str | os.PathLike[str] | None = None) -> Path:
+    """``root`` if given, else ``$CKPTD_ROOT``, else the config's root."""
+    if root is not None:
+        return Path(root).expanduser().absolute()
+    env = os.environ.get("CKPTD_ROOT")
+    if env:
+        return Path(env).expanduser().absolute()
+    return load().root

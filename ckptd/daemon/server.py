@@ -1,0 +1,554 @@
+"""The writer daemon: one main loop that owns the ROUTER socket and every session.
+
+Control flow lives here only. Signal handlers just wake the loop (gunicorn's
+arbiter does the same); the loop reads messages, validates them, batches
+tensors into chunks for the I/O threads (``writer``), and answers producers.
+A bad message gets an error reply naming what was wrong, or is dropped and
+logged when it cannot be answered; it never stops the loop.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from .. import dtypes, layout, reader, state as state_mod, wire
+from ..chunkfile import Entry
+from ..config import Config
+from ..errors import CheckpointError, ProtocolError
+from ..names import check_name, check_rank, check_run, check_step
+from .recovery import remove_orphans
+from .writer import Result, Share, Stream, Writer
+
+log = logging.getLogger("ckptd.daemon")
+
+IPC_PATH_MAX = 107  # sun_path in struct sockaddr_un, less the terminating NUL
+
+
+class StepError(Exception):
+    """A message that fails one step (not the session): reply, then drop the step."""
+
+
+@dataclass(eq=False)
+class Partial:
+    """The tensor whose pieces are arriving; a producer sends one tensor at a time."""
+
+    entry: Entry
+    received: int = 0
+    stream: Stream | None = None  # set for a tensor large enough for a file of its own
+
+
+@dataclass(eq=False)
+class OpenStep:
+    share: Share
+    names: set[str] = field(default_factory=set)
+    complete: int = 0
+    partial: Partial | None = None
+    chunk: list[Entry] = field(default_factory=list)
+    chunk_bytes: int = 0
+    received_bytes: int = 0
+
+
+@dataclass(eq=False)
+class Session:
+    identity: bytes
+    run: str
+    rank: int
+    world_size: int
+    pid: int
+    host: str
+    last_seen: float = field(default_factory=time.monotonic)
+    ack: int | None = None  # newest tensor seq received, not yet acknowledged
+    steps: dict[int, OpenStep] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"run={self.run} rank={self.rank} pid={self.pid}"
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.cfg = config.daemon
+        self.root = config.root
+        self.endpoint = config.endpoint
+        self.sessions: dict[bytes, Session] = {}
+        self.owner: dict[tuple[str, int], bytes] = {}  # (run, rank) -> session identity
+        self.committing: set[tuple[str, int, int]] = set()  # (run, rank, step)
+        self.queued = 0  # bytes received and not yet written
+        self.results: queue.SimpleQueue[Result] = queue.SimpleQueue()
+        self.stopping = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._lock_fd = -1
+        self.ctx: zmq.Context | None = None
+        self.router: zmq.Socket | None = None
+        self.writer: Writer | None = None
+
+    # -- start and stop -------------------------------------------------------------
+    def start(self) -> None:
+        """Lock the root, clean it, bind. After this the daemon is ready to serve."""
+        layout_root = self.root
+        layout_root.mkdir(parents=True, exist_ok=True)
+        self._lock_root()
+        removed = remove_orphans(layout_root)
+        if removed:
+            log.info("removed %d orphan file(s) left by an earlier crash", removed)
+        self.writer = Writer(self._post, fsync=self.cfg.fsync)
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
+        self.router.setsockopt(zmq.SNDHWM, 100_000)
+        self.router.setsockopt(zmq.LINGER, 2000)
+        # A peer that sends a frame larger than this is disconnected by libzmq itself.
+        self.router.setsockopt(zmq.MAXMSGSIZE, max(self.cfg.max_frame, wire.MAX_HEADER_BYTES) + 4096)
+        self._bind()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        log.info("serving %s, checkpoints under %s (pid %d)", self.endpoint, self.root, os.getpid())
+
+    def _lock_root(self) -> None:
+        path = self.root / ".ckptd.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise CheckpointError(
+                f"another ckptd daemon (pid {other or '?'}) is already serving {self.root}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _bind(self) -> None:
+        assert self.router is not None
+        if self.endpoint.startswith("ipc://"):
+            path = Path(self.endpoint[len("ipc://"):])
+            if len(str(path).encode()) > IPC_PATH_MAX:
+                raise CheckpointError(
+                    f"ipc socket path {path} is longer than {IPC_PATH_MAX} bytes; "
+                    "choose a shorter [daemon] endpoint"
+                )
+            # Who may connect is decided by this folder's permissions (DESIGN §6).
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            self.router.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            raise CheckpointError(f"cannot listen on {self.endpoint}: {exc}") from None
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stopping = True  # the wakeup fd wakes the loop
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+            self._drain_results()
+        if self.router is not None:
+            self.router.close()
+            self.router = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except OSError:
+                pass
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- the loop ---------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        assert self.router is not None
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        reading = False
+        last_housekeeping = time.monotonic()
+        while not self.stopping:
+            want = self.queued < self.cfg.memory_budget
+            if want != reading:
+                # Over budget: leave messages in the producers' staging (they block
+                # or raise there) until the writer has freed memory.
+                if want:
+                    poller.register(self.router, zmq.POLLIN)
+                else:
+                    poller.unregister(self.router)
+                    self._flush_chunks()
+                reading = want
+            events = dict(poller.poll(1000))
+            if self._wake_r in events:
+                self._drain_wake()
+            self._drain_results()
+            if reading and self.router in events:
+                self._read_batch()
+            now = time.monotonic()
+            if now - last_housekeeping >= 1.0:
+                self._expire_sessions(now)
+                last_housekeeping = now
+        self._shutdown()
+
+    def _read_batch(self, limit: int = 256) -> None:
+        """Handle the messages waiting now (up to ``limit``), then send coalesced acks."""
+        assert self.router is not None
+        for _ in range(limit):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._handle(frames)
+            if self.queued >= self.cfg.memory_budget:
+                break
+        for sess in self.sessions.values():
+            if sess.ack is not None:
+                self._send(sess.identity, "ack", seq=sess.ack)
+                sess.ack = None
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        try:
+            header, payload = wire.decode(frames[1:])
+        except ProtocolError as exc:
+            log.warning("bad message from peer %s: %s", identity.hex(), exc)
+            self._send(identity, "error", seq=None, step=None, message=f"protocol error: {exc}")
+            return
+        op = header["op"]
+        sess = self.sessions.get(identity)
+        if sess is not None:
+            sess.last_seen = time.monotonic()
+        try:
+            if op == "hello":
+                self._on_hello(identity, header)
+            elif op == "ping":
+                self._send(identity, "pong", seq=header["seq"])
+            elif op == "latest":
+                self._on_latest(identity, header)
+            elif sess is None:
+                raise ProtocolError(f"{op!r} before hello; send hello first")
+            elif op == "tensor":
+                self._on_tensor(sess, header, payload)
+            elif op == "commit":
+                self._on_commit(sess, header)
+            elif op == "abort":
+                self._drop_step(sess, header["step"])
+            elif op == "bye":
+                self._end_session(sess, "said bye")
+            else:
+                raise ProtocolError(f"{op!r} is not a message a producer sends")
+        except ProtocolError as exc:
+            log.warning("peer %s: %s", sess.label if sess else identity.hex(), exc)
+            self._send(identity, "error", seq=header.get("seq"), step=None, message=str(exc))
+
+    # -- messages ---------------------------------------------------------------------
+    def _on_hello(self, identity: bytes, h: dict[str, Any]) -> None:
+        if h["v"] != wire.VERSION:
+            raise ProtocolError(f"protocol version {h['v']} is not supported; this daemon speaks {wire.VERSION}")
+        try:
+            check_run(h["run"])
+            check_rank(h["rank"], h["world_size"])
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        for other in self.sessions.values():
+            if other.run == h["run"] and other.world_size != h["world_size"] and other.identity != identity:
+                raise ProtocolError(
+                    f"run {h['run']!r} already has producers with world_size {other.world_size}, "
+                    f"not {h['world_size']}"
+                )
+        if identity in self.sessions:
+            self._end_session(self.sessions[identity], "said hello again")
+        key = (h["run"], h["rank"])
+        previous = self.owner.get(key)
+        if previous is not None and previous in self.sessions:
+            # A restarted trainer: its predecessor's unfinished steps can never complete.
+            self._end_session(self.sessions[previous], "was replaced by a new producer for the same rank")
+        sess = Session(identity, h["run"], h["rank"], h["world_size"], h["pid"], h["host"])
+        self.sessions[identity] = sess
+        self.owner[key] = identity
+        log.info("producer connected: %s host=%s", sess.label, sess.host)
+        self._send(identity, "welcome", v=wire.VERSION, max_frame=self.cfg.max_frame, daemon_pid=os.getpid())
+
+    def _on_latest(self, identity: bytes, h: dict[str, Any]) -> None:
+        try:
+            info = reader.latest(h["run"], root=self.root)
+        except (ValueError, CheckpointError) as exc:
+            raise ProtocolError(f"latest: {exc}") from None
+        self._send(identity, "answer", seq=h["seq"], info=info.to_dict() if info else None)
+
+    def _open_step(self, sess: Session, step: int, seq: int) -> OpenStep:
+        """The open step ``step`` of ``sess``, created on first use. A step that may not
+        be written is still returned, already failed, so that the rest of its
+        messages are dropped quietly until the producer aborts or commits it."""
+        open_step = sess.steps.get(step)
+        if open_step is not None:
+            return open_step
+        open_step = sess.steps[step] = OpenStep(Share(self.root, sess.run, sess.rank, sess.world_size, step))
+        try:
+            check_step(step)
+        except ValueError as exc:
+            self._fail_step(sess, open_step, str(exc), seq)
+            return open_step
+        if (sess.run, sess.rank, step) in self.committing or (
+            open_step.share.dir / layout.manifest_name(sess.rank)
+        ).exists():
+            self._fail_step(sess, open_step, (
+                f"step {step} of run {sess.run!r} is already committed for rank {sess.rank}; "
+                "a committed checkpoint is never overwritten"), seq, discard=False)
+        return open_step
+
+    def _on_tensor(self, sess: Session, h: dict[str, Any], payload: zmq.Frame) -> None:
+        sess.ack = h["seq"]  # received: the producer may reuse its staging
+        open_step = self._open_step(sess, h["step"], h["seq"])
+        if open_step.share.error is not None:
+            return  # failed and reported; dropped until the producer aborts
+        try:
+            self._add_piece(open_step, h, payload.buffer)
+        except StepError as exc:
+            self._fail_step(sess, open_step, str(exc), h["seq"])
+
+    def _add_piece(self, open_step: OpenStep, h: dict[str, Any], data: memoryview) -> None:
+        n, name, start = len(data), h["name"], h["start"]
+        partial = open_step.partial
+        if start == 0:
+            if partial is not None:
+                raise StepError(f"tensor {name!r} started before tensor {partial.entry.name!r} was complete")
+            try:
+                check_name(name)
+                dtype = dtypes.lookup(h["dtype"])
+            except (ValueError, TypeError) as exc:
+                raise StepError(str(exc)) from None
+            if name in open_step.names:
+                raise StepError(f"tensor name {name!r} appears twice in step {open_step.share.step}")
+            expected = math.prod(h["shape"]) * dtype.itemsize
+            if expected != h["nbytes"]:
+                raise StepError(
+                    f"tensor {name!r}: shape {h['shape']} of {dtype.name} is {expected} bytes, "
+                    f"but the message declares {h['nbytes']}"
+                )
+            entry = Entry(name, dtype, h["shape"], h["nbytes"], [], numpy=h["numpy"])
+            partial = open_step.partial = Partial(entry)
+            open_step.names.add(name)
+            if entry.nbytes >= self.cfg.chunk_size:
+                self._flush_chunk(open_step)  # keep chunk files in emit order
+                assert self.writer is not None
+                partial.stream = self.writer.open_stream(open_step.share, entry)
+        elif partial is None or partial.entry.name != name or partial.received != start:
+            raise StepError(f"piece of tensor {name!r} at byte {start} arrived out of order")
+        entry = partial.entry
+        if partial.received + n > entry.nbytes or (n == 0 and entry.nbytes > 0):
+            raise StepError(
+                f"tensor {name!r}: a piece of {n} bytes at byte {start} does not fit "
+                f"the declared {entry.nbytes} bytes"
+            )
+        partial.received += n
+        open_step.received_bytes += n
+        self.queued += n
+        last = partial.received == entry.nbytes
+        if partial.stream is not None:
+            assert self.writer is not None
+            self.writer.stream_piece(partial.stream, data, last)
+        elif n:
+            entry.buffers.append(data)
+        if last:
+            open_step.partial = None
+            open_step.complete += 1
+            if partial.stream is None:
+                open_step.chunk.append(entry)
+                open_step.chunk_bytes += entry.nbytes
+                if open_step.chunk_bytes >= self.cfg.chunk_size:
+                    self._flush_chunk(open_step)
+
+    def _flush_chunk(self, open_step: OpenStep) -> None:
+        if open_step.chunk:
+            assert self.writer is not None
+            self.writer.write_chunk(open_step.share, open_step.chunk, open_step.chunk_bytes)
+            open_step.chunk, open_step.chunk_bytes = [], 0
+
+    def _flush_chunks(self) -> None:
+        for sess in self.sessions.values():
+            for open_step in sess.steps.values():
+                self._flush_chunk(open_step)
+
+    def _on_commit(self, sess: Session, h: dict[str, Any]) -> None:
+        step, seq = h["step"], h["seq"]
+        open_step = self._open_step(sess, step, seq)
+        share = open_step.share
+        try:
+            self._check_commit(open_step, h)
+            structure = _parse_json(h["state"], "state")
+            metadata = _parse_json(h["metadata"], "metadata")
+            if not isinstance(metadata, dict):
+                raise StepError("commit metadata must be a JSON object")
+            missing = [n for n in state_mod.tensor_names(structure) if n not in open_step.names]
+            if missing:
+                raise StepError(f"the saved state refers to tensors never sent: {missing[:5]}")
+        except StepError as exc:
+            if share.error is None:
+                self._fail_step(sess, open_step, str(exc), seq)
+            else:  # the step failed earlier: this is the commit's answer
+                self._send(sess.identity, "error", seq=seq, step=step,
+                           message=f"step {step} was not committed: {share.error}")
+            sess.steps.pop(step, None)
+            return
+        self._flush_chunk(open_step)
+        del sess.steps[step]
+        self.committing.add((share.run, share.rank, step))
+        assert self.writer is not None
+        self.writer.commit(share, structure, metadata, token=(sess.identity, seq, open_step.received_bytes))
+
+    @staticmethod
+    def _check_commit(open_step: OpenStep, h: dict[str, Any]) -> None:
+        if open_step.share.error is not None:
+            raise StepError(open_step.share.error)
+        if open_step.partial is not None:
+            raise StepError(f"commit arrived while tensor {open_step.partial.entry.name!r} was incomplete")
+        if open_step.complete != h["ntensors"]:
+            raise StepError(
+                f"commit of step {h['step']} declares {h['ntensors']} tensors, "
+                f"but the daemon received {open_step.complete}"
+            )
+
+    def _fail_step(self, sess: Session, open_step: OpenStep, message: str, seq: int | None,
+                   *, discard: bool = True) -> None:
+        """Report a failed step once and throw away what was written of it."""
+        share = open_step.share
+        log.warning("%s step=%d failed: %s", sess.label, share.step, message)
+        self._send(sess.identity, "error", seq=seq, step=share.step, message=message)
+        share.error = message
+        share.reported = True
+        self._flush_chunk(open_step)  # the writer frees (not writes) a failed share's bytes
+        if discard:
+            assert self.writer is not None
+            self.writer.discard(share)
+
+    def _drop_step(self, sess: Session, step: int) -> None:
+        open_step = sess.steps.pop(step, None)
+        if open_step is None:
+            return
+        if open_step.share.error is None:
+            open_step.share.error = "aborted by the producer"
+        partial = open_step.partial
+        if partial is not None and partial.stream is not None:
+            assert self.writer is not None
+            self.writer.stream_piece(partial.stream, b"", True)  # closes the file
+        self._flush_chunk(open_step)
+        assert self.writer is not None
+        self.writer.discard(open_step.share)
+
+    def _end_session(self, sess: Session, why: str) -> None:
+        log.info("producer %s %s; discarding %d unfinished step(s)", sess.label, why, len(sess.steps))
+        for step in list(sess.steps):
+            self._drop_step(sess, step)
+        self.sessions.pop(sess.identity, None)
+        if self.owner.get((sess.run, sess.rank)) == sess.identity:
+            del self.owner[(sess.run, sess.rank)]
+
+    def _expire_sessions(self, now: float) -> None:
+        for sess in list(self.sessions.values()):
+            if now - sess.last_seen > self.cfg.session_timeout:
+                self._end_session(sess, f"was silent for {self.cfg.session_timeout:.0f} s")
+
+    # -- results from the I/O threads ----------------------------------------------------
+    def _post(self, result: Result) -> None:  # called from I/O threads
+        self.results.put(result)
+        try:
+            os.write(self._wake_w, b"r")
+        except BlockingIOError:
+            pass  # the pipe is full, so the loop is awake anyway
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _drain_results(self) -> None:
+        while True:
+            try:
+                r = self.results.get_nowait()
+            except queue.Empty:
+                return
+            self.queued -= r.nbytes
+            share = r.share
+            if r.kind == "failed":
+                self._report_failure(share, r.message)
+            elif r.kind in ("committed", "commit_failed"):
+                self.committing.discard((share.run, share.rank, share.step))
+                identity, seq, nbytes = r.token
+                if r.kind == "committed":
+                    assert r.info is not None
+                    secs = max(time.monotonic() - share.started, 1e-9)
+                    log.info(
+                        "committed run=%s step=%d rank=%d bytes=%d tensors=%d seconds=%.3f GB/s=%.2f",
+                        share.run, share.step, share.rank, nbytes, len(share.records), secs, nbytes / secs / 1e9,
+                    )
+                    self._send(identity, "committed", seq=seq, step=share.step, info=r.info.to_dict())
+                else:
+                    self._send(identity, "error", seq=seq, step=share.step,
+                               message=f"step {share.step} was not committed: {r.message}")
+
+    def _report_failure(self, share: Share, message: str) -> None:
+        """Tell the producer at once when a write failed, before it commits."""
+        identity = self.owner.get((share.run, share.rank))
+        sess = self.sessions.get(identity) if identity else None
+        if sess is not None and sess.steps.get(share.step) is not None and sess.steps[share.step].share is share:
+            if not share.reported:
+                share.reported = True
+                self._send(sess.identity, "error", seq=None, step=share.step, message=message)
+
+    # -- sending ------------------------------------------------------------------------
+    def _send(self, identity: bytes, op: str, **fields: Any) -> None:
+        assert self.router is not None
+        try:
+            self.router.send_multipart([identity, wire.encode(op, **fields)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer is gone or not reading
+            log.debug("reply %s to %s dropped: %s", op, identity.hex(), exc)
+
+    # -- shutdown ------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        """Stop taking work, finish commits already received, fail the rest loudly."""
+        log.info("stopping: finishing %d commit(s) in progress", len(self.committing))
+        for sess in list(self.sessions.values()):
+            for step in list(sess.steps):
+                self._send(sess.identity, "error", seq=None, step=step,
+                           message=f"the daemon stopped before step {step} was committed")
+            self._end_session(sess, "was disconnected: the daemon is stopping")
+        assert self.writer is not None
+        self.writer.close()  # runs every queued job, commits included
+        self.writer = None
+        self._drain_results()
+
+
+def _parse_json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise StepError(f"commit {what} is not valid JSON: {exc}") from None
+
+
+def serve(config: Config) -> int:
+    """Run the daemon in the foreground until SIGTERM or SIGINT; return the exit status."""
+    daemon = Daemon(config)
+    try:
+        daemon.start()
+        daemon.serve_forever()
+    finally:
+        daemon.close()
+    log.info("stopped")
+    return 0
+
+

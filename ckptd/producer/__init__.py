@@ -1,0 +1,80 @@
+"""The producer side, as a module: ``from ckptd import producer``.
+
+Each function forwards to one default ``Producer``, made on first use from the
+environment (CKPTD_ENDPOINT, CKPTD_RUN, RANK, WORLD_SIZE) and the config file,
+or by ``configure()``. ``Producer`` itself is the same API on an instance.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import AbstractContextManager
+from typing import Any
+
+from ..manifest import CheckpointInfo
+from .client import CommitHandle, Producer
+
+__all__ = [
+    "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "flush",
+    "latest", "save",
+]
+
+_default: Producer | None = None
+_default_lock = threading.Lock()
+
+
+def configure(endpoint: str | None = None, run: str | None = None, *, rank: int | None = None,
+              world_size: int | None = None, **options: Any) -> Producer:
+    """(Re)create the default producer; closes the previous one first."""
+    global _default
+    with _default_lock:
+        old, _default = _default, None
+        if old is not None:
+            old.close()
+        _default = Producer(endpoint, run, rank=rank, world_size=world_size, **options)
+        return _default
+
+
+def _get() -> Producer:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Producer()
+        return _default
+
+
+def emit(name: str, tensor: Any, *, step: int | None = None) -> None:
+    _get().emit(name, tensor, step=step)
+
+
+def commit(step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
+    return _get().commit(step, metadata=metadata)
+
+
+def checkpoint(step: int, metadata: dict[str, Any] | None = None) -> AbstractContextManager[CommitHandle]:
+    return _get().checkpoint(step, metadata)
+
+
+def save(state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
+    return _get().save(state, step, metadata=metadata)
+
+
+def flush(timeout: float | None = None) -> None:
+    _get().flush(timeout)
+
+
+def latest(run: str | None = None) -> CheckpointInfo | None:
+    return _get().latest(run)
+
+
+def abort(step: int) -> None:
+    _get().abort(step)
+
+
+def close() -> None:
+    """Close the default producer (waiting for its commits); the next call makes a new one."""
+    global _default
+    with _default_lock:
+        old, _default = _default, None
+    if old is not None:
+        old.close()

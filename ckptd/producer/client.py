@@ -1,0 +1,623 @@
+"""``Producer``: the API a training loop calls (DESIGN §3).
+
+``emit`` validates a tensor, copies it into the staging arena (a snapshot: the
+caller may overwrite the tensor as soon as ``emit`` returns) and queues it for
+the sender thread. ``commit`` closes a step and returns a ``CommitHandle`` that
+resolves when the daemon has made the step durable, or fails with
+``CheckpointError``. Failures always reach the caller: through the handle,
+``flush()`` and ``close()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from .. import config as config_mod
+from .. import dtypes, wire
+from ..errors import CheckpointError
+from ..manifest import CheckpointInfo, check_json
+from ..names import check_name, check_rank, check_run, check_step
+from ..state import flatten
+from .staging import Arena, Region
+from .transport import Transport
+
+log = logging.getLogger("ckptd.producer")
+
+
+class CommitHandle:
+    """The outcome of one ``commit``: resolves once the daemon made the step durable."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._event = threading.Event()
+        self._info: CheckpointInfo | None = None
+        self._error: str | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until the commit is acknowledged; return its info or raise CheckpointError."""
+        if not self._event.wait(timeout):
+            raise CheckpointError(f"commit of step {self.step} was not acknowledged within {timeout} s")
+        if self._error is not None:
+            raise CheckpointError(self._error)
+        assert self._info is not None
+        return self._info
+
+    def _resolve(self, info: CheckpointInfo | None = None, error: str | None = None) -> bool:
+        if self._event.is_set():
+            return False
+        self._info, self._error = info, error
+        self._event.set()
+        return True
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._error else "committed")
+        return f"<CommitHandle step={self.step} {state}>"
+
+
+@dataclass(eq=False)
+class _Step:
+    """What this producer knows of a step it is emitting or committing."""
+
+    names: set[str] = field(default_factory=set)
+    handle: CommitHandle | None = None  # set once commit() was called
+    error: str | None = None  # the daemon failed it before commit()
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A validated tensor or array, ready to stage."""
+
+    source: Any
+    dtype: dtypes.Dtype
+    shape: list[int]
+    nbytes: int
+    is_numpy: bool
+    is_cuda: bool
+
+
+class Producer:
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        run: str | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **options: Any,
+    ) -> None:
+        cfg = config_mod.load()
+        merged = {**dataclasses.asdict(cfg.producer), **options}
+        self.options: config_mod.ProducerConfig = config_mod.build(
+            config_mod.ProducerConfig, merged, "Producer options"
+        )
+        if endpoint is None and os.environ.get("CKPTD_ENDPOINT"):
+            endpoint = os.environ["CKPTD_ENDPOINT"]
+        self.endpoint = (
+            config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint else cfg.endpoint
+        )
+        run = run if run is not None else os.environ.get("CKPTD_RUN") or None
+        self.run = check_run(run) if run is not None else None
+        rank = rank if rank is not None else int(os.environ.get("RANK", 0))
+        world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+        self.rank, self.world_size = check_rank(rank, world_size)
+
+        self._lock = threading.Lock()  # bookkeeping shared with the sender thread
+        self._emit_lock = threading.Lock()  # one emit at a time: regions go out in order
+        self._steps: dict[int, _Step] = {}
+        self._commits: dict[int, CommitHandle] = {}  # wire seq -> handle
+        self._queries: dict[int, list[Any]] = {}  # wire seq -> [event, answer]
+        self._failures: list[str] = []  # failed commits not yet raised by flush()
+        self._seq = 0
+        self._current_step: int | None = None
+        self._transport: Transport | None = None
+        self._welcome: threading.Event | None = None
+        self._hello_error: str | None = None
+        self._max_frame = 0
+        self._closed = False
+        self._arena: Arena | None = None
+        self._arena_error: BaseException | None = None
+        # Allocate and pre-fault staging in the background now, so the first
+        # checkpoint does not pay for page faults (mmap releases the GIL).
+        self._arena_ready = threading.Thread(target=self._make_arena, name="ckptd-staging", daemon=True)
+        self._arena_ready.start()
+        self._cuda: Any = None
+        ref = weakref.ref(self)
+        atexit.register(lambda: (p := ref()) is not None and p._close_at_exit())
+
+    # -- public API -------------------------------------------------------------------------
+    def emit(self, name: str, tensor: Any, *, step: int | None = None) -> None:
+        """Snapshot ``tensor`` as ``name`` of ``step`` and return; it is written in the background."""
+        step = self._resolve_step(step)
+        check_name(name)
+        item = self._describe(name, tensor)
+        with self._emit_lock:
+            self._claim(step, name)
+            try:
+                self._stage(step, name, item)
+            except BaseException:
+                with self._lock:
+                    st = self._steps.get(step)
+                    if st is not None:
+                        st.names.discard(name)
+                raise
+
+    def commit(self, step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
+        """Close ``step``: the daemon makes it durable, then the handle resolves."""
+        return self._commit(check_step(step), metadata, None, None)
+
+    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
+        """Snapshot a nested state (``{"model": sd, "optim": osd, ...}``) as ``step`` and commit it."""
+        check_step(step)
+        structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
+        items = {name: self._describe(name, t) for name, t in tensors.items()}
+        meta_json = _metadata_json(metadata)
+        state_json = json.dumps(structure, ensure_ascii=False, allow_nan=False)
+        try:
+            with self._emit_lock:
+                for name, item in items.items():
+                    self._claim(step, name)
+                    self._stage(step, name, item)
+        except BaseException:
+            self.abort(step)
+            raise
+        return self._commit(step, metadata, meta_json, state_json)
+
+    @contextmanager
+    def checkpoint(self, step: int, metadata: dict[str, Any] | None = None) -> Iterator[CommitHandle]:
+        """Emits inside the block belong to ``step``; a clean exit commits (without
+        waiting), an exception aborts the step."""
+        check_step(step)
+        meta_json = _metadata_json(metadata)
+        if self._current_step is not None:
+            raise ValueError(f"checkpoint({step}) inside checkpoint({self._current_step}); blocks do not nest")
+        handle = CommitHandle(step)
+        self._current_step = step
+        try:
+            yield handle
+        except BaseException:
+            self.abort(step)
+            handle._resolve(error=f"step {step} was aborted by an exception in its checkpoint block")
+            raise
+        finally:
+            self._current_step = None
+        self._commit(step, metadata, meta_json, None, handle=handle)
+
+    def abort(self, step: int) -> None:
+        """Drop an uncommitted step; the daemon discards what it received of it."""
+        with self._lock:
+            st = self._steps.get(step)
+            if st is None or st.handle is not None:
+                return
+            del self._steps[step]
+        if self._transport is not None and self._transport.lost is None:
+            self._send("abort", step=step, reason="aborted by the producer")
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every commit made so far is durable; raise if any failed."""
+        with self._lock:
+            handles = [st.handle for st in self._steps.values() if st.handle is not None]
+        for h in handles:
+            try:
+                h.wait(timeout)
+            except CheckpointError:
+                pass  # collected below
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if failures:
+            raise CheckpointError("; ".join(failures))
+
+    def latest(self, run: str | None = None) -> CheckpointInfo | None:
+        """Ask the daemon for the newest complete checkpoint of ``run`` (default: this run)."""
+        run = check_run(run) if run is not None else self._need_run()
+        with self._emit_lock:
+            self._ensure_connected()
+        done = threading.Event()
+        answer: list[Any] = [done, None]
+        seq = self._send("latest", register=self._queries, value=answer, run=run)
+        if not done.wait(self.options.timeout):
+            raise CheckpointError(f"the daemon at {self.endpoint} did not answer within {self.options.timeout:.0f} s")
+        self._queries.pop(seq, None)
+        reply = answer[1]
+        if reply.get("op") == "error":
+            raise CheckpointError(reply["message"])
+        return CheckpointInfo.from_dict(reply["info"]) if reply["info"] else None
+
+    def close(self) -> None:
+        """Wait for outstanding commits, then disconnect and free staging memory."""
+        if self._closed:
+            return
+        try:
+            if self._transport is not None and self._transport.lost is None:
+                self.flush()
+        finally:
+            self._closed = True
+            transport, self._transport = self._transport, None
+            if transport is not None:
+                if transport.lost is None:
+                    transport.send(wire.encode("bye"))
+                transport.close()
+            self._arena_ready.join()
+            if self._arena is not None:
+                self._unpin()
+                self._arena.close()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- emit, piece by piece -------------------------------------------------------------------
+    def _resolve_step(self, step: int | None) -> int:
+        if step is None:
+            if self._current_step is None:
+                raise ValueError(
+                    "emit() needs a step: pass step=..., or call it inside `with producer.checkpoint(step):`"
+                )
+            return self._current_step
+        return check_step(step)
+
+    def _describe(self, name: str, value: Any) -> _Tensor:
+        import numpy as np
+        import torch
+
+        if isinstance(value, np.ndarray):
+            d = dtypes.BY_NUMPY.get(value.dtype.name)
+            if d is None or value.dtype.hasobject:
+                raise TypeError(f"array {name!r} has numpy dtype {value.dtype}, which ckptd cannot store")
+            if value.dtype.byteorder not in "=|":
+                raise TypeError(
+                    f"array {name!r} is big-endian ({value.dtype}); convert it with "
+                    "arr.astype(arr.dtype.newbyteorder('='))"
+                )
+            return _Tensor(value, d, list(value.shape), value.nbytes, True, False)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(value).__name__}, not a torch.Tensor or numpy.ndarray")
+        if type(value) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"tensor {name!r} is a {type(value).__name__}, a tensor subclass ckptd cannot store")
+        why = None
+        if value.layout != torch.strided:
+            why = f"is sparse ({value.layout}); store value.to_dense()"
+        elif value.is_quantized:
+            why = "is quantized; store value.dequantize() or its int_repr()"
+        elif value.is_nested:
+            why = "is a nested tensor; store its components"
+        elif value.device.type == "meta":
+            why = "is on the meta device and has no data"
+        elif value.device.type not in ("cpu", "cuda"):
+            why = f"is on device {value.device}; move it to the CPU first"
+        if why:
+            raise TypeError(f"tensor {name!r} {why}")
+        d = dtypes.lookup(dtypes.torch_name(value.dtype))
+        return _Tensor(value, d, list(value.shape), value.numel() * d.itemsize, False, value.is_cuda)
+
+    def _claim(self, step: int, name: str) -> None:
+        with self._lock:
+            st = self._steps.setdefault(step, _Step())
+            if st.handle is not None:
+                raise ValueError(f"step {step} was already committed by this producer")
+            if name in st.names:
+                raise ValueError(f"tensor name {name!r} was already emitted in step {step}")
+            st.names.add(name)
+
+    def _stage(self, step: int, name: str, item: _Tensor) -> None:
+        self._ensure_connected()
+        arena = self._arena
+        assert arena is not None
+        header = dict(step=step, name=name, dtype=item.dtype.name, shape=item.shape,
+                      nbytes=item.nbytes, numpy=item.is_numpy)
+        piece = min(arena.capacity, self._max_frame)
+        if item.nbytes <= piece:
+            region = self._alloc(item.nbytes, name)
+            event = None
+            if region is not None:
+                try:
+                    event = self._copy_whole(region, item)
+                except BaseException:
+                    arena.release(region)
+                    raise
+            self._send_tensor(header, 0, region, event)
+            return
+        # Larger than staging or the daemon's frame limit: travel in pieces. emit
+        # still returns only when every byte is copied, so the snapshot holds.
+        flat = self._flat_bytes(item)
+        for start in range(0, item.nbytes, piece):
+            n = min(piece, item.nbytes - start)
+            region = self._alloc(n, name)
+            assert region is not None
+            try:
+                event = self._copy_bytes(region, flat, start, n, item)
+            except BaseException:
+                arena.release(region)
+                raise
+            self._send_tensor(header, start, region, event)
+
+    def _alloc(self, nbytes: int, name: str) -> Region | None:
+        if nbytes == 0:
+            return None
+        assert self._arena is not None
+        return self._arena.alloc(
+            nbytes, timeout=self.options.emit_timeout, block=self.options.on_full == "block",
+            what=f"tensor {name!r} ({nbytes} bytes)",
+        )
+
+    def _copy_whole(self, region: Region, item: _Tensor) -> Any:
+        """Copy a tensor into its region as its own dtype and shape (strided views included)."""
+        assert self._arena is not None
+        if item.is_numpy:
+            import numpy as np
+
+            dst = self._arena_np[region.start:region.start + region.nbytes]
+            np.copyto(dst.view(item.source.dtype).reshape(item.shape), item.source, casting="no")
+            return None
+        dst = self._arena_t[region.start:region.start + region.nbytes]
+        dst = dst.view(item.source.dtype).view(item.shape)
+        if item.is_cuda:
+            return self._copy_from_cuda(dst, item.source)
+        dst.copy_(item.source.detach())
+        return None
+
+    def _flat_bytes(self, item: _Tensor) -> Any:
+        """The tensor's bytes as one flat uint8 view (a contiguous copy only if it is strided)."""
+        if item.is_numpy:
+            import numpy as np
+
+            return np.ascontiguousarray(item.source).reshape(-1).view(np.uint8)
+        import torch
+
+        return item.source.detach().contiguous().reshape(-1).view(torch.uint8)
+
+    def _copy_bytes(self, region: Region, flat: Any, start: int, n: int, item: _Tensor) -> Any:
+        if item.is_numpy:
+            self._arena_np[region.start:region.start + n] = flat[start:start + n]
+            return None
+        dst = self._arena_t[region.start:region.start + n]
+        if item.is_cuda:
+            return self._copy_from_cuda(dst, flat[start:start + n])
+        dst.copy_(flat[start:start + n])
+        return None
+
+    def _send_tensor(self, header: dict[str, Any], start: int, region: Region | None, event: Any) -> None:
+        assert self._arena is not None and self._transport is not None
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            if region is not None:
+                region.seq = seq
+        payload = self._arena.view(region) if region is not None else b""
+        self._transport.send(wire.encode("tensor", seq=seq, start=start, **header), payload, event)
+
+    # -- CUDA: pinned staging, side stream, events (DESIGN §2) ---------------------------------
+    def _copy_from_cuda(self, dst: Any, src: Any) -> Any:
+        """Start an async device-to-host copy into pinned staging; return its event.
+
+        The side stream first waits for the current stream (the tensor's producer
+        kernels), and the current stream then waits for the copy, so later in-place
+        updates cannot race it; the CPU never blocks. The sender thread waits on
+        the returned event before shipping the bytes.
+        """
+        import torch
+
+        self._pin()
+        device = src.device
+        current = torch.cuda.current_stream(device)
+        side = self._cuda["streams"].setdefault(device, torch.cuda.Stream(device))
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            dst.copy_(src.detach(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        src.record_stream(side)  # the allocator must not reuse src's memory before the copy
+        current.wait_event(event)
+        return event
+
+    def _pin(self) -> None:
+        if self._cuda is not None:
+            return
+        import torch
+
+        t = self._arena_t
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        if int(err) != 0:
+            raise CheckpointError(f"cudaHostRegister of {t.numel()} bytes of staging failed (error {err})")
+        self._cuda = {"ptr": t.data_ptr(), "streams": {}}
+
+    def _unpin(self) -> None:
+        if self._cuda is not None:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._cuda["ptr"])
+            self._cuda = None
+
+    # -- commit -------------------------------------------------------------------------------
+    def _commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
+                handle: CommitHandle | None = None) -> CommitHandle:
+        if meta_json is None:
+            meta_json = _metadata_json(metadata)
+        handle = handle or CommitHandle(step)
+        with self._lock:
+            st = self._steps.setdefault(step, _Step())
+            if st.handle is not None:
+                raise ValueError(f"step {step} was already committed by this producer")
+            st.handle = handle
+            error = st.error
+        if error is not None:  # the daemon failed this step already: do not commit it
+            self._finish(step, handle, error=error)
+            if self._transport is not None and self._transport.lost is None:
+                self._send("abort", step=step, reason="failed before commit")
+            return handle
+        try:
+            with self._emit_lock:
+                self._ensure_connected()
+        except CheckpointError as exc:
+            self._finish(step, handle, error=str(exc))
+            raise
+        self._send("commit", register=self._commits, value=handle, step=step,
+                   ntensors=len(st.names), state=state_json or "null", metadata=meta_json)
+        return handle
+
+    def _finish(self, step: int, handle: CommitHandle, info: CheckpointInfo | None = None,
+                error: str | None = None) -> None:
+        with self._lock:
+            st = self._steps.get(step)
+            if st is not None and st.handle is handle:
+                del self._steps[step]
+            if handle._resolve(info, error) and error is not None:
+                self._failures.append(error)
+        if error is not None:
+            log.error("checkpoint step %d failed: %s", step, error)
+
+    # -- the connection -------------------------------------------------------------------------
+    def _need_run(self) -> str:
+        if self.run is None:
+            raise ValueError("no run id: pass run= to configure() / Producer(), or set CKPTD_RUN")
+        return self.run
+
+    def _make_arena(self) -> None:
+        try:
+            self._arena = Arena(self.options.staging_size)
+        except BaseException as exc:  # reported at first use
+            self._arena_error = exc
+
+    def _ensure_connected(self) -> None:
+        if self._closed:
+            raise CheckpointError("this producer is closed")
+        if self._transport is not None and self._transport.lost is None:
+            return
+        run = self._need_run()
+        self._arena_ready.join()
+        if self._arena is None:
+            raise CheckpointError(
+                f"cannot allocate {self.options.staging_size} bytes of staging memory: {self._arena_error}; "
+                "lower [producer] staging_size"
+            )
+        if not hasattr(self, "_arena_t"):
+            import numpy as np
+
+            self._arena_t = self._arena.tensor()
+            self._arena_np = np.frombuffer(self._arena._mm, dtype=np.uint8)
+        old, self._transport = self._transport, None
+        if old is not None:
+            old.close()
+        self._arena.reset()  # whatever the old connection carried is gone with it
+        self._welcome = threading.Event()
+        self._hello_error = None
+        transport = Transport(self.endpoint, timeout=self.options.timeout, heartbeat=self.options.heartbeat,
+                              on_reply=self._on_reply, on_lost=self._on_lost)
+        transport.send(wire.encode("hello", v=wire.VERSION, run=run, rank=self.rank,
+                                   world_size=self.world_size, pid=os.getpid(), host=socket.gethostname()))
+        if not self._welcome.wait(self.options.timeout) or self._hello_error or transport.lost:
+            transport.close()
+            if self._hello_error:
+                raise CheckpointError(f"the daemon at {self.endpoint} refused this producer: {self._hello_error}")
+            raise CheckpointError(
+                f"no ckptd daemon answered at {self.endpoint} within {self.options.timeout:.0f} s; "
+                "start one with `ckptd serve -c config.toml`, or point CKPTD_ENDPOINT at a running one"
+            )
+        self._transport = transport
+
+    def _send(self, op: str, *, register: dict[int, Any] | None = None, value: Any = None, **fields: Any) -> int:
+        assert self._transport is not None
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            if register is not None:
+                register[seq] = value
+        self._transport.send(wire.encode(op, seq=seq, **fields))
+        return seq
+
+    # -- replies, on the sender thread -------------------------------------------------------------
+    def _on_reply(self, h: dict[str, Any]) -> None:
+        op = h["op"]
+        if op == "ack":
+            if self._arena is not None:
+                self._arena.release_through(h["seq"])
+        elif op == "welcome":
+            self._max_frame = h["max_frame"]
+            if self._welcome is not None:
+                self._welcome.set()
+        elif op == "committed":
+            handle = self._commits.pop(h["seq"], None)
+            if handle is not None:
+                self._finish(h["step"], handle, info=CheckpointInfo.from_dict(h["info"]))
+        elif op == "answer":
+            self._answer(h)
+        elif op == "error":
+            self._on_error(h)
+
+    def _answer(self, h: dict[str, Any]) -> None:
+        query = self._queries.get(h["seq"]) if h.get("seq") is not None else None
+        if query is not None:
+            query[1] = h
+            query[0].set()
+
+    def _on_error(self, h: dict[str, Any]) -> None:
+        seq, step, message = h["seq"], h["step"], h["message"]
+        if self._welcome is not None and not self._welcome.is_set() and step is None:
+            self._hello_error = message  # the hello itself was refused
+            self._welcome.set()
+            return
+        if seq is not None and seq in self._queries:
+            self._answer(h)
+            return
+        handle = self._commits.pop(seq, None) if seq is not None else None
+        if step is None and handle is None:
+            log.warning("the daemon reported: %s", message)
+            return
+        with self._lock:
+            st = self._steps.get(step) if step is not None else None
+            if handle is None and st is not None:
+                handle = st.handle
+                if handle is not None:
+                    self._commits = {k: v for k, v in self._commits.items() if v is not handle}
+                elif st.error is None:
+                    st.error = message  # reported again when the step is committed
+        if handle is not None:
+            self._finish(handle.step, handle, error=message)
+
+    def _on_lost(self, message: str) -> None:
+        """The daemon went silent: every step in flight fails, loudly."""
+        if self._arena is not None:
+            self._arena.break_(message)  # wakes an emit waiting for staging
+        with self._lock:
+            commits, self._commits = self._commits, {}
+            for st in self._steps.values():
+                if st.handle is None and st.error is None:
+                    st.error = message
+            queries = list(self._queries.values())
+        for handle in commits.values():
+            self._finish(handle.step, handle, error=message)
+        for query in queries:
+            query[1] = {"op": "error", "message": message}
+            query[0].set()
+        if self._welcome is not None:
+            self._welcome.set()
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # at exit there is no caller left to raise to
+            log.error("ckptd producer at exit: %s", exc)
+
+
+def _metadata_json(metadata: Any) -> str:
+    if metadata is None:
+        return "{}"
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    return check_json(metadata, "commit metadata")

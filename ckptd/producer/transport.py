@@ -1,0 +1,146 @@
+"""The producer's end of the wire: a DEALER socket owned by one thread, ``ckptd-sender``.
+
+ZeroMQ sockets are not thread-safe, so the training thread never touches the
+socket: it queues ready messages here and returns. The sender waits for a staged
+GPU copy's event before shipping it, sends payloads as zero-copy frames, hands
+every reply to ``on_reply``, pings the daemon, and calls ``on_lost`` once when the
+daemon has been silent for ``timeout`` seconds. One Transport is one connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from .. import wire
+from ..errors import ProtocolError
+
+log = logging.getLogger("ckptd.producer")
+
+
+class Transport:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float,
+        heartbeat: float,
+        on_reply: Callable[[dict[str, Any]], None],
+        on_lost: Callable[[str], None],
+    ) -> None:
+        self.endpoint = endpoint
+        self._timeout = timeout
+        self._heartbeat = heartbeat
+        self._on_reply = on_reply
+        self._on_lost = on_lost
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = False
+        self.lost: str | None = None
+        self._ctx = zmq.Context.instance()
+        self._thread = threading.Thread(target=self._run, name="ckptd-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, header: bytes, payload: Any = None, event: Any = None) -> None:
+        """Queue one message; ``event`` (a CUDA event) must complete before it ships."""
+        self._queue.put((header, payload, event))
+        self._wake()
+
+    def close(self) -> None:
+        """Send what is queued (briefly), then stop the thread and close the socket."""
+        self._stop = True
+        self._wake()
+        self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass  # full: the thread is awake anyway; closed: it has stopped
+
+    # -- the thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # memory is bounded in bytes by the staging arena
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
+        outbox: list[tuple[bytes, Any, Any]] = []
+        last_heard = last_ping = time.monotonic()
+        seq = 0
+        try:
+            while True:
+                for fd, _ in poller.poll(int(self._heartbeat * 1000 / 2)):
+                    if fd == self._wake_r:
+                        self._drain_wake()
+                while True:
+                    try:
+                        outbox.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                outbox = self._ship(sock, outbox)
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    last_heard = time.monotonic()
+                    self._dispatch(frames)
+                if self._stop and (not outbox or time.monotonic() - last_heard > 1.0):
+                    return
+                now = time.monotonic()
+                if now - last_ping >= self._heartbeat:
+                    seq += 1
+                    outbox = self._ship(sock, [*outbox, (wire.encode("ping", seq=seq), None, None)])
+                    last_ping = now
+                if now - last_heard > self._timeout:
+                    self.lost = (
+                        f"lost contact with the ckptd daemon at {self.endpoint}: "
+                        f"no answer for {self._timeout:.0f} s"
+                    )
+                    self._on_lost(self.lost)
+                    return
+                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if outbox else 0))
+        except Exception as exc:  # never let the thread die silently
+            log.exception("ckptd sender thread failed")
+            self.lost = f"the ckptd sender thread failed: {exc}"
+            self._on_lost(self.lost)
+        finally:
+            sock.close(0)
+
+    def _ship(self, sock: zmq.Socket, outbox: list[tuple[bytes, Any, Any]]) -> list[tuple[bytes, Any, Any]]:
+        for i, (header, payload, event) in enumerate(outbox):
+            if event is not None:
+                event.synchronize()  # the device-to-host copy has landed in staging
+            frames = [header] if payload is None else [header, payload]
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return outbox[i:]
+        return []
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        try:
+            header, _ = wire.decode(frames)
+        except ProtocolError as exc:
+            log.warning("ignoring a malformed reply from the daemon: %s", exc)
+            return
+        self._on_reply(header)

@@ -1,0 +1,123 @@
+"""The wire protocol between a producer (DEALER) and the daemon (ROUTER).
+
+Every message is one msgpack-encoded header frame; a ``tensor`` message carries
+its bytes in a second frame. Headers are maps with an ``op`` key. The full
+message list, with field types, is ``SCHEMAS`` below and ``docs/protocol.md``.
+
+Decoding trusts nothing: frame counts, header size, msgpack container sizes,
+every field's type and range are checked, and any violation is a
+``ProtocolError`` whose message names what was wrong. Declared sizes are
+compared against the bytes that actually arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+
+VERSION = 1
+MAX_HEADER_BYTES = 64 * 2**20  # a commit header carries the state's structure
+_MAX_CONTAINER = 1_000_000
+_MAX_DIMS = 64
+
+# op -> {field: type}. "int" is a non-negative int that is not a bool; "shape" a
+# list of such ints; "json" a str that holds JSON text; "any?" marks optional.
+SCHEMAS: dict[str, dict[str, str]] = {
+    # producer -> daemon
+    "hello": {"v": "int", "run": "str", "rank": "int", "world_size": "int", "pid": "int",
+              "host": "str"},
+    "tensor": {"seq": "int", "step": "int", "name": "str", "dtype": "str", "shape": "shape",
+               "nbytes": "int", "start": "int", "numpy": "bool"},
+    "commit": {"seq": "int", "step": "int", "ntensors": "int", "state": "json",
+               "metadata": "json"},
+    "abort": {"seq": "int", "step": "int", "reason": "str"},
+    "ping": {"seq": "int"},
+    "latest": {"seq": "int", "run": "str"},
+    "bye": {},
+    # daemon -> producer
+    "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int"},
+    "ack": {"seq": "int"},
+    "committed": {"seq": "int", "step": "int", "info": "map"},
+    "error": {"seq": "int?", "step": "int?", "message": "str"},
+    "pong": {"seq": "int"},
+    "answer": {"seq": "int", "info": "map?"},
+}
+_WITH_PAYLOAD = {"tensor"}
+
+
+def encode(op: str, **fields: Any) -> bytes:
+    """Pack one header. Callers pass exactly the schema's fields."""
+    return msgpack.packb({"op": op, **fields}, use_bin_type=True)
+
+
+def decode(frames: list[Any]) -> tuple[dict[str, Any], Any]:
+    """Check and unpack a message's frames -> ``(header, payload or None)``.
+
+    ``frames`` are bytes-like (or zmq Frames); the payload is returned as it came.
+    """
+    if not frames:
+        raise ProtocolError("empty message")
+    raw = _buffer(frames[0])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=MAX_HEADER_BYTES, max_bin_len=MAX_HEADER_BYTES,
+            max_array_len=_MAX_CONTAINER, max_map_len=_MAX_CONTAINER, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header is a {type(header).__name__}, not a map")
+    op = header.get("op")
+    schema = SCHEMAS.get(op) if isinstance(op, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown op {op!r}")
+    want = 2 if op in _WITH_PAYLOAD else 1
+    if len(frames) != want:
+        raise ProtocolError(f"{op!r} message has {len(frames)} frames, expected {want}")
+    for key, kind in schema.items():
+        _check_field(op, header, key, kind)
+    extra = set(header) - set(schema) - {"op"}
+    if extra:
+        raise ProtocolError(f"{op!r} message has unknown fields {sorted(extra)}")
+    return header, (frames[1] if want == 2 else None)
+
+
+def _buffer(frame: Any) -> Any:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame -> memoryview
+    try:
+        return memoryview(buf)
+    except TypeError:
+        raise ProtocolError(f"frame of type {type(frame).__name__} is not bytes") from None
+
+
+def _check_field(op: str, header: dict[str, Any], key: str, kind: str) -> None:
+    optional = kind.endswith("?")
+    kind = kind.rstrip("?")
+    if key not in header or (optional and header[key] is None):
+        if optional:
+            header.setdefault(key, None)
+            return
+        raise ProtocolError(f"{op!r} message lacks field {key!r}")
+    value = header[key]
+    ok = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
+        "str": lambda v: isinstance(v, str),
+        "bool": lambda v: isinstance(v, bool),
+        "json": lambda v: isinstance(v, str),
+        "map": lambda v: isinstance(v, dict),
+        "shape": lambda v: isinstance(v, list) and len(v) <= _MAX_DIMS and all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in v),
+    }[kind](value)
+    if not ok:
+        raise ProtocolError(f"{op!r} message field {key!r} has a bad value {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,123 @@
+"""Shared fixtures: a real daemon subprocess on a real socket, real files in a temp root."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ckptd import Producer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Daemon:
+    """A ``ckptd serve`` subprocess with its own config, root and socket."""
+
+    def __init__(self, base: Path, **daemon_keys: object) -> None:
+        self.base = base
+        self.root = base / "ckpt"
+        # ipc paths are limited to 107 bytes: keep the socket in a short temp folder
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="ckd", dir="/tmp"))
+        self.endpoint = f"ipc://{self.sock_dir}/d.sock"
+        keys = {"endpoint": self.endpoint, "root": str(self.root), "chunk_size": "4MiB",
+                "log_level": "debug", **daemon_keys}
+        lines = ["[daemon]"] + [f"{k} = {_toml(v)}" for k, v in keys.items()]
+        self.config = base / "config.toml"
+        self.config.write_text("\n".join(lines) + "\n")
+        self.log = base / "daemon.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True) -> "Daemon":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ckptd", "serve", "-c", str(self.config)],
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+            )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """The socket exists once the daemon has cleaned the root and bound."""
+        sock = self.sock_dir / "d.sock"
+        deadline = time.monotonic() + timeout
+        while not sock.exists():
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_text()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemon not ready after {timeout} s:\n{self.log_text()}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """kill -9, as a crash would."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        (self.sock_dir / "d.sock").unlink(missing_ok=True)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def producer(self, run: str = "t", **options: object) -> Producer:
+        options.setdefault("staging_size", "64MiB")
+        options.setdefault("timeout", 5)
+        return Producer(self.endpoint, run, **options)
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator:
+    """``make_daemon(**daemon_keys)`` -> a started Daemon; all are killed at teardown."""
+    made: list[Daemon] = []
+
+    def make(start: bool = True, **keys: object) -> Daemon:
+        d = Daemon(tmp_path / f"d{len(made)}", **keys)
+        d.base.mkdir()
+        made.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in made:
+        d.cleanup()
+
+
+@pytest.fixture
+def daemon(make_daemon) -> Daemon:
+    return make_daemon()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Tests never read the developer's own config or environment."""
+    for var in ("CKPTD_CONFIG", "CKPTD_ENDPOINT", "CKPTD_RUN", "CKPTD_ROOT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
