@@ -41,11 +41,13 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int"},
     "ack": {"seq": "int"},
     "committed": {"seq": "int", "step": "int", "info": "map"},
-    "error": {"seq": "int?", "step": "int?", "message": "str"},
+    "error": {"seq": "int?", "step": "int?", "message": "str", "code": "str?"},
     "pong": {"seq": "int"},
     "answer": {"seq": "int", "info": "map?"},
 }
 _WITH_PAYLOAD = {"tensor"}
+# error codes; an error without a code concerns one message or one step only
+NO_SESSION = "no_session"  # the daemon does not know this producer (it restarted): say hello again
 
 
 def encode(op: str, **fields: Any) -> bytes:

@@ -24,6 +24,7 @@ class Daemon:
 
     def __init__(self, base: Path, **daemon_keys: object) -> None:
         self.base = base
+        base.mkdir(parents=True, exist_ok=True)
         self.root = base / "ckpt"
         # ipc paths are limited to 107 bytes: keep the socket in a short temp folder
         self.sock_dir = Path(tempfile.mkdtemp(prefix="ckd", dir="/tmp"))
@@ -101,7 +102,6 @@ def make_daemon(tmp_path: Path) -> Iterator:
 
     def make(start: bool = True, **keys: object) -> Daemon:
         d = Daemon(tmp_path / f"d{len(made)}", **keys)
-        d.base.mkdir()
         made.append(d)
         return d.start() if start else d
 

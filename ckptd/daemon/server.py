@@ -230,6 +230,12 @@ class Daemon:
         sess = self.sessions.get(identity)
         if sess is not None:
             sess.last_seen = time.monotonic()
+        if sess is None and op not in ("hello", "latest"):
+            # After a daemon restart, a producer's socket reconnects by itself and
+            # keeps talking: tell it that its session (and steps in flight) are gone.
+            self._send(identity, "error", seq=header.get("seq"), step=None, code=wire.NO_SESSION,
+                       message=f"{op!r} from a producer without a session (the daemon restarted?); send hello first")
+            return
         try:
             if op == "hello":
                 self._on_hello(identity, header)
@@ -237,9 +243,8 @@ class Daemon:
                 self._send(identity, "pong", seq=header["seq"])
             elif op == "latest":
                 self._on_latest(identity, header)
-            elif sess is None:
-                raise ProtocolError(f"{op!r} before hello; send hello first")
             elif op == "tensor":
+                assert sess is not None
                 self._on_tensor(sess, header, payload)
             elif op == "commit":
                 self._on_commit(sess, header)

@@ -379,7 +379,8 @@ class Producer:
             return np.ascontiguousarray(item.source).reshape(-1).view(np.uint8)
         import torch
 
-        return item.source.detach().contiguous().reshape(-1).view(torch.uint8)
+        t = item.source.detach().resolve_conj().resolve_neg()  # materialise lazy views
+        return t.contiguous().reshape(-1).view(torch.uint8)
 
     def _copy_bytes(self, region: Region, flat: Any, start: int, n: int, item: _Tensor) -> Any:
         if item.is_numpy:

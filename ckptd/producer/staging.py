@@ -74,7 +74,7 @@ class Arena:
                 deadline = deadline or now + timeout
                 if now >= deadline:
                     raise CheckpointError(
-                        f"waited {timeout:.0f} s for staging memory while staging {what}: the daemon "
+                        f"waited {timeout:g} s for staging memory while staging {what}: the daemon "
                         f"is not draining fast enough; raise [producer] staging_size or emit_timeout"
                     )
                 self._cond.wait(deadline - now)

@@ -96,7 +96,8 @@ class Transport:
                     except zmq.Again:
                         break
                     last_heard = time.monotonic()
-                    self._dispatch(frames)
+                    if self._dispatch(frames):
+                        return
                 if self._stop and (not outbox or time.monotonic() - last_heard > 1.0):
                     return
                 now = time.monotonic()
@@ -137,10 +138,19 @@ class Transport:
         except BlockingIOError:
             pass
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    def _dispatch(self, frames: list[bytes]) -> bool:
+        """Hand one reply on; True when it ends this connection."""
         try:
             header, _ = wire.decode(frames)
         except ProtocolError as exc:
             log.warning("ignoring a malformed reply from the daemon: %s", exc)
-            return
+            return False
+        if header["op"] == "error" and header["code"] == wire.NO_SESSION:
+            self.lost = (
+                f"the ckptd daemon at {self.endpoint} no longer knows this producer "
+                "(it was restarted); steps in flight were lost"
+            )
+            self._on_lost(self.lost)
+            return True
         self._on_reply(header)
+        return False

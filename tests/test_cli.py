@@ -1,0 +1,116 @@
+"""The ckptd command line against a real checkpoint root."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import CheckpointCorrupt
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=60)
+
+
+@pytest.fixture
+def two_steps(daemon):
+    with daemon.producer() as p:
+        p.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "epoch": 1}, 100, metadata={"loss": 0.5}).wait(30)
+        p.save({"model": {"w": torch.ones(4)}, "epoch": 2}, 200).wait(30)
+    return daemon
+
+
+def test_latest_and_list(two_steps) -> None:
+    root = str(two_steps.root)
+    r = cli("latest", "t", "--root", root, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["step"] == 200 and info["ntensors"] == 1 and info["nbytes"] == 16 and info["format"] == "chunk"
+    assert set(info) == {"run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata"}
+    r = cli("list", "t", "--root", root, "--json")
+    assert [i["step"] for i in json.loads(r.stdout)] == [100, 200]
+    assert json.loads(r.stdout)[0]["metadata"] == {"loss": 0.5}
+    r = cli("list", "t", "--root", root)
+    assert r.returncode == 0 and "STEP" in r.stdout and "TENSORS" in r.stdout
+    assert [line.split()[0] for line in r.stdout.splitlines()[1:]] == ["100", "200"]
+    # the root can come from the environment instead
+    r = cli("latest", "t", env={"CKPTD_ROOT": root})
+    assert r.returncode == 0 and "step 200" in r.stdout
+
+
+def test_show(two_steps) -> None:
+    r = cli("show", "t", "100", "--root", str(two_steps.root))
+    assert r.returncode == 0 and "model.w  float32[2x3]" in r.stdout
+    r = cli("show", "t", "--root", str(two_steps.root), "--json")
+    assert json.loads(r.stdout)["ranks"][0]["tensors"]["model.w"]["shape"] == [4]
+
+
+def test_failures_are_one_line_and_non_zero(two_steps) -> None:
+    root = str(two_steps.root)
+    for args in (["latest", "nope"], ["show", "t", "150"], ["verify", "nope"], ["latest", "../x"]):
+        r = cli(*args, "--root", root)
+        assert r.returncode != 0, args
+        assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, (args, r.stderr)
+    r = cli("show", "t", "150", "--root", root)
+    assert "complete steps: 100, 200" in r.stderr
+
+
+def test_verify_names_damage(two_steps) -> None:
+    root = two_steps.root
+    assert cli("verify", "t", "--root", str(root)).returncode == 0
+    step = root / "t" / "step-000000000100"
+    manifest = json.loads((step / "manifest-r00000.json").read_text())
+    rec = manifest["tensors"]["model.w"]
+    chunk = step / rec["file"]
+    data = bytearray(chunk.read_bytes())
+    data[rec["offset"] + 5] ^= 0x40  # one flipped bit in the tensor's data
+    chunk.write_bytes(bytes(data))
+
+    r = cli("verify", "t", "100", "--root", str(root))
+    assert r.returncode == 1 and "model.w" in r.stderr and rec["file"] in r.stderr
+    r = cli("verify", "t", "100", "--root", str(root), "--json")
+    assert json.loads(r.stdout)["ok"] is False
+    with pytest.raises(CheckpointCorrupt, match="model.w"):
+        ckptd.load("t", 100, root=root, verify=True)
+    ckptd.load("t", 100, root=root)  # without verify, the flipped bit goes unnoticed
+
+    chunk.write_bytes(bytes(data[: rec["offset"] + 3]))  # truncated
+    with pytest.raises(CheckpointCorrupt, match="truncated"):
+        ckptd.load("t", 100, root=root)
+    chunk.unlink()
+    r = cli("verify", "t", "100", "--root", str(root))
+    assert r.returncode == 1 and "cannot open" in r.stderr
+
+
+def test_help_and_usage_errors() -> None:
+    for cmd in ("serve", "latest", "list", "show", "verify"):
+        r = cli(cmd, "--help")
+        assert r.returncode == 0 and "usage:" in r.stdout
+    assert cli("latest").returncode == 2  # argparse: RUN is required
+
+
+def test_serve_rejects_a_bad_config(tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[daemon]\nchunk_size = "lots"\n')
+    r = cli("serve", "-c", str(bad))
+    assert r.returncode == 1 and "chunk_size" in r.stderr and str(bad) in r.stderr
+
+
+def test_second_daemon_on_the_same_root_refuses(daemon) -> None:
+    r = cli("serve", "-c", str(daemon.config))
+    assert r.returncode == 1 and "already serving" in r.stderr
+    assert daemon.proc.poll() is None
+
+
+def test_sigterm_exits_zero(daemon) -> None:
+    with daemon.producer() as p:
+        p.save({"w": torch.ones(3)}, 1).wait(30)
+    assert daemon.stop() == 0
+    assert not (daemon.sock_dir / "d.sock").exists()

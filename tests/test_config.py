@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ckptd import config
+from ckptd.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("text, value", [(0, 0), (4096, 4096), ("256MiB", 256 * 2**20), ("4GiB", 4 * 2**30),
+                                         ("1.5 KB", 1500), ("10B", 10), ("7", 7)])
+def test_sizes(text, value) -> None:
+    assert config.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text, value", [(30, 30.0), (2.5, 2.5), ("30s", 30.0), ("500ms", 0.5), ("6h", 21600.0),
+                                         ("2d", 172800.0), ("5m", 300.0)])
+def test_durations(text, value) -> None:
+    assert config.parse_duration(text) == value
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1", "1 parsec", True, None, -5, "1e9"])
+def test_bad_sizes(bad) -> None:
+    with pytest.raises(ValueError):
+        config.parse_size(bad)
+
+
+def test_the_shipped_config_loads_and_matches_the_defaults() -> None:
+    cfg = config.load(REPO / "config.toml")
+    assert cfg.daemon == config.DaemonConfig() and cfg.producer == config.ProducerConfig()
+    assert cfg.root == REPO / "var" / "checkpoints"
+    assert cfg.endpoint == f"ipc://{REPO}/var/run/ckptd.sock"
+
+
+def test_every_key_is_documented_in_the_shipped_config() -> None:
+    text = (REPO / "config.toml").read_text()
+    for cls in (config.DaemonConfig, config.ProducerConfig):
+        for f in cls.__dataclass_fields__:
+            assert f"\n{f} = " in text, f
+
+
+def test_unknown_key_names_key_and_file(tmp_path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[daemon]\nchunksize = 5\n")
+    with pytest.raises(ConfigError, match=rf"unknown key 'chunksize' in \[daemon\] of {f}"):
+        config.load(f)
+    f.write_text("[deamon]\n")
+    with pytest.raises(ConfigError, match=r"unknown table \[deamon\]"):
+        config.load(f)
+
+
+@pytest.mark.parametrize("line, key", [('chunk_size = "huge"', "chunk_size"), ('format = "zip"', "format"),
+                                       ("fsync = 1", "fsync"), ('log_level = "loud"', "log_level"),
+                                       ("memory_budget = 0", "memory_budget")])
+def test_bad_value_names_key_and_file(tmp_path, line, key) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(f"[daemon]\n{line}\n")
+    with pytest.raises(ConfigError, match=rf"bad value for '{key}' in \[daemon\] of {f}"):
+        config.load(f)
+
+
+def test_not_toml_and_missing_file(tmp_path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[daemon\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "missing.toml")
+
+
+def test_relative_paths_resolve_against_the_file(tmp_path, monkeypatch) -> None:
+    f = tmp_path / "sub" / "c.toml"
+    f.parent.mkdir()
+    f.write_text('[daemon]\nroot = "ck"\nendpoint = "ipc://r/d.sock"\n')
+    monkeypatch.setenv("CKPTD_CONFIG", str(f))
+    cfg = config.load()
+    assert cfg.root == tmp_path / "sub" / "ck" and cfg.endpoint == f"ipc://{tmp_path}/sub/r/d.sock"
+    assert config.default_root() == tmp_path / "sub" / "ck"
+    monkeypatch.setenv("CKPTD_ROOT", "/elsewhere")
+    assert str(config.default_root()) == "/elsewhere"
+
+
+def test_tcp_is_refused_until_curve_keys_exist() -> None:
+    with pytest.raises(ValueError, match="CurveZMQ"):
+        config.resolve_endpoint("tcp://127.0.0.1:5555", Path("/"))

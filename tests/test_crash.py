@@ -1,0 +1,137 @@
+"""kill -9 of the daemon or of a producer at awkward moments (DESIGN §7.1, §7.2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import CheckpointError, layout
+
+
+def referenced_files_only(root: Path) -> None:
+    """Every file in every step folder is a manifest or named by one."""
+    for step_dir in root.glob("*/step-*"):
+        names = set(os.listdir(step_dir))
+        referenced = set()
+        for m in step_dir.glob("manifest-r*.json"):
+            referenced.add(m.name)
+            referenced.update(t["file"] for t in json.loads(m.read_bytes())["tensors"].values())
+        assert names <= referenced, f"orphans in {step_dir}: {sorted(names - referenced)}"
+        assert referenced, f"empty step folder left: {step_dir}"
+
+
+def state(step: int, n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {f"w{i}": torch.randn(2**18, generator=g) for i in range(n)}  # 1 MiB each
+
+
+def wait_for_files(step_dir: Path, count: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if step_dir.is_dir() and sum(1 for n in os.listdir(step_dir) if layout.CHUNK.fullmatch(n)) >= count:
+            return
+        time.sleep(0.0005)
+    raise AssertionError(f"never saw {count} chunk files in {step_dir}")
+
+
+@pytest.mark.parametrize("point", ["1 file", "10 files", "30 files", "after commit sent"])
+def test_kill_daemon_while_writing(make_daemon, point: str) -> None:
+    d = make_daemon(chunk_size="1MiB")
+    p = d.producer(staging_size="80MiB", timeout=2, heartbeat=0.2)
+    p.save(state(1, 4), 1).wait(30)
+    handle = p.save(state(2, 48), 2)
+    step_dir = d.root / "t" / "step-000000000002"
+    if point.endswith("files"):
+        wait_for_files(step_dir, int(point.split()[0]))
+    d.kill()
+
+    # The producer is told: the step either committed before the kill or fails. Never silence.
+    try:
+        info = handle.wait(30)
+        committed = True
+        assert info.step == 2
+    except CheckpointError as exc:
+        committed = False
+        assert "daemon" in str(exc)
+    if point.endswith("files"):
+        assert not committed  # the manifest is written after all 48 files
+
+    d.start()  # start-up removes what the crash left
+    latest = ckptd.latest("t", root=d.root)
+    assert latest is not None and latest.step == (2 if committed else 1)
+    expected = state(latest.step, 4 if latest.step == 1 else 48)
+    loaded = ckptd.load("t", root=d.root, verify=True)
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+    referenced_files_only(d.root)
+
+    # the same producer goes on against the restarted daemon
+    assert p.save(state(3, 2), 3).wait(30).step == 3
+    try:
+        p.close()
+    except CheckpointError:
+        pass  # close re-raises the failed step 2, if it failed
+
+
+PRODUCER_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch
+    from ckptd import Producer
+    p = Producer(sys.argv[1], "t", staging_size="32MiB", timeout=5)
+    p.save({"w": torch.ones(1000)}, 1).wait(30)
+    with p.checkpoint(2):
+        p.emit("a", torch.ones(2**20))
+        p.emit("b", torch.ones(2**20))
+        p.flush()  # nothing to wait for: step 2 is not committed
+        print("emitted", flush=True)
+        sys.stdin.readline()  # the test kills us here, mid-step
+""")
+
+
+def test_kill_producer_mid_step(daemon) -> None:
+    child = subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, daemon.endpoint],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "emitted"
+    time.sleep(0.3)  # let the daemon receive (and write) part of step 2
+    child.kill()
+    child.wait()
+
+    assert [i.step for i in ckptd.list_checkpoints("t", root=daemon.root)] == [1]
+    # The next producer of the same run and rank replaces the dead one's session:
+    # its unfinished step is discarded, and the daemon serves on.
+    with daemon.producer() as p:
+        p.save({"w": torch.zeros(10)}, 3).wait(30)
+        deadline = time.monotonic() + 10
+        while (daemon.root / "t" / "step-000000000002").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert not (daemon.root / "t" / "step-000000000002").exists()
+    assert [i.step for i in ckptd.list_checkpoints("t", root=daemon.root)] == [1, 3]
+    assert "unfinished step" in daemon.log_text()
+
+
+def test_silent_producer_session_expires(make_daemon) -> None:
+    """A producer that died without anyone replacing it: its step is dropped after session_timeout."""
+    d = make_daemon(session_timeout="1s")
+    child = subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, d.endpoint],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "emitted"
+    time.sleep(0.3)
+    child.kill()
+    child.wait()
+    deadline = time.monotonic() + 15
+    while "was silent" not in d.log_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "was silent" in d.log_text()
+    deadline = time.monotonic() + 5
+    while (d.root / "t" / "step-000000000002").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not (d.root / "t" / "step-000000000002").exists()
+    assert [i.step for i in ckptd.list_checkpoints("t", root=d.root)] == [1]
