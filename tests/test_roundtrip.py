@@ -182,3 +182,16 @@ def test_selective_load_reads_only_named_tensors(daemon) -> None:
         p.save({"a": torch.ones(3), "b": {"c": torch.zeros(2)}, "n": 1}, 1).wait(30)
     out = ckptd.load("t", root=daemon.root, names=["b.c"])
     assert list(out) == ["b.c"] and torch.equal(out["b.c"], torch.zeros(2))
+
+
+def test_daemon_memory_budget_smaller_than_a_chunk_still_completes(make_daemon) -> None:
+    """Over budget the daemon stops reading and flushes partial chunks; nothing deadlocks."""
+    d = make_daemon(memory_budget="1MiB", chunk_size="4MiB")
+    tensors = {f"w{i}": torch.randn(2**16) for i in range(32)}  # 8 MiB in 256 KiB tensors
+    with d.producer(staging_size="16MiB") as p:
+        with p.checkpoint(1) as h:
+            for name, t in tensors.items():
+                p.emit(name, t)
+        h.wait(60)
+    out = ckptd.load("t", root=d.root, verify=True)
+    assert all(torch.equal(out[k], v) for k, v in tensors.items())

@@ -198,7 +198,10 @@ class Daemon:
                 self._read_batch()
             now = time.monotonic()
             if now - last_housekeeping >= 1.0:
-                self._expire_sessions(now)
+                if reading:
+                    self._expire_sessions(now)
+                else:
+                    self._keep_alive(now)
                 last_housekeeping = now
         self._shutdown()
 
@@ -460,6 +463,13 @@ class Daemon:
         self.sessions.pop(sess.identity, None)
         if self.owner.get((sess.run, sess.rank)) == sess.identity:
             del self.owner[(sess.run, sess.rank)]
+
+    def _keep_alive(self, now: float) -> None:
+        """While the daemon is not reading (over budget), producers' pings go unread:
+        tell them it is alive, and do not hold their silence against them."""
+        for sess in self.sessions.values():
+            sess.last_seen = now
+            self._send(sess.identity, "pong", seq=0)
 
     def _expire_sessions(self, now: float) -> None:
         for sess in list(self.sessions.values()):
