@@ -246,14 +246,17 @@ def start_daemon(config: Path, workdir: Path, timeout: float = 30.0) -> Daemon:
         proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "-c", str(config)],
                                 stdout=out, stderr=subprocess.STDOUT)
     daemon = Daemon(proc, endpoint, root, log)
-    deadline = time.monotonic() + timeout
-    while _socket_identity(sock) in (None, stale):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited with status {proc.returncode}:\n{_tail(log)}")
-        if time.monotonic() > deadline:
-            daemon.stop()
-            raise RuntimeError(f"the daemon did not open {sock} within {timeout:.0f} s:\n{_tail(log)}")
-        time.sleep(0.02)
+    try:
+        deadline = time.monotonic() + timeout
+        while _socket_identity(sock) in (None, stale):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with status {proc.returncode}:\n{_tail(log)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not open {sock} within {timeout:.0f} s:\n{_tail(log)}")
+            time.sleep(0.02)
+    except BaseException:  # Ctrl-C included: never leave a daemon behind
+        daemon.stop()
+        raise
     return daemon
 
 
@@ -311,9 +314,12 @@ def run_until_killed(worker: Worker, args: argparse.Namespace) -> CrashReport:
             killed = True
             # keep reading: lines already in the pipe tell exactly how far it got
     if not killed:
+        code = worker.finish(args.event_timeout)
+        if code != 0:
+            raise RuntimeError(f"the train worker failed with status {code} before it was killed (its error is above)")
         raise RuntimeError(
-            f"the worker finished (exit {worker.finish(args.event_timeout)}) before it could be killed: "
-            f"{len(durable)} checkpoint(s) were durable by the end; use more --steps or a smaller --every"
+            f"the worker finished before it could be killed: {len(durable)} checkpoint(s) were durable "
+            "by the end; use more --steps or a smaller --every"
         )
     worker.finish(args.event_timeout)
     return CrashReport(last_step + 1, durable)
@@ -375,7 +381,9 @@ def demo(args: argparse.Namespace, workdir: Path) -> int:
         return workers[-1]
 
     try:
-        print(f"ckptd demo: run {args.run!r}, {args.steps} steps, a checkpoint every {args.every}")
+        params = (args.inputs + 1) * args.hidden + (args.hidden + 1) * args.hidden + (args.hidden + 1) * args.outputs
+        print(f"ckptd demo: run {args.run!r}, an MLP of {params:,} parameters trained with Adam for "
+              f"{args.steps} steps, a checkpoint every {args.every}")
         print(f"daemon pid {daemon.proc.pid} on {daemon.endpoint}; checkpoints under {daemon.root}")
         reference_out, resumed_out = workdir / "reference.safetensors", workdir / "resumed.safetensors"
         # The uninterrupted run needs no ckptd at all (--every 0); it runs alongside the doomed one.
@@ -384,7 +392,7 @@ def demo(args: argparse.Namespace, workdir: Path) -> int:
         print(f"[parent] SIGKILL: killed worker during step {crash.killed_during} "
               f"(checkpoints reported durable: {', '.join(map(str, crash.durable))})")
 
-        resumed = follow(spawn("resume", resume=True, out=str(resumed_out)), args)
+        resumed = follow(spawn("resume", resume=True, step_delay=0, out=str(resumed_out)), args)
         resumed_step = resumed["resumed"]["step"]
         follow(reference, args, quiet=True)
         print(f"[reference] finished step {args.steps} without interruption; final weights in {reference_out}")
@@ -439,8 +447,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.every < 0 or (not args.worker and args.every < 1):
-        p.error("--steps must be at least 1 and --every at least 1")
+    # The demo kills between two checkpoints, so it needs steps that are not checkpoints (--every 2+).
+    if args.steps < 1 or args.every < 0 or (not args.worker and args.every < 2):
+        p.error("--steps must be at least 1 and --every at least 2")
     return args
 
 
@@ -466,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"(daemon log and weights kept in {workdir})")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+            print(f"(removed {workdir}; pass --workdir to keep the weights and the daemon log)")
     return code
 
 

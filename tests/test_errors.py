@@ -89,6 +89,7 @@ def test_unicode_and_dotted_names_are_fine(daemon) -> None:
         (lambda: [1, 2, 3], "is a list, not a torch.Tensor"),
     ],
 )
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized and nested tensors are deprecated/prototype
 def test_unsupported_tensors_get_a_type_error_naming_them(daemon, make, message) -> None:
     with daemon.producer() as p:
         with pytest.raises(TypeError, match=message) as info:

@@ -409,7 +409,7 @@ class Daemon:
             else:  # the step failed earlier: this is the commit's answer
                 self._send(sess.identity, "error", seq=seq, step=step,
                            message=f"step {step} was not committed: {share.error}")
-            sess.steps.pop(step, None)
+            self._drop_step(sess, step)
             return
         self._flush_chunk(open_step)
         del sess.steps[step]
@@ -437,6 +437,7 @@ class Daemon:
         self._send(sess.identity, "error", seq=seq, step=share.step, message=message)
         share.error = message
         share.reported = True
+        self._close_partial(open_step)
         self._flush_chunk(open_step)  # the writer frees (not writes) a failed share's bytes
         if discard:
             assert self.writer is not None
@@ -448,13 +449,21 @@ class Daemon:
             return
         if open_step.share.error is None:
             open_step.share.error = "aborted by the producer"
-        partial = open_step.partial
-        if partial is not None and partial.stream is not None:
-            assert self.writer is not None
-            self.writer.stream_piece(partial.stream, b"", True)  # closes the file
+        self._close_partial(open_step)
         self._flush_chunk(open_step)
         assert self.writer is not None
         self.writer.discard(open_step.share)
+
+    def _close_partial(self, open_step: OpenStep) -> None:
+        """Let go of a half-received tensor of a failed step (closing its own file, if any)."""
+        partial, open_step.partial = open_step.partial, None
+        if partial is None:
+            return
+        if partial.stream is not None:
+            assert self.writer is not None
+            self.writer.stream_piece(partial.stream, b"", True)  # the writer closes the file
+        else:
+            self.queued -= partial.received  # its buffers are dropped right here
 
     def _end_session(self, sess: Session, why: str) -> None:
         log.info("producer %s %s; discarding %d unfinished step(s)", sess.label, why, len(sess.steps))
