@@ -36,12 +36,17 @@ class Daemon:
         self.config.write_text("\n".join(lines) + "\n")
         self.log = base / "daemon.log"
         self.proc: subprocess.Popen | None = None
+        self.wrap: list[str] = []  # a command the daemon runs under, e.g. unshare
+
+    @property
+    def command(self) -> list[str]:
+        return [*self.wrap, sys.executable, "-m", "ckptd", "serve", "-c", str(self.config)]
 
     def start(self, wait: bool = True) -> "Daemon":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ckptd", "serve", "-c", str(self.config)],
+                self.command,
                 stdout=log, stderr=subprocess.STDOUT, env=env,
             )
         if wait:
