@@ -28,6 +28,7 @@ from ..chunkfile import Entry
 from ..config import Config
 from ..errors import CheckpointError, ProtocolError
 from ..names import check_name, check_rank, check_run, check_step
+from ..wakeup import WakePipe
 from .recovery import remove_orphans
 from .writer import Result, Share, Stream, Writer
 
@@ -89,7 +90,7 @@ class Daemon:
         self.queued = 0  # bytes received and not yet written
         self.results: queue.SimpleQueue[Result] = queue.SimpleQueue()
         self.stopping = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake = WakePipe()  # I/O threads and signals wake the loop through it
         self._lock_fd = -1
         self.ctx: zmq.Context | None = None
         self.router: zmq.Socket | None = None
@@ -115,7 +116,7 @@ class Daemon:
         self._bind()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        signal.set_wakeup_fd(self._wake.write_fd, warn_on_full_buffer=False)
         log.info("serving %s, checkpoints under %s (pid %d)", self.endpoint, self.root, os.getpid())
 
     def _lock_root(self) -> None:
@@ -176,7 +177,7 @@ class Daemon:
     def serve_forever(self) -> None:
         assert self.router is not None
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         reading = False
         last_housekeeping = time.monotonic()
         while not self.stopping:
@@ -191,8 +192,8 @@ class Daemon:
                     self._flush_chunks()
                 reading = want
             events = dict(poller.poll(1000))
-            if self._wake_r in events:
-                self._drain_wake()
+            if self._wake.fd in events:
+                self._wake.drain()
             self._drain_results()
             if reading and self.router in events:
                 self._read_batch()
@@ -488,17 +489,7 @@ class Daemon:
     # -- results from the I/O threads ----------------------------------------------------
     def _post(self, result: Result) -> None:  # called from I/O threads
         self.results.put(result)
-        try:
-            os.write(self._wake_w, b"r")
-        except BlockingIOError:
-            pass  # the pipe is full, so the loop is awake anyway
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._wake.wake()
 
     def _drain_results(self) -> None:
         while True:

@@ -10,7 +10,6 @@ daemon has been silent for ``timeout`` seconds. One Transport is one connection.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any, Callable
 import zmq
 
 from .. import wire
+from ..wakeup import WakePipe
 from ..errors import ProtocolError
 
 log = logging.getLogger("ckptd.producer")
@@ -40,7 +40,7 @@ class Transport:
         self._on_reply = on_reply
         self._on_lost = on_lost
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake = WakePipe()
         self._stop = False
         self.lost: str | None = None
         self._ctx = zmq.Context.instance()
@@ -50,21 +50,14 @@ class Transport:
     def send(self, header: bytes, payload: Any = None, event: Any = None) -> None:
         """Queue one message; ``event`` (a CUDA event) must complete before it ships."""
         self._queue.put((header, payload, event))
-        self._wake()
+        self._wake.wake()
 
     def close(self) -> None:
         """Send what is queued (briefly), then stop the thread and close the socket."""
         self._stop = True
-        self._wake()
+        self._wake.wake()
         self._thread.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"w")
-        except (BlockingIOError, OSError):
-            pass  # full: the thread is awake anyway; closed: it has stopped
+        self._wake.close()
 
     # -- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -74,7 +67,7 @@ class Transport:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(self.endpoint)
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)
         outbox: list[tuple[bytes, Any, Any]] = []
         last_heard = last_ping = time.monotonic()
@@ -82,8 +75,8 @@ class Transport:
         try:
             while True:
                 for fd, _ in poller.poll(int(self._heartbeat * 1000 / 2)):
-                    if fd == self._wake_r:
-                        self._drain_wake()
+                    if fd == self._wake.fd:
+                        self._wake.drain()
                 while True:
                     try:
                         outbox.append(self._queue.get_nowait())
@@ -130,13 +123,6 @@ class Transport:
             except zmq.Again:
                 return outbox[i:]
         return []
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _dispatch(self, frames: list[bytes]) -> bool:
         """Hand one reply on; True when it ends this connection."""
