@@ -31,17 +31,20 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,26 +114,84 @@ class CopyTargets:
         self.dst_np = [t.numpy() for t in self.dst]
 
     def torch_copy(self) -> None:
-        for d, s in zip(self.dst, self.src):
+        for d, s in zip(self.dst, self.src, strict=True):
             d.copy_(s)
 
     def numpy_copy(self) -> None:
-        for d, s in zip(self.dst_np, self.src_np):
+        for d, s in zip(self.dst_np, self.src_np, strict=True):
             np.copyto(d, s)
 
     def memmove(self) -> None:
-        for d, s in zip(self.dst, self.src):
+        for d, s in zip(self.dst, self.src, strict=True):
             ctypes.memmove(d.data_ptr(), s.data_ptr(), s.numel() * s.element_size())
 
     def bytes_view(self) -> memoryview:
         """The copied bytes, for the raw-write baseline (valid after any copy above)."""
-        return memoryview(self.flat.numpy()).cast("B")
+        return self.flat.numpy().data.cast("B")
 
 
 def time_call(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+# -- CPU seconds and page faults: robust where wall time is noise --------------------------------
+# On a shared machine, wall times swing with other tenants; CPU seconds and page
+# faults per checkpoint do not, and they say where the work goes.
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _task_stat(path: str) -> tuple[str, float, int]:
+    """(comm, utime+stime seconds, minor faults) of one /proc task or process."""
+    with open(path) as f:
+        text = f.read()
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    fields = text[text.rindex(")") + 2:].split()
+    return comm, (int(fields[11]) + int(fields[12])) / _TICK, int(fields[7])
+
+
+def cpu_by_thread(pid: int, names: dict[int, str] | None = None, rest: str = "other") -> dict[str, float]:
+    """CPU seconds of every thread of ``pid`` so far, grouped: Python threads by name where
+    ``names`` (native id -> name) knows them, libzmq's I/O threads as "zmq_io", the rest
+    (torch's intra-op workers here; the daemon's Python threads, whose names another
+    process cannot see) as ``rest``."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            comm, cpu, _ = _task_stat(f"/proc/{pid}/task/{tid}/stat")
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+        group = (names or {}).get(int(tid)) or ("zmq_io" if comm.startswith("ZMQbg/IO") else rest)
+        out[group] = out.get(group, 0.0) + cpu
+    return out
+
+
+def minor_faults(pid: int) -> int:
+    try:
+        return _task_stat(f"/proc/{pid}/stat")[2]
+    except (OSError, ValueError):
+        return 0
+
+
+def own_thread_names() -> dict[int, str]:
+    """The ckptd producer's threads and the caller's; others (DCP's executor) count as "other"."""
+    return {t.native_id: t.name for t in threading.enumerate()
+            if t.native_id is not None and (t.name == "MainThread" or t.name.startswith("ckptd-"))}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 4) for k, v in after.items() if v - before.get(k, 0.0) >= 0}
+
+
+def own_cpu() -> float:
+    """This process's CPU seconds, all threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def measure_memcpy(targets: CopyTargets, samples: Samples | None) -> None:
@@ -194,11 +255,13 @@ class DcpBench:
 
         self.count += 1
         out = self.base / f"dcp-{self.count}"
-        kwargs = {"async_stager": self.stager} if reuse_stager else {}
         t0 = time.perf_counter()
-        future = self.dcp.async_save(state, storage_writer=FileSystemWriter(out), **kwargs)
+        response = self.dcp.async_save(state, storage_writer=FileSystemWriter(out),
+                                       async_stager=self.stager if reuse_stager else None)
         t1 = time.perf_counter()
-        future.result()
+        # a Future, or (with a stager that stages asynchronously) an AsyncSaveResponse
+        done: Any = getattr(response, "upload_completion", response)
+        done.result()
         t2 = time.perf_counter()
         shutil.rmtree(out, ignore_errors=True)
         return t1 - t0, t2 - t0
@@ -212,8 +275,11 @@ class DaemonProcess:
     """``python -m ckptd serve`` with its own config, root and a short ipc socket path.
     Always stopped and cleaned up by ``close`` (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, base: Path, chunk_size: str | None, log_level: str = "info") -> None:
+    def __init__(self, base: Path, chunk_size: str | None, log_level: str = "info", *,
+                 nice: int = 0, extra_env: dict[str, str] | None = None) -> None:
         self.root = base / "ckpt"
+        self.nice = nice
+        self.extra_env = extra_env or {}
         # sun_path holds 107 bytes: the socket lives in a short folder of its own under /tmp
         self.sock_dir = Path(tempfile.mkdtemp(prefix="ckb", dir="/tmp"))
         self.sock = self.sock_dir / "d.sock"
@@ -228,10 +294,13 @@ class DaemonProcess:
 
     def start(self, timeout: float = 30.0) -> None:
         env = {k: v for k, v in os.environ.items() if k not in _ENV_ISOLATE}
-        env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.extra_env, PYTHONUNBUFFERED="1")
+        nice = self.nice
         with open(self.log, "ab") as log:
+            # a niced daemon shows what emit costs when the writer yields the CPU to training
             self.proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "-c", str(self.config)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+                                         stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
         deadline = time.monotonic() + timeout
         while not self.sock.exists():  # bound only after the root is locked and cleaned
             if self.proc.poll() is not None:
@@ -254,6 +323,12 @@ class DaemonProcess:
         (its ``committed ... seconds=`` log line)."""
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return {int(m[1]): float(m[2]) for m in re.finditer(r"committed run=\S+ step=(\d+) .*?seconds=([\d.]+)", text)}
+
+    def problems(self) -> list[str]:
+        """Warnings, errors and tracebacks the daemon logged: a benchmark of a failing
+        daemon is no benchmark."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return [line for line in text.splitlines() if re.match(r"(WARNING|ERROR|CRITICAL|Traceback)", line)]
 
     def close(self) -> None:
         try:
@@ -347,6 +422,7 @@ class Bench:
     dcp: DcpBench | None
     samples: Samples = field(default_factory=Samples)
     step: int = 0
+    rounds: int = 0
     steps: dict[str, list[int]] = field(default_factory=dict)
 
     def next_step(self, kind: str, record: bool) -> int:
@@ -364,32 +440,60 @@ class Bench:
         """One repeat of every measurement; ``record=False`` is the warm-up."""
         s = self.samples if record else None
         nbytes = state_bytes(self.state)
-        measure_memcpy(self.targets, s)
-        self.run_ckptd("emit", ckptd_emit, record)
-        self.run_ckptd("save", ckptd_save, record)
-        self.quiet_disk()
-        path = self.base / "baseline.pt"
-        t = torch_save_fsync(self.state, path)
-        path.unlink()
-        self.quiet_disk()
-        path = self.base / "baseline.raw"
-        r = raw_write_fsync(self.targets.bytes_view(), path, self.args.block)
-        path.unlink()
         if s is not None:
-            s.add("torch_save_fsync", t)
-            s.add("raw_write_fsync", r)
-            s.add_extra("ratio.commit_vs_raw", (nbytes / s.seconds["ckptd.emit.commit"][-1]) / (nbytes / r))
+            s.add_extra("loadavg_1min", os.getloadavg()[0])  # how busy the rest of the machine is
+        measure_memcpy(self.targets, s)
+        # Alternate which ckptd call goes first: the first one after the baselines finds
+        # the daemon idle for seconds (its freed buffers handed back to the OS), which
+        # would bias one of the two.
+        ckptd_calls = [("emit", ckptd_emit), ("save", ckptd_save)]
+        if self.rounds % 2:
+            ckptd_calls.reverse()
+        self.rounds += 1
+        for kind, fn in ckptd_calls:
+            self.run_ckptd(kind, fn, record)
+        self.run_disk_baselines(s, nbytes)
         self.run_dcp(s)
+
+    def run_disk_baselines(self, s: Samples | None, nbytes: int) -> None:
+        """torch.save + fsync and the raw write + fsync, each file deleted once measured."""
+        results: dict[str, tuple[float, float]] = {}
+        for key, path, write in (
+            ("torch_save_fsync", self.base / "baseline.pt", lambda p: torch_save_fsync(self.state, p)),
+            ("raw_write_fsync", self.base / "baseline.raw",
+             lambda p: raw_write_fsync(self.targets.bytes_view(), p, self.args.block)),
+        ):
+            self.quiet_disk()
+            cpu = own_cpu()
+            seconds = write(path)
+            results[key] = (seconds, own_cpu() - cpu)
+            path.unlink()
+        if s is None:
+            return
+        for key, (seconds, cpu) in results.items():
+            s.add(key, seconds)
+            s.add_extra(f"{key}.cpu_s", cpu)
+        # the same repeat's two figures: cancels a slow phase of the disk that hits both
+        s.add_extra("ratio.commit_vs_raw", results["raw_write_fsync"][0] / s.seconds["ckptd.emit.commit"][-1])
 
     def run_ckptd(self, kind: str, fn: Callable[..., CkptdRun], record: bool) -> None:
         self.quiet_disk()
         step = self.next_step(kind, record)
+        names = own_thread_names()
+        pid = self.daemon.pid
+        d_cpu, p_cpu, faults = cpu_by_thread(pid, rest="python"), cpu_by_thread(os.getpid(), names), minor_faults(pid)
         run = fn(self.producer, self.state, step, self.args.timeout)
+        d_cpu = _delta(cpu_by_thread(pid, rest="python"), d_cpu)
+        p_cpu = _delta(cpu_by_thread(os.getpid(), names), p_cpu)
+        faults = minor_faults(self.daemon.pid) - faults
         remove_step(self.daemon.root, step)
         if record:
             self.samples.add(f"ckptd.{kind}.blocking", run.blocked_s)
             self.samples.add(f"ckptd.{kind}.commit", run.commit_s)
             self.samples.add_extra(f"ckptd.{kind}.staging_wait_s", run.staging_wait_s)
+            self.samples.add_extra(f"ckptd.{kind}.daemon_cpu_s", d_cpu)
+            self.samples.add_extra(f"ckptd.{kind}.producer_cpu_s", p_cpu)
+            self.samples.add_extra(f"ckptd.{kind}.daemon_minor_faults", faults)
 
     def run_dcp(self, s: Samples | None) -> None:
         if self.dcp is None:
@@ -491,6 +595,59 @@ def print_table(stats: dict[str, Any], ratios: dict[str, Any], nbytes: int, nten
         print(f"note: {note}")
 
 
+def cpu_summary(extra: dict[str, list[Any]]) -> dict[str, dict[str, float]]:
+    """Median CPU seconds (and daemon page faults) per checkpoint, by process and thread."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in ("emit", "save"):
+        row: dict[str, float] = {}
+        for proc in ("producer", "daemon"):
+            per_repeat = extra.get(f"ckptd.{kind}.{proc}_cpu_s", [])
+            for group in sorted({g for d in per_repeat for g in d}):
+                row[f"{proc} {group}"] = statistics.median(d.get(group, 0.0) for d in per_repeat)
+            if per_repeat:
+                row[f"{proc} total"] = statistics.median(sum(d.values()) for d in per_repeat)
+        faults = extra.get(f"ckptd.{kind}.daemon_minor_faults")
+        if faults:
+            row["daemon minor faults"] = statistics.median(faults)
+        out[kind] = row
+    for key in ("raw_write_fsync", "torch_save_fsync"):
+        if extra.get(f"{key}.cpu_s"):
+            out[key] = {"process total": statistics.median(extra[f"{key}.cpu_s"])}
+    return out
+
+
+_CPU_LABELS = {  # row key -> what the thread does
+    "producer MainThread": "the caller's emit/save calls",
+    "producer other": "torch intra-op workers of the copy, etc.",
+    "producer ckptd-sender": "ships staged tensors",
+    "producer zmq_io": "libzmq: socket writes",
+    "daemon python": "main loop, writer, syncer",
+    "daemon zmq_io": "libzmq: socket reads",
+}
+
+
+def print_cpu(cpu: dict[str, dict[str, float]], nbytes: int, loads: list[float]) -> None:
+    kinds = [k for k in ("emit", "save") if k in cpu]
+    rows = sorted({key for k in kinds for key in cpu[k]}, key=lambda r: (r.startswith("daemon"), "total" in r, r))
+    print(f"\n{'CPU s per ckptd checkpoint (median)':<58}" + "".join(f"{k:>9}" for k in kinds))
+    for row in rows:
+        values = [cpu[k].get(row) for k in kinds]
+        if row == "daemon minor faults":  # 4 KiB pages: freshly mapped memory the daemon touched
+            label, cells = "daemon page faults, x state size (fresh memory)", [
+                "-" if v is None else f"{v * 4096 / nbytes:.2f}" for v in values]
+        else:
+            label = f"{row}: {_CPU_LABELS[row]}" if row in _CPU_LABELS else row
+            cells = [_fmt(v, ".2f") for v in values]
+        print(f"  {label:<56}" + "".join(f"{c:>9}" for c in cells))
+    base = [f"{name} {cpu[key]['process total']:.2f}" for key, name in
+            (("raw_write_fsync", "raw write+fsync"), ("torch_save_fsync", "torch.save+fsync")) if key in cpu]
+    if base:
+        print(f"  baselines, CPU s of the whole process: {', '.join(base)}")
+    if loads:
+        print(f"load average (1 min) at each repeat: {', '.join(f'{x:.1f}' for x in loads)} "
+              f"on {os.cpu_count()} CPUs (other tenants make wall times noisy)")
+
+
 def _verdict(r: dict[str, Any]) -> str:
     target, value = r.get("target"), r.get("median")
     if target is None or value is None:
@@ -505,7 +662,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1GiB", help="total bytes of the state (default 1GiB)")
     ap.add_argument("--tensors", type=int, default=64, help="number of float32 tensors (default 64)")
-    ap.add_argument("--repeat", type=int, default=3, help="measured repeats after one warm-up (default 3)")
+    ap.add_argument("--repeat", type=int, default=5, help="measured repeats after one warm-up (default 5)")
     ap.add_argument("--json", type=Path, help="write every raw number here")
     ap.add_argument("--dir", type=Path, default=None,
                     help="parent of the temp folder holding the checkpoint root and baseline files "
@@ -514,6 +671,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--staging", default=None, help="producer staging_size (default: state size + slack)")
     ap.add_argument("--block", default="64MiB", help="os.write block size of the raw baseline (default 64MiB)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one commit")
+    ap.add_argument("--daemon-nice", type=int, default=0,
+                    help="start the daemon at this nice value (what-if: a writer that yields the CPU)")
+    ap.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for the daemon, e.g. MALLOC_ARENA_MAX=1 (repeatable)")
     ap.add_argument("--no-dcp", action="store_true", help="skip the torch.distributed.checkpoint baseline")
     ap.add_argument("--py-spy", type=Path, default=None,
                     help="profile the daemon with py-spy into this file (.svg flamegraph, .json speedscope, "
@@ -525,6 +686,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.block = parse_size(args.block)
     if args.tensors < 1 or args.repeat < 1 or args.size_bytes < 4 * args.tensors:
         ap.error("need --tensors >= 1, --repeat >= 1 and at least 4 bytes per tensor")
+    if any("=" not in kv for kv in args.daemon_env):
+        ap.error("--daemon-env takes KEY=VALUE")
+    args.daemon_env = dict(kv.split("=", 1) for kv in args.daemon_env)
     return args
 
 
@@ -549,6 +713,7 @@ def environment(args: argparse.Namespace, base: Path, nbytes: int) -> dict[str, 
         fs = subprocess.run(["df", "-T", str(base)], capture_output=True, text=True).stdout.splitlines()[-1]
     return {"size_bytes": nbytes, "tensors": args.tensors, "repeat": args.repeat,
             "chunk_size": args.chunk_size, "staging": args.staging, "block": args.block,
+            "daemon_nice": args.daemon_nice, "daemon_env": args.daemon_env,
             "dir": str(base), "df": fs, "git_commit": commit, "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "platform": platform.platform(), "time": time.time()}
@@ -558,10 +723,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for var in _ENV_ISOLATE:
         os.environ.pop(var, None)
     base = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=args.dir)).resolve()
-    daemon: DaemonProcess | None = None
-    producer: ckptd.Producer | None = None
-    spy: PySpy | None = None
-    bench: Bench | None = None
+    parts = Parts()
+    clean = False
     try:
         print(f"building a {args.size_bytes / 2**30:.2f} GiB state in {args.tensors} tensors under {base} ...",
               flush=True)
@@ -569,54 +732,90 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state = make_state(args.size_bytes, args.tensors)
         nbytes = state_bytes(state)
         targets = CopyTargets(state)
-        daemon = DaemonProcess(base, args.chunk_size)
+        parts.daemon = daemon = DaemonProcess(base, args.chunk_size, nice=args.daemon_nice,
+                                              extra_env=args.daemon_env)
         daemon.start()
         staging = args.staging or nbytes + 64 * len(state) + 2**20  # regions are 64-byte aligned
-        producer = ckptd.Producer(daemon.endpoint, RUN, staging_size=staging, timeout=30)
+        parts.producer = producer = ckptd.Producer(daemon.endpoint, RUN, staging_size=staging, timeout=30)
         samples = Samples()
         dcp = None if args.no_dcp else try_dcp(base, samples)
-        bench = Bench(args, base, state, daemon, producer, targets, dcp, samples)
+        parts.bench = bench = Bench(args, base, state, daemon, producer, targets, dcp, samples)
         print("warm-up round ...", flush=True)
         bench.round(record=False)
         if args.py_spy is not None:
-            spy = PySpy(daemon.pid, args.py_spy.resolve(), args.py_spy_idle)
+            parts.spy = PySpy(daemon.pid, args.py_spy.resolve(), args.py_spy_idle)
         for i in range(args.repeat):
             print(f"repeat {i + 1}/{args.repeat} ...", flush=True)
             bench.round(record=True)
-        return finish(args, base, bench, nbytes)
+        result = finish(args, base, bench, nbytes)
+        clean = True
+        return result
     finally:
-        if producer is not None:
-            with contextlib.suppress(Exception):
-                producer.close()
-        if bench is not None and bench.dcp is not None:
-            bench.dcp.close()
-        if daemon is not None:
-            daemon.close()
-            if spy is not None:
-                spy.wait()
+        try:
+            parts.teardown(clean)
+            if parts.spy is not None:
                 print(f"daemon profile: {args.py_spy}")
-        if args.keep:
-            print(f"kept {base}")
-        else:
-            shutil.rmtree(base, ignore_errors=True)
+        finally:
+            if args.keep:
+                print(f"kept {base}")
+            else:
+                shutil.rmtree(base, ignore_errors=True)
+
+
+@dataclass
+class Parts:
+    """What ``run`` started, so that teardown stops exactly that, in a safe order."""
+
+    daemon: DaemonProcess | None = None
+    producer: ckptd.Producer | None = None
+    bench: Bench | None = None
+    spy: PySpy | None = None
+
+    def teardown(self, clean: bool) -> None:
+        """After a clean run the producer says bye first. After a failure the daemon stops
+        first: a producer closed while a commit is pending would wait for it, and with the
+        daemon gone it gives up after its timeout instead of waiting forever."""
+        try:
+            if clean and self.producer is not None:
+                self.producer.close()
+        finally:
+            if self.bench is not None and self.bench.dcp is not None:
+                self.bench.dcp.close()
+            if self.daemon is not None:
+                if not clean:
+                    print(f"daemon log (last lines):\n{self.daemon.log_tail(20)}", file=sys.stderr)
+                self.daemon.close()
+            if self.spy is not None:
+                self.spy.wait()
+            if not clean and self.producer is not None:
+                with contextlib.suppress(Exception):
+                    self.producer.close()
 
 
 def finish(args: argparse.Namespace, base: Path, bench: Bench, nbytes: int) -> dict[str, Any]:
     """Fold in the daemon's own timings, print the table, return everything for --json."""
     samples = bench.samples
+    samples.notes += [f"daemon log: {line}" for line in bench.daemon.problems()[:10]]
     daemon_secs = bench.daemon.commit_seconds()
     for kind in ("emit", "save"):
         for step in bench.steps.get(kind, []):
             if step in daemon_secs:
                 samples.add(f"ckptd.daemon.{kind}", daemon_secs[step])
     stats, ratios = summarize(samples, nbytes)
+    cpu = cpu_summary(samples.extra)
     print_table(stats, ratios, nbytes, len(bench.state), args.repeat, samples.notes)
+    print_cpu(cpu, nbytes, samples.extra.get("loadavg_1min", []))
     return {"config": environment(args, base, nbytes), "samples_s": samples.seconds, "extra": samples.extra,
-            "stats": stats, "ratios": ratios, "notes": samples.notes}
+            "stats": stats, "ratios": ratios, "cpu": cpu, "notes": samples.notes}
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks: daemon stopped, temp removed
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     result = run(args)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
