@@ -100,6 +100,7 @@ class DaemonConfig:
     max_frame: int = _opt(256 * 2**20, _positive(parse_size))
     session_timeout: float = _opt(60.0, _positive(parse_duration))
     fsync: bool = _opt(True, lambda v: _bool(v))
+    nice: int = _opt(10, lambda v: _nice(v))
     log_level: str = _opt("info", _choice("debug", "info", "warning", "error"))
 
 
@@ -110,6 +111,12 @@ class ProducerConfig:
     on_full: str = _opt("block", _choice("block", "raise"))
     emit_timeout: float = _opt(300.0, _positive(parse_duration))
     heartbeat: float = _opt(2.0, _positive(parse_duration))
+
+
+def _nice(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+        raise ValueError(f"{value!r} is not a niceness from 0 to 19")
+    return value
 
 
 def _bool(value: object) -> bool:

@@ -154,22 +154,26 @@ class Writer:
 
     def _write_chunk(self, share: Share, name: str, entries: list[Entry]) -> None:
         head = chunkfile.header(entries)
+        records = {}
         fd = -1
         try:
             fd = self._open(share, name)
-            chunkfile.write_buffers(fd, [head, *(b for e in entries for b in e.buffers)])
+            chunkfile.write_buffers(fd, [head])
+            offset = len(head)
+            for e in entries:
+                # hash each tensor just before writing it, while its bytes are in cache
+                records[e.name] = TensorRecord(
+                    dtype=e.dtype.name, shape=e.shape, file=name, key=e.name, offset=offset,
+                    nbytes=e.nbytes, checksum=checksum(e.buffers), numpy=e.numpy,
+                )
+                chunkfile.write_buffers(fd, e.buffers)
+                offset += e.nbytes
         except OSError as exc:
             if fd >= 0:
                 os.close(fd)
             self._fail(share, f"writing {share.dir / name}", exc)
             return
-        offset = len(head)
-        for e in entries:
-            share.records[e.name] = TensorRecord(
-                dtype=e.dtype.name, shape=e.shape, file=name, key=e.name, offset=offset,
-                nbytes=e.nbytes, checksum=checksum(e.buffers), numpy=e.numpy,
-            )
-            offset += e.nbytes
+        share.records.update(records)
         self._syncs.put((self._do_sync, (share, name, fd)))
 
     def _do_stream_open(self, stream: Stream) -> None:
