@@ -23,7 +23,7 @@ _default: Producer | None = None
 _default_lock = threading.Lock()
 
 
-def configure(endpoint: str | None = None, run: str | None = None, *, rank: int | None = None,
+def configure(endpoint: str | None = None, run: str | None = None, rank: int | None = None,
               world_size: int | None = None, **options: Any) -> Producer:
     """(Re)create the default producer; closes the previous one first."""
     global _default
