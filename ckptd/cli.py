@@ -11,11 +11,13 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
-from . import config as config_mod, reader
+from . import config as config_mod, index, reader, retention
 from .errors import CheckpointError
 from .manifest import CheckpointInfo
+from .names import check_run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,7 +50,15 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument("--json", action="store_true", help="print JSON")
         return r
 
-    reading("latest", "print the newest complete checkpoint of RUN", False).set_defaults(func=_latest)
+    latest = reading("latest", "print the newest complete checkpoint of RUN", False)
+    latest.add_argument("--endpoint", help="ask the daemon at this endpoint (its index) instead of reading the root")
+    latest.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
+    latest.set_defaults(func=_latest)
+    prune = reading("prune", "apply RUN's retention policy now (or show it with --dry-run)", False)
+    prune.add_argument("--dry-run", action="store_true", help="show what would be kept and removed, and why")
+    prune.set_defaults(func=_prune)
+    reading("pin", "protect a checkpoint from every retention rule", True).set_defaults(func=_pin, pin=True)
+    reading("unpin", "release a pinned checkpoint", True).set_defaults(func=_pin, pin=False)
     reading("list", "list the complete checkpoints of RUN, oldest first", False).set_defaults(func=_list)
     reading("show", "describe one checkpoint and its tensors", True).set_defaults(func=_show)
     reading("verify", "check every tensor of a checkpoint against its checksum", True).set_defaults(func=_verify)
@@ -73,10 +83,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _latest(args: argparse.Namespace) -> int:
-    root = _root(args)
-    info = reader.latest(args.run, root=root)
+    if args.endpoint:
+        from .producer.transport import request
+        from . import wire
+
+        check_run(args.run)
+        endpoint = config_mod.resolve_endpoint(args.endpoint, Path.cwd())
+        reply = request(endpoint, wire.encode("latest", seq=1, run=args.run), args.timeout)
+        info = CheckpointInfo.from_dict(reply["info"]) if reply["info"] else None
+        where = f"the daemon at {endpoint}"
+    else:
+        root = _root(args)
+        info = reader.latest(args.run, root=root)
+        where = str(root)
     if info is None:
-        raise CheckpointError(f"run {args.run!r} has no complete checkpoint under {root}")
+        raise CheckpointError(f"run {args.run!r} has no complete checkpoint under {where}")
     print(json.dumps(info.to_dict()) if args.json else _describe(info))
     return 0
 
@@ -126,6 +147,39 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         print(f"ok: {path}: every tensor matches its checksum")
     return 1 if problems else 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config)  # its [retention], and its root unless --root says
+    root = _root(args)
+    run_dir = root / check_run(args.run)
+    policy = retention.run_policy(cfg.retention, run_dir)
+    decisions, trash = retention.apply(run_dir, reader.list_checkpoints(args.run, root=root), policy,
+                                       now=time.time(), dry_run=args.dry_run)
+    for t in trash:
+        retention.remove_trash(t)
+    if trash:
+        newest = max((d.step for d in decisions if d.keep), default=None)
+        index.write_pointer(run_dir, newest)
+    if args.json:
+        print(json.dumps([{"step": d.step, "keep": d.keep, "reasons": d.reasons, "nbytes": d.nbytes}
+                          for d in decisions]))
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for d in decisions:
+        print(f"{d.step:>12}  {'keep' if d.keep else verb:<12}  {_size(d.nbytes):>10}  {'; '.join(d.reasons)}")
+    if not decisions:
+        print(f"run {args.run!r} has no complete checkpoints under {root}", file=sys.stderr)
+    return 0
+
+
+def _pin(args: argparse.Namespace) -> int:
+    if args.step is None:
+        raise ValueError(f"{'pin' if args.pin else 'unpin'} needs a STEP")
+    path, _ = reader.find(args.run, args.step, _root(args))
+    retention.set_pin(path, args.pin)
+    print(f"{'pinned' if args.pin else 'unpinned'} {path}")
+    return 0
 
 
 def _describe(info: CheckpointInfo) -> str:

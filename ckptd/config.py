@@ -119,16 +119,53 @@ def _nice(value: object) -> int:
     return value
 
 
+def _count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a whole number >= 0")
+    return value
+
+
 def _bool(value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{value!r} is not true or false")
     return value
 
 
+@dataclass(frozen=True, kw_only=True)
+class RetentionConfig:
+    """Which complete checkpoints of a run to keep; 0 switches a rule off. A checkpoint
+    is kept if any rule keeps it; with no rule on, every checkpoint is kept."""
+
+    keep_last: int = _opt(0, _count)
+    keep_every: int = _opt(0, _count)
+    keep_best: int = _opt(0, _count)
+    metric: str = _opt("metric", _string)
+    mode: str = _opt("min", _choice("min", "max"))
+    keep_within: float = _opt(0.0, parse_duration)
+    max_bytes: int = _opt(0, parse_size)
+
+    @property
+    def keeps_all(self) -> bool:
+        return not (self.keep_last or self.keep_every or self.keep_best or self.keep_within)
+
+    @property
+    def enabled(self) -> bool:
+        return not self.keeps_all or bool(self.max_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexConfig:
+    observer: str = _opt("auto", _choice("auto", "inotify", "polling"))
+    poll_interval: float = _opt(1.0, _positive(parse_duration))
+    rescan_interval: float = _opt(300.0, _positive(parse_duration))
+
+
 @dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = DaemonConfig()
     producer: ProducerConfig = ProducerConfig()
+    retention: RetentionConfig = RetentionConfig()
+    index: IndexConfig = IndexConfig()
     path: Path | None = None  # the file these values came from, if any
 
     @property
@@ -147,7 +184,9 @@ class Config:
         return resolve_endpoint(self.daemon.endpoint, self.base_dir)
 
 
-_TABLES: dict[str, type] = {"daemon": DaemonConfig, "producer": ProducerConfig}
+_TABLES: dict[str, type] = {
+    "daemon": DaemonConfig, "producer": ProducerConfig, "retention": RetentionConfig, "index": IndexConfig,
+}
 
 
 def build(cls: type, values: dict[str, Any], where: str) -> Any:

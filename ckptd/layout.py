@@ -9,6 +9,7 @@ from pathlib import Path
 STEP_DIR = re.compile(r"step-(\d{12})")
 MANIFEST = re.compile(r"manifest-r(\d{5})\.json")
 CHUNK = re.compile(r"r(\d{5})-(\d{6})\.safetensors")
+WRITING = re.compile(r"r(\d{5})\.writing")  # "this host is writing rank N here"
 
 
 def step_dir_name(step: int) -> str:
@@ -21,6 +22,16 @@ def manifest_name(rank: int) -> str:
 
 def chunk_name(rank: int, seq: int) -> str:
     return f"r{rank:05d}-{seq:06d}.safetensors"
+
+
+def writing_marker(rank: int) -> str:
+    return f"r{rank:05d}.writing"
+
+
+def file_rank(name: str) -> int | None:
+    """The rank a ckptd file in a step folder belongs to."""
+    m = MANIFEST.fullmatch(name) or CHUNK.fullmatch(name) or WRITING.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def step_dir(root: Path, run: str, step: int) -> Path:
@@ -36,7 +47,7 @@ def is_ckptd_file(name: str) -> bool:
     """A name ckptd itself writes inside a step folder (manifests, chunks, temp files)."""
     if name.startswith(".") and name.endswith(".tmp"):
         return is_ckptd_file(name[1:-4])
-    return bool(MANIFEST.fullmatch(name) or CHUNK.fullmatch(name))
+    return file_rank(name) is not None
 
 
 def ensure_real_dir(path: Path, root: Path) -> None:

@@ -12,34 +12,11 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import dtypes, layout, state as state_mod
+from . import dtypes, index, layout, state as state_mod
 from .config import default_root
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from .names import check_run
-
-
-def read_manifests(step_path: Path) -> list[Manifest] | None:
-    """All ranks' manifests of a step folder, or None if the step is not complete."""
-    try:
-        names = sorted(n for n in os.listdir(step_path) if layout.MANIFEST.fullmatch(n))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    manifests = []
-    for name in names:
-        path = step_path / name
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:  # deleted while we looked
-            return None
-        manifests.append(Manifest.from_json(data, str(path)))
-    if not manifests:
-        return None
-    world = manifests[0].world_size
-    ranks = {m.rank for m in manifests}
-    if len(manifests) != world or ranks != set(range(world)):
-        return None
-    return manifests
 
 
 def _run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]:
@@ -48,35 +25,22 @@ def _run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]
     return base, base / run
 
 
-def _steps_descending(run_dir: Path) -> list[tuple[int, Path]]:
-    try:
-        entries = os.listdir(run_dir)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    steps = [(s, run_dir / n) for n in entries if (s := layout.parse_step_dir(n)) is not None]
-    return sorted(steps, reverse=True)
-
-
-def _info(path: Path) -> CheckpointInfo | None:
-    manifests = read_manifests(path)
-    return CheckpointInfo.from_manifests(str(path), manifests) if manifests else None
-
-
 def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None) -> list[CheckpointInfo]:
     """Every complete checkpoint of ``run``, ascending by step."""
     _, run_dir = _run_dir(run, root)
-    infos = [info for _, path in _steps_descending(run_dir) if (info := _info(path))]
-    return infos[::-1]
+    steps = index.scan_run(run_dir)
+    return [steps[s] for s in sorted(steps)]
 
 
 def latest(run: str, *, root: str | os.PathLike[str] | None = None) -> CheckpointInfo | None:
-    """The newest complete checkpoint of ``run``, or None when it has none."""
+    """The newest complete checkpoint of ``run``, or None when it has none.
+
+    Reads the ``<run>/latest`` pointer the daemon keeps, and falls back to a scan
+    of the run's step folders when the pointer is missing or names a step that is
+    no longer complete.
+    """
     _, run_dir = _run_dir(run, root)
-    for _, path in _steps_descending(run_dir):
-        info = _info(path)
-        if info:
-            return info
-    return None
+    return index.latest_from_pointer(run_dir) or index.latest_by_scan(run_dir)
 
 
 def find(run: str, step: int | None, root: str | os.PathLike[str] | None) -> tuple[Path, list[Manifest]]:
@@ -84,17 +48,15 @@ def find(run: str, step: int | None, root: str | os.PathLike[str] | None) -> tup
     base, run_dir = _run_dir(run, root)
     if not run_dir.is_dir():
         raise CheckpointNotFound(f"run {run!r} has no checkpoints under {base}")
-    steps = _steps_descending(run_dir)
     if step is None:
-        for _, path in steps:
-            manifests = read_manifests(path)
-            if manifests:
-                return path, manifests
-        raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {base}")
+        info = latest(run, root=base)
+        if info is None:
+            raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {base}")
+        step = info.step
     path = layout.step_dir(base, run, step)
-    manifests = read_manifests(path)
+    manifests = index.read_manifests(path)
     if manifests is None:
-        complete = [s for s, p in steps if read_manifests(p)][:10]
+        complete = [s for s, p in index.step_dirs(run_dir) if index.step_info(p)][:10]
         have = ", ".join(map(str, sorted(complete))) if complete else "none"
         raise CheckpointNotFound(
             f"run {run!r} has no complete checkpoint at step {step}; complete steps: {have}"

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 
 from .. import layout
 from ..names import RUN_ID_PATTERN
+from ..retention import TRASH_PREFIX, remove_trash
 
 log = logging.getLogger("ckptd.recovery")
 
@@ -27,6 +29,10 @@ def remove_orphans(root: Path) -> int:
         for step_path in _real_dirs(run):
             if layout.parse_step_dir(step_path.name) is not None:
                 removed += _clean_step(step_path)
+            elif step_path.name.startswith(TRASH_PREFIX):
+                # a deletion that was made invisible, then interrupted
+                remove_trash(step_path)
+                log.info("removed %s, a deletion interrupted by a crash", step_path)
     return removed
 
 
@@ -40,7 +46,7 @@ def _real_dirs(path: Path) -> list[Path]:
 
 def _clean_step(step_path: Path) -> int:
     names = os.listdir(step_path)
-    referenced: set[str] = set()
+    referenced = _claimed_elsewhere(step_path, names)
     for name in names:
         if layout.MANIFEST.fullmatch(name):
             try:
@@ -53,7 +59,7 @@ def _clean_step(step_path: Path) -> int:
             referenced.add(name)
     removed = 0
     for name in names:
-        if name in referenced or not layout.is_ckptd_file(name):
+        if name in referenced or not layout.is_ckptd_file(name) or layout.MANIFEST.fullmatch(name):
             continue
         try:
             os.unlink(step_path / name)
@@ -61,9 +67,25 @@ def _clean_step(step_path: Path) -> int:
             log.info("removed orphan %s", step_path / name)
         except OSError as exc:
             log.warning("cannot remove orphan %s: %s", step_path / name, exc.strerror)
-    if not referenced:
+    if not any(layout.MANIFEST.fullmatch(n) for n in names) and not referenced:
         try:
             os.rmdir(step_path)
         except OSError:
             pass  # not empty: files ckptd did not write
     return removed
+
+
+def _claimed_elsewhere(step_path: Path, names: list[str]) -> set[str]:
+    """Files of ranks that another host's daemon is writing right now (shared storage):
+    its ``r<rank>.writing`` marker names that host. This host's markers are from a
+    crash, since this daemon holds this host's lock."""
+    others = set()
+    for name in names:
+        if layout.WRITING.fullmatch(name):
+            try:
+                host = (step_path / name).read_text().split("\n", 1)[0]
+            except OSError:
+                continue
+            if host != socket.gethostname():
+                others.add(layout.file_rank(name))
+    return {n for n in names if layout.file_rank(n) in others}

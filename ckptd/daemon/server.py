@@ -17,6 +17,7 @@ import math
 import os
 import queue
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +25,14 @@ from typing import Any
 
 import zmq
 
-from .. import dtypes, layout, reader, state as state_mod, wire
+from .. import dtypes, layout, state as state_mod, wire
 from ..chunkfile import Entry
-from ..config import Config
+from ..config import Config, ConfigError
 from ..errors import CheckpointError, ProtocolError
 from ..names import check_name, check_rank, check_run, check_step
 from ..wakeup import WakePipe
 from .recovery import remove_orphans
+from .upkeep import Upkeep
 from .writer import Result, Share, Stream, Writer
 
 log = logging.getLogger("ckptd.daemon")
@@ -96,6 +98,7 @@ class Daemon:
         self.ctx: zmq.Context | None = None
         self.router: zmq.Socket | None = None
         self.writer: Writer | None = None
+        self.upkeep: Upkeep | None = None
 
     # -- start and stop -------------------------------------------------------------
     def start(self) -> None:
@@ -108,7 +111,9 @@ class Daemon:
         removed = remove_orphans(layout_root)
         if removed:
             log.info("removed %d orphan file(s) left by an earlier crash", removed)
-        self.writer = Writer(self._post, fsync=self.cfg.fsync)
+        self.upkeep = Upkeep(self.config)
+        self.upkeep.start()
+        self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
@@ -123,7 +128,9 @@ class Daemon:
         log.info("serving %s, checkpoints under %s (pid %d)", self.endpoint, self.root, os.getpid())
 
     def _lock_root(self) -> None:
-        path = self.root / ".ckptd.lock"
+        # One daemon per root and host: a second one here would take the first's files
+        # for a crash's leftovers. Daemons of other hosts (shared storage) coexist.
+        path = self.root / f".ckptd-{socket.gethostname()}.lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -161,6 +168,9 @@ class Daemon:
             self.writer.close()
             self.writer = None
             self._drain_results()
+        if self.upkeep is not None:
+            self.upkeep.close()
+            self.upkeep = None
         if self.router is not None:
             self.router.close()
             self.router = None
@@ -287,6 +297,12 @@ class Daemon:
         if previous is not None and previous in self.sessions:
             # A restarted trainer: its predecessor's unfinished steps can never complete.
             self._end_session(self.sessions[previous], "was replaced by a new producer for the same rank")
+        if h["retention"] is not None:
+            assert self.upkeep is not None
+            try:
+                self.upkeep.set_run_policy(h["run"], h["retention"])
+            except ConfigError as exc:
+                raise ProtocolError(str(exc)) from None
         sess = Session(identity, h["run"], h["rank"], h["world_size"], h["pid"], h["host"])
         self.sessions[identity] = sess
         self.owner[key] = identity
@@ -295,9 +311,11 @@ class Daemon:
 
     def _on_latest(self, identity: bytes, h: dict[str, Any]) -> None:
         try:
-            info = reader.latest(h["run"], root=self.root)
-        except (ValueError, CheckpointError) as exc:
+            check_run(h["run"])
+        except ValueError as exc:
             raise ProtocolError(f"latest: {exc}") from None
+        assert self.upkeep is not None
+        info = self.upkeep.latest(h["run"])  # from the index: no disk access
         self._send(identity, "answer", seq=h["seq"], info=info.to_dict() if info else None)
 
     def _open_step(self, sess: Session, step: int, seq: int) -> OpenStep:

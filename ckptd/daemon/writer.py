@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,9 +26,10 @@ from .. import chunkfile, layout
 from ..chunkfile import Entry
 from ..durable import atomic_write, fsync_dir, write_all
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
-from ..reader import read_manifests
+from ..index import read_manifests
 
 log = logging.getLogger("ckptd.writer")
+HOST = socket.gethostname()
 
 
 @dataclass(eq=False)
@@ -81,8 +83,10 @@ class Stream:
 
 
 class Writer:
-    def __init__(self, notify: Callable[[Result], None], *, fsync: bool = True) -> None:
+    def __init__(self, notify: Callable[[Result], None], *, fsync: bool = True,
+                 after_commit: Callable[[Share, bool], None] = lambda share, complete: None) -> None:
         self._notify = notify
+        self._after_commit = after_commit  # (share, step now complete), on the syncer thread
         self._fsync = fsync
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._syncs: queue.SimpleQueue = queue.SimpleQueue()
@@ -136,6 +140,15 @@ class Writer:
     def _ensure_dir(self, share: Share) -> None:
         if not share.dir_ready:
             layout.ensure_real_dir(share.dir, share.root)
+            # Claims this rank's files for this host until the commit or discard, so
+            # that another node's daemon starting on shared storage leaves them alone.
+            marker = share.dir / layout.writing_marker(share.rank)
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            try:
+                write_all(fd, f"{HOST}\n{os.getpid()}\n".encode())
+            finally:
+                os.close(fd)
+            share.files.append(marker.name)
             share.dir_ready = True
 
     def _open(self, share: Share, name: str) -> int:
@@ -253,14 +266,22 @@ class Writer:
         )
         path = share.dir / layout.manifest_name(share.rank)
         atomic_write(path, manifest.to_json(), fsync=self._fsync)
+        try:  # committed: the claim is over (a leftover is harmless and removed at start-up)
+            os.unlink(share.dir / layout.writing_marker(share.rank))
+        except FileNotFoundError:
+            pass
         if self._fsync:  # the step folder's own entry, and the run folder's
             fsync_dir(share.dir.parent)
             fsync_dir(share.root)
         complete = read_manifests(share.dir)
-        if complete and share.step >= layout.read_latest_pointer(share.dir.parent, default=-1):
-            # readers that run no index follow this pointer (DESIGN §5)
-            atomic_write(share.dir.parent / "latest", f"{share.dir.name}\n".encode(), fsync=self._fsync)
-        return CheckpointInfo.from_manifests(str(share.dir), complete or [manifest])
+        info = CheckpointInfo.from_manifests(str(share.dir), complete or [manifest])
+        # Only now, with the manifest durable: the index and the latest pointer, then
+        # retention, which may delete older checkpoints.
+        try:
+            self._after_commit(share, complete is not None)
+        except Exception:  # the commit stands; a failed clean-up must not hide it
+            log.exception("after committing run=%s step=%d", share.run, share.step)
+        return info
 
     def _do_discard(self, share: Share) -> None:
         self._remove_files(share)

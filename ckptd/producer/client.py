@@ -97,6 +97,7 @@ class Producer:
         *,
         rank: int | None = None,
         world_size: int | None = None,
+        retention: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         cfg = config_mod.load()
@@ -114,6 +115,12 @@ class Producer:
         rank = rank if rank is not None else int(os.environ.get("RANK", 0))
         world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
         self.rank, self.world_size = check_rank(rank, world_size)
+        # this run's own [retention] keys, checked here and applied by the daemon
+        self.retention = retention
+        if retention is not None:
+            from ..retention import merge
+
+            merge(cfg.retention, retention, "Producer(retention=...)")
 
         self._lock = threading.Lock()  # bookkeeping shared with the sender thread
         self._emit_lock = threading.Lock()  # one emit at a time: regions go out in order
@@ -521,7 +528,8 @@ class Producer:
         transport = Transport(self.endpoint, timeout=self.options.timeout, heartbeat=self.options.heartbeat,
                               on_reply=self._on_reply, on_lost=self._on_lost)
         transport.send(wire.encode("hello", v=wire.VERSION, run=run, rank=self.rank,
-                                   world_size=self.world_size, pid=os.getpid(), host=socket.gethostname()))
+                                   world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
+                                   retention=self.retention))
         if not self._welcome.wait(self.options.timeout) or self._hello_error or transport.lost:
             transport.close()
             if self._hello_error:

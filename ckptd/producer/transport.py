@@ -140,3 +140,24 @@ class Transport:
             return True
         self._on_reply(header)
         return False
+
+
+def request(endpoint: str, header: bytes, timeout: float) -> dict[str, Any]:
+    """One question to the daemon on a throwaway socket (for the CLI): send a header,
+    return the decoded reply, or raise CheckpointError after ``timeout`` seconds."""
+    from ..errors import CheckpointError
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(header)
+        if not sock.poll(int(timeout * 1000)):
+            raise CheckpointError(f"no ckptd daemon answered at {endpoint} within {timeout:g} s")
+        reply, _ = wire.decode(sock.recv_multipart())
+    finally:
+        sock.close(0)
+    if reply["op"] == "error":
+        raise CheckpointError(reply["message"])
+    return reply

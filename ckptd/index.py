@@ -1,0 +1,377 @@
+"""What is complete under the checkpoint root: one scan, then watchdog events as hints.
+
+Manifests are the truth. A step folder is a complete checkpoint when every rank's
+manifest is there and every file they name exists at least as long as the
+manifest says. The functions at the top answer that straight from the disk, for
+any process; ``Index`` keeps the answer in memory for the daemon: it scans the
+root once, then re-reads whatever a watchdog event touches, and reconciles with
+a full rescan periodically and whenever the observer reports trouble (watchdog
+drops events when the inotify queue overflows; inotify sees nothing that other
+hosts write on NFS or Lustre), so missed or coalesced events cannot leave it wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import layout
+from .config import IndexConfig
+from .durable import atomic_write
+from .errors import CheckpointCorrupt
+from .manifest import CheckpointInfo, Manifest
+from .names import RUN_ID_PATTERN
+
+log = logging.getLogger("ckptd.index")
+
+
+# -- straight from the disk ------------------------------------------------------------
+def read_manifests(step_path: Path) -> list[Manifest] | None:
+    """All ranks' manifests of a step folder, or None if the step is not complete.
+    A manifest that cannot be parsed raises CheckpointCorrupt."""
+    try:
+        names = sorted(n for n in os.listdir(step_path) if layout.MANIFEST.fullmatch(n))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    manifests = []
+    for name in names:
+        path = step_path / name
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # deleted while we looked
+            return None
+        manifests.append(Manifest.from_json(data, str(path)))
+    if not manifests:
+        return None
+    world = manifests[0].world_size
+    if len(manifests) != world or {m.rank for m in manifests} != set(range(world)):
+        return None
+    return manifests
+
+
+def step_info(step_path: Path) -> CheckpointInfo | None:
+    """The info of a complete step, or None (incomplete, unreadable, being copied in)."""
+    try:
+        manifests = read_manifests(step_path)
+    except CheckpointCorrupt as exc:
+        log.debug("not complete: %s", exc)
+        return None
+    if not manifests or not _files_present(step_path, manifests):
+        return None
+    return CheckpointInfo.from_manifests(str(step_path), manifests)
+
+
+def _files_present(step_path: Path, manifests: list[Manifest]) -> bool:
+    """Every data file is there and long enough: a folder copied in with ``cp -r``
+    may show its manifest before its data."""
+    need: dict[str, int] = {}
+    for m in manifests:
+        for t in m.tensors.values():
+            need[t.file] = max(need.get(t.file, 0), t.offset + t.nbytes)
+    for file, size in need.items():
+        try:
+            if os.stat(step_path / file, follow_symlinks=False).st_size < size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """Step folders of a run (real folders only, never symlinks), newest first."""
+    try:
+        with os.scandir(run_dir) as it:
+            steps = [
+                (step, Path(e.path)) for e in it
+                if (step := layout.parse_step_dir(e.name)) is not None and e.is_dir(follow_symlinks=False)
+            ]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(steps, reverse=True)
+
+
+def run_dirs(root: Path) -> list[Path]:
+    try:
+        with os.scandir(root) as it:
+            return [Path(e.path) for e in it if RUN_ID_PATTERN.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def scan_run(run_dir: Path) -> dict[int, CheckpointInfo]:
+    return {step: info for step, path in step_dirs(run_dir) if (info := step_info(path))}
+
+
+def latest_by_scan(run_dir: Path) -> CheckpointInfo | None:
+    for _, path in step_dirs(run_dir):
+        info = step_info(path)
+        if info:
+            return info
+    return None
+
+
+def latest_from_pointer(run_dir: Path) -> CheckpointInfo | None:
+    """The step ``<run>/latest`` names, if it is complete; None when missing or stale."""
+    step = layout.read_latest_pointer(run_dir, default=-1)
+    return step_info(run_dir / layout.step_dir_name(step)) if step >= 0 else None
+
+
+def write_pointer(run_dir: Path, step: int | None) -> None:
+    """Point ``<run>/latest`` at ``step`` (or remove it when the run has none)."""
+    path = run_dir / "latest"
+    if step is None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        return
+    if layout.read_latest_pointer(run_dir, default=-1) != step:
+        atomic_write(path, f"{layout.step_dir_name(step)}\n".encode())
+
+
+# -- in memory, kept current -------------------------------------------------------------
+LatestChanged = Callable[[str, "CheckpointInfo | None"], None]
+
+
+class Index:
+    """Complete checkpoints per run under ``root``; thread-safe.
+
+    ``on_latest_change(run, info)`` is called (on whichever thread noticed) when a
+    run's newest complete checkpoint changes; the daemon uses it to keep the
+    ``latest`` pointer files current.
+    """
+
+    def __init__(self, root: Path, config: IndexConfig = IndexConfig(), *,
+                 on_latest_change: LatestChanged | None = None) -> None:
+        self.root = root
+        self.config = config
+        self._on_latest_change = on_latest_change
+        self._lock = threading.Lock()
+        self._runs: dict[str, dict[int, CheckpointInfo]] = {}
+        self._latest: dict[str, int] = {}
+        self._dirty: set[tuple[str, int | None]] = set()  # (run, step); step None: the whole run
+        self._rescan_wanted = False
+        self._wake = threading.Condition()
+        self._stop = False
+        self._observer = None
+        self._thread: threading.Thread | None = None
+        self.observer_kind = ""
+        self.rescans = 0
+        self.last_scan_s = 0.0
+
+    # -- queries ---------------------------------------------------------------------------
+    def latest(self, run: str) -> CheckpointInfo | None:
+        with self._lock:
+            step = self._latest.get(run)
+            return self._runs[run][step] if step is not None else None
+
+    def list(self, run: str) -> list[CheckpointInfo]:
+        with self._lock:
+            steps = self._runs.get(run, {})
+            return [steps[s] for s in sorted(steps)]
+
+    def runs(self) -> list[str]:
+        with self._lock:
+            return sorted(r for r, steps in self._runs.items() if steps)
+
+    # -- life cycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Scan the root, then follow it. Returns once the first scan is done."""
+        self.rescan()
+        self._start_observer()
+        self._thread = threading.Thread(target=self._loop, name="ckptd-index", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self._stop_observer()
+
+    # -- updates ---------------------------------------------------------------------------
+    def refresh_step(self, run: str, step: int) -> None:
+        """Re-read one step folder now (the daemon calls this after its own commits)."""
+        info = step_info(layout.step_dir(self.root, run, step))
+        with self._lock:
+            steps = self._runs.setdefault(run, {})
+            if info is None:
+                steps.pop(step, None)
+            else:
+                steps[step] = info
+            changed = self._update_latest(run)
+        self._notify(run, changed)
+
+    def refresh_run(self, run: str) -> None:
+        steps = scan_run(self.root / run)
+        with self._lock:
+            self._runs[run] = steps
+            changed = self._update_latest(run)
+        self._notify(run, changed)
+
+    def rescan(self) -> None:
+        """Re-read everything: the truth, whatever events were missed."""
+        t0 = time.monotonic()
+        present = {p.name for p in run_dirs(self.root)}
+        for run in present:
+            self.refresh_run(run)
+        with self._lock:
+            gone = [r for r in self._runs if r not in present]
+        for run in gone:
+            self.refresh_run(run)
+        self.rescans += 1
+        self.last_scan_s = time.monotonic() - t0
+
+    def request_rescan(self) -> None:
+        with self._wake:
+            self._rescan_wanted = True
+            self._wake.notify_all()
+
+    def _update_latest(self, run: str) -> bool:
+        steps = self._runs.get(run, {})
+        new = max(steps) if steps else None
+        old = self._latest.get(run)
+        if new is None:
+            self._latest.pop(run, None)
+        else:
+            self._latest[run] = new
+        return new != old
+
+    def _notify(self, run: str, changed: bool) -> None:
+        if changed and self._on_latest_change is not None:
+            try:
+                self._on_latest_change(run, self.latest(run))
+            except Exception:  # a failing callback must not stop the index
+                log.exception("latest-change callback failed for run %s", run)
+
+    # -- events ----------------------------------------------------------------------------
+    def _mark(self, path: str) -> None:
+        """Map a path an event named to what must be re-read."""
+        try:
+            parts = Path(path).relative_to(self.root).parts
+        except ValueError:
+            return
+        if not parts:
+            self.request_rescan()  # the root itself moved or vanished
+            return
+        run = parts[0]
+        if not RUN_ID_PATTERN.fullmatch(run):
+            return
+        if len(parts) == 1:
+            key: tuple[str, int | None] = (run, None)
+        else:
+            step = layout.parse_step_dir(parts[1])
+            if step is None:
+                return  # the latest pointer, trash folders, other files
+            key = (run, step)
+        with self._wake:
+            self._dirty.add(key)
+            self._wake.notify_all()
+
+    def _loop(self) -> None:
+        next_rescan = time.monotonic() + self.config.rescan_interval
+        while True:
+            with self._wake:
+                while not (self._stop or self._dirty or self._rescan_wanted):
+                    timeout = next_rescan - time.monotonic()
+                    if timeout <= 0:
+                        self._rescan_wanted = True
+                        break
+                    self._wake.wait(timeout)
+                if self._stop:
+                    return
+            time.sleep(0.02)  # let a burst of events (a folder being written) coalesce
+            with self._wake:
+                dirty, self._dirty = self._dirty, set()
+                rescan, self._rescan_wanted = self._rescan_wanted, False
+            try:
+                if self._observer is not None and not self._observer.is_alive():
+                    log.warning("the %s observer stopped; restarting it and rescanning", self.observer_kind)
+                    self._stop_observer()
+                    self._start_observer()
+                    rescan = True
+                if rescan:
+                    self.rescan()
+                    next_rescan = time.monotonic() + self.config.rescan_interval
+                    continue
+                for run in {r for r, s in dirty if s is None}:
+                    self.refresh_run(run)
+                for run, step in dirty:
+                    if step is not None and (run, None) not in dirty:
+                        self.refresh_step(run, step)
+            except Exception:  # keep indexing; the next rescan repairs
+                log.exception("index update failed")
+
+    def _start_observer(self) -> None:
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers import Observer
+        from watchdog.observers.polling import PollingObserver
+
+        index = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event) -> None:  # type: ignore[no-untyped-def]
+                if event.event_type in ("opened", "closed_no_write"):
+                    return
+                index._mark(os.fsdecode(event.src_path))
+                dest = getattr(event, "dest_path", "")
+                if dest:
+                    index._mark(os.fsdecode(dest))
+
+        kind = self.config.observer
+        observer = None
+        if kind in ("auto", "inotify"):
+            try:
+                observer = Observer()
+                observer.schedule(Handler(), str(self.root), recursive=True)
+                observer.start()
+                kind = "inotify"
+            except OSError as exc:
+                if self.config.observer == "inotify":
+                    raise
+                log.warning("inotify unavailable (%s); polling every %.1f s instead", exc, self.config.poll_interval)
+                observer = None
+        if observer is None:
+            observer = PollingObserver(timeout=self.config.poll_interval)
+            observer.schedule(Handler(), str(self.root), recursive=True)
+            observer.start()
+            kind = "polling"
+        self._observer, self.observer_kind = observer, kind
+        _TroubleWatch.install(self)
+
+    def _stop_observer(self) -> None:
+        _TroubleWatch.remove(self)
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join()
+            self._observer = None
+
+
+class _TroubleWatch(logging.Handler):
+    """watchdog reports trouble (an inotify queue overflow: events were lost) only
+    through its log; hear it there and reconcile with a rescan."""
+
+    _by_index: dict[int, "_TroubleWatch"] = {}
+
+    def __init__(self, index: Index) -> None:
+        super().__init__(logging.WARNING)
+        self.index = index
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.index.request_rescan()
+
+    @classmethod
+    def install(cls, index: Index) -> None:
+        handler = cls._by_index[id(index)] = cls(index)
+        logging.getLogger("watchdog").addHandler(handler)
+
+    @classmethod
+    def remove(cls, index: Index) -> None:
+        handler = cls._by_index.pop(id(index), None)
+        if handler is not None:
+            logging.getLogger("watchdog").removeHandler(handler)

@@ -1,0 +1,179 @@
+"""Which checkpoints of a run to keep, and deleting the rest without ever leaving a
+half-deleted folder that looks complete.
+
+``plan`` is a pure function of the run's complete checkpoints, the policy, the
+pins and the time: a checkpoint is kept if any rule keeps it; then ``max_bytes``
+removes the oldest ones no pin protects until the run fits. The newest complete
+checkpoint is always kept. ``delete`` first renames a step folder to a trash name
+(atomic, and invisible to every reader), makes that durable, and only then
+removes the files; a crash in between leaves trash that start-up removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import layout
+from .config import ConfigError, RetentionConfig, build
+from .durable import atomic_write, fsync_dir
+from .manifest import CheckpointInfo
+
+log = logging.getLogger("ckptd.retention")
+
+PIN_FILE = "pinned"  # inside a step folder: protects it from every rule
+POLICY_FILE = "retention.json"  # inside a run folder: the run's own overrides
+TRASH_PREFIX = ".trash-"
+
+
+@dataclass
+class Decision:
+    step: int
+    keep: bool
+    reasons: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def plan(infos: list[CheckpointInfo], policy: RetentionConfig, *, pinned: set[int], now: float) -> list[Decision]:
+    """Decide, for each complete checkpoint of one run, whether to keep it and why."""
+    by_step = {i.step: i for i in infos}
+    steps = sorted(by_step)
+    if not steps:
+        return []
+    reasons: dict[int, list[str]] = {s: [] for s in steps}
+    reasons[steps[-1]].append("newest")
+    for s in pinned & reasons.keys():
+        reasons[s].append("pinned")
+    if policy.keeps_all:
+        for s in steps:
+            reasons[s].append("no keep rule is set")
+    if policy.keep_last:
+        for s in steps[-policy.keep_last:]:
+            reasons[s].append(f"keep_last={policy.keep_last}")
+    if policy.keep_every:
+        for s in steps:
+            if s % policy.keep_every == 0:
+                reasons[s].append(f"keep_every={policy.keep_every}")
+    if policy.keep_best:
+        scored = [(v, s) for s in steps if (v := _metric(by_step[s], policy.metric)) is not None]
+        scored.sort(key=lambda vs: (vs[0] if policy.mode == "min" else -vs[0], -vs[1]))
+        for v, s in scored[:policy.keep_best]:
+            reasons[s].append(f"keep_best={policy.keep_best} ({policy.metric}={v:g}, {policy.mode})")
+    if policy.keep_within:
+        for s in steps:
+            if by_step[s].time >= now - policy.keep_within:
+                reasons[s].append(f"keep_within={policy.keep_within:g}s")
+    decisions = {s: Decision(s, bool(reasons[s]), reasons[s] or ["no rule keeps it"], by_step[s].nbytes)
+                 for s in steps}
+    if policy.max_bytes:
+        total = sum(d.nbytes for d in decisions.values() if d.keep)
+        for s in steps:  # oldest first
+            if total <= policy.max_bytes:
+                break
+            d = decisions[s]
+            if d.keep and s != steps[-1] and s not in pinned:
+                d.keep = False
+                d.reasons = [f"max_bytes={policy.max_bytes}: the run held {total} bytes"]
+                total -= d.nbytes
+    return [decisions[s] for s in steps]
+
+
+def _metric(info: CheckpointInfo, key: str) -> float | None:
+    value = info.metadata.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def pinned_steps(run_dir: Path, steps: list[int]) -> set[int]:
+    return {s for s in steps if (run_dir / layout.step_dir_name(s) / PIN_FILE).exists()}
+
+
+def set_pin(step_dir: Path, pinned: bool) -> None:
+    path = step_dir / PIN_FILE
+    if pinned:
+        atomic_write(path, b"pinned by `ckptd pin`; `ckptd unpin` releases it\n")
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        fsync_dir(step_dir)
+
+
+def run_policy(base: RetentionConfig, run_dir: Path) -> RetentionConfig:
+    """``base`` with the run's own overrides (set by its producer) applied."""
+    path = run_dir / POLICY_FILE
+    try:
+        overrides = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return base
+    except ValueError as exc:
+        log.warning("%s is not valid JSON (%s); using the configured retention", path, exc)
+        return base
+    try:
+        return merge(base, overrides, str(path))
+    except ConfigError as exc:
+        log.warning("%s; using the configured retention", exc)
+        return base
+
+
+def merge(base: RetentionConfig, overrides: Any, where: str) -> RetentionConfig:
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"retention overrides in {where} must be a table of [retention] keys")
+    return build(RetentionConfig, {**dataclasses.asdict(base), **overrides}, where)
+
+
+def save_run_policy(run_dir: Path, overrides: dict[str, Any]) -> None:
+    path = run_dir / POLICY_FILE
+    data = json.dumps(overrides, sort_keys=True).encode()
+    try:
+        if path.read_bytes() == data:
+            return
+    except FileNotFoundError:
+        pass
+    atomic_write(path, data)
+
+
+def delete(run_dir: Path, step: int) -> Path | None:
+    """Make a step invisible at once (atomic rename to a trash name, made durable);
+    return the trash folder to remove at leisure, or None if the step was gone."""
+    src = run_dir / layout.step_dir_name(step)
+    if not src.is_dir() or src.is_symlink():
+        return None
+    trash = run_dir / f"{TRASH_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(src, trash)
+    except FileNotFoundError:
+        return None  # someone else (another node's daemon, `ckptd prune`) was faster
+    fsync_dir(run_dir)
+    return trash
+
+
+def remove_trash(trash: Path) -> None:
+    shutil.rmtree(trash, ignore_errors=True)  # rmtree never follows symlinks
+
+
+def apply(run_dir: Path, infos: list[CheckpointInfo], policy: RetentionConfig, *, now: float,
+          dry_run: bool = False) -> tuple[list[Decision], list[Path]]:
+    """Plan and (unless ``dry_run``) make the deletions invisible; return the
+    decisions and the trash folders the caller should remove."""
+    decisions = plan(infos, policy, pinned=pinned_steps(run_dir, [i.step for i in infos]), now=now)
+    trash = []
+    if not dry_run:
+        for d in decisions:
+            if not d.keep:
+                t = delete(run_dir, d.step)
+                if t is not None:
+                    trash.append(t)
+                    log.info("retention: removed run=%s step=%d (%d bytes): %s",
+                             run_dir.name, d.step, d.nbytes, "; ".join(d.reasons))
+    return decisions, trash
