@@ -40,6 +40,21 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("-c", "--config", help="config file (default: $CKPTD_CONFIG, else built-in defaults)")
     s.set_defaults(func=_serve)
 
+    st = sub.add_parser("status", help="print a running daemon's live figures (the same as its metrics)")
+    st.add_argument("-c", "--config", help="config file whose endpoint to ask (default: $CKPTD_CONFIG)")
+    st.add_argument("--endpoint", help="the daemon's endpoint (default: $CKPTD_ENDPOINT, else the config's)")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.set_defaults(func=_status)
+
+    inst = sub.add_parser("install-systemd", help="install ckptd's systemd unit for this host's Python",
+                          description="Write ckptd.service with ExecStart pointing at this ckptd, and a "
+                          "config file if there is none; then print the systemctl commands to run.")
+    inst.add_argument("--user", action="store_true", help="the user unit, for systemctl --user (no root needed)")
+    inst.add_argument("--print", action="store_true", dest="print_only",
+                      help="print the unit on stdout; write nothing")
+    inst.set_defaults(func=_install_systemd)
+
     def reading(name: str, help: str, step: bool) -> argparse.ArgumentParser:
         r = sub.add_parser(name, help=help, description=help)
         r.add_argument("run", metavar="RUN", help="run id")
@@ -79,7 +94,64 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr, level=cfg.daemon.log_level.upper(),
         format="%(levelname)s %(name)s: %(message)s",
     )
+    # watchdog's debug output is one line per inotify event; its warnings still count
+    logging.getLogger("watchdog").setLevel(logging.INFO)
     return serve(cfg)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import os
+
+    from . import wire
+    from .producer.transport import request
+
+    endpoint = args.endpoint or os.environ.get("CKPTD_ENDPOINT")
+    endpoint = (config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint
+                else config_mod.load(args.config).endpoint)
+    s = request(endpoint, wire.encode("status", seq=1), args.timeout)["status"]
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    now = s["time"]
+    print(f"ckptd {s['version']} (pid {s['pid']}): {s['state']} on {s['endpoint']} "
+          f"for {_duration(now - s['started'])}")
+    print(f"root:         {s['root']}")
+    print(f"queued:       {_size(s['queued_bytes'])} of {_size(s['memory_budget'])}; "
+          f"{s['commits_in_progress']} commit(s) in progress")
+    lat = s["commit_seconds"]
+    mean = f", {lat['sum'] / lat['count']:.2f} s on average" if lat["count"] else ""
+    print(f"commits:      {s['commits']} ({_size(s['bytes_written'])}){mean}")
+    print("errors:       " + ", ".join(f"{kind} {n}" for kind, n in s["errors"].items()))
+    last = s["last_commit"]
+    if last:
+        print(f"last commit:  run {last['run']} step {last['step']} rank {last['rank']}, "
+              f"{_size(last['bytes'])} in {last['seconds']:.2f} s, {_duration(now - last['time'])} ago")
+    print(f"producers:    {len(s['producers'])}")
+    for p in s["producers"]:
+        steps = ", ".join(map(str, p["open_steps"])) or "none"
+        print(f"  run {p['run']} rank {p['rank']}/{p['world_size']}  pid {p['pid']} on {p['host']}  "
+              f"open steps: {steps}")
+    if s["runs"]:
+        print("runs:")
+        width = max(map(len, s["runs"]))
+        for run, r in sorted(s["runs"].items()):
+            print(f"  {run:<{width}}  last step {r['step']}, {_duration(now - r['time'])} ago")
+    print(f"metrics:      {s['metrics'] or 'off'}")
+    return 0
+
+
+def _install_systemd(args: argparse.Namespace) -> int:
+    from . import install
+
+    if args.print_only:
+        print(install.render_unit(user=args.user), end="")
+        dropin = None if args.user else install.render_dropin()
+        if dropin is not None:
+            print(f"\n### drop-in {install.SYSTEM_DROPIN}\n{dropin}", end="")
+        return 0
+    for line in install.install(user=args.user):
+        print(line)
+    return 0
 
 
 def _latest(args: argparse.Namespace) -> int:
@@ -190,6 +262,17 @@ def _describe(info: CheckpointInfo) -> str:
 
 def _time(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _duration(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
 
 
 def _size(n: int) -> str:

@@ -102,6 +102,8 @@ class DaemonConfig:
     fsync: bool = _opt(True, lambda v: _bool(v))
     nice: int = _opt(10, lambda v: _nice(v))
     log_level: str = _opt("info", _choice("debug", "info", "warning", "error"))
+    metrics: str = _opt("", lambda v: _listen_address(v))  # "" = off
+    drain_timeout: float = _opt(60.0, parse_duration)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +130,24 @@ def _count(value: object) -> int:
 def _bool(value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{value!r} is not true or false")
+    return value
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"127.0.0.1:9464"`` or ``"[::1]:9464"`` -> (host, port); ValueError if malformed."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{address!r} is not HOST:PORT (such as \"127.0.0.1:9464\" or \"[::1]:9464\")")
+    return host, int(port)
+
+
+def _listen_address(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string: write \"HOST:PORT\", or \"\" for off")
+    if value:
+        split_host_port(value)
     return value
 
 

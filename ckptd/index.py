@@ -62,6 +62,11 @@ def step_info(step_path: Path) -> CheckpointInfo | None:
         return None
     if not manifests or not _files_present(step_path, manifests):
         return None
+    m = manifests[0]
+    if m.run != step_path.parent.name or layout.step_dir_name(m.step) != step_path.name:
+        log.warning("%s holds a checkpoint of run %r step %d; not listed under this name",
+                    step_path, m.run, m.step)
+        return None
     return CheckpointInfo.from_manifests(str(step_path), manifests)
 
 
@@ -150,7 +155,11 @@ class Index:
         self.root = root
         self.config = config
         self._on_latest_change = on_latest_change
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the maps below; held only briefly, queries take it
+        # Held across each re-read of the disk and its update: two threads refreshing the
+        # same step (the watcher and the daemon's own commit) must not apply a stale read
+        # after a newer one.
+        self._refresh_lock = threading.RLock()
         self._runs: dict[str, dict[int, CheckpointInfo]] = {}
         self._latest: dict[str, int] = {}
         self._dirty: set[tuple[str, int | None]] = set()  # (run, step); step None: the whole run
@@ -197,22 +206,24 @@ class Index:
     # -- updates ---------------------------------------------------------------------------
     def refresh_step(self, run: str, step: int) -> None:
         """Re-read one step folder now (the daemon calls this after its own commits)."""
-        info = step_info(layout.step_dir(self.root, run, step))
-        with self._lock:
-            steps = self._runs.setdefault(run, {})
-            if info is None:
-                steps.pop(step, None)
-            else:
-                steps[step] = info
-            changed = self._update_latest(run)
-        self._notify(run, changed)
+        with self._refresh_lock:  # a read and its update are one unit: no stale overwrite
+            info = step_info(layout.step_dir(self.root, run, step))
+            with self._lock:
+                steps = self._runs.setdefault(run, {})
+                if info is None:
+                    steps.pop(step, None)
+                else:
+                    steps[step] = info
+                changed = self._update_latest(run)
+            self._notify(run, changed)
 
     def refresh_run(self, run: str) -> None:
-        steps = scan_run(self.root / run)
-        with self._lock:
-            self._runs[run] = steps
-            changed = self._update_latest(run)
-        self._notify(run, changed)
+        with self._refresh_lock:
+            steps = scan_run(self.root / run)
+            with self._lock:
+                self._runs[run] = steps
+                changed = self._update_latest(run)
+            self._notify(run, changed)
 
     def rescan(self) -> None:
         """Re-read everything: the truth, whatever events were missed."""

@@ -36,6 +36,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "abort": {"seq": "int", "step": "int", "reason": "str"},
     "ping": {"seq": "int"},
     "latest": {"seq": "int", "run": "str"},
+    "status": {"seq": "int"},  # also from `ckptd status`, without a session
     "bye": {},
     # daemon -> producer
     "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int"},
@@ -44,10 +45,12 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "error": {"seq": "int?", "step": "int?", "message": "str", "code": "str?"},
     "pong": {"seq": "int"},
     "answer": {"seq": "int", "info": "map?"},
+    "report": {"seq": "int", "status": "map"},  # answer to status
 }
 _WITH_PAYLOAD = {"tensor"}
 # error codes; an error without a code concerns one message or one step only
 NO_SESSION = "no_session"  # the daemon does not know this producer (it restarted): say hello again
+STOPPING = "stopping"  # the daemon is draining before it exits: no new producers or steps
 
 
 def encode(op: str, **fields: Any) -> bytes:

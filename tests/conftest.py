@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 class Daemon:
     """A ``ckptd serve`` subprocess with its own config, root and socket."""
 
-    def __init__(self, base: Path, **daemon_keys: object) -> None:
+    def __init__(self, base: Path, tables: dict[str, dict[str, object]] | None = None, **daemon_keys: object) -> None:
         self.base = base
         base.mkdir(parents=True, exist_ok=True)
         self.root = base / "ckpt"
@@ -32,6 +32,8 @@ class Daemon:
         keys = {"endpoint": self.endpoint, "root": str(self.root), "chunk_size": "4MiB",
                 "log_level": "debug", **daemon_keys}
         lines = ["[daemon]"] + [f"{k} = {_toml(v)}" for k, v in keys.items()]
+        for table, values in (tables or {}).items():  # e.g. {"index": {"observer": "polling"}}
+            lines += [f"[{table}]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
         self.config = base / "config.toml"
         self.config.write_text("\n".join(lines) + "\n")
         self.log = base / "daemon.log"
@@ -105,8 +107,8 @@ def make_daemon(tmp_path: Path) -> Iterator:
     """``make_daemon(**daemon_keys)`` -> a started Daemon; all are killed at teardown."""
     made: list[Daemon] = []
 
-    def make(start: bool = True, **keys: object) -> Daemon:
-        d = Daemon(tmp_path / f"d{len(made)}", **keys)
+    def make(start: bool = True, tables: dict | None = None, **keys: object) -> Daemon:
+        d = Daemon(tmp_path / f"d{len(made)}", tables, **keys)
         made.append(d)
         return d.start() if start else d
 

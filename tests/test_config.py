@@ -31,13 +31,14 @@ def test_bad_sizes(bad) -> None:
 def test_the_shipped_config_loads_and_matches_the_defaults() -> None:
     cfg = config.load(REPO / "config.toml")
     assert cfg.daemon == config.DaemonConfig() and cfg.producer == config.ProducerConfig()
+    assert cfg.retention == config.RetentionConfig() and cfg.index == config.IndexConfig()
     assert cfg.root == REPO / "var" / "checkpoints"
     assert cfg.endpoint == f"ipc://{REPO}/var/run/ckptd.sock"
 
 
 def test_every_key_is_documented_in_the_shipped_config() -> None:
     text = (REPO / "config.toml").read_text()
-    for cls in (config.DaemonConfig, config.ProducerConfig):
+    for cls in (config.DaemonConfig, config.ProducerConfig, config.RetentionConfig, config.IndexConfig):
         for f in cls.__dataclass_fields__:
             assert f"\n{f} = " in text, f
 

@@ -47,8 +47,7 @@ def test_disk_full_fails_the_commit_and_loses_nothing(small_disk_daemon) -> None
         # the failed step's files are gone, so the space is free again: the next
         # checkpoint succeeds with nothing restarted
         assert p.save(tensors(3, 4), 3).wait(30).step == 3
-        with pytest.raises(CheckpointError, match="step 2"):
-            p.flush()  # flush() reports every failure since the last flush
+        p.flush()  # the failure was raised by wait() already: not again
     assert [i.step for i in ckptd.list_checkpoints("t", root=d.view)] == [1, 3]
     assert ckptd.load("t", 3, root=d.view, verify=True).keys() == tensors(3, 4).keys()
     assert d.proc.poll() is None

@@ -10,6 +10,8 @@ logged when it cannot be answered; it never stops the loop.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import faulthandler
 import fcntl
 import json
 import logging
@@ -25,12 +27,14 @@ from typing import Any
 
 import zmq
 
-from .. import dtypes, layout, state as state_mod, wire
+from .. import __version__, dtypes, layout, state as state_mod, wire
 from ..chunkfile import Entry
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, load as load_config
 from ..errors import CheckpointError, ProtocolError
 from ..names import check_name, check_rank, check_run, check_step
 from ..wakeup import WakePipe
+from .metrics import Figures, MetricsServer
+from .notify import Notifier, status_line, use_journal_priorities
 from .recovery import remove_orphans
 from .upkeep import Upkeep
 from .writer import Result, Share, Stream, Writer
@@ -38,6 +42,10 @@ from .writer import Result, Share, Stream, Writer
 log = logging.getLogger("ckptd.daemon")
 
 IPC_PATH_MAX = 107  # sun_path in struct sockaddr_un, less the terminating NUL
+# While draining, each tick asks systemd for this much more time (EXTEND_TIMEOUT_USEC)...
+EXTEND_S = 10.0
+# ...as long as open steps may still be committed, or the drain moved within this long.
+STALL_S = 60.0
 
 
 class StepError(Exception):
@@ -92,7 +100,15 @@ class Daemon:
         self.committing: set[tuple[str, int, int]] = set()  # (run, rank, step)
         self.queued = 0  # bytes received and not yet written
         self.results: queue.SimpleQueue[Result] = queue.SimpleQueue()
-        self.stopping = False
+        self.stopping = False  # SIGTERM or SIGINT came: draining, then exit
+        self._signals: list[int] = []  # queued by the handler, acted on by the loop
+        self._drain_deadline = math.inf  # monotonic time when open steps stop being waited for
+        self._drain_why = ""  # why they stop being waited for, for their producers
+        self._last_progress = 0.0  # monotonic time the drain last moved
+        self._status = ""  # the last STATUS= sent
+        self.notifier = Notifier()  # systemd's NOTIFY_SOCKET and watchdog, if any
+        self.figures = Figures()
+        self.metrics: MetricsServer | None = None
         self._wake = WakePipe()  # I/O threads and signals wake the loop through it
         self._lock_fd = -1
         self.ctx: zmq.Context | None = None
@@ -122,10 +138,14 @@ class Daemon:
         # A peer that sends a frame larger than this is disconnected by libzmq itself.
         self.router.setsockopt(zmq.MAXMSGSIZE, max(self.cfg.max_frame, wire.MAX_HEADER_BYTES) + 4096)
         self._bind()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        if self.cfg.metrics:
+            self.metrics = MetricsServer(self.cfg.metrics, self.figures, self._live_figures)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake.write_fd, warn_on_full_buffer=False)
         log.info("serving %s, checkpoints under %s (pid %d)", self.endpoint, self.root, os.getpid())
+        # Only now (DESIGN §9): orphans are gone, the index is built, the socket listens.
+        self._notify_status("READY=1")
 
     def _lock_root(self) -> None:
         # One daemon per root and host: a second one here would take the first's files
@@ -159,9 +179,13 @@ class Daemon:
             self.router.bind(self.endpoint)
         except zmq.ZMQError as exc:
             raise CheckpointError(f"cannot listen on {self.endpoint}: {exc}") from None
+        if self.endpoint.startswith("ipc://"):
+            # The socket admits the daemon's user and group whatever the umask (a
+            # service's is 0027); its folder then decides who may reach it.
+            os.chmod(self.endpoint[len("ipc://"):], 0o660)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.stopping = True  # the wakeup fd wakes the loop
+        self._signals.append(signum)  # the wakeup fd wakes the loop, which acts on it
 
     def close(self) -> None:
         if self.writer is not None:
@@ -185,15 +209,35 @@ class Daemon:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        self.notifier.close()
 
     # -- the loop ---------------------------------------------------------------------
     def serve_forever(self) -> None:
+        """Serve until SIGTERM or SIGINT, then drain: refuse new steps, finish the
+        rest, exit. The loop wakes at least every second, and at least twice per
+        watchdog interval, to which it answers with WATCHDOG=1: a hung loop stops
+        the pings, and systemd restarts the daemon."""
         assert self.router is not None
         poller = zmq.Poller()
         poller.register(self._wake.fd, zmq.POLLIN)
         reading = False
-        last_housekeeping = time.monotonic()
-        while not self.stopping:
+        watchdog = self.notifier.watchdog_s
+        next_ping = last_housekeeping = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if self._signals:
+                self._on_signals(now)
+            if self.stopping and self._drained(now):
+                break
+            timeout = 1.0
+            if watchdog is not None:
+                if now >= next_ping:
+                    self.notifier.send("WATCHDOG=1")
+                    next_ping = now + watchdog / 2
+                timeout = min(timeout, next_ping - now)
             want = self.queued < self.cfg.memory_budget
             if want != reading:
                 # Over budget: leave messages in the producers' staging (they block
@@ -204,20 +248,148 @@ class Daemon:
                     poller.unregister(self.router)
                     self._flush_chunks()
                 reading = want
-            events = dict(poller.poll(1000))
+            events = dict(poller.poll(math.ceil(max(timeout, 0.0) * 1000)))
             if self._wake.fd in events:
                 self._wake.drain()
             self._drain_results()
             if reading and self.router in events:
                 self._read_batch()
             now = time.monotonic()
+            if self.stopping and events:
+                self._last_progress = now  # bytes arrived, or the I/O threads finished something
             if now - last_housekeeping >= 1.0:
                 if reading:
                     self._expire_sessions(now)
                 else:
                     self._keep_alive(now)
+                if self.stopping:
+                    self._extend_stop_timeout(now)
+                self._notify_status()
                 last_housekeeping = now
         self._shutdown()
+
+    # -- signals, drain, reload ----------------------------------------------------------
+    def _on_signals(self, now: float) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum == signal.SIGHUP:
+                self._reload()
+            elif not self.stopping:
+                self._begin_drain(signum, now)
+            elif self._drain_deadline > now:
+                self._drain_why = f"a second {signal.Signals(signum).name} came"
+                log.warning("%s: no longer waiting for open steps", self._drain_why)
+                self._drain_deadline = now
+
+    def _begin_drain(self, signum: int, now: float) -> None:
+        self.stopping = True
+        self._drain_deadline = now + self.cfg.drain_timeout
+        self._drain_why = f"drain_timeout ({self.cfg.drain_timeout:g} s) passed"
+        self._last_progress = now
+        log.info(
+            "stopping on %s: finishing %d commit(s) in progress; waiting up to %g s for %d open step(s) "
+            "to be committed; refusing new steps and producers",
+            signal.Signals(signum).name, len(self.committing), self.cfg.drain_timeout, len(self._open_steps()),
+        )
+        self._notify_status("STOPPING=1")
+
+    def _open_steps(self) -> list[tuple[Session, OpenStep]]:
+        """Steps begun and not yet failed, committed or aborted."""
+        return [(sess, st) for sess in self.sessions.values() for st in sess.steps.values()
+                if st.share.error is None]
+
+    def _drained(self, now: float) -> bool:
+        """While stopping: whether every commit received is durable and no step is open."""
+        if now >= self._drain_deadline:
+            for sess, open_step in self._open_steps():
+                self._fail_step(sess, open_step, (
+                    f"the daemon is stopping and stopped waiting for step {open_step.share.step} to be "
+                    f"committed ({self._drain_why}); it was not saved"), None)
+        return not self.committing and not self._open_steps()
+
+    def _extend_stop_timeout(self, now: float) -> None:
+        """Keep systemd from killing a drain that is moving (DESIGN §8): beyond its
+        TimeoutStopSec, it waits as long as these keep coming. A drain stalled for
+        STALL_S (a hung disk) stops asking, and systemd's timeout applies again."""
+        if now < self._drain_deadline or now - self._last_progress < STALL_S:
+            self.notifier.send(f"EXTEND_TIMEOUT_USEC={int(EXTEND_S * 1e6)}")
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the config file and apply its logging and retention
+        settings; connections and steps in flight are untouched."""
+        path = self.config.path
+        if path is None:
+            log.warning("SIGHUP: the daemon was started without a config file; nothing to reload")
+            return
+        self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+        try:
+            new = load_config(path)
+        except ConfigError as exc:
+            log.error("SIGHUP: not reloaded, the running settings stay: %s", exc)
+        else:
+            log.info("reloaded %s: log_level = %s; [retention] applied", path, new.daemon.log_level)
+            logging.getLogger().setLevel(new.daemon.log_level.upper())
+            self._reload_retention(new)
+            later = [f.name for f in dataclasses.fields(new.daemon)
+                     if f.name != "log_level" and getattr(new.daemon, f.name) != getattr(self.cfg, f.name)]
+            if later:
+                log.warning("%s changed in %s; a restart applies %s", ", ".join(later), path,
+                            "it" if len(later) == 1 else "them")
+        self._notify_status("READY=1")
+
+    def _reload_retention(self, config: Config) -> None:
+        """Apply ``config``'s retention settings (SIGHUP) to the passes from now on."""
+        if self.upkeep is not None:
+            self.upkeep.reload(config.retention)
+
+    # -- status: systemd's STATUS=, `ckptd status`, metrics ------------------------------------
+    def _notify_status(self, *lines: str) -> None:
+        """Send ``lines`` (READY=1, ...) with STATUS=; alone, STATUS= only when it changed."""
+        status = self._status_text()
+        if lines or status != self._status:
+            self._status = status
+            self.notifier.send(*lines, status_line(status))
+
+    def _status_text(self) -> str:
+        if self.stopping:
+            return (f"stopping: {len(self.committing)} commit(s) in progress, {len(self._open_steps())} "
+                    "open step(s); new steps are refused")
+        runs = sorted({s.run for s in self.sessions.values()})
+        text = f"{len(self.sessions)} producer(s)"
+        if runs:
+            text += f" of run(s) {', '.join(runs[:4])}{', ...' if len(runs) > 4 else ''}"
+        text += f"; {self.queued / 2**20:.1f} MiB queued"
+        last = self.figures.last_commit
+        if last is None:
+            return text + "; no commit yet"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["time"]))
+        return text + f"; last commit: run {last['run']} step {last['step']} at {when}"
+
+    def _live_figures(self) -> dict[str, Any]:
+        """Figures of the moment, for the metrics thread: plain reads, no iteration."""
+        return {"queued_bytes": self.queued, "memory_budget": self.cfg.memory_budget,
+                "producers": len(self.sessions), "commits_in_progress": len(self.committing),
+                "draining": self.stopping}
+
+    def _status_report(self) -> dict[str, Any]:
+        """What `ckptd status` prints (the wire's ``report``)."""
+        snap, now = self.figures.snapshot(), time.time()
+        return {
+            "version": __version__, "pid": os.getpid(), "state": "stopping" if self.stopping else "serving",
+            "endpoint": self.endpoint, "root": str(self.root), "time": now, "started": snap["started"],
+            "metrics": self.metrics.url if self.metrics else None,
+            "queued_bytes": self.queued, "memory_budget": self.cfg.memory_budget,
+            "commits_in_progress": len(self.committing),
+            "producers": [
+                {"run": s.run, "rank": s.rank, "world_size": s.world_size, "pid": s.pid, "host": s.host,
+                 "open_steps": sorted(k for k, st in s.steps.items() if st.share.error is None)}
+                for s in self.sessions.values()
+            ],
+            "commits": snap["commits"], "bytes_written": snap["bytes_written"], "errors": snap["errors"],
+            "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
+            "last_commit": snap["last_commit"],
+            "runs": snap["runs"],
+        }
 
     def _read_batch(self, limit: int = 256) -> None:
         """Handle the messages waiting now (up to ``limit``), then send coalesced acks."""
@@ -241,13 +413,14 @@ class Daemon:
             header, payload = wire.decode(frames[1:])
         except ProtocolError as exc:
             log.warning("bad message from peer %s: %s", identity.hex(), exc)
+            self.figures.error("protocol")
             self._send(identity, "error", seq=None, step=None, message=f"protocol error: {exc}")
             return
         op = header["op"]
         sess = self.sessions.get(identity)
         if sess is not None:
             sess.last_seen = time.monotonic()
-        if sess is None and op not in ("hello", "latest"):
+        if sess is None and op not in ("hello", "latest", "status"):
             # After a daemon restart, a producer's socket reconnects by itself and
             # keeps talking: tell it that its session (and steps in flight) are gone.
             self._send(identity, "error", seq=header.get("seq"), step=None, code=wire.NO_SESSION,
@@ -260,6 +433,8 @@ class Daemon:
                 self._send(identity, "pong", seq=header["seq"])
             elif op == "latest":
                 self._on_latest(identity, header)
+            elif op == "status":
+                self._send(identity, "report", seq=header["seq"], status=self._status_report())
             elif op == "tensor":
                 assert sess is not None
                 self._on_tensor(sess, header, payload)
@@ -273,10 +448,16 @@ class Daemon:
                 raise ProtocolError(f"{op!r} is not a message a producer sends")
         except ProtocolError as exc:
             log.warning("peer %s: %s", sess.label if sess else identity.hex(), exc)
+            self.figures.error("protocol")
             self._send(identity, "error", seq=header.get("seq"), step=None, message=str(exc))
 
     # -- messages ---------------------------------------------------------------------
     def _on_hello(self, identity: bytes, h: dict[str, Any]) -> None:
+        if self.stopping:
+            log.info("refused a producer of run %r (pid %s): the daemon is stopping", h["run"], h["pid"])
+            self._send(identity, "error", seq=None, step=None, code=wire.STOPPING,
+                       message="the daemon is stopping; connect again once it has restarted")
+            return
         if h["v"] != wire.VERSION:
             raise ProtocolError(f"protocol version {h['v']} is not supported; this daemon speaks {wire.VERSION}")
         try:
@@ -330,6 +511,11 @@ class Daemon:
             check_step(step)
         except ValueError as exc:
             self._fail_step(sess, open_step, str(exc), seq)
+            return open_step
+        if self.stopping:  # draining: steps begun before SIGTERM finish, new ones do not start
+            self._fail_step(sess, open_step, (
+                f"the daemon is stopping: step {step} of run {sess.run!r} was refused and not saved; "
+                "save it again once the daemon has restarted"), seq, discard=False)
             return open_step
         if (sess.run, sess.rank, step) in self.committing or (
             open_step.share.dir / layout.manifest_name(sess.rank)
@@ -456,6 +642,7 @@ class Daemon:
         """Report a failed step once and throw away what was written of it."""
         share = open_step.share
         log.warning("%s step=%d failed: %s", sess.label, share.step, message)
+        self.figures.error("step")
         self._send(sess.identity, "error", seq=seq, step=share.step, message=message)
         share.error = message
         share.reported = True
@@ -532,8 +719,10 @@ class Daemon:
                         "committed run=%s step=%d rank=%d bytes=%d tensors=%d seconds=%.3f GB/s=%.2f",
                         share.run, share.step, share.rank, nbytes, len(share.records), secs, nbytes / secs / 1e9,
                     )
+                    self.figures.committed(share.run, share.step, share.rank, nbytes, secs)
                     self._send(identity, "committed", seq=seq, step=share.step, info=r.info.to_dict())
                 else:
+                    self.figures.error("commit")
                     self._send(identity, "error", seq=seq, step=share.step,
                                message=f"step {share.step} was not committed: {r.message}")
 
@@ -544,6 +733,7 @@ class Daemon:
         if sess is not None and sess.steps.get(share.step) is not None and sess.steps[share.step].share is share:
             if not share.reported:
                 share.reported = True
+                self.figures.error("step")
                 self._send(sess.identity, "error", seq=None, step=share.step, message=message)
 
     # -- sending ------------------------------------------------------------------------
@@ -556,12 +746,18 @@ class Daemon:
 
     # -- shutdown ------------------------------------------------------------------------
     def _shutdown(self) -> None:
-        """Stop taking work, finish commits already received, fail the rest loudly."""
-        log.info("stopping: finishing %d commit(s) in progress", len(self.committing))
+        """After the drain: let the producers go, finish what the I/O threads hold.
+
+        The loop exits once every commit received is durable and no step is open,
+        so the only steps left here already failed and were reported; any other
+        step still gets its error, never silence."""
+        log.info("drained: %d commit(s) in progress, %d producer(s) let go",
+                 len(self.committing), len(self.sessions))
         for sess in list(self.sessions.values()):
-            for step in list(sess.steps):
-                self._send(sess.identity, "error", seq=None, step=step,
-                           message=f"the daemon stopped before step {step} was committed")
+            for step, open_step in sess.steps.items():
+                if open_step.share.error is None:
+                    self._send(sess.identity, "error", seq=None, step=step,
+                               message=f"the daemon stopped before step {step} was committed")
             self._end_session(sess, "was disconnected: the daemon is stopping")
         assert self.writer is not None
         self.writer.close()  # runs every queued job, commits included
@@ -602,6 +798,9 @@ def _parse_json(text: str, what: str) -> Any:
 
 def serve(config: Config) -> int:
     """Run the daemon in the foreground until SIGTERM or SIGINT; return the exit status."""
+    use_journal_priorities()  # under systemd: journalctl -p warning finds warnings
+    # A crash or the watchdog's SIGABRT prints every thread's stack to the log.
+    faulthandler.enable(all_threads=True)
     daemon = Daemon(config)
     try:
         daemon.start()

@@ -43,6 +43,7 @@ class CommitHandle:
         self._event = threading.Event()
         self._info: CheckpointInfo | None = None
         self._error: str | None = None
+        self.observed = False  # a failure raised by wait() is not raised again by flush()
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -52,6 +53,7 @@ class CommitHandle:
         if not self._event.wait(timeout):
             raise CheckpointError(f"commit of step {self.step} was not acknowledged within {timeout} s")
         if self._error is not None:
+            self.observed = True
             raise CheckpointError(self._error)
         assert self._info is not None
         return self._info
@@ -127,7 +129,7 @@ class Producer:
         self._steps: dict[int, _Step] = {}
         self._commits: dict[int, CommitHandle] = {}  # wire seq -> handle
         self._queries: dict[int, list[Any]] = {}  # wire seq -> [event, answer]
-        self._failures: list[str] = []  # failed commits not yet raised by flush()
+        self._failures: list[CommitHandle] = []  # failed commits flush() has not raised yet
         self._seq = 0
         self._current_step: int | None = None
         self._transport: Transport | None = None
@@ -214,18 +216,18 @@ class Producer:
             self._send("abort", step=step, reason="aborted by the producer")
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every commit made so far is durable; raise if any failed."""
+        """Wait until every commit made so far is durable; raise CheckpointError naming
+        every failed commit that no ``handle.wait()`` has raised already."""
         with self._lock:
             handles = [st.handle for st in self._steps.values() if st.handle is not None]
         for h in handles:
-            try:
-                h.wait(timeout)
-            except CheckpointError:
-                pass  # collected below
+            if not h._event.wait(timeout):
+                raise CheckpointError(f"commit of step {h.step} was not acknowledged within {timeout} s")
         with self._lock:
             failures, self._failures = self._failures, []
-        if failures:
-            raise CheckpointError("; ".join(failures))
+        unseen = [h._error for h in failures if not h.observed]
+        if unseen:
+            raise CheckpointError("; ".join(e for e in unseen if e))
 
     def latest(self, run: str | None = None) -> CheckpointInfo | None:
         """Ask the daemon for the newest complete checkpoint of ``run`` (default: this run)."""
@@ -486,7 +488,7 @@ class Producer:
             if st is not None and st.handle is handle:
                 del self._steps[step]
             if handle._resolve(info, error) and error is not None:
-                self._failures.append(error)
+                self._failures.append(handle)
         if error is not None:
             log.error("checkpoint step %d failed: %s", step, error)
 

@@ -1,0 +1,176 @@
+"""The daemon's live figures, and the Prometheus endpoint that serves them.
+
+``Figures`` holds what happened (commits, bytes, latencies, errors, each run's last
+commit). Only the main loop changes it, next to the log line of the same event;
+``snapshot()`` gives a consistent copy to ``ckptd status`` and to the scrape.
+Figures of the moment (queued bytes, producers) are read from the daemon when
+asked, through a ``live`` callable.
+
+``MetricsServer`` answers ``GET /metrics`` on its own thread, ``ckptd-metrics``,
+building the exposition at scrape time from a snapshot, so the main loop does no
+Prometheus work at all. ``prometheus_client`` is imported here only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import http.server
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Iterator
+
+from ..config import split_host_port
+from ..errors import CheckpointError
+
+log = logging.getLogger("ckptd.daemon")
+
+# Seconds from a step's first tensor to its durable manifest: from a small model on
+# a fast disk to tens of GiB on a slow one.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
+ERROR_KINDS = ("protocol", "step", "commit")  # a bad message; a step failed before commit; a failed commit
+MAX_RUNS = 1000  # runs whose last commit is remembered (the most recent ones)
+
+
+class Figures:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the scrape thread reads while the main loop writes
+        self.started = time.time()
+        self.commits = 0
+        self.bytes_written = 0
+        self.errors = dict.fromkeys(ERROR_KINDS, 0)
+        self._buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one is +Inf
+        self._latency_sum = 0.0
+        self._runs: OrderedDict[str, dict[str, Any]] = OrderedDict()  # oldest commit first
+        self.last_commit: dict[str, Any] | None = None
+
+    def committed(self, run: str, step: int, rank: int, nbytes: int, seconds: float) -> None:
+        now = time.time()
+        last = {"run": run, "step": step, "rank": rank, "time": now, "bytes": nbytes, "seconds": seconds}
+        with self._lock:
+            self.commits += 1
+            self.bytes_written += nbytes
+            self._buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            self._latency_sum += seconds
+            self._runs.pop(run, None)
+            self._runs[run] = {"step": step, "time": now}
+            if len(self._runs) > MAX_RUNS:
+                self._runs.popitem(last=False)
+            self.last_commit = last
+
+    def error(self, kind: str) -> None:
+        with self._lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data (msgpack- and JSON-ready): totals, latency histogram, runs."""
+        with self._lock:
+            cumulative, total = [], 0
+            for count in self._buckets:
+                total += count
+                cumulative.append(total)
+            return {
+                "started": self.started,
+                "commits": self.commits,
+                "bytes_written": self.bytes_written,
+                "errors": dict(self.errors),
+                "latency": {"buckets": list(LATENCY_BUCKETS), "cumulative": cumulative,
+                            "sum": self._latency_sum, "count": total},
+                "runs": {run: dict(v) for run, v in self._runs.items()},
+                "last_commit": dict(self.last_commit) if self.last_commit else None,
+            }
+
+
+class _Collector:
+    """Turns a snapshot (and the live figures) into Prometheus metric families."""
+
+    def __init__(self, figures: Figures, live: Callable[[], dict[str, Any]]) -> None:
+        self._figures = figures
+        self._live = live
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        snap, live, now = self._figures.snapshot(), self._live(), time.time()
+        yield CounterMetricFamily("ckptd_commits", "Checkpoint shares (one rank of one step) committed durably.",
+                                  value=snap["commits"])
+        yield CounterMetricFamily("ckptd_bytes_written", "Tensor bytes of the checkpoints committed.",
+                                  value=snap["bytes_written"])
+        lat = snap["latency"]
+        buckets = [(_le(b), c) for b, c in zip(lat["buckets"], lat["cumulative"])]
+        buckets.append(("+Inf", lat["count"]))
+        yield HistogramMetricFamily(
+            "ckptd_commit_duration_seconds",
+            "Seconds from a step's first tensor received to its manifest being durable.",
+            buckets=buckets, sum_value=lat["sum"])
+        errors = CounterMetricFamily(
+            "ckptd_errors", "Errors reported to producers: protocol (a bad message), step (a step failed "
+            "before its commit), commit (a commit failed).", labels=["kind"])
+        for kind, n in snap["errors"].items():
+            errors.add_metric([kind], n)
+        yield errors
+        yield GaugeMetricFamily("ckptd_queued_bytes", "Bytes received and not yet written.",
+                                value=live["queued_bytes"])
+        yield GaugeMetricFamily("ckptd_memory_budget_bytes", "Queued bytes above which the daemon stops reading.",
+                                value=live["memory_budget"])
+        yield GaugeMetricFamily("ckptd_producers", "Producers connected.", value=live["producers"])
+        yield GaugeMetricFamily("ckptd_commits_in_progress", "Commits received and not yet durable.",
+                                value=live["commits_in_progress"])
+        yield GaugeMetricFamily("ckptd_draining", "1 while the daemon is stopping and finishing its work.",
+                                value=1 if live["draining"] else 0)
+        yield GaugeMetricFamily("ckptd_start_time_seconds", "When the daemon started (Unix time).",
+                                value=snap["started"])
+        stamp = GaugeMetricFamily("ckptd_last_commit_timestamp_seconds",
+                                  "Unix time of each run's last commit by this daemon.", labels=["run"])
+        age = GaugeMetricFamily("ckptd_last_commit_age_seconds",
+                                "Seconds since each run's last commit by this daemon.", labels=["run"])
+        step = GaugeMetricFamily("ckptd_last_commit_step", "Step of each run's last commit by this daemon.",
+                                 labels=["run"])
+        for run, v in snap["runs"].items():
+            stamp.add_metric([run], v["time"])
+            age.add_metric([run], max(0.0, now - v["time"]))
+            step.add_metric([run], v["step"])
+        yield stamp
+        yield age
+        yield step
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+class MetricsServer:
+    """``GET /metrics`` over HTTP, answered one request at a time on ``ckptd-metrics``."""
+
+    def __init__(self, address: str, figures: Figures, live: Callable[[], dict[str, Any]]) -> None:
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.exposition import MetricsHandler
+
+        host, port = split_host_port(address)
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(_Collector(figures, live))
+        handler = type("Handler", (MetricsHandler,), {"registry": registry, "timeout": 5.0})
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+            server_cls = type("Server", (http.server.HTTPServer,), {"address_family": family})
+            self._server = server_cls((host, port), handler)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot serve metrics on {address}: {exc.strerror or exc}; "
+                "choose another [daemon] metrics address, or \"\" to turn metrics off"
+            ) from None
+        bound = self._server.server_address
+        shown = f"[{bound[0]}]" if family == socket.AF_INET6 else bound[0]
+        self.url = f"http://{shown}:{bound[1]}/metrics"
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="ckptd-metrics", daemon=True)
+        self._thread.start()
+        log.info("metrics at %s", self.url)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+

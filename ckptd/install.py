@@ -1,0 +1,169 @@
+"""``ckptd install-systemd``: the shipped unit, made to run this host's ckptd.
+
+The units in the source tree's ``systemd/`` folder are the templates. Installing
+changes one line, ``ExecStart=``, to this Python interpreter (the one whose
+environment has ckptd), so what runs is exactly what the test suite checks
+with ``systemd-analyze``. What this host needs beyond that goes into a drop-in
+(a Python under /root or /home, which the sandbox would hide). A config file is
+written only where there is none: an operator's config is never replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent.parent / "systemd"
+SYSTEM_UNIT = Path("/etc/systemd/system/ckptd.service")
+SYSTEM_DROPIN = Path("/etc/systemd/system/ckptd.service.d/ckptd-python.conf")
+SYSTEM_SYSUSERS = Path("/etc/sysusers.d/ckptd.conf")
+SYSTEM_CONFIG = Path("/etc/ckptd/config.toml")
+SYSTEM_ROOT = Path("/var/lib/ckptd")  # StateDirectory=ckptd
+SYSTEM_SOCKET = Path("/run/ckptd/ckptd.sock")  # RuntimeDirectory=ckptd
+_PLACEHOLDER = "/opt/ckptd/.venv/bin/python"  # the templates' ExecStart interpreter
+_HOMES = ("/home", "/root", "/run/user")  # what ProtectHome=yes hides
+
+_DROPIN = """\
+# Written by `ckptd install-systemd`: this host's Python (or ckptd itself) lives
+# under a home folder, which the unit's ProtectHome=yes would hide. The service
+# instead sees empty home folders with only these in them, read-only.
+[Service]
+ProtectHome=tmpfs
+BindReadOnlyPaths={paths}
+"""
+
+_CONFIG = """\
+# ckptd's configuration{what}, written by `ckptd install-systemd`.
+# The daemon reads it, and so do producers given CKPTD_CONFIG={path}.
+# Every key and its meaning: config.toml in ckptd's source tree. After a change:
+# `systemctl{user} reload ckptd` applies log_level and [retention];
+# `systemctl{user} restart ckptd` the rest (the daemon drains first).
+
+[daemon]
+endpoint = "ipc://{socket}"
+root = "{root}"
+# Prometheus metrics at http://127.0.0.1:9464/metrics:
+# metrics = "127.0.0.1:9464"
+"""
+
+
+def template(*, user: bool) -> Path:
+    path = SOURCE / ("user/ckptd.service" if user else "ckptd.service")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the unit template {path} is missing: run install-systemd from the ckptd "
+            "installed by a source checkout's scripts/setup.sh (the units ship in its systemd/ folder)"
+        )
+    return path
+
+
+def render_unit(*, user: bool, python: str | None = None) -> str:
+    """The unit for this host: the template with ``ExecStart=`` running ``python``."""
+    python = python or sys.executable
+    text = template(user=user).read_text()
+    prefix = f"ExecStart={_PLACEHOLDER} "
+    lines = text.splitlines(keepends=True)
+    hits = [i for i, line in enumerate(lines) if line.startswith(prefix)]
+    if len(hits) != 1:
+        raise ValueError(f"{template(user=user)} must have exactly one line starting with {prefix!r}")
+    lines[hits[0]] = f"ExecStart={_exec_word(python)} " + lines[hits[0]][len(prefix):]
+    return "".join(lines)
+
+
+def _exec_word(path: str) -> str:
+    """``path`` as one word of a systemd command line."""
+    word = path.replace("%", "%%")  # % starts a specifier
+    if any(c in word for c in ' \t"\'\\'):
+        word = '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return word
+
+
+def user_paths() -> dict[str, Path]:
+    """Where the user unit's files go, per the XDG base directory variables."""
+    home = Path.home()
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+    state = Path(os.environ.get("XDG_STATE_HOME") or home / ".local/state")
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
+    return {
+        "unit": config / "systemd/user/ckptd.service",
+        "config": config / "ckptd/config.toml",  # %E/ckptd/config.toml in the unit
+        "root": state / "ckptd",
+        "socket": Path(runtime) / "ckptd/ckptd.sock",  # RuntimeDirectory=ckptd
+    }
+
+
+def install(*, user: bool) -> list[str]:
+    """Write the unit (and what else it needs); return lines telling what was done and what next."""
+    python = sys.executable
+    done: list[str] = []
+    if user:
+        paths = user_paths()
+        unit, config = paths["unit"], paths["config"]
+        _write(unit, render_unit(user=True, python=python), done)
+        if not config.exists():
+            _write(config, _CONFIG.format(what=" for the user service", path=config, user=" --user",
+                                          socket=paths["socket"], root=paths["root"]), done)
+        done.append("next: systemctl --user daemon-reload && systemctl --user enable --now ckptd")
+        done.append("(to keep it running while you are logged out: loginctl enable-linger)")
+        done.append(f"producers: export CKPTD_CONFIG={config}")
+        return done
+    _write(SYSTEM_UNIT, render_unit(user=False, python=python), done)
+    dropin = render_dropin(python)
+    if dropin is not None:
+        _write(SYSTEM_DROPIN, dropin, done)
+    elif SYSTEM_DROPIN.exists():  # left by an earlier install from another Python
+        SYSTEM_DROPIN.unlink()
+        done.append(f"removed {SYSTEM_DROPIN}")
+    _write(SYSTEM_SYSUSERS, (SOURCE / "ckptd.sysusers").read_text(), done)
+    if not SYSTEM_CONFIG.exists():
+        _write(SYSTEM_CONFIG, _CONFIG.format(what=" for the system service", path=SYSTEM_CONFIG, user="",
+                                             socket=SYSTEM_SOCKET, root=SYSTEM_ROOT), done)
+    else:
+        done.extend(_outside_sandbox(SYSTEM_CONFIG))
+    done.append("next: systemd-sysusers && systemctl daemon-reload && systemctl enable --now ckptd")
+    done.append(f"producers: members of group ckptd, with CKPTD_CONFIG={SYSTEM_CONFIG}")
+    return done
+
+
+def hidden_paths(python: str | None = None) -> list[str]:
+    """Folders the service runs from (the interpreter, its standard library, the
+    environment, ckptd's source) that the system unit's ProtectHome=yes would hide."""
+    python = python or sys.executable
+    needed = {sys.prefix, sys.base_prefix, str(Path(os.path.realpath(python)).parent.parent),
+              str(Path(__file__).resolve().parent.parent)}
+    hidden = sorted(p for p in needed if any(p == h or p.startswith(h + "/") for h in _HOMES))
+    return [p for p in hidden if not any(p.startswith(q + "/") for q in hidden)]  # outermost only
+
+
+def render_dropin(python: str | None = None) -> str | None:
+    """A drop-in showing the service the folders ``hidden_paths`` names, or None if none."""
+    paths = hidden_paths(python)
+    if not paths:
+        return None
+    return _DROPIN.format(paths=" ".join(_exec_word(p) for p in paths))
+
+
+def _outside_sandbox(config_path: Path) -> list[str]:
+    """Notes for an existing config whose paths the unit's ProtectSystem=strict makes read-only."""
+    from .config import load
+
+    cfg = load(config_path)
+    notes = []
+    places = [("root", cfg.root, SYSTEM_ROOT)]
+    if cfg.endpoint.startswith("ipc://"):
+        places.append(("endpoint", Path(cfg.endpoint[len("ipc://"):]).parent, SYSTEM_SOCKET.parent))
+    for key, path, allowed in places:
+        if not path.is_relative_to(allowed):
+            notes.append(f"note: [daemon] {key} in {config_path} is outside {allowed}; the sandbox makes it "
+                         f"read-only: allow it with `systemctl edit ckptd`: [Service] ReadWritePaths={path}")
+    return notes
+
+
+def _write(path: Path, text: str, done: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    done.append(f"wrote {path}")
