@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 
@@ -19,7 +20,9 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, fsync: bool = Tru
     """Replace ``path`` with ``data`` so that readers see the old or the new file, never
     a part: write a temp file beside it, fsync it, rename it over, fsync the folder."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # unique per writer: daemons of several hosts may replace the same file (a run's
+    # latest pointer on shared storage)
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
         write_all(fd, data)

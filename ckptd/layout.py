@@ -45,8 +45,8 @@ def parse_step_dir(name: str) -> int | None:
 
 def is_ckptd_file(name: str) -> bool:
     """A name ckptd itself writes inside a step folder (manifests, chunks, temp files)."""
-    if name.startswith(".") and name.endswith(".tmp"):
-        return is_ckptd_file(name[1:-4])
+    if name.startswith(".") and name.endswith(".tmp"):  # .<name>.<writer>.tmp (durable.atomic_write)
+        return is_ckptd_file(name[1:-4].rsplit(".", 1)[0])
     return file_rank(name) is not None
 
 

@@ -8,6 +8,7 @@ systemd receives them.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import statistics
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from ckptd import CheckpointError
 
 WATCHDOG_S = 1.2
 
@@ -176,3 +179,29 @@ def test_reload_keeps_producers_and_applies_the_log_level(make_daemon, listener,
     assert "SIGHUP: not reloaded, the running settings stay: bad value for 'log_level'" in log
     assert log.count("producer connected") == 1
     assert d.proc.poll() is None
+
+
+def test_log_lines_carry_journal_priorities_when_stderr_is_the_journal(make_daemon, monkeypatch) -> None:
+    d = make_daemon(start=False)
+    d.log.touch()  # the daemon's stderr: tell it that this file is "the journal"
+    st = d.log.stat()
+    monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+    d.start()
+    with d.producer() as p:
+        p.save({"w": torch.ones(2)}, 1).wait(30)
+        with pytest.raises(CheckpointError, match="already committed"):
+            p.save({"w": torch.ones(2)}, 1).wait(30)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0
+    lines = d.log_text().splitlines()
+    assert any(line.startswith("<6>INFO ckptd.daemon: committed run=t step=1 ") for line in lines)
+    assert any(line.startswith("<4>WARNING ckptd.daemon: run=t rank=0") and "already committed" in line
+               for line in lines)
+    assert all(re.match(r"<[2-7]>", line) for line in lines), lines
+
+
+def test_no_journal_no_prefixes(daemon) -> None:
+    with daemon.producer() as p:
+        p.save({"w": torch.ones(2)}, 1).wait(30)
+    assert "\nINFO ckptd.daemon: committed run=t step=1 " in daemon.log_text()
+    assert "<6>" not in daemon.log_text()

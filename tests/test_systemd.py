@@ -104,6 +104,56 @@ def test_user_unit_applies_every_filter_an_unprivileged_manager_can(tmp_path: Pa
     assert [k for k in wanted if items.get(k) is not True] == []
 
 
+INSTALL = r"""
+set -eu
+mount -t tmpfs tmpfs /etc  # this namespace's /etc only: the host's is untouched
+echo "=== first"; "$PYTHON" -m ckptd install-systemd
+tail -n +1 /etc/systemd/system/ckptd.service /etc/sysusers.d/ckptd.conf /etc/ckptd/config.toml \
+    /etc/systemd/system/ckptd.service.d/* 2>/dev/null || true
+sed -i 's|^root = .*|root = "/data/ckpt"|' /etc/ckptd/config.toml
+echo "=== second"; "$PYTHON" -m ckptd install-systemd
+echo "=== config"; cat /etc/ckptd/config.toml
+"""
+
+
+def test_system_install_writes_unit_user_and_config() -> None:
+    refused = _namespaces_refused()
+    if refused:
+        pytest.skip(f"cannot make a private mount namespace: {refused}")
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", INSTALL],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=60)
+    assert r.returncode == 0, r.stderr
+    first, rest = r.stdout.split("=== first\n")[1].split("=== second\n")
+    second, config = rest.split("=== config\n")
+    files = dict(re.findall(r"==> (\S+) <==\n(.*?)(?=\n==> |\Z)", first, re.S))
+    dropin = render_dropin()
+    assert first.splitlines()[:5] == [
+        "wrote /etc/systemd/system/ckptd.service",
+        *([f"wrote {SYSTEM_DROPIN}"] if dropin else []),
+        "wrote /etc/sysusers.d/ckptd.conf",
+        "wrote /etc/ckptd/config.toml",
+        "next: systemd-sysusers && systemctl daemon-reload && systemctl enable --now ckptd",
+    ][:5]
+    assert files["/etc/systemd/system/ckptd.service"] == render_unit(user=False).rstrip("\n")
+    assert files.get(str(SYSTEM_DROPIN), "").rstrip("\n") == (dropin or "").rstrip("\n")
+    assert files["/etc/sysusers.d/ckptd.conf"].rstrip("\n") == (REPO / "systemd/ckptd.sysusers").read_text().rstrip("\n")
+    cfg = tomllib_loads(files["/etc/ckptd/config.toml"])
+    assert cfg == {"daemon": {"endpoint": "ipc:///run/ckptd/ckptd.sock", "root": "/var/lib/ckptd"}}
+    # a second install keeps the operator's config and says what its sandbox needs
+    assert "wrote /etc/ckptd/config.toml" not in second
+    assert ("note: [daemon] root in /etc/ckptd/config.toml is outside /var/lib/ckptd; the sandbox makes it "
+            "read-only: allow it with `systemctl edit ckptd`: [Service] ReadWritePaths=/data/ckpt") in second
+    assert 'root = "/data/ckpt"' in config
+
+
+def tomllib_loads(text: str) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
 def test_sysusers_entry_is_valid(tmp_path: Path) -> None:
     conf = tmp_path / "ckptd.conf"
     shutil.copy(REPO / "systemd/ckptd.sysusers", conf)

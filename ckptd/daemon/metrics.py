@@ -149,7 +149,7 @@ class MetricsServer:
         from prometheus_client.exposition import MetricsHandler
 
         host, port = split_host_port(address)
-        registry = CollectorRegistry(auto_describe=True)
+        registry = CollectorRegistry()
         registry.register(_Collector(figures, live))
         handler = type("Handler", (MetricsHandler,), {"registry": registry, "timeout": 5.0})
         try:
