@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     reading("list", "list the complete checkpoints of RUN, oldest first", False).set_defaults(func=_list)
     reading("show", "describe one checkpoint and its tensors", True).set_defaults(func=_show)
     reading("verify", "check every tensor of a checkpoint against its checksum", True).set_defaults(func=_verify)
+    ex = reading("export", "write one checkpoint to one .safetensors, .h5 or .pt file (the suffix decides)", True)
+    ex.add_argument("-o", "--output", required=True, metavar="PATH",
+                    help="the file to write: .safetensors (flat tensors), .h5 (HDF5) or .pt (torch.save)")
+    ex.add_argument("--rank", type=int, help="whose share, in a multi-rank checkpoint (default: $RANK)")
+    ex.set_defaults(func=_export)
     return p
 
 
@@ -96,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     # watchdog's debug output is one line per inotify event; its warnings still count
     logging.getLogger("watchdog").setLevel(logging.INFO)
+    logging.getLogger("h5py").setLevel(logging.INFO)  # its debug output: one line per type converter
     return serve(cfg)
 
 
@@ -206,6 +212,17 @@ def _show(args: argparse.Namespace) -> int:
         for name, t in m.tensors.items():
             shape = "x".join(map(str, t.shape)) or "scalar"
             print(f"  {name}  {t.dtype}[{shape}]  {_size(t.nbytes)}  {t.file}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import export
+
+    out = export(args.run, args.step, args.output, root=_root(args), rank=args.rank)
+    if args.json:
+        print(json.dumps({"path": str(out), "bytes": out.stat().st_size}))
+    else:
+        print(f"exported run {args.run} step {args.step if args.step is not None else '(newest)'} to {out}")
     return 0
 
 

@@ -26,6 +26,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from .errors import ConfigError
 
+FORMATS = ("chunk", "hdf5")  # storage formats of new checkpoints ([daemon] format, Producer(format=))
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -94,7 +95,7 @@ def _opt(default: Any, parse: Callable[[object], Any]) -> Any:
 class DaemonConfig:
     endpoint: str = _opt("ipc://var/run/ckptd.sock", _string)
     root: str = _opt("var/checkpoints", _string)
-    format: str = _opt("chunk", _choice("chunk"))
+    format: str = _opt("chunk", _choice(*FORMATS))
     chunk_size: int = _opt(256 * 2**20, _positive(parse_size))
     memory_budget: int = _opt(2 * 2**30, _positive(parse_size))
     max_frame: int = _opt(256 * 2**20, _positive(parse_size))
@@ -173,6 +174,33 @@ class RetentionConfig:
         return not self.keeps_all or bool(self.max_bytes)
 
 
+def _level(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 9:
+        raise ValueError(f"{value!r} is not a gzip level from 1 to 9")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hdf5Config:
+    """How ``format = "hdf5"`` files are written (docs/hdf5.md). The defaults favour
+    speed: contiguous, unfiltered datasets, whose bytes go straight to their place
+    in the file and which readers load with one ``preadv``."""
+
+    compression: str = _opt("none", _choice("none", "gzip", "lzf"))
+    level: int = _opt(4, _level)  # gzip only
+    chunk_shape: str = _opt("none", _choice("auto", "none"))
+    fletcher32: bool = _opt(False, lambda v: _bool(v))
+
+    def __post_init__(self) -> None:
+        if self.chunk_shape == "none" and self.filtered:
+            what = f"compression = {self.compression!r}" if self.compression != "none" else "fletcher32 = true"
+            raise ValueError(f"{what} needs chunk_shape = \"auto\": HDF5 applies filters to chunked datasets only")
+
+    @property
+    def filtered(self) -> bool:
+        return self.compression != "none" or self.fletcher32
+
+
 @dataclass(frozen=True, kw_only=True)
 class IndexConfig:
     observer: str = _opt("auto", _choice("auto", "inotify", "polling"))
@@ -186,6 +214,7 @@ class Config:
     producer: ProducerConfig = ProducerConfig()
     retention: RetentionConfig = RetentionConfig()
     index: IndexConfig = IndexConfig()
+    hdf5: Hdf5Config = Hdf5Config()
     path: Path | None = None  # the file these values came from, if any
 
     @property
@@ -206,6 +235,7 @@ class Config:
 
 _TABLES: dict[str, type] = {
     "daemon": DaemonConfig, "producer": ProducerConfig, "retention": RetentionConfig, "index": IndexConfig,
+    "hdf5": Hdf5Config,
 }
 
 
@@ -222,7 +252,10 @@ def build(cls: type, values: dict[str, Any], where: str) -> Any:
             kwargs[key] = f.metadata["parse"](raw)
         except ValueError as exc:
             raise ConfigError(f"bad value for {key!r} in {where}: {exc}") from None
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # keys that are valid alone but not together
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:

@@ -72,11 +72,16 @@ def step_info(step_path: Path) -> CheckpointInfo | None:
 
 def _files_present(step_path: Path, manifests: list[Manifest]) -> bool:
     """Every data file is there and long enough: a folder copied in with ``cp -r``
-    may show its manifest before its data."""
+    may show its manifest before its data. The size each file had at commit, where
+    the manifest records it, and the end of every tensor with an offset (a chunked
+    HDF5 dataset has none) are lower bounds."""
     need: dict[str, int] = {}
     for m in manifests:
+        for file, size in m.files.items():
+            need[file] = max(need.get(file, 0), size)
         for t in m.tensors.values():
-            need[t.file] = max(need.get(t.file, 0), t.offset + t.nbytes)
+            end = 0 if t.offset is None else t.offset + t.nbytes
+            need[t.file] = max(need.get(t.file, 0), end)
     for file, size in need.items():
         try:
             if os.stat(step_path / file, follow_symlinks=False).st_size < size:

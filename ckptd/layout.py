@@ -9,6 +9,7 @@ from pathlib import Path
 STEP_DIR = re.compile(r"step-(\d{12})")
 MANIFEST = re.compile(r"manifest-r(\d{5})\.json")
 CHUNK = re.compile(r"r(\d{5})-(\d{6})\.safetensors")
+H5 = re.compile(r"r(\d{5})\.h5")  # format = "hdf5": one file per rank and step
 WRITING = re.compile(r"r(\d{5})\.writing")  # "this host is writing rank N here"
 
 
@@ -24,13 +25,22 @@ def chunk_name(rank: int, seq: int) -> str:
     return f"r{rank:05d}-{seq:06d}.safetensors"
 
 
+def h5_name(rank: int) -> str:
+    return f"r{rank:05d}.h5"
+
+
+def is_data_file(name: str) -> bool:
+    """A file a manifest may name: a chunk file or an HDF5 file."""
+    return bool(CHUNK.fullmatch(name) or H5.fullmatch(name))
+
+
 def writing_marker(rank: int) -> str:
     return f"r{rank:05d}.writing"
 
 
 def file_rank(name: str) -> int | None:
     """The rank a ckptd file in a step folder belongs to."""
-    m = MANIFEST.fullmatch(name) or CHUNK.fullmatch(name) or WRITING.fullmatch(name)
+    m = MANIFEST.fullmatch(name) or CHUNK.fullmatch(name) or H5.fullmatch(name) or WRITING.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -45,8 +55,8 @@ def parse_step_dir(name: str) -> int | None:
 
 def is_ckptd_file(name: str) -> bool:
     """A name ckptd itself writes inside a step folder (manifests, chunks, temp files)."""
-    if name.startswith(".") and name.endswith(".tmp"):  # .<name>.<writer>.tmp (durable.atomic_write)
-        return is_ckptd_file(name[1:-4].rsplit(".", 1)[0])
+    if name.startswith(".") and name.endswith(".tmp"):  # .<name>~<host>-<pid>.tmp (durable.replacing)
+        return is_ckptd_file(name[1:-4].split("~", 1)[0])
     return file_rank(name) is not None
 
 

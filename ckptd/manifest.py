@@ -31,8 +31,10 @@ class TensorRecord:
     dtype: str
     shape: list[int]
     file: str  # relative to the step folder
-    key: str  # safetensors key
-    offset: int  # absolute offset of the data in the file
+    key: str  # safetensors key or HDF5 dataset path
+    # absolute offset of the data in the file; None where the data has no one place
+    # (a chunked or empty HDF5 dataset): read it by ``key`` then
+    offset: int | None
     nbytes: int
     checksum: str
     numpy: bool = False  # emitted as a numpy array; loads back as one
@@ -47,7 +49,8 @@ class TensorRecord:
     def from_dict(cls, d: dict[str, Any]) -> "TensorRecord":
         return cls(
             dtype=d["dtype"], shape=[int(x) for x in d["shape"]], file=d["file"], key=d["key"],
-            offset=int(d["offset"]), nbytes=int(d["nbytes"]), checksum=d["checksum"],
+            offset=None if d["offset"] is None else int(d["offset"]), nbytes=int(d["nbytes"]),
+            checksum=d["checksum"],
             numpy=bool(d.get("numpy", False)),
         )
 
@@ -64,6 +67,9 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     format: str = "chunk"
     format_version: int = FORMAT_VERSION
+    # data file -> its size when committed; lets the completeness check see a file that
+    # is still being copied in where offsets say nothing (chunked HDF5 datasets)
+    files: dict[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +82,7 @@ class Manifest:
             "world_size": self.world_size, "time": self.time, "metadata": self.metadata,
             "state": self.state,
             "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
+            "files": self.files,
         }
         return json.dumps(d, ensure_ascii=False, allow_nan=False, indent=1).encode("utf-8")
 
@@ -95,6 +102,7 @@ class Manifest:
                 tensors={n: TensorRecord.from_dict(t) for n, t in d["tensors"].items()},
                 state=d.get("state"), metadata=d.get("metadata") or {},
                 format=d.get("format", "chunk"),
+                files={str(f): int(n) for f, n in (d.get("files") or {}).items()},
             )
         except CheckpointCorrupt:
             raise

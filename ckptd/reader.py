@@ -3,7 +3,9 @@
 Only manifests decide what is complete: a step folder is a checkpoint once every
 rank's manifest exists. Reading goes by the manifest's offsets, one ``preadv``
 per tensor into memory the caller then owns, so ``names=`` reads only those
-tensors' bytes and nothing is ever unpickled.
+tensors' bytes and nothing is ever unpickled. Chunk files and contiguous HDF5
+datasets have offsets; a chunked HDF5 dataset (compressed) has none and is read
+with h5py, straight into the same memory.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def find(run: str, step: int | None, root: str | os.PathLike[str] | None) -> tup
     return path, manifests
 
 
-def _pick_rank(manifests: list[Manifest], rank: int | None) -> Manifest:
+def pick_rank(manifests: list[Manifest], rank: int | None) -> Manifest:
+    """The manifest of ``rank`` (None: ``$RANK``, or 0 in a one-rank checkpoint)."""
     world = manifests[0].world_size
     if rank is None:
         env = os.environ.get("RANK")
@@ -97,7 +100,7 @@ def load(
     In a multi-rank checkpoint, ``rank`` (default ``$RANK``) picks whose share.
     """
     path, manifests = find(run, step, root)
-    manifest = _pick_rank(manifests, rank)
+    manifest = pick_rank(manifests, rank)
     wanted = list(manifest.tensors) if names is None else list(names)
     missing = [n for n in wanted if n not in manifest.tensors]
     if missing:
@@ -129,21 +132,48 @@ def read_tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: b
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             raise CheckpointCorrupt(f"{path}: cannot open a file the manifest names: {exc.strerror}") from None
+        h5 = None  # opened for the first record without an offset (a chunked HDF5 dataset)
         try:
-            for name, rec in sorted(items, key=lambda it: it[1].offset):
+            for name, rec in sorted(items, key=lambda it: -1 if it[1].offset is None else it[1].offset):
                 buf = torch.empty(rec.nbytes, dtype=torch.uint8)
                 view = memoryview(buf.numpy()) if rec.nbytes else memoryview(b"")
-                got = _pread_into(fd, view, rec.offset)
-                if got != rec.nbytes:
-                    raise CheckpointCorrupt(
-                        f"{path}: tensor {name!r} is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}"
-                    )
+                if rec.offset is not None:
+                    got = _pread_into(fd, view, rec.offset)
+                    if got != rec.nbytes:
+                        raise CheckpointCorrupt(
+                            f"{path}: tensor {name!r} is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}"
+                        )
+                elif rec.nbytes:
+                    h5 = h5 or _open_h5(path)
+                    _read_dataset(h5, path, name, rec, buf.numpy())
                 if verify and checksum([view]) != rec.checksum:
                     raise CheckpointCorrupt(f"{path}: tensor {name!r} does not match its checksum")
                 out[name] = as_tensor(buf, rec)
         finally:
             os.close(fd)
+            if h5 is not None:
+                h5.close()
     return out
+
+
+def _open_h5(path: Path) -> Any:
+    from . import hdf5file  # h5py loads only for a checkpoint that needs it
+
+    try:
+        return hdf5file.open_file(path)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointCorrupt(f"{path}: not a readable HDF5 file: {exc}") from None
+
+
+def _read_dataset(h5: Any, path: Path, name: str, rec: TensorRecord, out: Any) -> None:
+    from . import hdf5file
+
+    try:
+        hdf5file.read_into(h5, rec.key, dtypes.lookup(rec.dtype), rec.shape, out)
+    except KeyError:
+        raise CheckpointCorrupt(f"{path}: no dataset {rec.key!r}, which holds tensor {name!r}") from None
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointCorrupt(f"{path}: cannot read tensor {name!r} (dataset {rec.key!r}): {exc}") from None
 
 
 def as_tensor(raw: Any, rec: TensorRecord) -> Any:
@@ -154,7 +184,7 @@ def as_tensor(raw: Any, rec: TensorRecord) -> Any:
 
 def _data_file(step_path: Path, file: str) -> Path:
     # The manifest names files inside the step folder only; anything else is tampering.
-    if not layout.CHUNK.fullmatch(file):
+    if not layout.is_data_file(file):
         raise CheckpointCorrupt(f"{step_path}: manifest names an unexpected file {file!r}")
     return step_path / file
 

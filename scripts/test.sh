@@ -13,4 +13,13 @@ if ! command -v systemd-analyze >/dev/null || [ ! -x /lib/systemd/systemd ]; the
         echo "scripts/test.sh: tests/test_systemd.py needs systemd (systemd-analyze, /lib/systemd/systemd); install it" >&2
     fi
 fi
+# tests/test_hdf5.py lists HDF5 files with h5dump (Debian's hdf5-tools). Where it is
+# present this does nothing.
+if ! command -v h5dump >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq hdf5-tools >/dev/null
+    else
+        echo "scripts/test.sh: tests/test_hdf5.py needs h5dump; install Debian's hdf5-tools" >&2
+    fi
+fi
 exec .venv/bin/python -m pytest -q "$@"

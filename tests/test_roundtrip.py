@@ -1,4 +1,7 @@
-"""Every dtype and shape through a real daemon, back bit-exactly (emit and save)."""
+"""Every dtype and shape through a real daemon, back bit-exactly (emit and save).
+
+The conformance suite of the storage formats: each test that takes ``daemon`` or
+``fmt`` runs once per format (chunk files and HDF5)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,17 @@ from ckptd import dtypes
 
 SHAPES = [(), (0,), (3, 0, 2), (7,), (5, 3), (2, 3, 4)]
 ALL_DTYPES = sorted(dtypes.BY_NAME)
+
+
+@pytest.fixture(params=["chunk", "hdf5"])
+def fmt(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def daemon(make_daemon, fmt: str):
+    """A daemon whose checkpoints are in ``fmt``."""
+    return make_daemon(format=fmt)
 
 
 def random_tensor(dtype_name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -51,13 +65,14 @@ def cases() -> dict[str, torch.Tensor]:
     return out
 
 
-def test_every_dtype_and_shape_through_emit(daemon) -> None:
+def test_every_dtype_and_shape_through_emit(daemon, fmt: str) -> None:
     tensors = cases()
     with daemon.producer() as p:
         with p.checkpoint(1) as handle:
             for name, t in tensors.items():
                 p.emit(name, t)
         info = handle.wait(30)
+    assert info.format == fmt
     assert info.ntensors == len(tensors)
     assert info.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
     loaded = ckptd.load("t", root=daemon.root, verify=True)
@@ -135,9 +150,11 @@ def test_numpy_arrays_through_emit_load_as_numpy(daemon) -> None:
         assert np.array_equal(out[name], a), name
 
 
-def test_chunk_files_are_plain_safetensors(daemon) -> None:
+def test_chunk_files_are_plain_safetensors(make_daemon) -> None:
     """safetensors.safe_open reads every chunk without ckptd, and gives the same tensors
-    (dtypes safetensors lacks come back as their documented stand-ins)."""
+    (dtypes safetensors lacks come back as their documented stand-ins).
+    HDF5's counterpart: tests/test_hdf5.py."""
+    daemon = make_daemon(format="chunk")
     tensors = cases()
     with daemon.producer() as p:
         with p.checkpoint(1) as h:
@@ -161,9 +178,9 @@ def test_chunk_files_are_plain_safetensors(daemon) -> None:
                 t.contiguous().reshape(-1).view(torch.uint8).tolist(), name
 
 
-def test_large_tensor_streams_in_pieces_smaller_than_staging(make_daemon) -> None:
+def test_large_tensor_streams_in_pieces_smaller_than_staging(make_daemon, fmt: str) -> None:
     """A tensor larger than staging and the daemon's frame limit still round-trips."""
-    d = make_daemon(max_frame="1MiB", chunk_size="2MiB")
+    d = make_daemon(max_frame="1MiB", chunk_size="2MiB", format=fmt)
     big = torch.randn(3 * 2**20 // 4 * 3)  # 9 MiB
     small = torch.randn(10)
     with d.producer(staging_size="4MiB") as p:
@@ -184,9 +201,9 @@ def test_selective_load_reads_only_named_tensors(daemon) -> None:
     assert list(out) == ["b.c"] and torch.equal(out["b.c"], torch.zeros(2))
 
 
-def test_daemon_memory_budget_smaller_than_a_chunk_still_completes(make_daemon) -> None:
+def test_daemon_memory_budget_smaller_than_a_chunk_still_completes(make_daemon, fmt: str) -> None:
     """Over budget the daemon stops reading and flushes partial chunks; nothing deadlocks."""
-    d = make_daemon(memory_budget="1MiB", chunk_size="4MiB")
+    d = make_daemon(memory_budget="1MiB", chunk_size="4MiB", format=fmt)
     tensors = {f"w{i}": torch.randn(2**16) for i in range(32)}  # 8 MiB in 256 KiB tensors
     with d.producer(staging_size="16MiB") as p:
         with p.checkpoint(1) as h:
@@ -195,3 +212,18 @@ def test_daemon_memory_budget_smaller_than_a_chunk_still_completes(make_daemon) 
         h.wait(60)
     out = ckptd.load("t", root=d.root, verify=True)
     assert all(torch.equal(out[k], v) for k, v in tensors.items())
+
+
+def test_a_step_aborted_and_sent_again_at_once(make_daemon, fmt: str) -> None:
+    """The second attempt reuses the first's file names; removing the first's files
+    must not remove the second's (it did when the syncer removed them late)."""
+    d = make_daemon(chunk_size="1MiB", format=fmt)
+    with d.producer() as p:
+        for step in range(1, 16):
+            with pytest.raises(KeyError):
+                with p.checkpoint(step):
+                    p.emit("a", torch.randn(2**19))  # 2 MiB: a file of its own, written at once
+                    raise KeyError("the training step failed")
+            w = torch.randn(2**19)
+            assert p.save({"a": w}, step).wait(30).step == step
+            assert torch.equal(ckptd.load("t", step, root=d.root, verify=True)["a"], w)

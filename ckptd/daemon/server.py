@@ -29,7 +29,7 @@ import zmq
 
 from .. import __version__, dtypes, layout, state as state_mod, wire
 from ..chunkfile import Entry
-from ..config import Config, ConfigError, load as load_config
+from ..config import FORMATS, Config, ConfigError, load as load_config
 from ..errors import CheckpointError, ProtocolError
 from ..names import check_name, check_rank, check_run, check_step
 from ..wakeup import WakePipe
@@ -80,6 +80,7 @@ class Session:
     world_size: int
     pid: int
     host: str
+    format: str = "chunk"  # of this session's checkpoints: its hello's, else [daemon] format
     last_seen: float = field(default_factory=time.monotonic)
     ack: int | None = None  # newest tensor seq received, not yet acknowledged
     steps: dict[int, OpenStep] = field(default_factory=dict)
@@ -129,7 +130,8 @@ class Daemon:
             log.info("removed %d orphan file(s) left by an earlier crash", removed)
         self.upkeep = Upkeep(self.config)
         self.upkeep.start()
-        self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit)
+        self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
+                             hdf5=self.config.hdf5)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
@@ -231,6 +233,8 @@ class Daemon:
             if self._signals:
                 self._on_signals(now)
             if self.stopping and self._drained(now):
+                if reading:
+                    self._read_batch()  # what already waits (new steps) gets its refusal now
                 break
             timeout = 1.0
             if watchdog is not None:
@@ -465,6 +469,9 @@ class Daemon:
             check_rank(h["rank"], h["world_size"])
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
+        fmt = h["format"] or self.cfg.format
+        if fmt not in FORMATS:
+            raise ProtocolError(f"format {fmt!r} is not one of {', '.join(map(repr, FORMATS))}")
         for other in self.sessions.values():
             if other.run == h["run"] and other.world_size != h["world_size"] and other.identity != identity:
                 raise ProtocolError(
@@ -484,10 +491,10 @@ class Daemon:
                 self.upkeep.set_run_policy(h["run"], h["retention"])
             except ConfigError as exc:
                 raise ProtocolError(str(exc)) from None
-        sess = Session(identity, h["run"], h["rank"], h["world_size"], h["pid"], h["host"])
+        sess = Session(identity, h["run"], h["rank"], h["world_size"], h["pid"], h["host"], fmt)
         self.sessions[identity] = sess
         self.owner[key] = identity
-        log.info("producer connected: %s host=%s", sess.label, sess.host)
+        log.info("producer connected: %s host=%s format=%s", sess.label, sess.host, sess.format)
         self._send(identity, "welcome", v=wire.VERSION, max_frame=self.cfg.max_frame, daemon_pid=os.getpid())
 
     def _on_latest(self, identity: bytes, h: dict[str, Any]) -> None:
@@ -506,7 +513,8 @@ class Daemon:
         open_step = sess.steps.get(step)
         if open_step is not None:
             return open_step
-        open_step = sess.steps[step] = OpenStep(Share(self.root, sess.run, sess.rank, sess.world_size, step))
+        open_step = sess.steps[step] = OpenStep(
+            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format))
         try:
             check_step(step)
         except ValueError as exc:
@@ -751,8 +759,7 @@ class Daemon:
         The loop exits once every commit received is durable and no step is open,
         so the only steps left here already failed and were reported; any other
         step still gets its error, never silence."""
-        log.info("drained: %d commit(s) in progress, %d producer(s) let go",
-                 len(self.committing), len(self.sessions))
+        log.info("drained: every commit received is durable; letting %d producer(s) go", len(self.sessions))
         for sess in list(self.sessions.values()):
             for step, open_step in sess.steps.items():
                 if open_step.share.error is None:
@@ -798,6 +805,7 @@ def _parse_json(text: str, what: str) -> Any:
 
 def serve(config: Config) -> int:
     """Run the daemon in the foreground until SIGTERM or SIGINT; return the exit status."""
+    logging.captureWarnings(True)  # a library's warnings.warn() is a log line like any other
     use_journal_priorities()  # under systemd: journalctl -p warning finds warnings
     # A crash or the watchdog's SIGABRT prints every thread's stack to the log.
     faulthandler.enable(all_threads=True)

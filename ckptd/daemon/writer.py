@@ -1,13 +1,16 @@
-"""The daemon's I/O: two threads that turn received tensors into durable files.
+"""The daemon's I/O: threads that turn received tensors into durable files.
 
-    main loop --jobs--> ckptd-writer --fds, commits--> ckptd-syncer
-        ^                     |                              |
-        +------- results (bytes freed, failures, commits) ---+
+    main loop --jobs--> ckptd-writer (chunk files) --fds, commits--> ckptd-syncer
+        ^       \\-jobs--> ckptd-hdf5 (HDF5 files) --fds, commits--/      |
+        +------- results (bytes freed, failures, commits) --------------+
 
-The writer checksums and writes (to the page cache); the syncer fsyncs and, last,
-writes the manifest. Both queues are FIFO, so a commit runs only after every write
+The writers checksum and write (to the page cache); the syncer fsyncs and, last,
+writes the manifest. The queues are FIFO, so a commit runs only after every write
 of its step has been fsynced, and writing chunk k+1 overlaps the fsync of chunk k.
-Nothing here touches sockets; results go back through ``notify``.
+A share goes to one writer by its format. HDF5 has its own thread, which does
+nothing else, so that a slow file (gzip) never delays chunk files, and h5py's
+global lock is only ever taken there (docs/hdf5.md says why a thread, not a
+process). Nothing here touches sockets; results go back through ``notify``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Callable
 
 from .. import chunkfile, layout
 from ..chunkfile import Entry
+from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from ..index import read_manifests
@@ -48,6 +52,8 @@ class Share:
     next_file: int = 0  # chunk sequence numbers, assigned by the main thread
     started: float = field(default_factory=time.monotonic)
     dir_ready: bool = False
+    format: str = "chunk"  # "hdf5": one r<rank>.h5, written on the ckptd-hdf5 thread
+    h5: Any = None  # that file while it is open (an hdf5file.H5Writer)
 
     @property
     def dir(self) -> Path:
@@ -80,18 +86,23 @@ class Stream:
     hasher: Any = None
     header_len: int = 0
     written: int = 0
+    dataset: Any = None  # format "hdf5": its hdf5file.Slot (dataset) in the share's file
 
 
 class Writer:
     def __init__(self, notify: Callable[[Result], None], *, fsync: bool = True,
-                 after_commit: Callable[[Share, bool], None] = lambda share, complete: None) -> None:
+                 after_commit: Callable[[Share, bool], None] = lambda share, complete: None,
+                 hdf5: Hdf5Config = Hdf5Config()) -> None:
         self._notify = notify
         self._after_commit = after_commit  # (share, step now complete), on the syncer thread
         self._fsync = fsync
+        self._hdf5 = hdf5
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._h5jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._syncs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [
+        self._threads = [  # closed in this order: the writers feed the syncer
             threading.Thread(target=self._loop, args=(self._jobs,), name="ckptd-writer", daemon=True),
+            threading.Thread(target=self._loop, args=(self._h5jobs,), name="ckptd-hdf5", daemon=True),
             threading.Thread(target=self._loop, args=(self._syncs,), name="ckptd-syncer", daemon=True),
         ]
         for t in self._threads:
@@ -99,29 +110,49 @@ class Writer:
 
     # -- called by the main loop -------------------------------------------------
     def write_chunk(self, share: Share, entries: list[Entry], nbytes: int) -> None:
-        self._jobs.put((self._do_chunk, (share, share.new_file(), entries, nbytes)))
+        if share.format == "hdf5":
+            self._h5jobs.put((self._do_h5_batch, (share, entries, nbytes)))
+        else:
+            self._jobs.put((self._do_chunk, (share, share.new_file(), entries, nbytes)))
 
     def open_stream(self, share: Share, entry: Entry) -> Stream:
-        stream = Stream(share, entry, share.new_file())
-        self._jobs.put((self._do_stream_open, (stream,)))
+        if share.format == "hdf5":
+            stream = Stream(share, entry, layout.h5_name(share.rank))
+            self._h5jobs.put((self._do_h5_stream_open, (stream,)))
+        else:
+            stream = Stream(share, entry, share.new_file())
+            self._jobs.put((self._do_stream_open, (stream,)))
         return stream
 
     def stream_piece(self, stream: Stream, piece: Any, last: bool) -> None:
-        self._jobs.put((self._do_stream_piece, (stream, piece, last)))
+        if stream.share.format == "hdf5":
+            self._h5jobs.put((self._do_h5_stream_piece, (stream, piece, last)))
+        else:
+            self._jobs.put((self._do_stream_piece, (stream, piece, last)))
 
     def commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
-        # via the writer queue, so it follows every write of this share
-        self._jobs.put((self._syncs.put, ((self._do_commit, (share, state, metadata, token)),)))
+        # via the share's writer queue, so it follows every write of this share
+        self._after_writes(share, (self._syncs.put, ((self._do_commit, (share, state, metadata, token)),)))
 
     def discard(self, share: Share) -> None:
-        self._jobs.put((self._syncs.put, ((self._do_discard, (share,)),)))
+        # On the writer thread itself, not the syncer: a step aborted and at once sent
+        # again reuses the same file names, and its new files are written by this
+        # thread; removing the old ones later, from the syncer, removed the new ones.
+        self._after_writes(share, (self._do_discard, (share,)))
+
+    def _after_writes(self, share: Share, job: tuple) -> None:
+        """Queue ``job`` on the share's writer thread, after every write of the share."""
+        if share.format == "hdf5":  # the file is closed (and queued for fsync) first
+            self._h5jobs.put((self._do_h5_close, (share,)))
+            self._h5jobs.put(job)
+        else:
+            self._jobs.put(job)
 
     def close(self) -> None:
-        """Finish every queued job, then stop both threads."""
-        self._jobs.put(None)
-        self._threads[0].join()
-        self._syncs.put(None)
-        self._threads[1].join()
+        """Finish every queued job, then stop the threads."""
+        for jobs, thread in zip((self._jobs, self._h5jobs, self._syncs), self._threads):
+            jobs.put(None)
+            thread.join()
 
     # -- the threads ---------------------------------------------------------------
     def _loop(self, jobs: queue.SimpleQueue) -> None:
@@ -237,6 +268,86 @@ class Writer:
             os.close(stream.fd)
             stream.fd = -1
 
+    # -- format "hdf5", on the ckptd-hdf5 thread: one file per share -----------------------
+    def _h5_file(self, share: Share) -> Any:
+        """The share's open HDF5 file, created on first use."""
+        if share.h5 is None:
+            from ..hdf5file import H5Writer  # h5py loads only in a daemon that writes HDF5
+
+            self._ensure_dir(share)
+            name = layout.h5_name(share.rank)
+            share.files.append(name)
+            share.h5 = H5Writer(share.dir / name, self._hdf5,
+                                attrs={"run": share.run, "step": share.step, "rank": share.rank})
+        return share.h5
+
+    def _h5_record(self, share: Share, e: Entry, dataset: Any, digest: str) -> None:
+        share.records[e.name] = TensorRecord(
+            dtype=e.dtype.name, shape=e.shape, file=layout.h5_name(share.rank), key=dataset.key,
+            offset=dataset.offset, nbytes=e.nbytes, checksum=digest, numpy=e.numpy,
+        )
+
+    def _do_h5_batch(self, share: Share, entries: list[Entry], nbytes: int) -> None:
+        try:
+            if share.error is None:
+                h5 = self._h5_file(share)
+                for e in entries:
+                    dataset = h5.add(e.name, e.dtype, e.shape)
+                    digest = checksum(e.buffers)  # just before writing: the bytes are in cache
+                    h5.write(dataset, e.buffers)
+                    self._h5_record(share, e, dataset, digest)
+        except OSError as exc:
+            self._fail(share, f"writing {share.dir / layout.h5_name(share.rank)}", exc)
+        finally:
+            entries.clear()  # drop the received buffers before reporting them freed
+            self._notify(Result("freed" if share.error is None else "failed", share, nbytes,
+                                message=share.error or ""))
+
+    def _do_h5_stream_open(self, stream: Stream) -> None:
+        share, e = stream.share, stream.entry
+        if share.error is not None:
+            return
+        try:
+            stream.dataset = self._h5_file(share).add(e.name, e.dtype, e.shape)
+        except OSError as exc:
+            self._fail(share, f"writing {share.dir / stream.file}", exc)
+            return
+        import xxhash
+
+        stream.hasher = xxhash.xxh3_64()
+
+    def _do_h5_stream_piece(self, stream: Stream, piece: Any, last: bool) -> None:
+        share, nbytes = stream.share, len(memoryview(piece))
+        try:
+            if share.error is None and stream.dataset is not None:
+                stream.hasher.update(piece)
+                share.h5.write(stream.dataset, [piece])
+                if last:
+                    self._h5_record(share, stream.entry, stream.dataset,
+                                    f"xxh3_64:{stream.hasher.hexdigest()}")
+        except OSError as exc:
+            self._fail(share, f"writing {share.dir / stream.file}", exc)
+        finally:
+            del piece
+            self._notify(Result("freed" if share.error is None else "failed", share, nbytes,
+                                message=share.error or ""))
+
+    def _do_h5_close(self, share: Share) -> None:
+        """Before a commit or discard: finish the file (HDF5 writes its metadata now) and
+        queue it for fsync; a failed share's file is only let go of."""
+        h5, share.h5 = share.h5, None
+        if h5 is None:
+            return
+        if share.error is not None:
+            h5.abort()
+            return
+        try:
+            fd = h5.close()
+        except OSError as exc:
+            self._fail(share, f"writing {h5.path}", exc)
+            return
+        self._syncs.put((self._do_sync, (share, h5.path.name, fd)))
+
     def _do_sync(self, share: Share, name: str, fd: int) -> None:
         try:
             if self._fsync and share.error is None:
@@ -260,9 +371,11 @@ class Writer:
 
     def _write_manifest(self, share: Share, state: Any, metadata: dict) -> CheckpointInfo:
         self._ensure_dir(share)  # a step with no tensors has no chunk files
+        data_files = {r.file for r in share.records.values()}
         manifest = Manifest(
             run=share.run, step=share.step, rank=share.rank, world_size=share.world_size,
             time=time.time(), tensors=share.records, state=state, metadata=metadata,
+            format=share.format, files={f: os.stat(share.dir / f).st_size for f in sorted(data_files)},
         )
         path = share.dir / layout.manifest_name(share.rank)
         atomic_write(path, manifest.to_json(), fsync=self._fsync)

@@ -26,8 +26,9 @@ _default_lock = threading.Lock()
 def configure(endpoint: str | None = None, run: str | None = None, rank: int | None = None,
               world_size: int | None = None, **options: Any) -> Producer:
     """(Re)create the default producer; closes the previous one first. ``options``:
-    the ``[producer]`` keys of config.toml, and ``retention=`` (this run's own
-    ``[retention]`` keys)."""
+    the ``[producer]`` keys of config.toml, ``retention=`` (this run's own
+    ``[retention]`` keys) and ``format=`` (``"chunk"`` or ``"hdf5"``: this run's
+    storage format; default the daemon's)."""
     global _default
     with _default_lock:
         old, _default = _default, None

@@ -100,6 +100,7 @@ class Producer:
         rank: int | None = None,
         world_size: int | None = None,
         retention: dict[str, Any] | None = None,
+        format: str | None = None,
         **options: Any,
     ) -> None:
         cfg = config_mod.load()
@@ -123,6 +124,11 @@ class Producer:
             from ..retention import merge
 
             merge(cfg.retention, retention, "Producer(retention=...)")
+        # this run's storage format; None: the daemon's [daemon] format
+        if format is not None and format not in config_mod.FORMATS:
+            raise ValueError(f"format={format!r}: use one of {', '.join(map(repr, config_mod.FORMATS))}, "
+                             "or None for the daemon's [daemon] format")
+        self.format = format
 
         self._lock = threading.Lock()  # bookkeeping shared with the sender thread
         self._emit_lock = threading.Lock()  # one emit at a time: regions go out in order
@@ -531,7 +537,7 @@ class Producer:
                               on_reply=self._on_reply, on_lost=self._on_lost)
         transport.send(wire.encode("hello", v=wire.VERSION, run=run, rank=self.rank,
                                    world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
-                                   retention=self.retention))
+                                   retention=self.retention, format=self.format))
         if not self._welcome.wait(self.options.timeout) or self._hello_error or transport.lost:
             transport.close()
             if self._hello_error:

@@ -1,0 +1,130 @@
+"""``ckptd export``: one checkpoint as one file that the ecosystem reads without ckptd.
+
+    .safetensors  the tensors, flat, by their names; the saved structure with its
+                  plain values, the run, step and metadata as JSON under the
+                  header's metadata key ``ckptd``
+    .h5           one dataset per tensor, as the daemon writes them (``hdf5file``);
+                  the same JSON in the root attribute ``ckptd``
+    .pt           ``torch.save`` of the restored state, as ``ckptd.load`` returns it;
+                  ``torch.load(path, weights_only=True)`` loads it
+
+Every tensor's checksum is verified on the way. The file appears whole or not at
+all (``durable.replacing``). A state that a format cannot hold is a ``ValueError``
+naming what and the formats that can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from . import dtypes, reader, state as state_mod
+from .config import Hdf5Config
+from .durable import replacing
+from .manifest import Manifest
+
+SUFFIXES = (".safetensors", ".h5", ".pt")
+
+
+def export(run: str, step: int | None, out: str | os.PathLike[str], *,
+           root: str | os.PathLike[str] | None = None, rank: int | None = None) -> Path:
+    """Write checkpoint ``step`` of ``run`` (None: the newest) to ``out``; the suffix
+    of ``out`` picks the format. Returns the path written."""
+    out = Path(out)
+    write = _WRITERS.get(out.suffix.lower())
+    if write is None:
+        raise ValueError(f"cannot export to {out}: unknown suffix {out.suffix!r}; "
+                         f"name the file with one of {', '.join(SUFFIXES)}")
+    if not out.parent.is_dir():
+        raise ValueError(f"cannot export to {out}: folder {out.parent} does not exist")
+    path, manifests = reader.find(run, step, root)
+    manifest = reader.pick_rank(manifests, rank)
+    if write is _pt:  # refuse before reading gigabytes
+        _check_pt(manifest)
+    tensors = reader.read_tensors(path, manifest.tensors, verify=True)
+    with replacing(out) as tmp:
+        write(tmp, manifest, tensors)
+    return out
+
+
+def _about(manifest: Manifest) -> str:
+    """What a file holds besides its tensors, as JSON (the state's structure names
+    every tensor by its key in the file)."""
+    return json.dumps({
+        "run": manifest.run, "step": manifest.step, "rank": manifest.rank,
+        "world_size": manifest.world_size, "time": manifest.time, "metadata": manifest.metadata,
+        "state": manifest.state, "numpy": sorted(n for n, t in manifest.tensors.items() if t.numpy),
+    }, ensure_ascii=False, allow_nan=False)
+
+
+def _safetensors(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None:
+    from safetensors.torch import save, save_file
+
+    refused = {}
+    for t in {t.dtype for t in tensors.values()}:
+        try:  # safetensors itself says which dtypes it holds
+            save({"probe": _empty(t)})
+        except Exception:  # it raises several types for an unknown dtype
+            refused[t] = [n for n, v in tensors.items() if v.dtype == t]
+    if refused:
+        what = "; ".join(f"{dtypes.torch_name(t)}: {', '.join(map(repr, names[:3]))}"
+                         + (" ..." if len(names) > 3 else "") for t, names in refused.items())
+        raise ValueError(f"safetensors cannot hold these tensors' dtypes ({what}); "
+                         "export to .h5 or .pt instead")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "ckptd": _about(manifest)})
+
+
+def _h5(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None:
+    from .hdf5file import H5Writer
+
+    h5 = H5Writer(tmp, Hdf5Config(), attrs={"ckptd": _about(manifest)})
+    try:
+        for name, t in tensors.items():
+            ds = h5.add(name, dtypes.lookup(manifest.tensors[name].dtype), list(t.shape))
+            h5.write(ds, [_bytes(t)])
+        fd = h5.close()
+    except BaseException:
+        h5.abort()
+        raise
+    os.close(fd)  # replacing() fsyncs the file
+
+
+def _pt(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None:
+    import torch
+
+    values: dict[str, Any] = dict(tensors)
+    state = values if manifest.state is None else state_mod.unflatten(manifest.state, values.__getitem__)
+    try:
+        torch.save(state, tmp)
+    except RuntimeError as exc:  # torch's writer reports a failed write (a full disk) so
+        raise OSError(f"torch.save to {tmp} failed: {exc}") from None
+
+
+def _check_pt(manifest: Manifest) -> None:
+    arrays = sorted(n for n, t in manifest.tensors.items() if t.numpy)
+    if arrays:
+        raise ValueError(
+            f"the state holds numpy arrays ({', '.join(map(repr, arrays[:3]))}{' ...' if len(arrays) > 3 else ''}), "
+            "which torch.load(weights_only=True) refuses to load; export to .safetensors or .h5, "
+            "or save them as torch tensors"
+        )
+
+
+def _empty(dtype: Any) -> Any:
+    import torch
+
+    return torch.empty(0, dtype=dtype)
+
+
+def _bytes(t: Any) -> memoryview:
+    """A tensor's bytes (read_tensors gives contiguous tensors over their own buffers)."""
+    import torch
+
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+_WRITERS: dict[str, Callable[[Path, Manifest, dict[str, Any]], None]] = {
+    ".safetensors": _safetensors, ".h5": _h5, ".pt": _pt,
+}

@@ -1,0 +1,248 @@
+"""The HDF5 format: one file per rank and step, one dataset per tensor.
+
+The files are plain HDF5 (format of HDF5 1.8, which every tool of the last decade
+reads): h5py, ``h5dump`` or HDFView open them without ckptd.
+
+**Names.** Every dataset sits in the root group. Its link name is the tensor name
+with ``%`` written ``%25`` and ``/`` written ``%2F`` (and the name ``.`` as ``%2E``),
+which HDF5 accepts for any name ckptd does; decoding is exact, so two distinct
+names never share a dataset. The exact name is also in the dataset's ``name``
+attribute, and the torch dtype in ``torch_dtype``.
+
+**Types.** A dtype numpy has is stored as HDF5's own (bool as h5py's enum, complex
+as its compound of two floats); one it lacks (bfloat16, the float8 types,
+complex32) as the unsigned integer of the same width. The bytes are the tensor's
+bytes either way.
+
+**Writing.** Datasets are created as tensors arrive. A contiguous dataset (the
+default) gets its space in the file when it is created, and is never filled, so its
+absolute offset is known at once: its bytes go there with ``pwritev`` straight
+from the received buffers, like a chunk file's, and h5py only writes metadata. A
+chunked dataset (``chunk_shape = "auto"``, compression, fletcher32) is written
+through h5py, whole rows at a time, since HDF5's filters run inside the library.
+
+Only this module and the reader path it serves import h5py; its errors become
+``OSError`` (writing) or are left to the reader to translate.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import h5py
+import numpy as np
+
+from .chunkfile import write_buffers
+from .config import Hdf5Config
+from .dtypes import Dtype
+
+ATTR_NAME = "name"  # the exact tensor name
+ATTR_DTYPE = "torch_dtype"  # the torch dtype, e.g. "bfloat16" (stored as uint16)
+_ALIGN_THRESHOLD = 64 * 2**10  # datasets this large start on a page boundary...
+_ALIGN = 4096  # ...like chunk files' data
+_LIBVER = ("v108", "v108")  # readable by HDF5 >= 1.8 (Debian's h5dump, HDFView); large attributes
+_H5PY_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError)
+_ESCAPE = re.compile("%(25|2F)")  # every "%" in a key starts one of these
+
+
+# -- names and types ----------------------------------------------------------------------
+def dataset_key(name: str) -> str:
+    """The link name of tensor ``name`` in the root group (injective: see ``tensor_name``)."""
+    key = name.replace("%", "%25").replace("/", "%2F")
+    return "%2E" if key == "." else key
+
+
+def tensor_name(key: str) -> str:
+    """The inverse of ``dataset_key``."""
+    if key == "%2E":
+        return "."
+    return _ESCAPE.sub(lambda m: "%" if m.group(1) == "25" else "/", key)
+
+
+def stored_dtype(dtype: Dtype) -> np.dtype:
+    """The numpy dtype a dataset of ``dtype`` holds: its own, or same-width unsigned."""
+    return np.dtype(dtype.numpy) if dtype.numpy else np.dtype(f"<u{dtype.itemsize}")
+
+
+# -- writing ----------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Slot:
+    """One tensor's dataset, being written; its bytes arrive in order through ``write``."""
+
+    key: str
+    offset: int | None  # absolute file offset of the data; None if chunked or empty
+    nbytes: int
+    written: int = 0
+    rows: _Rows | None = None  # for a chunked dataset: h5py writes whole rows
+
+
+class H5Writer:
+    """Writes one HDF5 file. Not thread-safe; every call comes from one thread.
+
+    ``create`` the file, ``add`` a dataset per tensor and ``write`` its bytes, then
+    ``close``, which returns a descriptor of the file for the caller to fsync
+    and close.
+    """
+
+    def __init__(self, path: Path, options: Hdf5Config, attrs: dict[str, Any] | None = None) -> None:
+        self.path = path
+        self.options = options
+        self._file: Any = None
+        self._fd = -1
+        try:
+            path.unlink(missing_ok=True)  # a leftover of an earlier attempt; "x" below refuses symlinks
+            self._file = h5py.File(path, "x", libver=_LIBVER, locking="best-effort", track_order=False,
+                                   alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN)
+            for key, value in (attrs or {}).items():
+                self._file.attrs[key] = value
+            self._fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except _H5PY_ERRORS as exc:
+            self.abort()
+            raise _os_error(f"cannot create {path}", exc) from None
+        self._lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+        self._lcpl.set_char_encoding(h5py.h5t.CSET_UTF8)
+
+    def add(self, name: str, dtype: Dtype, shape: Sequence[int]) -> Slot:
+        """Create the dataset of tensor ``name``; its bytes follow through ``write``."""
+        key, shape = dataset_key(name), tuple(shape)
+        stored = stored_dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        chunked = self.options.chunk_shape == "auto" and len(shape) > 0 and nbytes > 0
+        try:
+            if chunked:
+                ds = self._file.create_dataset(key, shape=shape, dtype=stored, **self._filters())
+                entry = Slot(key, None, nbytes, rows=_Rows(ds, stored, shape))
+            else:
+                ds = h5py.Dataset(self._contiguous(key, stored, shape))
+                entry = Slot(key, ds.id.get_offset(), nbytes)
+            ds.attrs[ATTR_NAME] = name
+            ds.attrs[ATTR_DTYPE] = dtype.name
+        except _H5PY_ERRORS as exc:
+            raise _os_error(f"cannot create dataset {key!r} in {self.path}", exc) from None
+        return entry
+
+    def write(self, ds: Slot, buffers: Sequence[Any]) -> None:
+        """Write the next bytes of ``ds`` (``buffers`` in order)."""
+        n = sum(len(memoryview(b).cast("B")) for b in buffers)
+        if ds.written + n > ds.nbytes:
+            raise ValueError(f"dataset {ds.key!r} holds {ds.nbytes} bytes; {ds.written + n} were written")
+        if ds.rows is not None:
+            try:
+                for b in buffers:
+                    ds.rows.write(memoryview(b).cast("B"))
+            except _H5PY_ERRORS as exc:
+                raise _os_error(f"cannot write dataset {ds.key!r} of {self.path}", exc) from None
+        elif n:
+            assert ds.offset is not None
+            os.lseek(self._fd, ds.offset + ds.written, os.SEEK_SET)
+            write_buffers(self._fd, buffers)
+        ds.written += n
+
+    def close(self) -> int:
+        """Write HDF5's metadata and close the file; return a descriptor of it, which the
+        caller fsyncs (that covers h5py's writes too) and closes."""
+        try:
+            self._file.close()
+        except _H5PY_ERRORS as exc:
+            self.abort()
+            raise _os_error(f"cannot finish {self.path}", exc) from None
+        self._file = None
+        fd, self._fd = self._fd, -1
+        return fd
+
+    def abort(self) -> None:
+        """Let go of the file as it is (the caller removes it)."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except _H5PY_ERRORS:
+                pass
+            self._file = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _contiguous(self, key: str, stored: np.dtype, shape: tuple[int, ...]) -> Any:
+        """A contiguous dataset whose space is allocated now and never filled: its offset
+        is final, and HDF5 never writes to it."""
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
+        tid = h5py.h5t.py_create(stored, logical=True)
+        return h5py.h5d.create(self._file.id, key.encode("utf-8"), tid, space, dcpl=dcpl, lcpl=self._lcpl)
+
+    def _filters(self) -> dict[str, Any]:
+        o = self.options
+        kw: dict[str, Any] = {"chunks": True, "fletcher32": o.fletcher32, "track_times": False}
+        if o.compression == "gzip":
+            kw.update(compression="gzip", compression_opts=o.level)
+        elif o.compression == "lzf":
+            kw["compression"] = "lzf"
+        return kw
+
+
+@dataclass(eq=False)
+class _Rows:
+    """Feeds a chunked dataset whole rows (slices of its first dimension) from bytes
+    that arrive in pieces of any size; only a row split between pieces is copied."""
+
+    ds: Any
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    done: int = 0  # rows written
+    carry: bytearray = field(default_factory=bytearray)
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    def write(self, view: memoryview) -> None:
+        size = self.row_bytes
+        if self.carry:
+            take = min(len(view), size - len(self.carry))
+            self.carry += view[:take]
+            view = view[take:]
+            if len(self.carry) == size:
+                self._put(memoryview(self.carry))
+                self.carry = bytearray()
+        whole = len(view) // size * size
+        if whole:
+            self._put(view[:whole])
+        if whole < len(view):
+            self.carry += view[whole:]
+
+    def _put(self, view: memoryview) -> None:
+        n = len(view) // self.row_bytes
+        rows = np.frombuffer(view, dtype=self.dtype).reshape((n, *self.shape[1:]))
+        self.ds[self.done:self.done + n] = rows
+        self.done += n
+
+
+def _os_error(what: str, exc: BaseException) -> OSError:
+    if isinstance(exc, OSError) and exc.strerror:
+        return OSError(exc.errno, f"{what}: {exc.strerror}")
+    return OSError(f"{what}: {exc}")
+
+
+# -- reading (what the manifest's offsets cannot serve) ---------------------------------------
+def open_file(path: Path) -> Any:
+    """Open an HDF5 file for reading (the caller closes it)."""
+    return h5py.File(path, "r", locking="best-effort")
+
+
+def read_into(file: Any, key: str, dtype: Dtype, shape: Sequence[int], out: np.ndarray) -> None:
+    """Read dataset ``key`` into ``out`` (uint8, the tensor's size). ``KeyError`` if the
+    dataset is missing; ``ValueError`` if its type or shape is not the manifest's."""
+    ds = file[key]
+    stored = stored_dtype(dtype)
+    if tuple(ds.shape) != tuple(shape) or ds.dtype.itemsize != stored.itemsize:
+        raise ValueError(f"dataset {key!r} is {ds.dtype}{list(ds.shape)}, not {dtype.name}{list(shape)}")
+    if out.size:
+        ds.read_direct(out.view(stored).reshape(tuple(shape)))
