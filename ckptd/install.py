@@ -23,6 +23,7 @@ SYSTEM_ROOT = Path("/var/lib/ckptd")  # StateDirectory=ckptd
 SYSTEM_SOCKET = Path("/run/ckptd/ckptd.sock")  # RuntimeDirectory=ckptd
 _PLACEHOLDER = "/opt/ckptd/.venv/bin/python"  # the templates' ExecStart interpreter
 _HOMES = ("/home", "/root", "/run/user")  # what ProtectHome=yes hides
+_TMPS = ("/tmp", "/var/tmp")  # what PrivateTmp=yes hides
 
 _DROPIN = """\
 # Written by `ckptd install-systemd`: this host's Python (or ckptd itself) lives
@@ -31,6 +32,13 @@ _DROPIN = """\
 [Service]
 ProtectHome=tmpfs
 BindReadOnlyPaths={paths}
+"""
+
+_TMP_DROPIN = """\
+# This host's Python (or ckptd itself) lives under /tmp or /var/tmp, which the
+# unit's PrivateTmp=yes would replace with an empty folder: keep the host's (still
+# read-only, under ProtectSystem=strict). Installing from a permanent folder is better.
+PrivateTmp=no
 """
 
 _CONFIG = """\
@@ -126,22 +134,34 @@ def install(*, user: bool) -> list[str]:
     return done
 
 
-def hidden_paths(python: str | None = None) -> list[str]:
-    """Folders the service runs from (the interpreter, its standard library, the
-    environment, ckptd's source) that the system unit's ProtectHome=yes would hide."""
+def _needed(python: str | None) -> set[str]:
+    """Folders the service runs from: the interpreter, its standard library, the
+    environment, ckptd's source."""
     python = python or sys.executable
-    needed = {sys.prefix, sys.base_prefix, str(Path(os.path.realpath(python)).parent.parent),
-              str(Path(__file__).resolve().parent.parent)}
-    hidden = sorted(p for p in needed if any(p == h or p.startswith(h + "/") for h in _HOMES))
+    return {sys.prefix, sys.base_prefix, str(Path(os.path.realpath(python)).parent.parent),
+            str(Path(__file__).resolve().parent.parent)}
+
+
+def _under(path: str, tops: tuple[str, ...]) -> bool:
+    return any(path == t or path.startswith(t + "/") for t in tops)
+
+
+def hidden_paths(python: str | None = None) -> list[str]:
+    """Folders the service runs from that the system unit's ProtectHome=yes would hide."""
+    hidden = sorted(p for p in _needed(python) if _under(p, _HOMES))
     return [p for p in hidden if not any(p.startswith(q + "/") for q in hidden)]  # outermost only
 
 
 def render_dropin(python: str | None = None) -> str | None:
-    """A drop-in showing the service the folders ``hidden_paths`` names, or None if none."""
+    """A drop-in showing the service the folders it runs from, or None if it sees them."""
+    parts = []
     paths = hidden_paths(python)
-    if not paths:
-        return None
-    return _DROPIN.format(paths=" ".join(_exec_word(p) for p in paths))
+    if paths:
+        parts.append(_DROPIN.format(paths=" ".join(_exec_word(p) for p in paths)))
+    if any(_under(p, _TMPS) for p in _needed(python)):
+        # A private /tmp would hide them, and a bind mount cannot reach under it.
+        parts.append(_TMP_DROPIN if paths else "[Service]\n" + _TMP_DROPIN)
+    return "".join(parts) or None
 
 
 def _outside_sandbox(config_path: Path) -> list[str]:

@@ -135,7 +135,7 @@ def test_system_install_writes_unit_user_and_config() -> None:
     second, config = rest.split("=== config\n")
     files = {name: text.rstrip("\n")
              for name, text in re.findall(r"==> (\S+) <==\n(.*?)(?=\n==> |\Z)", first, re.S)}
-    dropin = render_dropin()  # only for a Python under /root or /home, as here in CI
+    dropin = render_dropin()  # only for a Python under /root, /home or /tmp, as in CI
     assert [line for line in first.splitlines() if line.startswith(("wrote ", "next: "))] == [
         "wrote /etc/systemd/system/ckptd.service",
         *([f"wrote {SYSTEM_DROPIN}"] if dropin else []),
