@@ -41,14 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ckptd.config import parse_size  # noqa: E402
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from hdf5_bench import _fsync  # noqa: E402  (this folder is on sys.path when run as a script)
 
 
 def write_h5py(path: str, arrays: list[np.ndarray], **filters: object) -> None:
