@@ -324,16 +324,22 @@ class Index:
                 log.exception("index update failed")
 
     def _start_observer(self) -> None:
+        from watchdog import events as ev
         from watchdog.events import FileSystemEventHandler
         from watchdog.observers import Observer
         from watchdog.observers.polling import PollingObserver
+
+        # What can change a step's completeness: names appearing, vanishing or moving,
+        # and files closed after writing (a manifest or chunk copied in, a file
+        # truncated). Not every write: the daemon's own chunk writes would cost it CPU
+        # for events that say nothing new.
+        wanted = [ev.FileCreatedEvent, ev.FileDeletedEvent, ev.FileMovedEvent, ev.FileClosedEvent,
+                  ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirMovedEvent]
 
         index = self
 
         class Handler(FileSystemEventHandler):
             def on_any_event(self, event) -> None:  # type: ignore[no-untyped-def]
-                if event.event_type in ("opened", "closed_no_write"):
-                    return
                 index._mark(os.fsdecode(event.src_path))
                 dest = getattr(event, "dest_path", "")
                 if dest:
@@ -344,7 +350,7 @@ class Index:
         if kind in ("auto", "inotify"):
             try:
                 observer = Observer()
-                observer.schedule(Handler(), str(self.root), recursive=True)
+                observer.schedule(Handler(), str(self.root), recursive=True, event_filter=wanted)
                 observer.start()
                 kind = "inotify"
             except OSError as exc:
@@ -354,7 +360,9 @@ class Index:
                 observer = None
         if observer is None:
             observer = PollingObserver(timeout=self.config.poll_interval)
-            observer.schedule(Handler(), str(self.root), recursive=True)
+            # polling sees no "closed": a file still growing when seen shows up as modified
+            observer.schedule(Handler(), str(self.root), recursive=True,
+                              event_filter=[*wanted, ev.FileModifiedEvent])
             observer.start()
             kind = "polling"
         self._observer, self.observer_kind = observer, kind
