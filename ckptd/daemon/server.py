@@ -27,17 +27,17 @@ from typing import Any
 
 import zmq
 
-from .. import __version__, dtypes, layout, state as state_mod, wire
-from ..chunkfile import Entry
+from .. import __version__, layout, state as state_mod, wire
 from ..config import FORMATS, Config, ConfigError, load as load_config
 from ..errors import CheckpointError, ProtocolError
-from ..names import check_name, check_rank, check_run, check_step
+from ..names import check_rank, check_run, check_step
 from ..wakeup import WakePipe
 from .metrics import Figures, MetricsServer
 from .notify import Notifier, status_line, use_journal_priorities
+from .assembly import OpenStep, StepError
 from .recovery import remove_orphans
 from .upkeep import Upkeep
-from .writer import Result, Share, Stream, Writer
+from .writer import Result, Share, Writer
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -46,30 +46,6 @@ IPC_PATH_MAX = 107  # sun_path in struct sockaddr_un, less the terminating NUL
 EXTEND_S = 10.0
 # ...as long as open steps may still be committed, or the drain moved within this long.
 STALL_S = 60.0
-
-
-class StepError(Exception):
-    """A message that fails one step (not the session): reply, then drop the step."""
-
-
-@dataclass(eq=False)
-class Partial:
-    """The tensor whose pieces are arriving; a producer sends one tensor at a time."""
-
-    entry: Entry
-    received: int = 0
-    stream: Stream | None = None  # set for a tensor large enough for a file of its own
-
-
-@dataclass(eq=False)
-class OpenStep:
-    share: Share
-    names: set[str] = field(default_factory=set)
-    complete: int = 0
-    partial: Partial | None = None
-    chunk: list[Entry] = field(default_factory=list)
-    chunk_bytes: int = 0
-    received_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -513,8 +489,10 @@ class Daemon:
         open_step = sess.steps.get(step)
         if open_step is not None:
             return open_step
+        assert self.writer is not None
         open_step = sess.steps[step] = OpenStep(
-            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format))
+            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format),
+            self.writer, self.cfg.chunk_size)
         try:
             check_step(step)
         except ValueError as exc:
@@ -539,79 +517,21 @@ class Daemon:
         if open_step.share.error is not None:
             return  # failed and reported; dropped until the producer aborts
         try:
-            self._add_piece(open_step, h, payload.buffer)
+            self.queued += open_step.add_piece(h, payload.buffer)
         except StepError as exc:
             self._fail_step(sess, open_step, str(exc), h["seq"])
-
-    def _add_piece(self, open_step: OpenStep, h: dict[str, Any], data: memoryview) -> None:
-        n, name, start = len(data), h["name"], h["start"]
-        partial = open_step.partial
-        if start == 0:
-            if partial is not None:
-                raise StepError(f"tensor {name!r} started before tensor {partial.entry.name!r} was complete")
-            try:
-                check_name(name)
-                dtype = dtypes.lookup(h["dtype"])
-            except (ValueError, TypeError) as exc:
-                raise StepError(str(exc)) from None
-            if name in open_step.names:
-                raise StepError(f"tensor name {name!r} appears twice in step {open_step.share.step}")
-            expected = math.prod(h["shape"]) * dtype.itemsize
-            if expected != h["nbytes"]:
-                raise StepError(
-                    f"tensor {name!r}: shape {h['shape']} of {dtype.name} is {expected} bytes, "
-                    f"but the message declares {h['nbytes']}"
-                )
-            entry = Entry(name, dtype, h["shape"], h["nbytes"], [], numpy=h["numpy"])
-            partial = open_step.partial = Partial(entry)
-            open_step.names.add(name)
-            if entry.nbytes >= self.cfg.chunk_size:
-                self._flush_chunk(open_step)  # keep chunk files in emit order
-                assert self.writer is not None
-                partial.stream = self.writer.open_stream(open_step.share, entry)
-        elif partial is None or partial.entry.name != name or partial.received != start:
-            raise StepError(f"piece of tensor {name!r} at byte {start} arrived out of order")
-        entry = partial.entry
-        if partial.received + n > entry.nbytes or (n == 0 and entry.nbytes > 0):
-            raise StepError(
-                f"tensor {name!r}: a piece of {n} bytes at byte {start} does not fit "
-                f"the declared {entry.nbytes} bytes"
-            )
-        partial.received += n
-        open_step.received_bytes += n
-        self.queued += n
-        last = partial.received == entry.nbytes
-        if partial.stream is not None:
-            assert self.writer is not None
-            self.writer.stream_piece(partial.stream, data, last)
-        elif n:
-            entry.buffers.append(data)
-        if last:
-            open_step.partial = None
-            open_step.complete += 1
-            if partial.stream is None:
-                open_step.chunk.append(entry)
-                open_step.chunk_bytes += entry.nbytes
-                if open_step.chunk_bytes >= self.cfg.chunk_size:
-                    self._flush_chunk(open_step)
-
-    def _flush_chunk(self, open_step: OpenStep) -> None:
-        if open_step.chunk:
-            assert self.writer is not None
-            self.writer.write_chunk(open_step.share, open_step.chunk, open_step.chunk_bytes)
-            open_step.chunk, open_step.chunk_bytes = [], 0
 
     def _flush_chunks(self) -> None:
         for sess in self.sessions.values():
             for open_step in sess.steps.values():
-                self._flush_chunk(open_step)
+                open_step.flush()
 
     def _on_commit(self, sess: Session, h: dict[str, Any]) -> None:
         step, seq = h["step"], h["seq"]
         open_step = self._open_step(sess, step, seq)
         share = open_step.share
         try:
-            self._check_commit(open_step, h)
+            open_step.check_commit(h)
             structure = _parse_json(h["state"], "state")
             metadata = _parse_json(h["metadata"], "metadata")
             if not isinstance(metadata, dict):
@@ -627,23 +547,11 @@ class Daemon:
                            message=f"step {step} was not committed: {share.error}")
             self._drop_step(sess, step)
             return
-        self._flush_chunk(open_step)
+        open_step.flush()
         del sess.steps[step]
         self.committing.add((share.run, share.rank, step))
         assert self.writer is not None
         self.writer.commit(share, structure, metadata, token=(sess.identity, seq, open_step.received_bytes))
-
-    @staticmethod
-    def _check_commit(open_step: OpenStep, h: dict[str, Any]) -> None:
-        if open_step.share.error is not None:
-            raise StepError(open_step.share.error)
-        if open_step.partial is not None:
-            raise StepError(f"commit arrived while tensor {open_step.partial.entry.name!r} was incomplete")
-        if open_step.complete != h["ntensors"]:
-            raise StepError(
-                f"commit of step {h['step']} declares {h['ntensors']} tensors, "
-                f"but the daemon received {open_step.complete}"
-            )
 
     def _fail_step(self, sess: Session, open_step: OpenStep, message: str, seq: int | None,
                    *, discard: bool = True) -> None:
@@ -654,8 +562,8 @@ class Daemon:
         self._send(sess.identity, "error", seq=seq, step=share.step, message=message)
         share.error = message
         share.reported = True
-        self._close_partial(open_step)
-        self._flush_chunk(open_step)  # the writer frees (not writes) a failed share's bytes
+        self.queued -= open_step.release_partial()
+        open_step.flush()  # the writer frees (not writes) a failed share's bytes
         if discard:
             assert self.writer is not None
             self.writer.discard(share)
@@ -666,21 +574,10 @@ class Daemon:
             return
         if open_step.share.error is None:
             open_step.share.error = "aborted by the producer"
-        self._close_partial(open_step)
-        self._flush_chunk(open_step)
+        self.queued -= open_step.release_partial()
+        open_step.flush()
         assert self.writer is not None
         self.writer.discard(open_step.share)
-
-    def _close_partial(self, open_step: OpenStep) -> None:
-        """Let go of a half-received tensor of a failed step (closing its own file, if any)."""
-        partial, open_step.partial = open_step.partial, None
-        if partial is None:
-            return
-        if partial.stream is not None:
-            assert self.writer is not None
-            self.writer.stream_piece(partial.stream, b"", True)  # the writer closes the file
-        else:
-            self.queued -= partial.received  # its buffers are dropped right here
 
     def _end_session(self, sess: Session, why: str) -> None:
         log.info("producer %s %s; discarding %d unfinished step(s)", sess.label, why, len(sess.steps))

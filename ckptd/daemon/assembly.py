@@ -1,0 +1,132 @@
+"""Assembling one rank's share of a step from ``tensor`` messages, on the main loop.
+
+Pieces become tensors; small tensors gather into a chunk that goes to the writer
+whole once it reaches ``chunk_size`` (a safetensors header must know every
+tensor first); a tensor of ``chunk_size`` or more gets a file of its own, written
+piece by piece as it arrives. The received buffers are ZeroMQ frames and are
+handed on as they are: nothing here copies tensor bytes. Any inconsistency in
+what a producer declares is a ``StepError`` that fails this step only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import dtypes
+from ..chunkfile import Entry
+from ..names import check_name
+from .writer import Share, Stream, Writer
+
+
+class StepError(Exception):
+    """A message that fails one step (not the session): reply, then drop the step."""
+
+
+@dataclass(eq=False)
+class Partial:
+    """The tensor whose pieces are arriving; a producer sends one tensor at a time."""
+
+    entry: Entry
+    received: int = 0
+    stream: Stream | None = None  # set for a tensor large enough for a file of its own
+
+
+@dataclass(eq=False)
+class OpenStep:
+    share: Share
+    writer: Writer
+    chunk_size: int
+    names: set[str] = field(default_factory=set)
+    complete: int = 0
+    partial: Partial | None = None
+    chunk: list[Entry] = field(default_factory=list)
+    chunk_bytes: int = 0
+    received_bytes: int = 0
+
+    def add_piece(self, h: dict[str, Any], data: memoryview) -> int:
+        """Take bytes ``[start, start+len(data))`` of tensor ``name``; return how many
+        bytes are now held (until the writer reports them freed)."""
+        n, name, start = len(data), h["name"], h["start"]
+        partial = self.partial if start else self._start_tensor(h)
+        if partial is None or partial.entry.name != name or partial.received != start:
+            raise StepError(f"piece of tensor {name!r} at byte {start} arrived out of order")
+        entry = partial.entry
+        if partial.received + n > entry.nbytes or (n == 0 and entry.nbytes > 0):
+            raise StepError(
+                f"tensor {name!r}: a piece of {n} bytes at byte {start} does not fit "
+                f"the declared {entry.nbytes} bytes"
+            )
+        partial.received += n
+        self.received_bytes += n
+        last = partial.received == entry.nbytes
+        if partial.stream is not None:
+            self.writer.stream_piece(partial.stream, data, last)
+        elif n:
+            entry.buffers.append(data)
+        if last:
+            self._finish_tensor(partial)
+        return n
+
+    def _start_tensor(self, h: dict[str, Any]) -> Partial:
+        name = h["name"]
+        if self.partial is not None:
+            raise StepError(f"tensor {name!r} started before tensor {self.partial.entry.name!r} was complete")
+        try:
+            check_name(name)
+            dtype = dtypes.lookup(h["dtype"])
+        except (ValueError, TypeError) as exc:
+            raise StepError(str(exc)) from None
+        if name in self.names:
+            raise StepError(f"tensor name {name!r} appears twice in step {self.share.step}")
+        expected = math.prod(h["shape"]) * dtype.itemsize
+        if expected != h["nbytes"]:  # a declared size is never trusted
+            raise StepError(
+                f"tensor {name!r}: shape {h['shape']} of {dtype.name} is {expected} bytes, "
+                f"but the message declares {h['nbytes']}"
+            )
+        partial = self.partial = Partial(Entry(name, dtype, h["shape"], h["nbytes"], [], numpy=h["numpy"]))
+        self.names.add(name)
+        if partial.entry.nbytes >= self.chunk_size:
+            self.flush()  # keep chunk files in emit order
+            partial.stream = self.writer.open_stream(self.share, partial.entry)
+        return partial
+
+    def _finish_tensor(self, partial: Partial) -> None:
+        self.partial = None
+        self.complete += 1
+        if partial.stream is None:
+            self.chunk.append(partial.entry)
+            self.chunk_bytes += partial.entry.nbytes
+            if self.chunk_bytes >= self.chunk_size:
+                self.flush()
+
+    def flush(self) -> None:
+        """Hand the gathered chunk to the writer (it frees, not writes, a failed share's)."""
+        if self.chunk:
+            self.writer.write_chunk(self.share, self.chunk, self.chunk_bytes)
+            self.chunk, self.chunk_bytes = [], 0
+
+    def release_partial(self) -> int:
+        """Let go of a half-received tensor of a failed step (its own file is closed by
+        the writer); return the bytes dropped here, which the caller no longer holds."""
+        partial, self.partial = self.partial, None
+        if partial is None:
+            return 0
+        if partial.stream is not None:
+            self.writer.stream_piece(partial.stream, b"", True)  # the writer closes the file
+            return 0
+        return partial.received
+
+    def check_commit(self, h: dict[str, Any]) -> None:
+        """A commit closes a step only if it is whole: every tensor the producer counts."""
+        if self.share.error is not None:
+            raise StepError(self.share.error)
+        if self.partial is not None:
+            raise StepError(f"commit arrived while tensor {self.partial.entry.name!r} was incomplete")
+        if self.complete != h["ntensors"]:
+            raise StepError(
+                f"commit of step {h['step']} declares {h['ntensors']} tensors, "
+                f"but the daemon received {self.complete}"
+            )
