@@ -18,12 +18,26 @@ FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "xxh3_64"
 
 
+class Checksum:
+    """A tensor's checksum, fed its bytes piece by piece (xxh3 releases the GIL)."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, buf: Any) -> None:
+        self._h.update(buf)
+
+    def text(self) -> str:
+        """``"xxh3_64:<hex>"``, as manifests record it."""
+        return f"{CHECKSUM_ALGORITHM}:{self._h.hexdigest()}"
+
+
 def checksum(buffers: Iterable[Any]) -> str:
-    """``"xxh3_64:<hex>"`` over the concatenation of ``buffers`` (releases the GIL)."""
-    h = xxhash.xxh3_64()
+    """The checksum of the concatenation of ``buffers``."""
+    c = Checksum()
     for buf in buffers:
-        h.update(buf)
-    return f"{CHECKSUM_ALGORITHM}:{h.hexdigest()}"
+        c.update(buf)
+    return c.text()
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from .. import chunkfile, layout
 from ..chunkfile import Entry
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
-from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
+from ..manifest import Checksum, CheckpointInfo, Manifest, TensorRecord, checksum
 from ..index import read_manifests
 
 log = logging.getLogger("ckptd.writer")
@@ -83,9 +83,8 @@ class Stream:
     entry: Entry
     file: str
     fd: int = -1
-    hasher: Any = None
+    hasher: Checksum | None = None
     header_len: int = 0
-    written: int = 0
     dataset: Any = None  # format "hdf5": its hdf5file.Slot (dataset) in the share's file
 
 
@@ -163,6 +162,11 @@ class Writer:
             except Exception:  # a bug here must not kill the daemon's I/O
                 log.exception("internal error in %s", threading.current_thread().name)
 
+    def _report_freed(self, share: Share, nbytes: int) -> None:
+        """Received bytes are let go of: written, or dropped because the share failed."""
+        kind = "freed" if share.error is None else "failed"
+        self._notify(Result(kind, share, nbytes, message=share.error or ""))
+
     def _fail(self, share: Share, what: str, exc: OSError) -> None:
         if share.error is None:
             share.error = f"{what}: {exc.strerror or exc}"
@@ -193,8 +197,7 @@ class Writer:
                 self._write_chunk(share, name, entries)
         finally:
             entries.clear()  # drop the received buffers before reporting them freed
-            self._notify(Result("freed" if share.error is None else "failed", share, nbytes,
-                                message=share.error or ""))
+            self._report_freed(share, nbytes)
 
     def _write_chunk(self, share: Share, name: str, entries: list[Entry]) -> None:
         head = chunkfile.header(entries)
@@ -206,10 +209,7 @@ class Writer:
             offset = len(head)
             for e in entries:
                 # hash each tensor just before writing it, while its bytes are in cache
-                records[e.name] = TensorRecord(
-                    dtype=e.dtype.name, shape=e.shape, file=name, key=e.name, offset=offset,
-                    nbytes=e.nbytes, checksum=checksum(e.buffers), numpy=e.numpy,
-                )
+                records[e.name] = _record(e, name, e.name, offset, checksum(e.buffers))
                 chunkfile.write_buffers(fd, e.buffers)
                 offset += e.nbytes
         except OSError as exc:
@@ -232,9 +232,7 @@ class Writer:
             self._fail(stream.share, f"writing {stream.share.dir / stream.file}", exc)
             return
         stream.header_len = len(head)
-        import xxhash
-
-        stream.hasher = xxhash.xxh3_64()
+        stream.hasher = Checksum()
 
     def _do_stream_piece(self, stream: Stream, piece: Any, last: bool) -> None:
         share, nbytes = stream.share, len(memoryview(piece))
@@ -242,14 +240,9 @@ class Writer:
             if share.error is None and stream.fd >= 0:
                 stream.hasher.update(piece)
                 chunkfile.write_buffers(stream.fd, [piece])
-                stream.written += nbytes
                 if last:
-                    e = stream.entry
-                    share.records[e.name] = TensorRecord(
-                        dtype=e.dtype.name, shape=e.shape, file=stream.file, key=e.name,
-                        offset=stream.header_len, nbytes=e.nbytes,
-                        checksum=f"xxh3_64:{stream.hasher.hexdigest()}", numpy=e.numpy,
-                    )
+                    share.records[stream.entry.name] = _record(
+                        stream.entry, stream.file, stream.entry.name, stream.header_len, stream.hasher.text())
                     self._syncs.put((self._do_sync, (share, stream.file, stream.fd)))
                     stream.fd = -1
         except OSError as exc:
@@ -259,8 +252,7 @@ class Writer:
             del piece
             if share.error is not None:
                 self._close_stream(stream)
-            self._notify(Result("freed" if share.error is None else "failed", share, nbytes,
-                                message=share.error or ""))
+            self._report_freed(share, nbytes)
 
     @staticmethod
     def _close_stream(stream: Stream) -> None:
@@ -282,10 +274,7 @@ class Writer:
         return share.h5
 
     def _h5_record(self, share: Share, e: Entry, dataset: Any, digest: str) -> None:
-        share.records[e.name] = TensorRecord(
-            dtype=e.dtype.name, shape=e.shape, file=layout.h5_name(share.rank), key=dataset.key,
-            offset=dataset.offset, nbytes=e.nbytes, checksum=digest, numpy=e.numpy,
-        )
+        share.records[e.name] = _record(e, layout.h5_name(share.rank), dataset.key, dataset.offset, digest)
 
     def _do_h5_batch(self, share: Share, entries: list[Entry], nbytes: int) -> None:
         try:
@@ -300,8 +289,7 @@ class Writer:
             self._fail(share, f"writing {share.dir / layout.h5_name(share.rank)}", exc)
         finally:
             entries.clear()  # drop the received buffers before reporting them freed
-            self._notify(Result("freed" if share.error is None else "failed", share, nbytes,
-                                message=share.error or ""))
+            self._report_freed(share, nbytes)
 
     def _do_h5_stream_open(self, stream: Stream) -> None:
         share, e = stream.share, stream.entry
@@ -312,9 +300,7 @@ class Writer:
         except OSError as exc:
             self._fail(share, f"writing {share.dir / stream.file}", exc)
             return
-        import xxhash
-
-        stream.hasher = xxhash.xxh3_64()
+        stream.hasher = Checksum()
 
     def _do_h5_stream_piece(self, stream: Stream, piece: Any, last: bool) -> None:
         share, nbytes = stream.share, len(memoryview(piece))
@@ -323,14 +309,12 @@ class Writer:
                 stream.hasher.update(piece)
                 share.h5.write(stream.dataset, [piece])
                 if last:
-                    self._h5_record(share, stream.entry, stream.dataset,
-                                    f"xxh3_64:{stream.hasher.hexdigest()}")
+                    self._h5_record(share, stream.entry, stream.dataset, stream.hasher.text())
         except OSError as exc:
             self._fail(share, f"writing {share.dir / stream.file}", exc)
         finally:
             del piece
-            self._notify(Result("freed" if share.error is None else "failed", share, nbytes,
-                                message=share.error or ""))
+            self._report_freed(share, nbytes)
 
     def _do_h5_close(self, share: Share) -> None:
         """Before a commit or discard: finish the file (HDF5 writes its metadata now) and
@@ -413,3 +397,8 @@ class Writer:
             os.rmdir(share.dir)  # only if nothing else (another rank) is in it
         except OSError:
             pass
+
+
+def _record(e: Entry, file: str, key: str, offset: int | None, digest: str) -> TensorRecord:
+    return TensorRecord(dtype=e.dtype.name, shape=e.shape, file=file, key=key, offset=offset,
+                        nbytes=e.nbytes, checksum=digest, numpy=e.numpy)
