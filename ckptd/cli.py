@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(func=_status)
 
+    kg = sub.add_parser("keygen", help="make a CurveZMQ key pair, for a tcp:// endpoint (docs/security.md)",
+                        description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) and "
+                        "print where each goes in the daemon's and the producers' config files.")
+    kg.add_argument("name", metavar="NAME", help="the key's name, such as the daemon's host or a producer's user")
+    kg.add_argument("--dir", default=".", help="the folder to write them to (default: the current folder)")
+    kg.set_defaults(func=_keygen)
+
     inst = sub.add_parser("install-systemd", help="install ckptd's systemd unit for this host's Python",
                           description="Write ckptd.service with ExecStart pointing at this ckptd, and a "
                           "config file if there is none; then print the systemctl commands to run.")
@@ -68,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     latest = reading("latest", "print the newest complete checkpoint of RUN", False)
     latest.add_argument("--endpoint", help="ask the daemon at this endpoint (its index) instead of reading the root")
     latest.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
+    latest.add_argument("--verify", action="store_true",
+                        help="the newest one that passes `verify` (reads every tensor), skipping damaged ones")
     latest.set_defaults(func=_latest)
     prune = reading("prune", "apply RUN's retention policy now (or show it with --dry-run)", False)
     prune.add_argument("--dry-run", action="store_true", help="show what would be kept and removed, and why")
@@ -114,7 +123,7 @@ def _status(args: argparse.Namespace) -> int:
     endpoint = args.endpoint or os.environ.get("CKPTD_ENDPOINT")
     endpoint = (config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint
                 else config_mod.load(args.config).endpoint)
-    s = request(endpoint, wire.encode("status", seq=1), args.timeout)["status"]
+    s = request(endpoint, wire.encode("status", seq=1), args.timeout, _curve_keys(args, endpoint))["status"]
     if args.json:
         print(json.dumps(s))
         return 0
@@ -146,6 +155,22 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _curve_keys(args: argparse.Namespace, endpoint: str) -> Any:
+    """A tcp:// endpoint's CurveZMQ keys: the [producer] ones of the config file (-c, else
+    $CKPTD_CONFIG), as a producer's. None for ipc://, without reading any config."""
+    from . import curve
+
+    return curve.client_keys(endpoint, config_mod.load(args.config)) if curve.is_tcp(endpoint) else None
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from . import curve
+
+    for line in curve.keygen_instructions(*curve.keygen(args.name, args.dir)):
+        print(line)
+    return 0
+
+
 def _install_systemd(args: argparse.Namespace) -> int:
     from . import install
 
@@ -161,19 +186,22 @@ def _install_systemd(args: argparse.Namespace) -> int:
 
 
 def _latest(args: argparse.Namespace) -> int:
+    if args.endpoint and args.verify:
+        raise ValueError("--verify reads the checkpoint root; leave out --endpoint")
     if args.endpoint:
         from .producer.transport import request
         from . import wire
 
         check_run(args.run)
         endpoint = config_mod.resolve_endpoint(args.endpoint, Path.cwd())
-        reply = request(endpoint, wire.encode("latest", seq=1, run=args.run), args.timeout)
+        reply = request(endpoint, wire.encode("latest", seq=1, run=args.run), args.timeout,
+                        _curve_keys(args, endpoint))
         info = CheckpointInfo.from_dict(reply["info"]) if reply["info"] else None
         where = f"the daemon at {endpoint}"
     else:
         root = _root(args)
-        info = reader.latest(args.run, root=root)
-        where = str(root)
+        info = reader.latest(args.run, root=root, verify=args.verify)
+        where = str(root) + (" that passes verification" if args.verify else "")
     if info is None:
         raise CheckpointError(f"run {args.run!r} has no complete checkpoint under {where}")
     print(json.dumps(info.to_dict()) if args.json else _describe(info))

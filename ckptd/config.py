@@ -45,7 +45,9 @@ def parse_size(value: object) -> int:
     if isinstance(value, str):
         m = _QUANTITY.fullmatch(value)
         if m and m.group(2).lower() in _SIZE_UNITS:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+            size = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+            if size < float("inf"):  # "9" * 400 is a float overflow, not a size
+                return int(size)
     raise ValueError(f"{value!r} is not a size; write bytes as an integer or a string like \"256MiB\"")
 
 
@@ -96,7 +98,7 @@ class DaemonConfig:
     endpoint: str = _opt("ipc://var/run/ckptd.sock", _string)
     root: str = _opt("var/checkpoints", _string)
     format: str = _opt("chunk", _choice(*FORMATS))
-    chunk_size: int = _opt(256 * 2**20, _positive(parse_size))
+    chunk_size: int = _opt(64 * 2**20, _positive(parse_size))
     memory_budget: int = _opt(2 * 2**30, _positive(parse_size))
     max_frame: int = _opt(256 * 2**20, _positive(parse_size))
     session_timeout: float = _opt(60.0, _positive(parse_duration))
@@ -105,6 +107,11 @@ class DaemonConfig:
     log_level: str = _opt("info", _choice("debug", "info", "warning", "error"))
     metrics: str = _opt("", lambda v: _listen_address(v))  # "" = off
     drain_timeout: float = _opt(60.0, parse_duration)
+    direct_io: bool = _opt(True, lambda v: _bool(v))  # O_DIRECT chunk writes where the filesystem allows
+    write_rate: int = _opt(0, parse_size)  # bytes/s cap on data writes; 0 = none
+    shared_runs: bool = _opt(False, lambda v: _bool(v))  # False: a run is written only by its creator
+    curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's NAME.key_secret file
+    curve_clients: str = _opt("", lambda v: _path(v))  # tcp:// only: folder of admitted producers' NAME.key files
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +121,10 @@ class ProducerConfig:
     on_full: str = _opt("block", _choice("block", "raise"))
     emit_timeout: float = _opt(300.0, _positive(parse_duration))
     heartbeat: float = _opt(2.0, _positive(parse_duration))
+    transport: str = _opt("auto", _choice("auto", "shm", "inline"))
+    gpu_snapshot: str = _opt("host", _choice("host", "device"))
+    curve_server_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's public NAME.key file
+    curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: this producer's NAME.key_secret file
 
 
 def _nice(value: object) -> int:
@@ -131,6 +142,15 @@ def _count(value: object) -> int:
 def _bool(value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{value!r} is not true or false")
+    return value
+
+
+def _path(value: object) -> str:
+    """A file or folder path, kept as written (resolved where used); "" for none."""
+    if isinstance(value, os.PathLike):  # Producer(curve_secret_key=Path(...))
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a path: write a string, or \"\" for none")
     return value
 
 
@@ -296,12 +316,17 @@ def resolve_endpoint(endpoint: str, base: Path) -> str:
     if endpoint.startswith("ipc://"):
         return "ipc://" + str(resolve_path(endpoint[len("ipc://"):], base))
     if endpoint.startswith("tcp://"):
-        # DESIGN §6: a tcp:// endpoint requires CurveZMQ keys, which are not built yet.
-        raise ValueError(
-            f"endpoint {endpoint!r}: tcp:// endpoints need CurveZMQ keys, which this "
-            "version does not support yet; use an ipc:// path on this host"
-        )
-    raise ValueError(f"endpoint {endpoint!r} must start with ipc://")
+        # DESIGN §6: only with CurveZMQ keys, which the daemon and producers load and
+        # require where they open the socket (ckptd/curve.py, docs/security.md).
+        try:
+            _, port = split_host_port(endpoint[len("tcp://"):])
+        except ValueError as exc:
+            raise ValueError(f"endpoint {endpoint!r}: {exc}") from None
+        if port == 0:  # the daemon would listen on a port no producer could know
+            raise ValueError(f"endpoint {endpoint!r}: choose a port; 0 would pick one that producers cannot know")
+        return endpoint
+    raise ValueError(f"endpoint {endpoint!r} must start with ipc:// (a socket on this host) "
+                     "or tcp:// (with CurveZMQ keys)")
 
 
 def default_root(root: str | os.PathLike[str] | None = None) -> Path:

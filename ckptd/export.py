@@ -41,6 +41,7 @@ def export(run: str, step: int | None, out: str | os.PathLike[str], *,
         raise ValueError(f"cannot export to {out}: folder {out.parent} does not exist")
     path, manifests = reader.find(run, step, root)
     manifest = reader.pick_rank(manifests, rank)
+    reader.check_structure(path, manifest)  # every format carries the structure
     if write is _pt:  # refuse before reading gigabytes
         _check_pt(manifest)
     tensors = reader.read_tensors(path, manifest.tensors, verify=True)

@@ -32,7 +32,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Sequence
 
 import h5py
 import numpy as np
@@ -232,17 +232,65 @@ def _os_error(what: str, exc: BaseException) -> OSError:
 
 
 # -- reading (what the manifest's offsets cannot serve) ---------------------------------------
-def open_file(path: Path) -> Any:
-    """Open an HDF5 file for reading (the caller closes it)."""
-    return h5py.File(path, "r", locking="best-effort")
+# A file read is untrusted: HDF5 can keep a dataset's bytes in other files (external
+# storage, virtual datasets, external links), which would read outside the step
+# folder, and a filter can expand a few bytes into gigabytes. Only what the writer
+# itself makes is accepted: hard links in this file, contiguous, compact or
+# chunked storage, and the filters below.
+_SAFE_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32,
+                 h5py.h5z.FILTER_LZF}
+_EXPANSION = 1032  # the most that deflate expands (lzf: about 90); shuffle and fletcher32 do not
+_LAYOUTS = {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.COMPACT: "compact", h5py.h5d.CHUNKED: "chunked"}
 
 
-def read_into(file: Any, key: str, dtype: Dtype, shape: Sequence[int], out: np.ndarray) -> None:
-    """Read dataset ``key`` into ``out`` (uint8, the tensor's size). ``KeyError`` if the
-    dataset is missing; ``ValueError`` if its type or shape is not the manifest's."""
+def open_file(source: Path | BinaryIO) -> Any:
+    """Open an HDF5 file for reading: a path, or a file object (an already opened,
+    already checked file; h5py then reads only through it). The caller closes it."""
+    if isinstance(source, Path):
+        return h5py.File(source, "r", locking="best-effort")
+    return h5py.File(source, "r")
+
+
+def find_dataset(file: Any, key: str, dtype: Dtype, shape: Sequence[int], offset: int | None) -> Any:
+    """Dataset ``key`` of the root group, checked against the manifest before anything
+    is allocated by its size: ``KeyError`` if it is missing, ``ValueError`` saying
+    what is wrong if it is not a plain dataset of this file with the manifest's type
+    and shape (and, where the manifest has one, offset)."""
+    link = file.get(key, getlink=True)
+    if link is None:
+        raise KeyError(key)
+    if not isinstance(link, h5py.HardLink):
+        raise ValueError(f"{key!r} is a link elsewhere (h5py.{type(link).__name__}), not a dataset of this file")
     ds = file[key]
+    if not isinstance(ds, h5py.Dataset):
+        raise ValueError(f"{key!r} is a {type(ds).__name__}, not a dataset")
     stored = stored_dtype(dtype)
-    if tuple(ds.shape) != tuple(shape) or ds.dtype.itemsize != stored.itemsize:
-        raise ValueError(f"dataset {key!r} is {ds.dtype}{list(ds.shape)}, not {dtype.name}{list(shape)}")
+    if tuple(ds.shape) != tuple(shape) or ds.dtype != stored:
+        raise ValueError(f"dataset {key!r} is {ds.dtype}{list(ds.shape)}, not {stored} "
+                         f"({dtype.name}){list(shape)} as the manifest says")
+    plist = ds.id.get_create_plist()
+    layout = plist.get_layout()
+    if layout not in _LAYOUTS or plist.get_external_count():
+        raise ValueError(f"dataset {key!r} keeps its data outside this file (external or virtual "
+                         "storage), which ckptd never writes and never reads")
+    filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+    unknown = [f for f in filters if f not in _SAFE_FILTERS]
+    if unknown:
+        raise ValueError(f"dataset {key!r} uses HDF5 filter(s) {unknown}, which ckptd does not write")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if layout == h5py.h5d.CHUNKED and nbytes:
+        limit = ds.id.get_storage_size() * (_EXPANSION if filters else 1)
+        chunk = math.prod(ds.chunks) * stored.itemsize
+        if nbytes > limit or chunk > nbytes:
+            raise ValueError(f"dataset {key!r} declares {nbytes} bytes (chunks of {chunk}) but stores "
+                             f"{ds.id.get_storage_size()}: not a file that ckptd wrote")
+    if offset is not None and (layout != h5py.h5d.CONTIGUOUS or ds.id.get_offset() != offset):
+        where = ds.id.get_offset() if layout == h5py.h5d.CONTIGUOUS else f"{_LAYOUTS[layout]} storage"
+        raise ValueError(f"dataset {key!r} is at {where}, not at offset {offset} as the manifest says")
+    return ds
+
+
+def read_into(ds: Any, dtype: Dtype, shape: Sequence[int], out: np.ndarray) -> None:
+    """Read dataset ``ds`` (from ``find_dataset``) into ``out`` (uint8, the tensor's size)."""
     if out.size:
-        ds.read_direct(out.view(stored).reshape(tuple(shape)))
+        ds.read_direct(out.view(stored_dtype(dtype)).reshape(tuple(shape)))

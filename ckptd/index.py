@@ -12,8 +12,10 @@ hosts write on NFS or Lustre), so missed or coalesced events cannot leave it wro
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from . import layout
 from .config import IndexConfig
 from .durable import atomic_write
 from .errors import CheckpointCorrupt
-from .manifest import CheckpointInfo, Manifest
+from .manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
 from .names import RUN_ID_PATTERN
 
 log = logging.getLogger("ckptd.index")
@@ -32,36 +34,79 @@ log = logging.getLogger("ckptd.index")
 # -- straight from the disk ------------------------------------------------------------
 def read_manifests(step_path: Path) -> list[Manifest] | None:
     """All ranks' manifests of a step folder, or None if the step is not complete.
-    A manifest that cannot be parsed raises CheckpointCorrupt."""
+    A manifest that cannot be parsed, or a symlink in place of the step folder or a
+    manifest, raises CheckpointCorrupt."""
     try:
-        names = sorted(n for n in os.listdir(step_path) if layout.MANIFEST.fullmatch(n))
-    except (FileNotFoundError, NotADirectoryError):
+        dir_fd = _open_step(step_path)
+    except FileNotFoundError:
         return None
+    try:
+        return _read_manifests(dir_fd, step_path)
+    finally:
+        os.close(dir_fd)
+
+
+def _open_step(step_path: Path) -> int:
+    try:
+        return layout.open_step_dir(step_path)
+    except (FileNotFoundError, PermissionError):
+        raise
+    except OSError as exc:  # a symlink or a file where the folder should be
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CheckpointCorrupt(str(exc)) from None
+        raise
+
+
+def _read_manifests(dir_fd: int, step_path: Path) -> list[Manifest] | None:
+    names = sorted(n for n in os.listdir(dir_fd) if layout.MANIFEST.fullmatch(n))
     manifests = []
     for name in names:
-        path = step_path / name
+        where = str(step_path / name)
         try:
-            data = path.read_bytes()
+            data = layout.read_small(name, MAX_MANIFEST_BYTES, dir_fd=dir_fd)
         except FileNotFoundError:  # deleted while we looked
             return None
-        manifests.append(Manifest.from_json(data, str(path)))
+        except OSError as exc:  # a symlink, a FIFO, a sparse file claiming terabytes
+            raise CheckpointCorrupt(f"{step_path}: {exc.strerror}") from None
+        m = Manifest.from_json(data, where)
+        if m.rank != layout.file_rank(name):
+            raise CheckpointCorrupt(f"{where}: holds the manifest of rank {m.rank}")
+        manifests.append(m)
     if not manifests:
         return None
-    world = manifests[0].world_size
+    first = manifests[0]
+    for m in manifests[1:]:
+        for key in ("run", "step", "world_size"):  # formats may differ by rank
+            if getattr(m, key) != getattr(first, key):
+                raise CheckpointCorrupt(
+                    f"{step_path}: the manifests disagree on {key}: rank {first.rank} says "
+                    f"{getattr(first, key)!r}, rank {m.rank} says {getattr(m, key)!r}")
+    world = first.world_size
     if len(manifests) != world or {m.rank for m in manifests} != set(range(world)):
         return None
     return manifests
 
 
-def step_info(step_path: Path) -> CheckpointInfo | None:
-    """The info of a complete step, or None (incomplete, unreadable, being copied in)."""
+def step_info(step_path: Path, *, warn: bool = False) -> CheckpointInfo | None:
+    """The info of a complete step, or None (incomplete, unreadable, being copied in).
+    ``warn``: log why a step with a damaged manifest is left out as a warning (for a
+    person reading the root), not as a debug line (the daemon's rescans)."""
     try:
-        manifests = read_manifests(step_path)
+        dir_fd = _open_step(step_path)
+    except FileNotFoundError:
+        return None
     except CheckpointCorrupt as exc:
-        log.debug("not complete: %s", exc)
+        (log.warning if warn else log.debug)("not a checkpoint: %s", exc)
         return None
-    if not manifests or not _files_present(step_path, manifests):
+    try:
+        manifests = _read_manifests(dir_fd, step_path)
+        if not manifests or not _files_present(dir_fd, manifests):
+            return None
+    except CheckpointCorrupt as exc:
+        (log.warning if warn else log.debug)("not complete: %s", exc)
         return None
+    finally:
+        os.close(dir_fd)
     m = manifests[0]
     if m.run != step_path.parent.name or layout.step_dir_name(m.step) != step_path.name:
         log.warning("%s holds a checkpoint of run %r step %d; not listed under this name",
@@ -70,11 +115,11 @@ def step_info(step_path: Path) -> CheckpointInfo | None:
     return CheckpointInfo.from_manifests(str(step_path), manifests)
 
 
-def _files_present(step_path: Path, manifests: list[Manifest]) -> bool:
-    """Every data file is there and long enough: a folder copied in with ``cp -r``
-    may show its manifest before its data. The size each file had at commit, where
-    the manifest records it, and the end of every tensor with an offset (a chunked
-    HDF5 dataset has none) are lower bounds."""
+def _files_present(dir_fd: int, manifests: list[Manifest]) -> bool:
+    """Every data file is there, a regular file, and long enough: a folder copied in
+    with ``cp -r`` may show its manifest before its data. The size each file had at
+    commit, where the manifest records it, and the end of every tensor with an
+    offset (a chunked HDF5 dataset has none) are lower bounds."""
     need: dict[str, int] = {}
     for m in manifests:
         for file, size in m.files.items():
@@ -84,23 +129,31 @@ def _files_present(step_path: Path, manifests: list[Manifest]) -> bool:
             need[t.file] = max(need.get(t.file, 0), end)
     for file, size in need.items():
         try:
-            if os.stat(step_path / file, follow_symlinks=False).st_size < size:
-                return False
+            st = os.stat(file, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size < size:
             return False
     return True
 
 
 def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
-    """Step folders of a run (real folders only, never symlinks), newest first."""
+    """Step folders of a run (real folders only, never symlinks), newest first; none
+    if the run folder itself is a symlink (it is never followed)."""
     try:
-        with os.scandir(run_dir) as it:
+        fd = layout.open_real_dir(run_dir)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return []
+        raise
+    try:
+        with os.scandir(fd) as it:
             steps = [
-                (step, Path(e.path)) for e in it
+                (step, run_dir / e.name) for e in it
                 if (step := layout.parse_step_dir(e.name)) is not None and e.is_dir(follow_symlinks=False)
             ]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    finally:
+        os.close(fd)
     return sorted(steps, reverse=True)
 
 
@@ -112,13 +165,13 @@ def run_dirs(root: Path) -> list[Path]:
         return []
 
 
-def scan_run(run_dir: Path) -> dict[int, CheckpointInfo]:
-    return {step: info for step, path in step_dirs(run_dir) if (info := step_info(path))}
+def scan_run(run_dir: Path, *, warn: bool = False) -> dict[int, CheckpointInfo]:
+    return {step: info for step, path in step_dirs(run_dir) if (info := step_info(path, warn=warn))}
 
 
-def latest_by_scan(run_dir: Path) -> CheckpointInfo | None:
+def latest_by_scan(run_dir: Path, *, warn: bool = False) -> CheckpointInfo | None:
     for _, path in step_dirs(run_dir):
-        info = step_info(path)
+        info = step_info(path, warn=warn)
         if info:
             return info
     return None
@@ -132,7 +185,10 @@ def latest_from_pointer(run_dir: Path) -> CheckpointInfo | None:
 
 def write_pointer(run_dir: Path, step: int | None) -> None:
     """Point ``<run>/latest`` at ``step`` (or remove it when the run has none)."""
-    path = run_dir / "latest"
+    if os.path.islink(run_dir):  # writing or unlinking through it would touch another folder
+        raise OSError(errno.ELOOP, f"{run_dir} is a symlink; ckptd never writes through symlinks "
+                                   "below the checkpoint root")
+    path = run_dir / layout.LATEST
     if step is None:
         try:
             path.unlink()

@@ -1,17 +1,22 @@
 """The vocabulary on disk: tensor records, manifests, checkpoint info, checksums.
 
 A manifest (``manifest-r<rank>.json``) is written last; its presence commits one
-rank's share of a step. Field names are fixed by DESIGN §9.
+rank's share of a step. Field names are fixed by DESIGN §9. A manifest read from
+disk is untrusted input: ``Manifest.from_json`` checks every field before anything
+is allocated or opened by what it says.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 import xxhash
 
+from . import dtypes, layout, names
 from .errors import CheckpointCorrupt
 
 FORMAT_VERSION = 1
@@ -61,6 +66,7 @@ class TensorRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TensorRecord":
+        """A record as it stands, unchecked; ``Manifest.from_json`` checks each one."""
         return cls(
             dtype=d["dtype"], shape=[int(x) for x in d["shape"]], file=d["file"], key=d["key"],
             offset=None if d["offset"] is None else int(d["offset"]), nbytes=int(d["nbytes"]),
@@ -102,26 +108,162 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "Manifest":
+        """Parse and check a manifest. Everything in it is untrusted: each field is
+        checked for type and range, and every tensor for a dtype ckptd knows, a size
+        that agrees with its shape, a data file inside the step folder, and bytes
+        that overlap no other tensor's; anything else is ``CheckpointCorrupt``
+        naming ``where`` and what is wrong."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CheckpointCorrupt(f"{where}: manifest is {len(data)} bytes, more than the "
+                                    f"{MAX_MANIFEST_BYTES} a ckptd manifest may have")
         try:
-            d = json.loads(data)
-            version = d["format_version"]
-            if version != FORMAT_VERSION:
-                raise CheckpointCorrupt(
-                    f"{where}: manifest format_version {version!r} is not supported by "
-                    f"this ckptd (it reads version {FORMAT_VERSION}); upgrade ckptd"
-                )
-            return cls(
-                run=d["run"], step=int(d["step"]), rank=int(d["rank"]),
-                world_size=int(d["world_size"]), time=float(d["time"]),
-                tensors={n: TensorRecord.from_dict(t) for n, t in d["tensors"].items()},
-                state=d.get("state"), metadata=d.get("metadata") or {},
-                format=d.get("format", "chunk"),
-                files={str(f): int(n) for f, n in (d.get("files") or {}).items()},
-            )
-        except CheckpointCorrupt:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            raise CheckpointCorrupt(f"{where}: manifest is malformed ({type(exc).__name__}: {exc})") from None
+            d = json.loads(data, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise CheckpointCorrupt(f"{where}: manifest is not valid JSON ({type(exc).__name__}: {exc})") from None
+        return _Parser(where).manifest(d)
+
+
+MAX_MANIFEST_BYTES = 1 << 30  # far above any real one (64 MiB of state plus ~300 bytes a tensor)
+MAX_DIMS = 64
+_MAX_INT = (1 << 63) - 1  # offsets and sizes end up in off_t and int64 shapes
+_CHECKSUM = re.compile(rf"{CHECKSUM_ALGORITHM}:[0-9a-f]{{16}}")
+FORMATS = ("chunk", "hdf5")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (manifests hold finite numbers only)")
+
+
+class _Parser:
+    """Builds a Manifest from untrusted JSON, checking as it goes."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, what: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(f"{self.where}: {what}")
+
+    def typed(self, d: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str = "") -> Any:
+        if key not in d:
+            raise self.fail(f"{what}field {key!r} is missing")
+        value = d[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            raise self.fail(f"{what}field {key!r} must be {names}, not {type(value).__name__} {_short(value)}")
+        return value
+
+    def int_field(self, d: dict[str, Any], key: str, low: int, high: int, what: str = "") -> int:
+        value = self.typed(d, key, int, what)
+        if not low <= value <= high:
+            raise self.fail(f"{what}field {key!r} is {_short(value)}, out of range {low}..{high}")
+        return value
+
+    def manifest(self, d: Any) -> Manifest:
+        if not isinstance(d, dict):
+            raise self.fail(f"manifest must be a JSON object, not {type(d).__name__}")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise self.fail(f"manifest format_version {_short(version)} is not supported by this ckptd "
+                            f"(it reads version {FORMAT_VERSION}); upgrade ckptd")
+        run = self.typed(d, "run", str)
+        if not names.RUN_ID_PATTERN.fullmatch(run):
+            raise self.fail(f"run {_short(run)} is not a valid run id")
+        step = self.int_field(d, "step", 0, names.MAX_STEP)
+        world = self.int_field(d, "world_size", 1, names.MAX_WORLD_SIZE)
+        rank = self.int_field(d, "rank", 0, world - 1)
+        when = self.typed(d, "time", (int, float))
+        try:
+            when = float(when)
+        except OverflowError:
+            raise self.fail(f"time {_short(when)} is not a Unix time") from None
+        fmt = d.get("format", "chunk")
+        if fmt not in FORMATS:
+            raise self.fail(f"format {_short(fmt)} is not one of {', '.join(FORMATS)}")
+        metadata = d.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise self.fail(f"metadata must be an object, not {type(metadata).__name__}")
+        files = d.get("files") or {}
+        if not isinstance(files, dict):
+            raise self.fail(f"files must be an object, not {type(files).__name__}")
+        for file, size in files.items():
+            self.data_file(file, rank, fmt, "files: ")
+            if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= _MAX_INT:
+                raise self.fail(f"files: the size of {file!r} is {_short(size)}, not a byte count")
+        tensors = self.typed(d, "tensors", dict)
+        records = {name: self.tensor(name, t, rank, fmt) for name, t in tensors.items()}
+        self.no_overlaps(records)
+        return Manifest(run=run, step=step, rank=rank, world_size=world, time=when,
+                        tensors=records, state=d.get("state"), metadata=metadata, format=fmt,
+                        files=dict(files))
+
+    def data_file(self, file: Any, rank: int, fmt: str, what: str) -> str:
+        # Only the names ckptd writes: no "..", no "/", no absolute path, this rank's own
+        if not isinstance(file, str) or not layout.is_data_file(file):
+            raise self.fail(f"{what}file {_short(file)} is not a ckptd data file name "
+                            "(r<rank>-<seq>.safetensors or r<rank>.h5, inside the step folder)")
+        if layout.file_rank(file) != rank:
+            raise self.fail(f"{what}file {file!r} belongs to another rank than this manifest's ({rank})")
+        if (fmt == "hdf5") != bool(layout.H5.fullmatch(file)):
+            raise self.fail(f"{what}file {file!r} is not a file of format {fmt!r}")
+        return file
+
+    def tensor(self, name: Any, t: Any, rank: int, fmt: str) -> TensorRecord:
+        try:
+            if name != names.RESERVED_NAME:  # refused when written since; harmless to read (HDF5)
+                names.check_name(name)
+        except ValueError as exc:
+            raise self.fail(f"tensor name is invalid: {exc}") from None
+        what = f"tensor {name!r}: "
+        if not isinstance(t, dict):
+            raise self.fail(f"{what}record must be an object, not {type(t).__name__}")
+        dtype = self.typed(t, "dtype", str, what)
+        info = dtypes.BY_NAME.get(dtype)
+        if info is None:
+            raise self.fail(f"{what}dtype {_short(dtype)} is not one ckptd knows")
+        shape = self.typed(t, "shape", list, what)
+        if len(shape) > MAX_DIMS:
+            raise self.fail(f"{what}shape has {len(shape)} dimensions, more than {MAX_DIMS}")
+        for n in shape:
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_INT:
+                raise self.fail(f"{what}shape {_short(shape)} holds {_short(n)}, not a size")
+        nbytes = self.int_field(t, "nbytes", 0, _MAX_INT, what)
+        expected = math.prod(shape) * info.itemsize
+        if nbytes != expected:
+            raise self.fail(f"{what}nbytes {nbytes} disagrees with shape {shape} of {dtype} "
+                            f"({expected} bytes)")
+        file = self.data_file(t.get("file"), rank, fmt, what)
+        key = self.typed(t, "key", str, what)
+        if fmt == "chunk" and key != name:
+            raise self.fail(f"{what}key {_short(key)} is not the tensor's name (a chunk file's key is)")
+        offset = t.get("offset")
+        if offset is None:
+            if fmt == "chunk":
+                raise self.fail(f"{what}has no offset in its chunk file")
+        elif isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= _MAX_INT - nbytes:
+            raise self.fail(f"{what}offset {_short(offset)} is not a byte offset")
+        digest = self.typed(t, "checksum", str, what)
+        if not _CHECKSUM.fullmatch(digest):
+            raise self.fail(f"{what}checksum {_short(digest)} is not {CHECKSUM_ALGORITHM}:<16 hex digits>")
+        numpy = t.get("numpy", False)
+        if not isinstance(numpy, bool) or (numpy and info.numpy is None):
+            raise self.fail(f"{what}numpy {_short(numpy)} is not possible for dtype {dtype}")
+        return TensorRecord(dtype=dtype, shape=shape, file=file, key=key, offset=offset,
+                            nbytes=nbytes, checksum=digest, numpy=numpy)
+
+    def no_overlaps(self, records: dict[str, TensorRecord]) -> None:
+        """No two tensors' bytes share a range of a file: a manifest that aliased them
+        could make a small file load as many times its size."""
+        spans = sorted((r.file, r.offset, r.offset + r.nbytes, n)
+                       for n, r in records.items() if r.offset is not None and r.nbytes)
+        for (f1, _, end1, n1), (f2, begin2, _, n2) in zip(spans, spans[1:]):
+            if f1 == f2 and begin2 < end1:
+                raise self.fail(f"tensors {n1!r} and {n2!r} overlap in {f1} (bytes {begin2}..{end1})")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr`` of an untrusted value, cut short: an error message must stay one line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Validation of everything a user names: run ids, tensor names, steps, ranks.
 
 Run ids become directory names, so they are held to a strict pattern. Tensor
-names never become paths; they only need to be printable, bounded text.
+names never become paths; they only need to be printable, bounded text (and not
+the one key safetensors reserves).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_NAME_BYTES = 1024
+RESERVED_NAME = "__metadata__"  # a chunk file's safetensors header holds its metadata there
 MAX_STEP = 10**12 - 1  # step folders carry 12 digits
 MAX_WORLD_SIZE = 99_999  # manifests carry 5 rank digits
 
@@ -20,8 +22,10 @@ def check_run(run: object) -> str:
     if not isinstance(run, str):
         raise ValueError(f"run id must be a str, got {type(run).__name__}")
     if not RUN_ID_PATTERN.fullmatch(run):
+        # ASCII only: a look-alike (fullwidth solidus, Cyrillic "а") never reaches a path
+        shown = repr(run) if len(run) <= 140 else f"{run[:40]!r}... ({len(run)} characters)"
         raise ValueError(
-            f"invalid run id {run!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
+            f"invalid run id {shown}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
             "starting with a letter or digit"
         )
     return run
@@ -32,6 +36,9 @@ def check_name(name: object) -> str:
         raise ValueError(f"tensor name must be a str, got {type(name).__name__}")
     if not name:
         raise ValueError("tensor name is empty")
+    if name == RESERVED_NAME:
+        raise ValueError(f"tensor name {name!r} is reserved: safetensors keeps the file's metadata "
+                         "under that key; rename the tensor")
     if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         raise ValueError(f"tensor name {name[:40]!r}... is longer than {MAX_NAME_BYTES} bytes")
     bad = _CONTROL.search(name)

@@ -6,13 +6,24 @@ per tensor into memory the caller then owns, so ``names=`` reads only those
 tensors' bytes and nothing is ever unpickled. Chunk files and contiguous HDF5
 datasets have offsets; a chunked HDF5 dataset (compressed) has none and is read
 with h5py, straight into the same memory.
+
+What is on disk is untrusted. Manifests are checked field by field when parsed
+(``Manifest.from_json``); a tensor's size is checked against the real size of its
+file before memory is allocated for it; files are opened relative to the step
+folder's descriptor and never through a symlink: a symlink planted in place of a
+run folder, a step folder, a manifest or a data file is refused with
+``CheckpointCorrupt``, so nothing outside the step folder is ever read. The root
+itself may be a symlink.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+from contextlib import closing
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from . import dtypes, index, layout, state as state_mod
 from .config import default_root
@@ -20,33 +31,64 @@ from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from .names import check_run
 
+log = logging.getLogger("ckptd.reader")
+
+_MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors' own limit
+
 
 def _run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]:
     check_run(run)
     base = default_root(root)
-    return base, base / run
+    run_dir = base / run
+    if os.path.islink(run_dir):
+        raise CheckpointCorrupt(
+            f"{run_dir} is a symlink; ckptd never reads through symlinks below the checkpoint "
+            "root: put the run's folder itself there, or pass its parent as the root"
+        )
+    return base, run_dir
 
 
 def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None) -> list[CheckpointInfo]:
-    """Every complete checkpoint of ``run``, ascending by step."""
+    """Every complete checkpoint of ``run``, ascending by step. A step whose manifest
+    is damaged is not complete: it is left out, with a logged warning saying why."""
     _, run_dir = _run_dir(run, root)
-    steps = index.scan_run(run_dir)
+    steps = index.scan_run(run_dir, warn=True)
     return [steps[s] for s in sorted(steps)]
 
 
-def latest(run: str, *, root: str | os.PathLike[str] | None = None) -> CheckpointInfo | None:
+def latest(run: str, *, root: str | os.PathLike[str] | None = None,
+           verify: bool = False) -> CheckpointInfo | None:
     """The newest complete checkpoint of ``run``, or None when it has none.
 
     Reads the ``<run>/latest`` pointer the daemon keeps, and falls back to a scan
     of the run's step folders when the pointer is missing or names a step that is
-    no longer complete.
+    no longer complete. ``verify=True`` reads every tensor of each candidate,
+    newest first, and returns the newest that passes verification (``verify``),
+    skipping damaged ones with a logged warning; None when none passes.
     """
     _, run_dir = _run_dir(run, root)
-    return index.latest_from_pointer(run_dir) or index.latest_by_scan(run_dir)
+    if not verify:
+        return index.latest_from_pointer(run_dir) or index.latest_by_scan(run_dir, warn=True)
+    for _, path in index.step_dirs(run_dir):
+        info = index.step_info(path, warn=True)
+        if info is None:
+            continue
+        try:
+            manifests = index.read_manifests(path)
+        except CheckpointCorrupt as exc:  # replaced since step_info looked
+            problems = [str(exc)]
+        else:
+            problems = check(path, manifests) if manifests else ["no longer complete"]
+        if not problems:
+            return info
+        log.warning("run %r step %d is damaged; skipped: %s%s", run, info.step, problems[0],
+                    f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+    return None
 
 
 def find(run: str, step: int | None, root: str | os.PathLike[str] | None) -> tuple[Path, list[Manifest]]:
-    """The step folder and manifests of ``step`` (None: the newest), or CheckpointNotFound."""
+    """The step folder and manifests of ``step`` (None: the newest), or CheckpointNotFound;
+    CheckpointCorrupt if its manifests are damaged."""
     base, run_dir = _run_dir(run, root)
     if not run_dir.is_dir():
         raise CheckpointNotFound(f"run {run!r} has no checkpoints under {base}")
@@ -64,6 +106,9 @@ def find(run: str, step: int | None, root: str | os.PathLike[str] | None) -> tup
             f"run {run!r} has no complete checkpoint at step {step}; complete steps: {have}"
             + (" (newest 10 shown)" if len(complete) == 10 else "")
         )
+    first = manifests[0]
+    if first.run != run or first.step != step:
+        raise CheckpointCorrupt(f"{path}: its manifests are those of run {first.run!r} step {first.step}")
     return path, manifests
 
 
@@ -96,7 +141,8 @@ def load(
     """Load a complete checkpoint: the state as saved, or ``{name: tensor}``.
 
     ``step=None`` loads the newest complete step. ``names`` reads only those
-    tensors and returns them flat. ``verify=True`` checks each tensor's checksum.
+    tensors and returns them flat. ``verify=True`` checks each tensor's checksum
+    (and that each file's own header agrees with the manifest).
     In a multi-rank checkpoint, ``rank`` (default ``$RANK``) picks whose share.
     """
     path, manifests = find(run, step, root)
@@ -108,85 +154,243 @@ def load(
             f"step {manifest.step} of run {run!r} has no tensor named "
             + ", ".join(map(repr, missing[:5])) + (" ..." if len(missing) > 5 else "")
         )
+    rebuild = names is None and manifest.state is not None
+    if rebuild:  # a malformed structure fails now, before gigabytes are read
+        check_structure(path, manifest)
     tensors = read_tensors(path, {n: manifest.tensors[n] for n in wanted}, verify=verify)
     if map_location not in (None, "cpu"):
         tensors = {n: t.to(map_location) for n, t in tensors.items()}
     values = {
         n: (t.numpy() if manifest.tensors[n].numpy else t) for n, t in tensors.items()
     }
-    if names is not None or manifest.state is None:
-        return values
-    return state_mod.unflatten(manifest.state, values.__getitem__)
+    return _unflatten(path, manifest, values) if rebuild else values
+
+
+def check_structure(step_path: Path, manifest: Manifest) -> None:
+    """CheckpointCorrupt if the manifest's saved structure cannot be rebuilt (a node
+    ckptd does not write, a reference to a tensor it does not list, ...)."""
+    if manifest.state is not None:
+        _unflatten(step_path, manifest, dict.fromkeys(manifest.tensors))
+
+
+def _unflatten(path: Path, manifest: Manifest, values: dict[str, Any]) -> Any:
+    def lookup(name: Any) -> Any:
+        if not isinstance(name, str) or name not in values:
+            raise KeyError(f"it refers to a tensor {name!r} that the manifest does not list")
+        return values[name]
+
+    try:
+        return state_mod.unflatten(manifest.state, lookup)
+    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, RecursionError) as exc:
+        where = path / layout.manifest_name(manifest.rank)
+        raise CheckpointCorrupt(f"{where}: the saved structure (\"state\") is malformed: "
+                                f"{exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}") from None
 
 
 def read_tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool) -> dict[str, Any]:
-    import torch
-
-    by_file: dict[str, list[tuple[str, TensorRecord]]] = {}
-    for name, rec in records.items():
-        by_file.setdefault(rec.file, []).append((name, rec))
+    """Read ``records`` (of one rank's manifest) from the step folder; the first problem
+    is raised as CheckpointCorrupt naming the file and the tensor."""
     out: dict[str, Any] = {}
-    for file, items in by_file.items():
-        path = _data_file(step_path, file)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise CheckpointCorrupt(f"{path}: cannot open a file the manifest names: {exc.strerror}") from None
-        h5 = None  # opened for the first record without an offset (a chunked HDF5 dataset)
-        try:
-            for name, rec in sorted(items, key=lambda it: -1 if it[1].offset is None else it[1].offset):
-                buf = torch.empty(rec.nbytes, dtype=torch.uint8)
-                view = memoryview(buf.numpy()) if rec.nbytes else memoryview(b"")
-                if rec.offset is not None:
-                    got = _pread_into(fd, view, rec.offset)
-                    if got != rec.nbytes:
-                        raise CheckpointCorrupt(
-                            f"{path}: tensor {name!r} is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}"
-                        )
-                elif rec.nbytes:
-                    h5 = h5 or _open_h5(path)
-                    _read_dataset(h5, path, name, rec, buf.numpy())
-                if verify and checksum([view]) != rec.checksum:
-                    raise CheckpointCorrupt(f"{path}: tensor {name!r} does not match its checksum")
-                out[name] = as_tensor(buf, rec)
-        finally:
-            os.close(fd)
-            if h5 is not None:
-                h5.close()
+    with closing(_tensors(step_path, records, verify=verify)) as it:
+        for name, tensor, error in it:
+            if error is not None:
+                raise error
+            out[name] = tensor
     return out
 
 
-def _open_h5(path: Path) -> Any:
-    from . import hdf5file  # h5py loads only for a checkpoint that needs it
+def verify(run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None) -> tuple[Path, list[str]]:
+    """Check every tensor of a checkpoint; return its folder and a list of problems,
+    one for each damaged tensor, naming it and its file."""
+    path, manifests = find(run, step, root)
+    return path, check(path, manifests)
 
+
+def check(step_path: Path, manifests: list[Manifest]) -> list[str]:
+    """Every problem of a step whose manifests were read: each tensor's bytes against
+    its checksum and its file's own header, and each saved structure."""
+    problems = []
+    for manifest in manifests:
+        try:
+            with closing(_tensors(step_path, manifest.tensors, verify=True)) as it:
+                problems += [f"rank {manifest.rank}: {error}" for _, _, error in it if error is not None]
+            check_structure(step_path, manifest)
+        except CheckpointCorrupt as exc:
+            problems.append(f"rank {manifest.rank}: {exc}")
+    return problems
+
+
+# -- reading files ---------------------------------------------------------------------------
+def _tensors(step_path: Path, records: dict[str, TensorRecord], *,
+             verify: bool) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
+    """``(name, tensor, None)`` for each record read, ``(name, None, error)`` for each
+    that cannot be; grouped by file, in file order."""
     try:
-        return hdf5file.open_file(path)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointCorrupt(f"{path}: not a readable HDF5 file: {exc}") from None
-
-
-def _read_dataset(h5: Any, path: Path, name: str, rec: TensorRecord, out: Any) -> None:
-    from . import hdf5file
-
+        dir_fd = layout.open_step_dir(step_path)
+    except OSError as exc:
+        raise CheckpointCorrupt(f"cannot open the step folder: {exc.strerror}") from None
+    by_file: dict[str, list[tuple[str, TensorRecord]]] = {}
+    for name, rec in records.items():
+        by_file.setdefault(rec.file, []).append((name, rec))
     try:
-        hdf5file.read_into(h5, rec.key, dtypes.lookup(rec.dtype), rec.shape, out)
-    except KeyError:
-        raise CheckpointCorrupt(f"{path}: no dataset {rec.key!r}, which holds tensor {name!r}") from None
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointCorrupt(f"{path}: cannot read tensor {name!r} (dataset {rec.key!r}): {exc}") from None
+        for file, items in by_file.items():
+            yield from _DataFile(dir_fd, step_path, file).tensors(items, verify)
+    finally:
+        os.close(dir_fd)
+
+
+class _DataFile:
+    """One chunk or HDF5 file of a step, opened without following a symlink; its
+    header (safetensors) or HDF5 structure is only looked at when needed."""
+
+    def __init__(self, dir_fd: int, step_path: Path, file: str) -> None:
+        self.dir_fd = dir_fd
+        self.path = step_path / file
+        self.is_h5 = bool(layout.H5.fullmatch(file))
+        self.fd = -1
+        self.size = 0
+        self._header: dict[str, Any] | None = None
+        self._data_start = 0
+        self._h5: Any = None
+        self._h5_source: Any = None
+        self._error: CheckpointCorrupt | None = None  # the header or HDF5 file is unreadable
+
+    def tensors(self, items: list[tuple[str, TensorRecord]],
+                verify: bool) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
+        try:
+            self.fd = layout.open_regular(self.path.name, dir_fd=self.dir_fd)
+        except OSError as exc:
+            for name, _ in items:
+                yield name, None, self._corrupt(name, f"cannot open a file the manifest names: {exc.strerror}")
+            return
+        try:
+            self.size = os.fstat(self.fd).st_size
+            for name, rec in sorted(items, key=lambda it: -1 if it[1].offset is None else it[1].offset):
+                try:
+                    yield name, self._read(name, rec, verify), None
+                except CheckpointCorrupt as exc:
+                    yield name, None, exc
+        finally:
+            self._close()
+
+    def _corrupt(self, name: str, what: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(f"{self.path}: tensor {name!r}: {what}")
+
+    def _read(self, name: str, rec: TensorRecord, verify: bool) -> Any:
+        import torch
+
+        if rec.offset is not None:
+            end = rec.offset + rec.nbytes
+            if end > self.size:  # checked before allocating: the manifest's sizes are untrusted
+                raise self._corrupt(name, f"is truncated: the manifest puts it at bytes {rec.offset}..{end}, "
+                                          f"but the file has {self.size} bytes")
+            if verify:
+                self._check_structure(name, rec)
+            buf = torch.empty(rec.nbytes, dtype=torch.uint8)
+            got = _pread_into(self.fd, memoryview(buf.numpy()), rec.offset) if rec.nbytes else 0
+            if got != rec.nbytes:
+                raise self._corrupt(name, f"is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}")
+        else:
+            ds = self._dataset(name, rec)  # checks its size against its storage first
+            buf = torch.empty(rec.nbytes, dtype=torch.uint8)
+            from . import hdf5file
+
+            try:
+                hdf5file.read_into(ds, dtypes.lookup(rec.dtype), rec.shape, buf.numpy())
+            except (OSError, ValueError, RuntimeError, TypeError) as exc:
+                raise self._corrupt(name, f"cannot read dataset {rec.key!r}: {exc}") from None
+        if verify and checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
+            raise self._corrupt(name, "does not match its checksum")
+        return as_tensor(buf, rec)
+
+    # -- the file's own structure: what a reader without ckptd would see --------------------
+    def _check_structure(self, name: str, rec: TensorRecord) -> None:
+        if self.is_h5:
+            self._dataset(name, rec)
+            return
+        header = self._safetensors_header(name)
+        entry = header.get(rec.key) if rec.key != "__metadata__" else None
+        info = dtypes.lookup(rec.dtype)
+        begin = rec.offset - self._data_start  # type: ignore[operator]
+        want = {"dtype": info.st_code, "shape": info.stored_shape(rec.shape),
+                "data_offsets": [begin, begin + rec.nbytes]}
+        if not isinstance(entry, dict) or {k: entry.get(k) for k in want} != want:
+            raise self._corrupt(name, f"the file's safetensors header says {_short(entry)}, "
+                                      f"the manifest {_short(want)}")
+
+    def _safetensors_header(self, name: str) -> dict[str, Any]:
+        if self._header is None:
+            if self._error is None:
+                try:
+                    self._header = self._parse_header()
+                except CheckpointCorrupt as exc:
+                    self._error = exc
+            if self._error is not None:
+                raise self._corrupt(name, str(self._error))
+        assert self._header is not None
+        return self._header
+
+    def _parse_header(self) -> dict[str, Any]:
+        head = os.pread(self.fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointCorrupt("the file is too short for a safetensors header")
+        n = int.from_bytes(head, "little")
+        if n > min(self.size - 8, _MAX_SAFETENSORS_HEADER):
+            raise CheckpointCorrupt(f"its safetensors header claims {n} bytes; the file has {self.size}")
+        view = memoryview(bytearray(n))
+        if _pread_into(self.fd, view, 8) != n:
+            raise CheckpointCorrupt("its safetensors header is truncated")
+        try:
+            header = json.loads(bytes(view), parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise CheckpointCorrupt(f"its safetensors header is not valid JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise CheckpointCorrupt("its safetensors header is not a JSON object")
+        self._data_start = 8 + n
+        return header
+
+    def _dataset(self, name: str, rec: TensorRecord) -> Any:
+        from . import hdf5file  # h5py loads only for a checkpoint that needs it
+
+        if rec.key != hdf5file.dataset_key(name):
+            raise self._corrupt(name, f"its dataset key {rec.key!r} is not the one its name maps to")
+        if self._h5 is None:
+            if self._error is None:
+                # h5py reads through the descriptor already opened (and checked),
+                # never by the path, which could be replaced meanwhile
+                self._h5_source = os.fdopen(os.dup(self.fd), "rb")
+                try:
+                    self._h5 = hdf5file.open_file(self._h5_source)
+                except (OSError, ValueError, RuntimeError, TypeError, KeyError) as exc:
+                    self._error = CheckpointCorrupt(f"not a readable HDF5 file: {exc}")
+            if self._error is not None:
+                raise self._corrupt(name, str(self._error))
+        try:
+            return hdf5file.find_dataset(self._h5, rec.key, dtypes.lookup(rec.dtype), rec.shape, rec.offset)
+        except KeyError:
+            raise self._corrupt(name, f"the file has no dataset {rec.key!r}") from None
+        except (OSError, ValueError, RuntimeError, TypeError) as exc:
+            raise self._corrupt(name, str(exc)) from None
+
+    def _close(self) -> None:
+        if self._h5 is not None:
+            try:
+                self._h5.close()
+            except (OSError, ValueError, RuntimeError):
+                pass
+            self._h5 = None
+        if self._h5_source is not None:
+            self._h5_source.close()
+            self._h5_source = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def as_tensor(raw: Any, rec: TensorRecord) -> Any:
     """View raw uint8 bytes as the record's dtype and shape."""
     dtype = dtypes.torch_dtype(rec.dtype)
     return raw.view(dtype).reshape(rec.shape)
-
-
-def _data_file(step_path: Path, file: str) -> Path:
-    # The manifest names files inside the step folder only; anything else is tampering.
-    if not layout.is_data_file(file):
-        raise CheckpointCorrupt(f"{step_path}: manifest names an unexpected file {file!r}")
-    return step_path / file
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
@@ -199,14 +403,10 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
-def verify(run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None) -> tuple[Path, list[str]]:
-    """Check every tensor of a checkpoint; return its folder and a list of problems."""
-    path, manifests = find(run, step, root)
-    problems = []
-    for manifest in manifests:
-        for name, rec in manifest.tensors.items():
-            try:
-                read_tensors(path, {name: rec}, verify=True)
-            except CheckpointCorrupt as exc:
-                problems.append(f"rank {manifest.rank}: {exc}")
-    return path, problems
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

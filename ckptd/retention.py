@@ -7,6 +7,8 @@ removes the oldest ones no pin protects until the run fits. The newest complete
 checkpoint is always kept. ``delete`` first renames a step folder to a trash name
 (atomic, and invisible to every reader), makes that durable, and only then
 removes the files; a crash in between leaves trash that start-up removes.
+Deleting works relative to the run folder's descriptor, opened without following
+a symlink: a symlink planted in the root is never deleted through.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +32,7 @@ from .manifest import CheckpointInfo
 
 log = logging.getLogger("ckptd.retention")
 
+_POLICY_LIMIT = 1 << 16  # retention.json: a handful of keys
 PIN_FILE = "pinned"  # inside a step folder: protects it from every rule
 POLICY_FILE = "retention.json"  # inside a run folder: the run's own overrides
 TRASH_PREFIX = ".trash-"
@@ -113,10 +117,13 @@ def run_policy(base: RetentionConfig, run_dir: Path) -> RetentionConfig:
     """``base`` with the run's own overrides (set by its producer) applied."""
     path = run_dir / POLICY_FILE
     try:
-        overrides = json.loads(path.read_bytes())
+        overrides = json.loads(layout.read_small(path, _POLICY_LIMIT))
     except FileNotFoundError:
         return base
-    except ValueError as exc:
+    except OSError as exc:  # a symlink, a FIFO, a huge file: not what save_run_policy writes
+        log.warning("%s; using the configured retention", exc.strerror)
+        return base
+    except (ValueError, RecursionError) as exc:
         log.warning("%s is not valid JSON (%s); using the configured retention", path, exc)
         return base
     try:
@@ -133,33 +140,71 @@ def merge(base: RetentionConfig, overrides: Any, where: str) -> RetentionConfig:
 
 
 def save_run_policy(run_dir: Path, overrides: dict[str, Any]) -> None:
+    """Store a run's overrides in ``<run>/retention.json``; an ``OSError`` if the run's
+    folder is a symlink (nothing is written through one, DESIGN §7.4)."""
+    layout.ensure_real_dir(run_dir, run_dir.parent)
     path = run_dir / POLICY_FILE
     data = json.dumps(overrides, sort_keys=True).encode()
     try:
-        if path.read_bytes() == data:
+        if layout.read_small(path, _POLICY_LIMIT) == data:
             return
-    except FileNotFoundError:
+    except OSError:  # missing, or not a file we wrote: replaced below (os.replace never follows)
         pass
     atomic_write(path, data)
 
 
 def delete(run_dir: Path, step: int) -> Path | None:
     """Make a step invisible at once (atomic rename to a trash name, made durable);
-    return the trash folder to remove at leisure, or None if the step was gone."""
-    src = run_dir / layout.step_dir_name(step)
-    if not src.is_dir() or src.is_symlink():
-        return None
-    trash = run_dir / f"{TRASH_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}"
+    return the trash folder to remove at leisure, or None if the step was gone.
+    The run folder is opened without following a symlink and the rename is
+    relative to it, so a symlink planted in the root is never deleted through;
+    a step folder that is a symlink is left alone."""
+    name = layout.step_dir_name(step)
     try:
-        os.rename(src, trash)
-    except FileNotFoundError:
-        return None  # someone else (another node's daemon, `ckptd prune`) was faster
-    fsync_dir(run_dir)
-    return trash
+        run_fd = layout.open_real_dir(run_dir)
+    except OSError as exc:
+        log.warning("retention: %s; nothing removed", exc.strerror)
+        return None
+    try:
+        try:
+            if not stat.S_ISDIR(os.stat(name, dir_fd=run_fd, follow_symlinks=False).st_mode):
+                return None
+        except FileNotFoundError:
+            return None
+        trash = f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(name, trash, src_dir_fd=run_fd, dst_dir_fd=run_fd)
+        except FileNotFoundError:
+            return None  # someone else (another node's daemon, `ckptd prune`) was faster
+        os.fsync(run_fd)
+    finally:
+        os.close(run_fd)
+    return run_dir / trash
 
 
 def remove_trash(trash: Path) -> None:
-    shutil.rmtree(trash, ignore_errors=True)  # rmtree never follows symlinks
+    """Remove a trash folder that ``delete`` made; never through a symlink."""
+    try:
+        run_fd = layout.open_real_dir(trash.parent)
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", trash, exc.strerror)
+        return
+    try:
+        remove_trash_at(run_fd, trash.name, trash.parent)
+    finally:
+        os.close(run_fd)
+
+
+def remove_trash_at(run_fd: int, name: str, run_dir: Path) -> None:
+    """Remove trash folder ``name`` of the run folder open as ``run_fd``. ``rmtree``
+    relative to a descriptor refuses a symlink at the top and never follows one
+    below (``shutil.rmtree.avoids_symlink_attacks``), so it deletes a link at most,
+    never what the link points to."""
+    def failed(_fn: Any, path: str, exc_info: Any) -> None:
+        if not isinstance(exc_info[1], FileNotFoundError):  # another node's daemon was faster
+            log.warning("cannot remove %s/%s: %s", run_dir, path, exc_info[1])
+
+    shutil.rmtree(name, dir_fd=run_fd, onerror=failed)
 
 
 def apply(run_dir: Path, infos: list[CheckpointInfo], policy: RetentionConfig, *, now: float,

@@ -1,7 +1,8 @@
 """The wire protocol between a producer (DEALER) and the daemon (ROUTER).
 
 Every message is one msgpack-encoded header frame; a ``tensor`` message carries
-its bytes in a second frame. Headers are maps with an ``op`` key. The full
+its bytes in a second frame, unless it names them by ``offset`` and ``length`` in
+the producer's shared staging arena (``ckptd.handoff``). Headers are maps with an ``op`` key. The full
 message list, with field types, is ``SCHEMAS`` below and ``docs/protocol.md``.
 
 Decoding trusts nothing: frame counts, header size, msgpack container sizes,
@@ -28,9 +29,9 @@ _MAX_DIMS = 64
 SCHEMAS: dict[str, dict[str, str]] = {
     # producer -> daemon
     "hello": {"v": "int", "run": "str", "rank": "int", "world_size": "int", "pid": "int",
-              "host": "str", "retention": "map?", "format": "str?"},
+              "host": "str", "retention": "map?", "format": "str?", "shm_token": "bin?", "shm_size": "int?"},
     "tensor": {"seq": "int", "step": "int", "name": "str", "dtype": "str", "shape": "shape",
-               "nbytes": "int", "start": "int", "numpy": "bool"},
+               "nbytes": "int", "start": "int", "numpy": "bool", "offset": "int?", "length": "int?"},
     "commit": {"seq": "int", "step": "int", "ntensors": "int", "state": "json",
                "metadata": "json"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
@@ -39,7 +40,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "status": {"seq": "int"},  # also from `ckptd status`, without a session
     "bye": {},
     # daemon -> producer
-    "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int"},
+    "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int", "shm": "bool?"},
     "ack": {"seq": "int"},
     "committed": {"seq": "int", "step": "int", "info": "map"},
     "error": {"seq": "int?", "step": "int?", "message": "str", "code": "str?"},
@@ -47,7 +48,6 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "answer": {"seq": "int", "info": "map?"},
     "report": {"seq": "int", "status": "map"},  # answer to status
 }
-_WITH_PAYLOAD = {"tensor"}
 # error codes; an error without a code concerns one message or one step only
 NO_SESSION = "no_session"  # the daemon does not know this producer (it restarted): say hello again
 STOPPING = "stopping"  # the daemon is draining before it exits: no new producers or steps
@@ -82,11 +82,14 @@ def decode(frames: list[Any]) -> tuple[dict[str, Any], Any]:
     schema = SCHEMAS.get(op) if isinstance(op, str) else None
     if schema is None:
         raise ProtocolError(f"unknown op {op!r}")
-    want = 2 if op in _WITH_PAYLOAD else 1
-    if len(frames) != want:
-        raise ProtocolError(f"{op!r} message has {len(frames)} frames, expected {want}")
     for key, kind in schema.items():
         _check_field(op, header, key, kind)
+    # a tensor's bytes come in a second frame, or are named in shared memory
+    want = 2 if op == "tensor" and header["offset"] is None else 1
+    if len(frames) != want:
+        raise ProtocolError(f"{op!r} message has {len(frames)} frames, expected {want}")
+    if op == "tensor" and (header["offset"] is None) != (header["length"] is None):
+        raise ProtocolError("'tensor' message has only one of 'offset' and 'length'")
     extra = set(header) - set(schema) - {"op"}
     if extra:
         raise ProtocolError(f"{op!r} message has unknown fields {sorted(extra)}")
@@ -113,6 +116,7 @@ def _check_field(op: str, header: dict[str, Any], key: str, kind: str) -> None:
     ok = {
         "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
         "str": lambda v: isinstance(v, str),
+        "bin": lambda v: isinstance(v, bytes),
         "bool": lambda v: isinstance(v, bool),
         "json": lambda v: isinstance(v, str),
         "map": lambda v: isinstance(v, dict),

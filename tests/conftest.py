@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from ckptd import Producer
+from ckptd import Producer, curve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,3 +129,40 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for var in ("CKPTD_CONFIG", "CKPTD_ENDPOINT", "CKPTD_RUN", "CKPTD_ROOT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
+
+
+# -- tcp:// with CurveZMQ (docs/security.md) ---------------------------------------------------
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Path]:
+    """A daemon key pair, a producer ('alice') whose public key the daemon admits, and a
+    stranger ('mallory') whose key pair is as valid but not admitted."""
+    k = tmp_path / "keys"
+    server_public, server_secret = curve.keygen("daemon", k)
+    alice_public, alice_secret = curve.keygen("alice", k)
+    _, mallory_secret = curve.keygen("mallory", k)
+    clients = k / "clients"
+    clients.mkdir()
+    os.link(alice_public, clients / "alice.key")
+    return {"server": server_public, "server_secret": server_secret, "clients": clients,
+            "alice": alice_secret, "mallory": mallory_secret}
+
+
+def free_port() -> int:
+    # The config needs the port itself (port 0 is refused), so borrow a free one.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_tcp(make_daemon, keys: dict[str, Path]):
+    """A real `ckptd serve` on 127.0.0.1 with CurveZMQ; returns (daemon, endpoint)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d = make_daemon(start=False, endpoint=endpoint, curve_secret_key=str(keys["server_secret"]),
+                    curve_clients=str(keys["clients"]))
+    d.start(wait=False)
+    deadline = time.monotonic() + 30
+    while f"serving {endpoint}" not in d.log_text():  # no socket file to wait for, as with ipc://
+        assert d.proc.poll() is None, d.log_text()
+        assert time.monotonic() < deadline, d.log_text()
+        time.sleep(0.02)
+    return d, endpoint

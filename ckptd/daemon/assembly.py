@@ -3,8 +3,11 @@
 Pieces become tensors; small tensors gather into a chunk that goes to the writer
 whole once it reaches ``chunk_size`` (a safetensors header must know every
 tensor first); a tensor of ``chunk_size`` or more gets a file of its own, written
-piece by piece as it arrives. The received buffers are ZeroMQ frames and are
-handed on as they are: nothing here copies tensor bytes. Any inconsistency in
+piece by piece as it arrives. The received buffers are ZeroMQ frames, or views of a
+producer's shared staging arena, and are handed on as they are: nothing here
+copies tensor bytes. A piece in shared memory carries its wire sequence number
+along to the writer, which reports it written, so that the producer reuses that
+memory only once the daemon no longer needs it. Any inconsistency in
 what a producer declares is a ``StepError`` that fails this step only.
 """
 
@@ -31,6 +34,8 @@ class Partial:
     entry: Entry
     received: int = 0
     stream: Stream | None = None  # set for a tensor large enough for a file of its own
+    held: int = 0  # bytes of its pieces in the daemon's memory (not in shared memory)
+    seqs: list[int] = field(default_factory=list)  # its pieces in shared memory
 
 
 @dataclass(eq=False)
@@ -43,13 +48,22 @@ class OpenStep:
     partial: Partial | None = None
     chunk: list[Entry] = field(default_factory=list)
     chunk_bytes: int = 0
+    chunk_held: int = 0
+    chunk_seqs: list[int] = field(default_factory=list)
     received_bytes: int = 0
 
-    def add_piece(self, h: dict[str, Any], data: memoryview) -> int:
+    @property
+    def gathered(self) -> int:
+        """Bytes received and not yet handed to the writer."""
+        partial = self.partial
+        return self.chunk_bytes + (partial.received if partial is not None and partial.stream is None else 0)
+
+    def add_piece(self, h: dict[str, Any], data: memoryview, shared_seq: int | None = None) -> int:
         """Take bytes ``[start, start+len(data))`` of tensor ``name``; return how many
-        bytes are now held (until the writer reports them freed)."""
+        bytes the daemon now holds in its own memory (until the writer reports them
+        freed). ``shared_seq``: the piece is a view of shared memory, sent under it."""
         n, name, start = len(data), h["name"], h["start"]
-        partial = self.partial if start else self._start_tensor(h)
+        partial = self.partial if start else self._start_tensor(h, n)
         if partial is None or partial.entry.name != name or partial.received != start:
             raise StepError(f"piece of tensor {name!r} at byte {start} arrived out of order")
         entry = partial.entry
@@ -61,15 +75,19 @@ class OpenStep:
         partial.received += n
         self.received_bytes += n
         last = partial.received == entry.nbytes
+        held = 0 if shared_seq is not None else n
+        seqs = [] if shared_seq is None else [shared_seq]
         if partial.stream is not None:
-            self.writer.stream_piece(partial.stream, data, last)
+            self.writer.stream_piece(partial.stream, data, last, held, seqs)
         elif n:
             entry.buffers.append(data)
+            partial.held += held
+            partial.seqs += seqs
         if last:
             self._finish_tensor(partial)
-        return n
+        return held
 
-    def _start_tensor(self, h: dict[str, Any]) -> Partial:
+    def _start_tensor(self, h: dict[str, Any], first: int) -> Partial:
         name = h["name"]
         if self.partial is not None:
             raise StepError(f"tensor {name!r} started before tensor {self.partial.entry.name!r} was complete")
@@ -88,7 +106,10 @@ class OpenStep:
             )
         partial = self.partial = Partial(Entry(name, dtype, h["shape"], h["nbytes"], [], numpy=h["numpy"]))
         self.names.add(name)
-        if partial.entry.nbytes >= self.chunk_size:
+        # A tensor that comes in pieces (``first`` is not all of it) is written as it
+        # arrives too: pieces held until the last one came filled memory_budget, and the
+        # daemon, no longer reading, never got the last ones (a deadlock).
+        if partial.entry.nbytes >= self.chunk_size or first < partial.entry.nbytes:
             self.flush()  # keep chunk files in emit order
             partial.stream = self.writer.open_stream(self.share, partial.entry)
         return partial
@@ -99,25 +120,29 @@ class OpenStep:
         if partial.stream is None:
             self.chunk.append(partial.entry)
             self.chunk_bytes += partial.entry.nbytes
+            self.chunk_held += partial.held
+            self.chunk_seqs += partial.seqs
             if self.chunk_bytes >= self.chunk_size:
                 self.flush()
 
     def flush(self) -> None:
         """Hand the gathered chunk to the writer (it frees, not writes, a failed share's)."""
         if self.chunk:
-            self.writer.write_chunk(self.share, self.chunk, self.chunk_bytes)
-            self.chunk, self.chunk_bytes = [], 0
+            self.writer.write_chunk(self.share, self.chunk, self.chunk_held, self.chunk_seqs)
+            self.chunk, self.chunk_bytes, self.chunk_held, self.chunk_seqs = [], 0, 0, []
 
-    def release_partial(self) -> int:
+    def release_partial(self) -> tuple[int, list[int]]:
         """Let go of a half-received tensor of a failed step (its own file is closed by
-        the writer); return the bytes dropped here, which the caller no longer holds."""
+        the writer); return the bytes dropped here, which the caller no longer holds,
+        and the shared pieces it no longer uses."""
         partial, self.partial = self.partial, None
         if partial is None:
-            return 0
+            return 0, []
         if partial.stream is not None:
-            self.writer.stream_piece(partial.stream, b"", True)  # the writer closes the file
-            return 0
-        return partial.received
+            self.writer.stream_piece(partial.stream, b"", True, 0, [])  # the writer closes the file
+            return 0, []
+        partial.entry.buffers.clear()
+        return partial.held, partial.seqs
 
     def check_commit(self, h: dict[str, Any]) -> None:
         """A commit closes a step only if it is whole: every tensor the producer counts."""

@@ -16,24 +16,28 @@ import fcntl
 import json
 import logging
 import math
+import mmap
 import os
 import queue
 import signal
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from .. import __version__, layout, state as state_mod, wire
+from .. import __version__, handoff, layout, state as state_mod, wire
 from ..config import FORMATS, Config, ConfigError, load as load_config
+from ..curve import CurveServer
 from ..errors import CheckpointError, ProtocolError
 from ..names import check_rank, check_run, check_step
 from ..wakeup import WakePipe
 from .metrics import Figures, MetricsServer
 from .notify import Notifier, status_line, use_journal_priorities
+from .owners import NotOwner, Owners, principal
 from .assembly import OpenStep, StepError
 from .recovery import remove_orphans
 from .upkeep import Upkeep
@@ -58,8 +62,21 @@ class Session:
     host: str
     format: str = "chunk"  # of this session's checkpoints: its hello's, else [daemon] format
     last_seen: float = field(default_factory=time.monotonic)
-    ack: int | None = None  # newest tensor seq received, not yet acknowledged
     steps: dict[int, OpenStep] = field(default_factory=dict)
+    # Acknowledgements: the producer may reuse staging up to ``acked``. Inline bytes are
+    # free once received; bytes in shared memory once written (``unwritten``, in order).
+    received: int = 0  # newest tensor seq received
+    acked: int = 0
+    unwritten: deque[int] = field(default_factory=deque)
+    written: set[int] = field(default_factory=set)  # out of order: waits for older ones
+    shm: memoryview | None = None  # the producer's staging arena, mapped read-only
+    chunk_size: int = 0
+
+    def acknowledgeable(self) -> int:
+        """The newest seq whose staging memory the daemon no longer needs."""
+        while self.unwritten and self.unwritten[0] in self.written:
+            self.written.discard(self.unwritten.popleft())
+        return self.unwritten[0] - 1 if self.unwritten else self.received
 
     @property
     def label(self) -> str:
@@ -72,6 +89,7 @@ class Daemon:
         self.cfg = config.daemon
         self.root = config.root
         self.endpoint = config.endpoint
+        self.curve = CurveServer.from_config(config)  # tcp://: keys checked now, before anything starts
         self.sessions: dict[bytes, Session] = {}
         self.owner: dict[tuple[str, int], bytes] = {}  # (run, rank) -> session identity
         self.committing: set[tuple[str, int, int]] = set()  # (run, rank, step)
@@ -92,6 +110,8 @@ class Daemon:
         self.router: zmq.Socket | None = None
         self.writer: Writer | None = None
         self.upkeep: Upkeep | None = None
+        self.handoffs: handoff.Listener | None = None  # staging arenas offered by local producers
+        self.owners = Owners(self.root)
 
     # -- start and stop -------------------------------------------------------------
     def start(self) -> None:
@@ -107,7 +127,7 @@ class Daemon:
         self.upkeep = Upkeep(self.config)
         self.upkeep.start()
         self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
-                             hdf5=self.config.hdf5)
+                             hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
@@ -153,6 +173,7 @@ class Daemon:
                 )
             # Who may connect is decided by this folder's permissions (DESIGN §6).
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.curve.secure(self.ctx, self.router)  # tcp://: CurveZMQ and the producers' allowlist
         try:
             self.router.bind(self.endpoint)
         except zmq.ZMQError as exc:
@@ -160,7 +181,13 @@ class Daemon:
         if self.endpoint.startswith("ipc://"):
             # The socket admits the daemon's user and group whatever the umask (a
             # service's is 0027); its folder then decides who may reach it.
-            os.chmod(self.endpoint[len("ipc://"):], 0o660)
+            path = self.endpoint[len("ipc://"):]
+            os.chmod(path, 0o660)
+            if len(handoff.socket_path(path).encode()) <= IPC_PATH_MAX:
+                self.handoffs = handoff.Listener(path)
+            else:
+                log.warning("the ipc path %s leaves no room for %s beside it: local producers send "
+                            "tensors through the socket (transport \"inline\")", path, handoff.SUFFIX)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals.append(signum)  # the wakeup fd wakes the loop, which acts on it
@@ -176,6 +203,10 @@ class Daemon:
         if self.router is not None:
             self.router.close()
             self.router = None
+        if self.handoffs is not None:
+            self.handoffs.close()
+            self.handoffs = None
+        self.curve.close()  # its ZAP thread holds a socket, which ctx.term() would wait for
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
@@ -201,6 +232,8 @@ class Daemon:
         assert self.router is not None
         poller = zmq.Poller()
         poller.register(self._wake.fd, zmq.POLLIN)
+        if self.handoffs is not None:
+            poller.register(self.handoffs.fileno(), zmq.POLLIN)
         reading = False
         watchdog = self.notifier.watchdog_s
         next_ping = last_housekeeping = time.monotonic()
@@ -232,12 +265,16 @@ class Daemon:
             if self._wake.fd in events:
                 self._wake.drain()
             self._drain_results()
+            if self.handoffs is not None:
+                self._take_handoffs(poller, events)
             if reading and self.router in events:
                 self._read_batch()
             now = time.monotonic()
             if self.stopping and events:
                 self._last_progress = now  # bytes arrived, or the I/O threads finished something
             if now - last_housekeeping >= 1.0:
+                if self.handoffs is not None:
+                    self._expire_handoffs(poller, now)
                 if reading:
                     self._expire_sessions(now)
                 else:
@@ -362,6 +399,7 @@ class Daemon:
             "commits_in_progress": len(self.committing),
             "producers": [
                 {"run": s.run, "rank": s.rank, "world_size": s.world_size, "pid": s.pid, "host": s.host,
+                 "transport": "shm" if s.shm is not None else "inline",
                  "open_steps": sorted(k for k, st in s.steps.items() if st.share.error is None)}
                 for s in self.sessions.values()
             ],
@@ -383,9 +421,52 @@ class Daemon:
             if self.queued >= self.cfg.memory_budget:
                 break
         for sess in self.sessions.values():
-            if sess.ack is not None:
-                self._send(sess.identity, "ack", seq=sess.ack)
-                sess.ack = None
+            self._ack(sess)
+
+    def _ack(self, sess: Session) -> None:
+        through = sess.acknowledgeable()
+        if through > sess.acked:
+            self._send(sess.identity, "ack", seq=through)
+            sess.acked = through
+
+    # -- staging arenas handed over by local producers (ckptd.handoff) ---------------------
+    def _take_handoffs(self, poller: zmq.Poller, events: dict[Any, int]) -> None:
+        assert self.handoffs is not None
+        if self.handoffs.fileno() in events:
+            for fd in self.handoffs.accept():
+                poller.register(fd, zmq.POLLIN)
+        for fd in [fd for fd in self.handoffs.connections if fd in events]:
+            poller.unregister(fd)
+            refused = self.handoffs.receive(fd)
+            if refused:
+                log.warning("%s", refused)
+
+    def _expire_handoffs(self, poller: zmq.Poller, now: float) -> None:
+        assert self.handoffs is not None
+        for fd in self.handoffs.expire(now):
+            poller.unregister(fd)
+
+    def _map_arena(self, h: dict[str, Any]) -> memoryview | None:
+        """Map the staging arena that the hello's token names, read-only; None (and a
+        warning: the producer then sends inline, or fails if it insists) if it cannot."""
+        why = None
+        claimed = self.handoffs.claim(h["shm_token"]) if self.handoffs is not None else None
+        if claimed is None:
+            why = "no staging memory was handed over under its token"
+        elif claimed.size < h["shm_size"]:
+            why = f"its staging memory is {claimed.size} bytes, not the {h['shm_size']} its hello declares"
+        else:
+            try:
+                mm = mmap.mmap(claimed.fd, h["shm_size"], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            except (OSError, ValueError) as exc:
+                why = f"mapping its staging memory failed: {exc}"
+        if claimed is not None:
+            os.close(claimed.fd)  # the mapping keeps the memory alive
+        if why is not None:
+            log.warning("producer of run %r rank %s (pid %s): %s; it sends tensors inline",
+                        h["run"], h["rank"], h["pid"], why)
+            return None
+        return memoryview(mm)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
@@ -408,7 +489,7 @@ class Daemon:
             return
         try:
             if op == "hello":
-                self._on_hello(identity, header)
+                self._on_hello(identity, header, frames[1])
             elif op == "ping":
                 self._send(identity, "pong", seq=header["seq"])
             elif op == "latest":
@@ -432,7 +513,7 @@ class Daemon:
             self._send(identity, "error", seq=header.get("seq"), step=None, message=str(exc))
 
     # -- messages ---------------------------------------------------------------------
-    def _on_hello(self, identity: bytes, h: dict[str, Any]) -> None:
+    def _on_hello(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
         if self.stopping:
             log.info("refused a producer of run %r (pid %s): the daemon is stopping", h["run"], h["pid"])
             self._send(identity, "error", seq=None, step=None, code=wire.STOPPING,
@@ -454,6 +535,13 @@ class Daemon:
                     f"run {h['run']!r} already has producers with world_size {other.world_size}, "
                     f"not {h['world_size']}"
                 )
+        if not self.cfg.shared_runs:
+            try:
+                self.owners.check(h["run"], principal(frame, tcp=not self.endpoint.startswith("ipc://")))
+            except NotOwner as exc:
+                raise ProtocolError(str(exc)) from None
+            except OSError as exc:
+                raise ProtocolError(f"cannot tell who owns run {h['run']!r}: {exc}") from None
         if identity in self.sessions:
             self._end_session(self.sessions[identity], "said hello again")
         key = (h["run"], h["rank"])
@@ -467,11 +555,20 @@ class Daemon:
                 self.upkeep.set_run_policy(h["run"], h["retention"])
             except ConfigError as exc:
                 raise ProtocolError(str(exc)) from None
-        sess = Session(identity, h["run"], h["rank"], h["world_size"], h["pid"], h["host"], fmt)
+        sess = Session(identity, h["run"], h["rank"], h["world_size"], h["pid"], h["host"], fmt,
+                       chunk_size=self.cfg.chunk_size)
+        if h["shm_token"] is not None and h["shm_size"] is not None:
+            sess.shm = self._map_arena(h)
+            if sess.shm is not None:
+                # Chunks gather in the producer's arena until written: at most a quarter
+                # of it per chunk, so that writing one never waits for the arena to fill.
+                sess.chunk_size = max(1, min(self.cfg.chunk_size, len(sess.shm) // 4))
         self.sessions[identity] = sess
         self.owner[key] = identity
-        log.info("producer connected: %s host=%s format=%s", sess.label, sess.host, sess.format)
-        self._send(identity, "welcome", v=wire.VERSION, max_frame=self.cfg.max_frame, daemon_pid=os.getpid())
+        log.info("producer connected: %s host=%s format=%s transport=%s", sess.label, sess.host, sess.format,
+                 "shm" if sess.shm is not None else "inline")
+        self._send(identity, "welcome", v=wire.VERSION, max_frame=self.cfg.max_frame, daemon_pid=os.getpid(),
+                   shm=sess.shm is not None)
 
     def _on_latest(self, identity: bytes, h: dict[str, Any]) -> None:
         try:
@@ -491,8 +588,8 @@ class Daemon:
             return open_step
         assert self.writer is not None
         open_step = sess.steps[step] = OpenStep(
-            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format),
-            self.writer, self.cfg.chunk_size)
+            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format, owner=sess.identity),
+            self.writer, sess.chunk_size)
         try:
             check_step(step)
         except ValueError as exc:
@@ -511,15 +608,40 @@ class Daemon:
                 "a committed checkpoint is never overwritten"), seq, discard=False)
         return open_step
 
-    def _on_tensor(self, sess: Session, h: dict[str, Any], payload: zmq.Frame) -> None:
-        sess.ack = h["seq"]  # received: the producer may reuse its staging
-        open_step = self._open_step(sess, h["step"], h["seq"])
+    def _on_tensor(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
+        seq = sess.received = h["seq"]  # an inline piece is received: its staging is free
+        open_step = self._open_step(sess, h["step"], seq)
         if open_step.share.error is not None:
             return  # failed and reported; dropped until the producer aborts
         try:
-            self.queued += open_step.add_piece(h, payload.buffer)
+            if payload is not None:
+                if len(payload) > self.cfg.max_frame:  # libzmq's limit also admits 64 MiB headers
+                    raise StepError(f"tensor {h['name']!r}: a piece of {len(payload)} bytes exceeds "
+                                    f"max_frame ({self.cfg.max_frame})")
+                self.queued += open_step.add_piece(h, payload.buffer)
+                return
+            open_step.add_piece(h, self._shared_piece(sess, h), seq)
         except StepError as exc:
-            self._fail_step(sess, open_step, str(exc), h["seq"])
+            self._fail_step(sess, open_step, str(exc), seq)
+            return
+        sess.unwritten.append(seq)  # its staging is free once the writer is done with it
+        if sum(st.gathered for st in sess.steps.values()) >= len(sess.shm) // 2:
+            # Several open steps gather chunks in the arena: write them before it fills.
+            for st in sess.steps.values():
+                st.flush()
+
+    @staticmethod
+    def _shared_piece(sess: Session, h: dict[str, Any]) -> memoryview:
+        """The piece's bytes in the producer's arena, checked against the arena's bounds."""
+        if sess.shm is None:
+            raise StepError(f"tensor {h['name']!r} names shared memory, but this producer shared none")
+        start, end = h["offset"], h["offset"] + h["length"]
+        if end > len(sess.shm):
+            raise StepError(
+                f"tensor {h['name']!r}: bytes [{start}, {end}) lie outside the {len(sess.shm)} bytes "
+                "of shared staging memory"
+            )
+        return sess.shm[start:end]
 
     def _flush_chunks(self) -> None:
         for sess in self.sessions.values():
@@ -562,7 +684,7 @@ class Daemon:
         self._send(sess.identity, "error", seq=seq, step=share.step, message=message)
         share.error = message
         share.reported = True
-        self.queued -= open_step.release_partial()
+        self._release_partial(sess, open_step)
         open_step.flush()  # the writer frees (not writes) a failed share's bytes
         if discard:
             assert self.writer is not None
@@ -574,10 +696,15 @@ class Daemon:
             return
         if open_step.share.error is None:
             open_step.share.error = "aborted by the producer"
-        self.queued -= open_step.release_partial()
+        self._release_partial(sess, open_step)
         open_step.flush()
         assert self.writer is not None
         self.writer.discard(open_step.share)
+
+    def _release_partial(self, sess: Session, open_step: OpenStep) -> None:
+        held, seqs = open_step.release_partial()
+        self.queued -= held
+        sess.written.update(seqs)
 
     def _end_session(self, sess: Session, why: str) -> None:
         log.info("producer %s %s; discarding %d unfinished step(s)", sess.label, why, len(sess.steps))
@@ -612,6 +739,11 @@ class Daemon:
                 return
             self.queued -= r.nbytes
             share = r.share
+            if r.seqs:
+                sess = self.sessions.get(share.owner)
+                if sess is not None:
+                    sess.written.update(r.seqs)
+                    self._ack(sess)
             if r.kind == "failed":
                 self._report_failure(share, r.message)
             elif r.kind in ("committed", "commit_failed"):
@@ -695,7 +827,11 @@ def _keep_freed_memory() -> None:
 
 def _parse_json(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
+        # json.loads takes NaN, Infinity, 1e999 and lone surrogates, which the manifest
+        # cannot hold: refuse them here, or its write fails on the syncer thread
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        return value
     except (ValueError, RecursionError) as exc:
         raise StepError(f"commit {what} is not valid JSON: {exc}") from None
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import retention
-from ..config import Config, RetentionConfig
+from ..config import Config, ConfigError, RetentionConfig
 from ..index import Index, write_pointer
 from ..manifest import CheckpointInfo
 from .writer import Share
@@ -56,9 +56,10 @@ class Upkeep:
     def set_run_policy(self, run: str, overrides: dict[str, Any]) -> None:
         """Validate and store a run's own retention overrides (from its producer's hello)."""
         retention.merge(self.policy, overrides, f"the retention of run {run!r}")  # ConfigError if bad
-        run_dir = self.root / run
-        run_dir.mkdir(exist_ok=True)
-        retention.save_run_policy(run_dir, overrides)
+        try:  # refuses a symlink or a file in place of the run folder (DESIGN §7.4)
+            retention.save_run_policy(self.root / run, overrides)
+        except OSError as exc:  # the producer is told; the daemon serves on
+            raise ConfigError(f"cannot store the retention of run {run!r}: {exc.strerror or exc}") from None
 
     def after_commit(self, share: Share, complete: bool) -> None:
         """On the syncer thread, once a manifest is durable."""

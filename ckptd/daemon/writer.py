@@ -30,7 +30,9 @@ from ..chunkfile import Entry
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
 from ..manifest import Checksum, CheckpointInfo, Manifest, TensorRecord, checksum
+from ..errors import CheckpointCorrupt
 from ..index import read_manifests
+from .datafile import Bounce, DataFile, Throttle
 
 log = logging.getLogger("ckptd.writer")
 HOST = socket.gethostname()
@@ -54,6 +56,7 @@ class Share:
     dir_ready: bool = False
     format: str = "chunk"  # "hdf5": one r<rank>.h5, written on the ckptd-hdf5 thread
     h5: Any = None  # that file while it is open (an hdf5file.H5Writer)
+    owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
 
     @property
     def dir(self) -> Path:
@@ -69,7 +72,8 @@ class Share:
 class Result:
     kind: str  # "freed" | "failed" | "committed" | "commit_failed" | "discarded"
     share: Share
-    nbytes: int = 0
+    nbytes: int = 0  # of the daemon's own memory, let go of
+    seqs: list[int] = field(default_factory=list)  # shared-memory pieces no longer used
     info: CheckpointInfo | None = None
     message: str = ""
     token: Any = None  # the caller's, passed back with commit results
@@ -82,7 +86,7 @@ class Stream:
     share: Share
     entry: Entry
     file: str
-    fd: int = -1
+    out: DataFile | None = None
     hasher: Checksum | None = None
     header_len: int = 0
     dataset: Any = None  # format "hdf5": its hdf5file.Slot (dataset) in the share's file
@@ -91,11 +95,14 @@ class Stream:
 class Writer:
     def __init__(self, notify: Callable[[Result], None], *, fsync: bool = True,
                  after_commit: Callable[[Share, bool], None] = lambda share, complete: None,
-                 hdf5: Hdf5Config = Hdf5Config()) -> None:
+                 hdf5: Hdf5Config = Hdf5Config(), direct_io: bool = True, write_rate: int = 0) -> None:
         self._notify = notify
         self._after_commit = after_commit  # (share, step now complete), on the syncer thread
         self._fsync = fsync
         self._hdf5 = hdf5
+        self._direct = direct_io
+        self._bounce = Bounce()  # the ckptd-writer thread's, for O_DIRECT writes
+        self._throttle = Throttle(write_rate) if write_rate else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._h5jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._syncs: queue.SimpleQueue = queue.SimpleQueue()
@@ -108,11 +115,13 @@ class Writer:
             t.start()
 
     # -- called by the main loop -------------------------------------------------
-    def write_chunk(self, share: Share, entries: list[Entry], nbytes: int) -> None:
+    def write_chunk(self, share: Share, entries: list[Entry], held: int, seqs: list[int]) -> None:
+        """Write ``entries``; ``held`` bytes of them are the daemon's own memory, ``seqs``
+        name the shared-memory pieces among them. Both are reported freed after."""
         if share.format == "hdf5":
-            self._h5jobs.put((self._do_h5_batch, (share, entries, nbytes)))
+            self._h5jobs.put((self._do_h5_batch, (share, entries, held, seqs)))
         else:
-            self._jobs.put((self._do_chunk, (share, share.new_file(), entries, nbytes)))
+            self._jobs.put((self._do_chunk, (share, share.new_file(), entries, held, seqs)))
 
     def open_stream(self, share: Share, entry: Entry) -> Stream:
         if share.format == "hdf5":
@@ -123,11 +132,11 @@ class Writer:
             self._jobs.put((self._do_stream_open, (stream,)))
         return stream
 
-    def stream_piece(self, stream: Stream, piece: Any, last: bool) -> None:
+    def stream_piece(self, stream: Stream, piece: Any, last: bool, held: int, seqs: list[int]) -> None:
         if stream.share.format == "hdf5":
-            self._h5jobs.put((self._do_h5_stream_piece, (stream, piece, last)))
+            self._h5jobs.put((self._do_h5_stream_piece, (stream, piece, last, held, seqs)))
         else:
-            self._jobs.put((self._do_stream_piece, (stream, piece, last)))
+            self._jobs.put((self._do_stream_piece, (stream, piece, last, held, seqs)))
 
     def commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
         # via the share's writer queue, so it follows every write of this share
@@ -162,10 +171,10 @@ class Writer:
             except Exception:  # a bug here must not kill the daemon's I/O
                 log.exception("internal error in %s", threading.current_thread().name)
 
-    def _report_freed(self, share: Share, nbytes: int) -> None:
+    def _report_freed(self, share: Share, held: int, seqs: list[int]) -> None:
         """Received bytes are let go of: written, or dropped because the share failed."""
         kind = "freed" if share.error is None else "failed"
-        self._notify(Result(kind, share, nbytes, message=share.error or ""))
+        self._notify(Result(kind, share, held, seqs, message=share.error or ""))
 
     def _fail(self, share: Share, what: str, exc: OSError) -> None:
         if share.error is None:
@@ -179,42 +188,44 @@ class Writer:
             # that another node's daemon starting on shared storage leaves them alone.
             marker = share.dir / layout.writing_marker(share.rank)
             fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-            try:
+            share.files.append(marker.name)  # now: a full disk fails the write below, and the
+            try:                              # failed step's clean-up must still remove it
                 write_all(fd, f"{HOST}\n{os.getpid()}\n".encode())
             finally:
                 os.close(fd)
-            share.files.append(marker.name)
             share.dir_ready = True
 
-    def _open(self, share: Share, name: str) -> int:
+    def _create(self, share: Share, name: str) -> DataFile:
+        """A new chunk file of ``share``, written on the ckptd-writer thread."""
         self._ensure_dir(share)
         share.files.append(name)
-        return os.open(share.dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        return DataFile.create(share.dir / name, direct=self._direct, bounce=self._bounce, throttle=self._throttle)
 
-    def _do_chunk(self, share: Share, name: str, entries: list[Entry], nbytes: int) -> None:
+    def _do_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int]) -> None:
         try:
             if share.error is None:
                 self._write_chunk(share, name, entries)
         finally:
             entries.clear()  # drop the received buffers before reporting them freed
-            self._report_freed(share, nbytes)
+            self._report_freed(share, held, seqs)
 
     def _write_chunk(self, share: Share, name: str, entries: list[Entry]) -> None:
         head = chunkfile.header(entries)
         records = {}
-        fd = -1
+        out = None
         try:
-            fd = self._open(share, name)
-            chunkfile.write_buffers(fd, [head])
+            out = self._create(share, name)
+            out.write([head])
             offset = len(head)
             for e in entries:
                 # hash each tensor just before writing it, while its bytes are in cache
                 records[e.name] = _record(e, name, e.name, offset, checksum(e.buffers))
-                chunkfile.write_buffers(fd, e.buffers)
+                out.write(e.buffers)
                 offset += e.nbytes
+            fd = out.finish()
         except OSError as exc:
-            if fd >= 0:
-                os.close(fd)
+            if out is not None:
+                out.close()
             self._fail(share, f"writing {share.dir / name}", exc)
             return
         share.records.update(records)
@@ -225,8 +236,8 @@ class Writer:
             return
         head = chunkfile.header([stream.entry])
         try:
-            stream.fd = self._open(stream.share, stream.file)
-            write_all(stream.fd, head)
+            stream.out = self._create(stream.share, stream.file)
+            stream.out.write([head])
         except OSError as exc:
             self._close_stream(stream)
             self._fail(stream.share, f"writing {stream.share.dir / stream.file}", exc)
@@ -234,17 +245,18 @@ class Writer:
         stream.header_len = len(head)
         stream.hasher = Checksum()
 
-    def _do_stream_piece(self, stream: Stream, piece: Any, last: bool) -> None:
-        share, nbytes = stream.share, len(memoryview(piece))
+    def _do_stream_piece(self, stream: Stream, piece: Any, last: bool, held: int, seqs: list[int]) -> None:
+        share = stream.share
         try:
-            if share.error is None and stream.fd >= 0:
+            if share.error is None and stream.out is not None:
                 stream.hasher.update(piece)
-                chunkfile.write_buffers(stream.fd, [piece])
+                stream.out.write([piece])
                 if last:
+                    fd = stream.out.finish()
                     share.records[stream.entry.name] = _record(
                         stream.entry, stream.file, stream.entry.name, stream.header_len, stream.hasher.text())
-                    self._syncs.put((self._do_sync, (share, stream.file, stream.fd)))
-                    stream.fd = -1
+                    self._syncs.put((self._do_sync, (share, stream.file, fd)))
+                    stream.out = None
         except OSError as exc:
             self._close_stream(stream)
             self._fail(share, f"writing {share.dir / stream.file}", exc)
@@ -252,13 +264,13 @@ class Writer:
             del piece
             if share.error is not None:
                 self._close_stream(stream)
-            self._report_freed(share, nbytes)
+            self._report_freed(share, held, seqs)
 
     @staticmethod
     def _close_stream(stream: Stream) -> None:
-        if stream.fd >= 0:
-            os.close(stream.fd)
-            stream.fd = -1
+        if stream.out is not None:
+            stream.out.close()
+            stream.out = None
 
     # -- format "hdf5", on the ckptd-hdf5 thread: one file per share -----------------------
     def _h5_file(self, share: Share) -> Any:
@@ -276,7 +288,7 @@ class Writer:
     def _h5_record(self, share: Share, e: Entry, dataset: Any, digest: str) -> None:
         share.records[e.name] = _record(e, layout.h5_name(share.rank), dataset.key, dataset.offset, digest)
 
-    def _do_h5_batch(self, share: Share, entries: list[Entry], nbytes: int) -> None:
+    def _do_h5_batch(self, share: Share, entries: list[Entry], held: int, seqs: list[int]) -> None:
         try:
             if share.error is None:
                 h5 = self._h5_file(share)
@@ -284,12 +296,17 @@ class Writer:
                     dataset = h5.add(e.name, e.dtype, e.shape)
                     digest = checksum(e.buffers)  # just before writing: the bytes are in cache
                     h5.write(dataset, e.buffers)
+                    self._throttled(e.nbytes)
                     self._h5_record(share, e, dataset, digest)
         except OSError as exc:
             self._fail(share, f"writing {share.dir / layout.h5_name(share.rank)}", exc)
         finally:
             entries.clear()  # drop the received buffers before reporting them freed
-            self._report_freed(share, nbytes)
+            self._report_freed(share, held, seqs)
+
+    def _throttled(self, nbytes: int) -> None:
+        if self._throttle is not None:
+            self._throttle.take(nbytes)
 
     def _do_h5_stream_open(self, stream: Stream) -> None:
         share, e = stream.share, stream.entry
@@ -302,19 +319,20 @@ class Writer:
             return
         stream.hasher = Checksum()
 
-    def _do_h5_stream_piece(self, stream: Stream, piece: Any, last: bool) -> None:
-        share, nbytes = stream.share, len(memoryview(piece))
+    def _do_h5_stream_piece(self, stream: Stream, piece: Any, last: bool, held: int, seqs: list[int]) -> None:
+        share = stream.share
         try:
             if share.error is None and stream.dataset is not None:
                 stream.hasher.update(piece)
                 share.h5.write(stream.dataset, [piece])
+                self._throttled(len(memoryview(piece)))
                 if last:
                     self._h5_record(share, stream.entry, stream.dataset, stream.hasher.text())
         except OSError as exc:
             self._fail(share, f"writing {share.dir / stream.file}", exc)
         finally:
             del piece
-            self._report_freed(share, nbytes)
+            self._report_freed(share, held, seqs)
 
     def _do_h5_close(self, share: Share) -> None:
         """Before a commit or discard: finish the file (HDF5 writes its metadata now) and
@@ -347,6 +365,9 @@ class Writer:
                 info = self._write_manifest(share, state, metadata)
             except OSError as exc:
                 self._fail(share, f"writing the manifest in {share.dir}", exc)
+            except Exception as exc:  # a bug: the commit must still be answered, as failed
+                log.exception("committing run=%s step=%d rank=%d", share.run, share.step, share.rank)
+                share.error = share.error or f"internal error while committing: {type(exc).__name__}: {exc}"
             else:
                 self._notify(Result("committed", share, info=info, token=token))
                 return
@@ -370,7 +391,11 @@ class Writer:
         if self._fsync:  # the step folder's own entry, and the run folder's
             fsync_dir(share.dir.parent)
             fsync_dir(share.root)
-        complete = read_manifests(share.dir)
+        try:
+            complete = read_manifests(share.dir)
+        except CheckpointCorrupt as exc:  # another rank's manifest is damaged; this commit stands
+            log.warning("run=%s step=%d is not complete: %s", share.run, share.step, exc)
+            complete = None
         info = CheckpointInfo.from_manifests(str(share.dir), complete or [manifest])
         # Only now, with the manifest durable: the index and the latest pointer, then
         # retention, which may delete older checkpoints.
@@ -385,18 +410,32 @@ class Writer:
         self._notify(Result("discarded", share))
 
     def _remove_files(self, share: Share) -> None:
-        for name in share.files:
+        # Relative to the run and step folders, each opened without following a symlink:
+        # one planted in the root is never removed through (DESIGN §7.4).
+        try:
+            run_fd = layout.open_real_dir(share.dir.parent)
+        except OSError:  # never made, or not a real folder: nothing of ours is in it
+            share.files.clear()
+            return
+        try:
+            step_fd = layout.open_real_dir(share.dir.name, dir_fd=run_fd)
+        except OSError:
+            step_fd = -1
+        for name in share.files if step_fd >= 0 else ():
             try:
-                os.unlink(share.dir / name)
+                os.unlink(name, dir_fd=step_fd)
             except FileNotFoundError:
                 pass
             except OSError as exc:
                 log.warning("cannot remove %s: %s", share.dir / name, exc.strerror)
         share.files.clear()
-        try:
-            os.rmdir(share.dir)  # only if nothing else (another rank) is in it
-        except OSError:
-            pass
+        if step_fd >= 0:
+            os.close(step_fd)
+            try:
+                os.rmdir(share.dir.name, dir_fd=run_fd)  # only if nothing else (another rank) is in it
+            except OSError:
+                pass
+        os.close(run_fd)
 
 
 def _record(e: Entry, file: str, key: str, offset: int | None, digest: str) -> TensorRecord:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import config as config_mod
-from .. import dtypes, wire
+from .. import curve
+from .. import dtypes, handoff, wire
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, check_json
 from ..names import check_name, check_rank, check_run, check_step
@@ -113,6 +114,7 @@ class Producer:
         self.endpoint = (
             config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint else cfg.endpoint
         )
+        self._curve_keys = curve.client_keys(self.endpoint, cfg, options)  # tcp:// only; files checked now
         run = run if run is not None else os.environ.get("CKPTD_RUN") or None
         self.run = check_run(run) if run is not None else None
         rank = rank if rank is not None else int(os.environ.get("RANK", 0))
@@ -142,6 +144,7 @@ class Producer:
         self._welcome: threading.Event | None = None
         self._hello_error: str | None = None
         self._max_frame = 0
+        self._shm = False  # this connection's tensors travel through the shared arena
         self._closed = False
         self._arena: Arena | None = None
         self._arena_error: BaseException | None = None
@@ -270,6 +273,17 @@ class Producer:
                 self._unpin()
                 self._arena.close()
 
+    def stats(self) -> dict[str, Any]:
+        """How this producer is doing: ``transport`` ("shm" or "inline", None before the
+        first connection), ``staging_bytes`` (the arena's size), ``blocked_seconds``
+        (total time ``emit`` waited for staging space, i.e. for the daemon)."""
+        arena = self._arena
+        return {
+            "transport": None if self._transport is None else ("shm" if self._shm else "inline"),
+            "staging_bytes": arena.capacity if arena is not None else 0,
+            "blocked_seconds": arena.blocked_s if arena is not None else 0.0,
+        }
+
     def __enter__(self) -> "Producer":
         return self
 
@@ -335,7 +349,9 @@ class Producer:
         assert arena is not None
         header = dict(step=step, name=name, dtype=item.dtype.name, shape=item.shape,
                       nbytes=item.nbytes, numpy=item.is_numpy)
-        piece = min(arena.capacity, self._max_frame)
+        # In shared memory a large tensor goes in quarters of the arena, so that the
+        # daemon writes one while the next is copied; inline, frames are capped too.
+        piece = arena.capacity // 4 if self._shm else min(arena.capacity, self._max_frame)
         if item.nbytes <= piece:
             region = self._alloc(item.nbytes, name)
             event = None
@@ -414,6 +430,10 @@ class Producer:
             seq = self._seq
             if region is not None:
                 region.seq = seq
+        if self._shm and region is not None:  # the daemon reads the bytes where they are
+            msg = wire.encode("tensor", seq=seq, start=start, offset=region.start, length=region.nbytes, **header)
+            self._transport.send(msg, None, event)
+            return
         payload = self._arena.view(region) if region is not None else b""
         self._transport.send(wire.encode("tensor", seq=seq, start=start, **header), payload, event)
 
@@ -432,13 +452,21 @@ class Producer:
         device = src.device
         current = torch.cuda.current_stream(device)
         side = self._cuda["streams"].setdefault(device, torch.cuda.Stream(device))
+        src = src.detach()
+        device_copy = self.options.gpu_snapshot == "device"
+        if device_copy:
+            # A device-to-device clone on the current stream (HBM bandwidth) is the
+            # snapshot: later updates change src, not the clone, so the training
+            # stream never waits for the slower copy to the host.
+            src = src.clone()
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            dst.copy_(src.detach(), non_blocking=True)
+            dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
         src.record_stream(side)  # the allocator must not reuse src's memory before the copy
-        current.wait_event(event)
+        if not device_copy:
+            current.wait_event(event)  # in-place updates after emit wait for the copy
         return event
 
     def _pin(self) -> None:
@@ -533,20 +561,58 @@ class Producer:
         self._arena.reset()  # whatever the old connection carried is gone with it
         self._welcome = threading.Event()
         self._hello_error = None
+        token = self._offer_arena()
+        self._shm = False
         transport = Transport(self.endpoint, timeout=self.options.timeout, heartbeat=self.options.heartbeat,
-                              on_reply=self._on_reply, on_lost=self._on_lost)
+                              on_reply=self._on_reply, on_lost=self._on_lost, curve_keys=self._curve_keys)
         transport.send(wire.encode("hello", v=wire.VERSION, run=run, rank=self.rank,
                                    world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
-                                   retention=self.retention, format=self.format))
+                                   retention=self.retention, format=self.format, shm_token=token,
+                                   shm_size=self._arena.capacity if token else None))
         if not self._welcome.wait(self.options.timeout) or self._hello_error or transport.lost:
             transport.close()
             if self._hello_error:
                 raise CheckpointError(f"the daemon at {self.endpoint} refused this producer: {self._hello_error}")
+            hint = ("start one with `ckptd serve -c config.toml`, or point CKPTD_ENDPOINT at a running one")
+            if self._curve_keys is not None:  # a CurveZMQ refusal looks like silence from here
+                hint += ("; or the daemon refused this producer's CurveZMQ key, or curve_server_key is not "
+                         "the daemon's public key (the daemon's log, or `ckptd status -c CONFIG`, says which)")
             raise CheckpointError(
-                f"no ckptd daemon answered at {self.endpoint} within {self.options.timeout:.0f} s; "
-                "start one with `ckptd serve -c config.toml`, or point CKPTD_ENDPOINT at a running one"
+                f"no ckptd daemon answered at {self.endpoint} within {self.options.timeout:.0f} s; {hint}")
+        if token and not self._shm and self.options.transport == "shm":
+            transport.close()
+            raise CheckpointError(
+                f"the daemon at {self.endpoint} could not map this producer's staging memory (its log says "
+                "why); set [producer] transport = \"inline\" or \"auto\" to send tensors through the socket"
             )
         self._transport = transport
+
+    def _offer_arena(self) -> bytes | None:
+        """Hand the staging arena to the daemon, if this connection uses shared memory;
+        return the token that the hello names it by."""
+        mode = self.options.transport
+        assert self._arena is not None
+        if mode == "inline":
+            return None
+        why = None
+        if not self.endpoint.startswith("ipc://"):
+            why = f"the endpoint {self.endpoint} is not an ipc:// socket on this host"
+        elif self._arena.fd < 0:
+            why = "this system has no memfd_create"
+        else:
+            try:
+                return handoff.offer(self.endpoint[len("ipc://"):], self._arena.fd, self.options.timeout)
+            except handoff.HandoffRefused as exc:
+                why = f"the daemon refused it: {exc}"
+            except OSError as exc:
+                why = f"no daemon takes it at {handoff.socket_path(self.endpoint[len('ipc://'):])}: {exc.strerror or exc}"
+        if mode == "shm":
+            raise CheckpointError(
+                f"[producer] transport = \"shm\", but staging memory cannot be shared with the daemon: {why}; "
+                "use transport = \"auto\" or \"inline\""
+            )
+        log.debug("tensors go inline through the socket: %s", why)
+        return None
 
     def _send(self, op: str, *, register: dict[int, Any] | None = None, value: Any = None, **fields: Any) -> int:
         assert self._transport is not None
@@ -566,6 +632,7 @@ class Producer:
                 self._arena.release_through(h["seq"])
         elif op == "welcome":
             self._max_frame = h["max_frame"]
+            self._shm = bool(h["shm"])
             if self._welcome is not None:
                 self._welcome.set()
         elif op == "committed":

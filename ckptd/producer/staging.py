@@ -5,11 +5,20 @@ blocked 2.5 s here, into warm pages 0.15 s), so ``emit`` never allocates: it tak
 a region of this arena, copies the tensor into it and hands it to the sender. The
 arena is a ring: regions are taken at the head and given back, oldest first, when
 the daemon acknowledges them, which is exactly the order they were sent in.
+
+The arena lives in a memfd: anonymous shared memory with no name in any
+filesystem, so a crash of either process leaks nothing (the kernel frees it with
+the last mapping or descriptor). Its descriptor is what the shared-memory
+transport hands to the daemon (``ckptd.handoff``); it is sealed against
+shrinking, so the daemon can map it without fear that a later ``ftruncate``
+turns its reads into SIGBUS.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
+import os
 import threading
 import time
 from collections import deque
@@ -19,6 +28,8 @@ from typing import Any
 from ..errors import CheckpointError
 
 ALIGN = 64  # every region starts on a cache line, so any dtype view of it is aligned
+PAGE = 4096  # large regions start on a page, so the daemon can write them with O_DIRECT
+LARGE = 2**20
 
 
 @dataclass(eq=False)
@@ -30,9 +41,13 @@ class Region:
 
 class Arena:
     def __init__(self, size: int) -> None:
-        size = max(ALIGN, -(-size // ALIGN) * ALIGN)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._mm = mmap.mmap(-1, size, flags=flags)  # MAP_POPULATE pre-faults every page
+        size = max(PAGE, -(-size // PAGE) * PAGE)
+        self.fd = _memfd(size)
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # pre-faults every page now, not in emit
+        if self.fd >= 0:
+            self._mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
+        else:
+            self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
         self.capacity = size
         self._live: deque[Region] = deque()
         self._head = 0
@@ -53,17 +68,17 @@ class Arena:
         """Take ``nbytes`` (at most ``capacity``), waiting up to ``timeout`` s for space."""
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes cannot fit an arena of {self.capacity}")
-        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        align = PAGE if nbytes >= LARGE else ALIGN
         deadline = None
         with self._cond:
             while True:
                 if self._broken:
                     raise CheckpointError(self._broken)
-                start = self._fit(need)
+                start = self._fit(nbytes, align)
                 if start is not None:
                     region = Region(start, nbytes)
                     self._live.append(region)
-                    self._head = start + need
+                    self._head = start + nbytes
                     return region
                 if not block:
                     raise CheckpointError(
@@ -80,15 +95,16 @@ class Arena:
                 self._cond.wait(deadline - now)
                 self.blocked_s += time.monotonic() - now
 
-    def _fit(self, need: int) -> int | None:
+    def _fit(self, need: int, align: int) -> int | None:
         if not self._live:
-            return 0 if need <= self.capacity else None
+            return 0
         tail = self._live[0].start
+        head = -(-self._head // align) * align
         if self._head > tail:  # live data is [tail, head): free space at the end, then the start
-            if self._head + need <= self.capacity:
-                return self._head
+            if head + need <= self.capacity:
+                return head
             return 0 if need <= tail else None
-        return self._head if self._head + need <= tail else None  # wrapped: free is [head, tail)
+        return head if head + need <= tail else None  # wrapped: free is [head, tail)
 
     def release_through(self, seq: int) -> None:
         """Give back every region sent under a sequence number up to ``seq``."""
@@ -109,7 +125,7 @@ class Arena:
                 return
             if self._live:
                 last = self._live[-1]
-                self._head = last.start + max(ALIGN, -(-last.nbytes // ALIGN) * ALIGN)
+                self._head = last.start + last.nbytes
             self._cond.notify_all()
 
     def reset(self) -> None:
@@ -128,7 +144,25 @@ class Arena:
 
     def close(self) -> None:
         self.break_("the producer is closed")
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
             self._mm.close()
         except BufferError:
             pass  # a frame still references it; the mapping goes with the last reference
+
+
+def _memfd(size: int) -> int:
+    """A sealed memfd of ``size`` bytes, or -1 where the system has none."""
+    if not hasattr(os, "memfd_create"):
+        return -1
+    fd = os.memfd_create("ckptd-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        # The daemon maps this size; it can never shrink (or grow) under it again.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import zmq
 
 from .. import wire
+from .. import curve
 from ..wakeup import WakePipe
 from ..errors import ProtocolError
 
@@ -33,12 +34,14 @@ class Transport:
         heartbeat: float,
         on_reply: Callable[[dict[str, Any]], None],
         on_lost: Callable[[str], None],
+        curve_keys: curve.ClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._timeout = timeout
         self._heartbeat = heartbeat
         self._on_reply = on_reply
         self._on_lost = on_lost
+        self._curve_keys = curve_keys  # a tcp:// endpoint's CurveZMQ keys (docs/security.md)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = WakePipe()
         self._stop = False
@@ -65,6 +68,7 @@ class Transport:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # memory is bounded in bytes by the staging arena
         sock.setsockopt(zmq.RCVHWM, 0)
+        curve.secure_client(sock, self._curve_keys)  # tcp://: encrypt, and check the daemon's key
         sock.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(self._wake.fd, zmq.POLLIN)
@@ -142,22 +146,26 @@ class Transport:
         return False
 
 
-def request(endpoint: str, header: bytes, timeout: float) -> dict[str, Any]:
+def request(endpoint: str, header: bytes, timeout: float, curve_keys: curve.ClientKeys | None = None) -> dict[str, Any]:
     """One question to the daemon on a throwaway socket (for the CLI): send a header,
-    return the decoded reply, or raise CheckpointError after ``timeout`` seconds."""
+    return the decoded reply, or raise CheckpointError after ``timeout`` seconds.
+    ``curve_keys``: a tcp:// endpoint's (``curve.client_keys``)."""
     from ..errors import CheckpointError
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    handshake = curve.secure_client(sock, curve_keys, watch=True)  # tells a refused key from silence
     try:
         sock.connect(endpoint)
         sock.send(header)
         if not sock.poll(int(timeout * 1000)):
-            raise CheckpointError(f"no ckptd daemon answered at {endpoint} within {timeout:g} s")
+            raise CheckpointError(handshake.refusal(endpoint)
+                                  or f"no ckptd daemon answered at {endpoint} within {timeout:g} s")
         reply, _ = wire.decode(sock.recv_multipart())
     finally:
         sock.close(0)
+        handshake.close()
     if reply["op"] == "error":
         raise CheckpointError(reply["message"])
     return reply

@@ -1,0 +1,94 @@
+"""Who may write a run through the daemon (``[daemon] shared_runs = false``, the default).
+
+A run belongs to whoever first wrote it through the daemon: over ``ipc://``, the
+Unix user of the producer's process, which the kernel reports to libzmq
+(SO_PEERCRED, the frame's ``Peer-Address`` property ``host:uid:gid:pid``); over
+``tcp://``, the CurveZMQ public key it authenticated with (the ``User-Id`` the
+ZAP handler gave it). The owner is recorded in ``<root>/<run>/.owner``. Producers
+of anyone else are refused at ``hello``, so they can neither add steps to the run
+nor apply their retention keys to it (which could delete its checkpoints).
+
+root and the daemon's own user are trusted with every run, and claim none: they
+could change the files directly anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from .. import layout
+from ..durable import atomic_write
+
+log = logging.getLogger("ckptd.daemon")
+OWNER_FILE = ".owner"
+_OWNER_LIMIT = 1024
+
+
+class NotOwner(Exception):
+    """The producer may not write this run; the message says whose it is and what to do."""
+
+
+def principal(frame: Any, *, tcp: bool) -> str | None:
+    """``"uid:N"`` (ipc://) or ``"key:Z85"`` (tcp:// with CurveZMQ) of the peer that sent
+    ``frame``, or None where the transport does not say."""
+    try:
+        if tcp:
+            user = frame.get("User-Id")
+            return f"key:{user}" if user else None
+        parts = frame.get("Peer-Address").split(":")  # host:uid:gid:pid
+        return f"uid:{int(parts[-3])}" if len(parts) >= 4 else None
+    except Exception:  # no such property (an older libzmq, another transport)
+        return None
+
+
+class Owners:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.trusted = {"uid:0", f"uid:{os.getuid()}"}
+        self._known: dict[str, str] = {}  # run -> owner, as read or written
+
+    def check(self, run: str, who: str | None) -> None:
+        """Let ``who`` write ``run`` (claiming it if nobody has), or raise NotOwner."""
+        if who is None or who in self.trusted:
+            return
+        owner = self._known.get(run) or self._read(run)
+        if owner is None:
+            self._claim(run, who)
+            return
+        if owner != who:
+            raise NotOwner(
+                f"run {run!r} belongs to {_describe(owner)}, and this producer is {_describe(who)}: a run is "
+                "written only by the user (or key) whose producer created it; use another run id, or set "
+                "[daemon] shared_runs = true to let every producer write every run"
+            )
+
+    def _read(self, run: str) -> str | None:
+        run_dir = self.root / run
+        try:
+            fd = layout.open_real_dir(run_dir)
+        except FileNotFoundError:
+            return None
+        try:
+            text = layout.read_small(OWNER_FILE, _OWNER_LIMIT, dir_fd=fd).decode().strip()
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(fd)
+        if text:
+            self._known[run] = text
+        return text or None
+
+    def _claim(self, run: str, who: str) -> None:
+        run_dir = self.root / run
+        layout.ensure_real_dir(run_dir, self.root)
+        atomic_write(run_dir / OWNER_FILE, f"{who}\n".encode())
+        self._known[run] = who
+        log.info("run %s now belongs to %s", run, _describe(who))
+
+
+def _describe(who: str) -> str:
+    kind, _, value = who.partition(":")
+    return f"Unix user {value}" if kind == "uid" else f"the CurveZMQ key {value}"
