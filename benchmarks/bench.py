@@ -455,7 +455,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=5, help="measured repeats after one warm-up (default 5)")
     ap.add_argument("--json", type=Path, help="write every raw number, the summary and the goals here")
     ap.add_argument("--png", type=Path, default=None,
-                    help="write the chart here (default: next to --json as .png, else benchmarks/report.png)")
+                    help="write the chart here (default: next to --json as .png, else benchmarks/results/report.png)")
     ap.add_argument("--no-png", action="store_true", help="draw no chart")
     ap.add_argument("--dir", type=Path, default=None,
                     help="parent of the temp folder holding the checkpoint roots and baseline files "
@@ -497,7 +497,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.no_png:
         args.png = None
     elif args.png is None:
-        args.png = args.json.with_suffix(".png") if args.json else Path(__file__).resolve().parent / "report.png"
+        args.png = args.json.with_suffix(".png") if args.json else Path(__file__).resolve().parent / "results" / "report.png"
     return args
 
 

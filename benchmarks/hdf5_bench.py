@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (the shared parts: state, daemon, baselines)
+from baselines import fsync_path  # noqa: E402
 
 import ckptd  # noqa: E402
 from ckptd.config import parse_size  # noqa: E402
@@ -54,18 +55,10 @@ def naive_h5py(state: dict[str, torch.Tensor], path: Path, compression: str) -> 
         for name, t in state.items():
             f.create_dataset(name, data=t.numpy(), **filters)
         f.flush()
-    _fsync(path)  # after close, which writes the last metadata
+    fsync_path(path)  # after close, which writes the last metadata
     seconds = time.perf_counter() - t0
     path.unlink()
     return seconds
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def ckptd_emit(p: ckptd.Producer, run: str, root: Path, state: dict[str, torch.Tensor], step: int,

@@ -398,5 +398,6 @@ def write_png(path: Path, rows: list[Row], stats: dict[str, dict[str, Any]], tit
     axes[0].invert_yaxis()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.03, 1, 1))  # room for the legend of colours
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

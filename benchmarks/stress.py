@@ -502,6 +502,19 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str, daemon: Daemo
         time.sleep(0.05)
 
 
+def _stop(d: Daemon, ledger: Ledger) -> None:
+    """SIGTERM: a clean drain exits 0; anything else is a violation."""
+    code = d.stop()
+    if code != 0:
+        ledger.violations.append(f"the daemon exited with {code} on SIGTERM")
+
+
+def _check_rss(d: Daemon, ledger: Ledger) -> None:
+    if d.peak_rss >= d.memory_budget + RSS_SLACK:
+        ledger.violations.append(f"daemon peak RSS {d.peak_rss / MiB:.0f} MiB >= memory_budget "
+                                 f"{d.memory_budget / MiB:.0f} MiB + {RSS_SLACK // MiB} MiB")
+
+
 def _latency(ledger: Ledger) -> dict[str, float | None]:
     lat = sorted(ledger.latencies)
     if not lat:
@@ -557,9 +570,7 @@ def kill_loop(base: Path, *, kills: int, producers: int = 3, seed: int = 0, paus
             if w.finish() != 0:
                 ledger.violations.append(f"producer {w.run} rank {w.rank} exited with {w.proc.returncode}")
         ledger.check(workers, "at the end")
-        code = d.stop()
-        if code != 0:
-            ledger.violations.append(f"the daemon exited with {code} on SIGTERM")
+        _stop(d, ledger)
         ledger.violations += [f"after the final stop: {o}" for o in orphans(d.root)]
     finally:
         for w in workers:
@@ -650,12 +661,8 @@ def live_fuzz(base: Path, *, messages: int, seed: int = 0, memory_budget: str = 
             ledger.violations.append("the good producer got no commit through during the fuzz")
         if d.alive():
             d.memory()
-            code = d.stop()
-            if code != 0:
-                ledger.violations.append(f"the daemon exited with {code} on SIGTERM")
-        if d.peak_rss >= d.memory_budget + RSS_SLACK:
-            ledger.violations.append(f"daemon peak RSS {d.peak_rss / MiB:.0f} MiB >= memory_budget "
-                                     f"{d.memory_budget / MiB:.0f} MiB + {RSS_SLACK // MiB} MiB")
+            _stop(d, ledger)
+        _check_rss(d, ledger)
     finally:
         if sampler is not None:
             sampler.close()
@@ -723,12 +730,8 @@ def load(base: Path, *, seconds: float, producers: int = 16, runs: int = 4, memo
         ledger.check(workers, "load")
         if ledger.failed:
             ledger.violations.append(f"{ledger.failed} commit(s) failed under load: {ledger.failures}")
-        code = d.stop()
-        if code != 0:
-            ledger.violations.append(f"the daemon exited with {code} on SIGTERM")
-        if d.peak_rss >= d.memory_budget + RSS_SLACK:
-            ledger.violations.append(f"daemon peak RSS {d.peak_rss / MiB:.0f} MiB >= memory_budget "
-                                     f"{d.memory_budget / MiB:.0f} MiB + {RSS_SLACK // MiB} MiB")
+        _stop(d, ledger)
+        _check_rss(d, ledger)
     finally:
         if sampler is not None:
             sampler.close()

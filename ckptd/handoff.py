@@ -100,10 +100,8 @@ class Listener:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return fds
-            except OSError as exc:  # out of descriptors, say: the daemon must keep serving
+            except OSError as exc:  # out of descriptors (EMFILE): keep serving; the next poll tries again
                 log.warning("cannot accept a staging handoff on %s: %s", self.path, exc)
-                return fds
-            except OSError:  # out of descriptors (EMFILE, ENFILE): the next poll tries again
                 return fds
             if len(self.connections) >= MAX_PENDING:
                 # Peers that connect and say nothing must not take every descriptor the
