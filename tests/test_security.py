@@ -228,8 +228,13 @@ def test_a_run_is_written_only_by_the_key_that_created_it(make_daemon, keys) -> 
 
 
 AS_USER = """
-import sys, torch
+import os, sys, torch
 from ckptd import Producer, CheckpointError
+# Imports first (the checkout may be unreadable to that user), then become the user.
+uid = int(sys.argv[4])
+os.setgroups([0])
+os.setresgid(uid, uid, uid)
+os.setresuid(uid, uid, uid)
 with Producer(sys.argv[1], sys.argv[2], staging_size="4MiB", timeout=5) as p:
     try:
         p.save({"w": torch.ones(2)}, int(sys.argv[3])).wait(30)
@@ -239,15 +244,13 @@ with Producer(sys.argv[1], sys.argv[2], staging_size="4MiB", timeout=5) as p:
 """
 
 
-def test_over_ipc_a_run_belongs_to_the_unix_user_that_created_it(daemon, tmp_path) -> None:
+def test_over_ipc_a_run_belongs_to_the_unix_user_that_created_it(daemon) -> None:
     # Two unprivileged users who may both reach the socket (group 0, as a shared node's
     # `ckptd` group would): the kernel tells the daemon which is which.
     os.chmod(daemon.sock_dir, 0o750)
-    os.chmod(tmp_path, 0o755)
 
     def as_user(uid: int, run: str, step: int) -> str:
-        out = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--groups=0", sys.executable,
-                              "-c", AS_USER, daemon.endpoint, run, str(step)],
+        out = subprocess.run([sys.executable, "-c", AS_USER, daemon.endpoint, run, str(step), str(uid)],
                              capture_output=True, text=True, timeout=120, cwd="/")
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
