@@ -103,7 +103,7 @@ class DaemonConfig:
     max_frame: int = _opt(256 * 2**20, _positive(parse_size))
     session_timeout: float = _opt(60.0, _positive(parse_duration))
     fsync: bool = _opt(True, lambda v: _bool(v))
-    nice: int = _opt(10, lambda v: _nice(v))
+    nice: int = _opt(19, lambda v: _nice(v))
     log_level: str = _opt("info", _choice("debug", "info", "warning", "error"))
     metrics: str = _opt("", lambda v: _listen_address(v))  # "" = off
     drain_timeout: float = _opt(60.0, parse_duration)
