@@ -18,6 +18,7 @@ import os
 import stat
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -403,6 +404,11 @@ class Index:
 
         kind = self.config.observer
         observer = None
+        # watchdog warns when a folder is removed and one of the same name is made again
+        # (a step saved anew) while its old inotify watch is still registered; it then
+        # replaces the watch itself, which is all we need: not a log line worth having.
+        warnings.filterwarnings("ignore", message="Callback with id .* already exists for watch",
+                                category=RuntimeWarning)
         if kind in ("auto", "inotify"):
             try:
                 observer = Observer()
