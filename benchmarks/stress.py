@@ -502,6 +502,14 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str, daemon: Daemo
         time.sleep(0.05)
 
 
+def _kill_all(workers: list[Worker]) -> None:
+    """kill -9 what still runs (the scenario failed or was interrupted)."""
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.kill()
+            w.proc.wait()
+
+
 def _stop(d: Daemon, ledger: Ledger) -> None:
     """SIGTERM: a clean drain exits 0; anything else is a violation."""
     code = d.stop()
@@ -573,10 +581,7 @@ def kill_loop(base: Path, *, kills: int, producers: int = 3, seed: int = 0, paus
         _stop(d, ledger)
         ledger.violations += [f"after the final stop: {o}" for o in orphans(d.root)]
     finally:
-        for w in workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait()
+        _kill_all(workers)
         d.cleanup()
     return {
         "kills": kills, "kills_survived": survived, "producers": len(workers),
@@ -735,10 +740,7 @@ def load(base: Path, *, seconds: float, producers: int = 16, runs: int = 4, memo
     finally:
         if sampler is not None:
             sampler.close()
-        for w in workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait()
+        _kill_all(workers)
         d.cleanup()
     return {
         "producers": len(workers), "runs": runs, "world_size": world, "seconds": seconds,

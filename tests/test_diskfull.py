@@ -27,9 +27,13 @@ def small_disk_daemon(make_daemon):
                            capture_output=True, text=True)
     if probe.returncode != 0:  # needs root; CI here runs as root
         pytest.skip(f"cannot mount a tmpfs in a private mount namespace: {probe.stderr.strip()}")
-    d = make_daemon(start=False, chunk_size="1MiB")
+    return start_on_tmpfs(make_daemon(start=False, chunk_size="1MiB"), "12m")
+
+
+def start_on_tmpfs(d, size: str):
+    """Start daemon ``d`` in a mount namespace of its own, its root a tmpfs of ``size``."""
     d.root.mkdir(parents=True)
-    mount = f"mount -t tmpfs -o size=12m,mode=0755 tmpfs {shlex.quote(str(d.root))}"
+    mount = f"mount -t tmpfs -o size={size},mode=0755 tmpfs {shlex.quote(str(d.root))}"
     d.wrap = ["unshare", "-m", "sh", "-c", f'{mount} && exec "$0" "$@"']
     d.start()
     # the tmpfs is visible only inside the daemon's namespace: read it through /proc
@@ -63,13 +67,7 @@ def make_small_disk(small_disk_daemon, make_daemon):
     """``make_small_disk(size, tables=None, **keys)``: like ``small_disk_daemon``, with a
     tmpfs of ``size`` and daemon settings of the test's own."""
     def make(size: str, tables: dict | None = None, **keys: object):
-        d = make_daemon(start=False, tables=tables, **{"chunk_size": "1MiB", **keys})
-        d.root.mkdir(parents=True)
-        mount = f"mount -t tmpfs -o size={size},mode=0755 tmpfs {shlex.quote(str(d.root))}"
-        d.wrap = ["unshare", "-m", "sh", "-c", f'{mount} && exec "$0" "$@"']
-        d.start()
-        d.view = Path(f"/proc/{d.proc.pid}/root") / d.root.relative_to("/")
-        return d
+        return start_on_tmpfs(make_daemon(start=False, tables=tables, **{"chunk_size": "1MiB", **keys}), size)
     return make
 
 
