@@ -145,7 +145,7 @@ def _status(args: argparse.Namespace) -> int:
     for p in s["producers"]:
         steps = ", ".join(map(str, p["open_steps"])) or "none"
         print(f"  run {p['run']} rank {p['rank']}/{p['world_size']}  pid {p['pid']} on {p['host']}  "
-              f"open steps: {steps}")
+              f"{p['transport']}  open steps: {steps}")
     if s["runs"]:
         print("runs:")
         width = max(map(len, s["runs"]))

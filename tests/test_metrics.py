@@ -88,10 +88,10 @@ def test_status_shows_producers_and_their_open_steps(daemon) -> None:
         p.emit("x", torch.ones(10), step=3)
         p.latest()
         s = status(daemon)
-        assert [(q["run"], q["rank"], q["world_size"], q["open_steps"]) for q in s["producers"]] == [
-            ("live", 1, 2, [3])]
+        assert [(q["run"], q["rank"], q["world_size"], q["transport"], q["open_steps"])
+                for q in s["producers"]] == [("live", 1, 2, "shm", [3])]
         text = ckptd_cli("status", "--endpoint", daemon.endpoint).stdout
-        assert "run live rank 1/2" in text and "open steps: 3" in text
+        assert "run live rank 1/2" in text and "shm  open steps: 3" in text
         p.abort(3)
 
 
