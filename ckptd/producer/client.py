@@ -573,6 +573,8 @@ class Producer:
             transport.close()
             if self._hello_error:
                 raise CheckpointError(f"the daemon at {self.endpoint} refused this producer: {self._hello_error}")
+            if transport.refused:
+                raise CheckpointError(transport.refused)
             hint = ("start one with `ckptd serve -c config.toml`, or point CKPTD_ENDPOINT at a running one")
             if self._curve_keys is not None:  # a CurveZMQ refusal looks like silence from here
                 hint += ("; or the daemon refused this producer's CurveZMQ key, or curve_server_key is not "

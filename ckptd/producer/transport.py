@@ -46,6 +46,7 @@ class Transport:
         self._wake = WakePipe()
         self._stop = False
         self.lost: str | None = None
+        self.refused: str | None = None  # why the daemon refused this producer's CurveZMQ key
         self._ctx = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="ckptd-sender", daemon=True)
         self._thread.start()
@@ -68,7 +69,9 @@ class Transport:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # memory is bounded in bytes by the staging arena
         sock.setsockopt(zmq.RCVHWM, 0)
-        curve.secure_client(sock, self._curve_keys)  # tcp://: encrypt, and check the daemon's key
+        # tcp://: encrypt and check the daemon's key; watch the handshake until the daemon
+        # answers, since a refused key looks like silence from here
+        handshake = curve.secure_client(sock, self._curve_keys, watch=True)
         sock.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(self._wake.fd, zmq.POLLIN)
@@ -93,8 +96,14 @@ class Transport:
                     except zmq.Again:
                         break
                     last_heard = time.monotonic()
+                    handshake.close()  # the daemon answered: the handshake is done
                     if self._dispatch(frames):
                         return
+                refused = handshake.refusal(self.endpoint)
+                if refused:
+                    self.lost = self.refused = refused
+                    self._on_lost(refused)
+                    return
                 if self._stop and (not outbox or time.monotonic() - last_heard > 1.0):
                     return
                 now = time.monotonic()
@@ -115,6 +124,7 @@ class Transport:
             self.lost = f"the ckptd sender thread failed: {exc}"
             self._on_lost(self.lost)
         finally:
+            handshake.close()
             sock.close(0)
 
     def _ship(self, sock: zmq.Socket, outbox: list[tuple[bytes, Any, Any]]) -> list[tuple[bytes, Any, Any]]:
