@@ -4,7 +4,6 @@ ipc:// by the socket's folder and mode. Real daemons, real sockets, real key fil
 from __future__ import annotations
 
 import os
-import socket
 import stat
 import subprocess
 import sys

@@ -9,10 +9,8 @@ logged when it cannot be answered; it never stops the loop.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import faulthandler
-import fcntl
 import json
 import logging
 import math
@@ -20,10 +18,7 @@ import mmap
 import os
 import queue
 import signal
-import socket
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +33,8 @@ from ..wakeup import WakePipe
 from .metrics import Figures, MetricsServer
 from .notify import Notifier, status_line, use_journal_priorities
 from .owners import NotOwner, Owners, principal
+from .process import keep_freed_memory, lock_root, lower_priority
+from .session import Session
 from .assembly import OpenStep, StepError
 from .recovery import remove_orphans
 from .upkeep import Upkeep
@@ -50,37 +47,6 @@ IPC_PATH_MAX = 107  # sun_path in struct sockaddr_un, less the terminating NUL
 EXTEND_S = 10.0
 # ...as long as open steps may still be committed, or the drain moved within this long.
 STALL_S = 60.0
-
-
-@dataclass(eq=False)
-class Session:
-    identity: bytes
-    run: str
-    rank: int
-    world_size: int
-    pid: int
-    host: str
-    format: str = "chunk"  # of this session's checkpoints: its hello's, else [daemon] format
-    last_seen: float = field(default_factory=time.monotonic)
-    steps: dict[int, OpenStep] = field(default_factory=dict)
-    # Acknowledgements: the producer may reuse staging up to ``acked``. Inline bytes are
-    # free once received; bytes in shared memory once written (``unwritten``, in order).
-    received: int = 0  # newest tensor seq received
-    acked: int = 0
-    unwritten: deque[int] = field(default_factory=deque)
-    written: set[int] = field(default_factory=set)  # out of order: waits for older ones
-    shm: memoryview | None = None  # the producer's staging arena, mapped read-only
-    chunk_size: int = 0
-
-    def acknowledgeable(self) -> int:
-        """The newest seq whose staging memory the daemon no longer needs."""
-        while self.unwritten and self.unwritten[0] in self.written:
-            self.written.discard(self.unwritten.popleft())
-        return self.unwritten[0] - 1 if self.unwritten else self.received
-
-    @property
-    def label(self) -> str:
-        return f"run={self.run} rank={self.rank} pid={self.pid}"
 
 
 class Daemon:
@@ -116,11 +82,11 @@ class Daemon:
     # -- start and stop -------------------------------------------------------------
     def start(self) -> None:
         """Lock the root, clean it, bind. After this the daemon is ready to serve."""
-        _lower_priority(self.cfg.nice)  # before any thread starts: threads inherit it
-        _keep_freed_memory()
+        lower_priority(self.cfg.nice)  # before any thread starts: threads inherit it
+        keep_freed_memory()
         layout_root = self.root
         layout_root.mkdir(parents=True, exist_ok=True)
-        self._lock_root()
+        self._lock_fd = lock_root(self.root)
         removed = remove_orphans(layout_root)
         if removed:
             log.info("removed %d orphan file(s) left by an earlier crash", removed)
@@ -144,23 +110,6 @@ class Daemon:
         log.info("serving %s, checkpoints under %s (pid %d)", self.endpoint, self.root, os.getpid())
         # Only now (DESIGN §9): orphans are gone, the index is built, the socket listens.
         self._notify_status("READY=1")
-
-    def _lock_root(self) -> None:
-        # One daemon per root and host: a second one here would take the first's files
-        # for a crash's leftovers. Daemons of other hosts (shared storage) coexist.
-        path = self.root / f".ckptd-{socket.gethostname()}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            other = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise CheckpointError(
-                f"another ckptd daemon (pid {other or '?'}) is already serving {self.root}"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
 
     def _bind(self) -> None:
         assert self.router is not None
@@ -799,30 +748,6 @@ class Daemon:
         self.writer.close()  # runs every queued job, commits included
         self.writer = None
         self._drain_results()
-
-
-def _lower_priority(nice: int) -> None:
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice > current:
-        os.nice(nice - current)
-
-
-def _keep_freed_memory() -> None:
-    """Ask glibc to keep freed receive buffers instead of unmapping them.
-
-    libzmq mallocs a buffer per received message; by default glibc returns
-    buffers over 32 MiB (and trims the heap) to the kernel on free, and the next
-    checkpoint faults every page back in, which costs more than receiving the
-    bytes. Memory the daemon holds stays bounded by ``memory_budget``.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return  # not glibc: nothing to tune
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's maximum
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
-    libc.mallopt(m_arena_max, 2)
 
 
 def _parse_json(text: str, what: str) -> Any:
