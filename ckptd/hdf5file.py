@@ -89,8 +89,10 @@ class H5Writer:
     and close.
     """
 
-    def __init__(self, path: Path, options: Hdf5Config, attrs: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: Path, options: Hdf5Config, attrs: dict[str, Any] | None = None,
+                 shown: Path | None = None) -> None:
         self.path = path
+        self.shown = shown or path  # in messages (``path`` may go through /proc/self/fd)
         self.options = options
         self._file: Any = None
         self._fd = -1
@@ -103,7 +105,7 @@ class H5Writer:
             self._fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except _H5PY_ERRORS as exc:
             self.abort()
-            raise _os_error(f"cannot create {path}", exc) from None
+            raise _os_error(f"cannot create {self.shown}", exc) from None
         self._lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         self._lcpl.set_char_encoding(h5py.h5t.CSET_UTF8)
 
@@ -123,7 +125,7 @@ class H5Writer:
             ds.attrs[ATTR_NAME] = name
             ds.attrs[ATTR_DTYPE] = dtype.name
         except _H5PY_ERRORS as exc:
-            raise _os_error(f"cannot create dataset {key!r} in {self.path}", exc) from None
+            raise _os_error(f"cannot create dataset {key!r} in {self.shown}", exc) from None
         return entry
 
     def write(self, ds: Slot, buffers: Sequence[Any]) -> None:
@@ -136,7 +138,7 @@ class H5Writer:
                 for b in buffers:
                     ds.rows.write(memoryview(b).cast("B"))
             except _H5PY_ERRORS as exc:
-                raise _os_error(f"cannot write dataset {ds.key!r} of {self.path}", exc) from None
+                raise _os_error(f"cannot write dataset {ds.key!r} of {self.shown}", exc) from None
         elif n:
             assert ds.offset is not None
             os.lseek(self._fd, ds.offset + ds.written, os.SEEK_SET)
@@ -150,7 +152,7 @@ class H5Writer:
             self._file.close()
         except _H5PY_ERRORS as exc:
             self.abort()
-            raise _os_error(f"cannot finish {self.path}", exc) from None
+            raise _os_error(f"cannot finish {self.shown}", exc) from None
         self._file = None
         fd, self._fd = self._fd, -1
         return fd

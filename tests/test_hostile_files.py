@@ -575,3 +575,33 @@ def test_symlinks_in_place_of_small_files_are_not_followed(make_daemon, tmp_path
     assert json.loads((run / "retention.json").read_text()) == {"keep_last": 2}
     assert tree(outside) == before
     assert ckptd.latest("t", root=d.root).step == 1
+
+
+@pytest.mark.parametrize("fmt", ["chunk", "hdf5"])
+def test_a_step_folder_swapped_for_a_symlink_while_written_redirects_nothing(make_daemon, tmp_path: Path,
+                                                                              fmt: str) -> None:
+    """The writer checks the step folder once, then makes every file through the folder's
+    open descriptor: a folder renamed away and replaced by a symlink mid-step (someone
+    who may write the root) gets nothing written through the link."""
+    d = make_daemon(write_rate="4MiB", chunk_size="1MiB")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    step = d.root / "swap" / "step-000000000001"
+    with d.producer("swap", format=fmt, staging_size="16MiB") as p:
+        with p.checkpoint(1) as handle:
+            for i in range(8):
+                p.emit(f"t{i}", torch.full((2**18,), float(i)))  # 1 MiB each, written over ~2 s
+            deadline = time.monotonic() + 30
+            while not (step.is_dir() and any(n.endswith((".safetensors", ".h5")) for n in os.listdir(step))):
+                assert time.monotonic() < deadline, d.log_text()
+                time.sleep(0.01)
+            os.rename(step, step.with_name("moved"))
+            os.symlink(outside, step)
+        try:
+            handle.wait(60)
+        except CheckpointError:
+            pass  # either outcome is fine here: what matters is where the bytes went
+    assert os.listdir(outside) == []  # nothing was written through the link
+    moved = sorted(os.listdir(step.with_name("moved")))
+    assert "manifest-r00000.json" in moved and any(n.endswith((".safetensors", ".h5")) for n in moved), moved
+    assert d.proc.poll() is None

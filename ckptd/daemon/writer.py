@@ -36,6 +36,7 @@ from .datafile import Bounce, DataFile, Throttle
 
 log = logging.getLogger("ckptd.writer")
 HOST = socket.gethostname()
+_PROC_FD = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else ""
 
 
 @dataclass(eq=False)
@@ -57,10 +58,24 @@ class Share:
     format: str = "chunk"  # "hdf5": one r<rank>.h5, written on the ckptd-hdf5 thread
     h5: Any = None  # that file while it is open (an hdf5file.H5Writer)
     owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
+    dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
 
     @property
     def dir(self) -> Path:
         return layout.step_dir(self.root, self.run, self.step)
+
+    def at(self, name: str) -> str:
+        """A path to ``name`` in the step folder that resolves through the folder's open
+        descriptor, not its name: a run or step folder swapped for a symlink after it was
+        checked redirects nothing (DESIGN §7.4). h5py and ``atomic_write`` take it too."""
+        if self.dir_fd >= 0 and _PROC_FD:
+            return f"{_PROC_FD}/{self.dir_fd}/{name}"
+        return str(self.dir / name)
+
+    def close_dir(self) -> None:
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
 
     def new_file(self) -> str:
         name = layout.chunk_name(self.rank, self.next_file)
@@ -184,11 +199,12 @@ class Writer:
     def _ensure_dir(self, share: Share) -> None:
         if not share.dir_ready:
             layout.ensure_real_dir(share.dir, share.root)
+            share.dir_fd = layout.open_step_dir(share.dir)  # from now on, files are made through it
             # Claims this rank's files for this host until the commit or discard, so
             # that another node's daemon starting on shared storage leaves them alone.
-            marker = share.dir / layout.writing_marker(share.rank)
-            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-            share.files.append(marker.name)  # now: a full disk fails the write below, and the
+            marker = layout.writing_marker(share.rank)
+            fd = os.open(share.at(marker), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            share.files.append(marker)  # now: a full disk fails the write below, and the
             try:                              # failed step's clean-up must still remove it
                 write_all(fd, f"{HOST}\n{os.getpid()}\n".encode())
             finally:
@@ -199,7 +215,7 @@ class Writer:
         """A new chunk file of ``share``, written on the ckptd-writer thread."""
         self._ensure_dir(share)
         share.files.append(name)
-        return DataFile.create(share.dir / name, direct=self._direct, bounce=self._bounce, throttle=self._throttle)
+        return DataFile.create(share.at(name), direct=self._direct, bounce=self._bounce, throttle=self._throttle)
 
     def _do_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int]) -> None:
         try:
@@ -281,7 +297,7 @@ class Writer:
             self._ensure_dir(share)
             name = layout.h5_name(share.rank)
             share.files.append(name)
-            share.h5 = H5Writer(share.dir / name, self._hdf5,
+            share.h5 = H5Writer(Path(share.at(name)), self._hdf5, shown=share.dir / name,
                                 attrs={"run": share.run, "step": share.step, "rank": share.rank})
         return share.h5
 
@@ -346,7 +362,7 @@ class Writer:
         try:
             fd = h5.close()
         except OSError as exc:
-            self._fail(share, f"writing {h5.path}", exc)
+            self._fail(share, f"writing {share.dir / h5.path.name}", exc)
             return
         self._syncs.put((self._do_sync, (share, h5.path.name, fd)))
 
@@ -369,6 +385,7 @@ class Writer:
                 log.exception("committing run=%s step=%d rank=%d", share.run, share.step, share.rank)
                 share.error = share.error or f"internal error while committing: {type(exc).__name__}: {exc}"
             else:
+                share.close_dir()
                 self._notify(Result("committed", share, info=info, token=token))
                 return
         self._remove_files(share)
@@ -380,12 +397,11 @@ class Writer:
         manifest = Manifest(
             run=share.run, step=share.step, rank=share.rank, world_size=share.world_size,
             time=time.time(), tensors=share.records, state=state, metadata=metadata,
-            format=share.format, files={f: os.stat(share.dir / f).st_size for f in sorted(data_files)},
+            format=share.format, files={f: os.stat(share.at(f)).st_size for f in sorted(data_files)},
         )
-        path = share.dir / layout.manifest_name(share.rank)
-        atomic_write(path, manifest.to_json(), fsync=self._fsync)
+        atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self._fsync)
         try:  # committed: the claim is over (a leftover is harmless and removed at start-up)
-            os.unlink(share.dir / layout.writing_marker(share.rank))
+            os.unlink(share.at(layout.writing_marker(share.rank)))
         except FileNotFoundError:
             pass
         if self._fsync:  # the step folder's own entry, and the run folder's
@@ -416,6 +432,7 @@ class Writer:
             run_fd = layout.open_real_dir(share.dir.parent)
         except OSError:  # never made, or not a real folder: nothing of ours is in it
             share.files.clear()
+            share.close_dir()
             return
         try:
             step_fd = layout.open_real_dir(share.dir.name, dir_fd=run_fd)
@@ -429,6 +446,7 @@ class Writer:
             except OSError as exc:
                 log.warning("cannot remove %s: %s", share.dir / name, exc.strerror)
         share.files.clear()
+        share.close_dir()
         if step_fd >= 0:
             os.close(step_fd)
             try:
