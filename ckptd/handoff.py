@@ -61,6 +61,7 @@ class HandoffRefused(Exception):
 class Handoff:
     fd: int
     size: int
+    ident: tuple[int, int]  # (st_dev, st_ino): the same memory file, whichever descriptor
     pid: int
     uid: int
     gid: int
@@ -130,8 +131,9 @@ class Listener:
             pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             why = _check(msg, fds, flags)
             if why is None:
-                size = os.fstat(fds[0]).st_size
-                self._add(msg, Handoff(fds.pop(), size, pid, uid, gid, time.monotonic()))
+                st = os.fstat(fds[0])
+                self._add(msg, Handoff(fds.pop(), st.st_size, (st.st_dev, st.st_ino), pid, uid, gid,
+                                       time.monotonic()))
             _answer(conn, b"ok" if why is None else why.encode())
             return None if why is None else f"refused a handoff from pid {pid} (uid {uid}): {why}"
         finally:

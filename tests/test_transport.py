@@ -300,3 +300,45 @@ def test_chunk_files_written_with_o_direct_are_valid_safetensors(daemon) -> None
                 seen[k] = st.get_tensor(k)
     want = state(0)
     assert torch.equal(seen["big"], want["big"]) and torch.equal(seen["page"], want["page"])
+
+
+def test_a_reconnect_with_the_same_arena_never_completes_a_step_from_reused_memory(make_daemon) -> None:
+    """A producer that lost contact reconnects with the same arena and reuses it. A commit
+    of its old session still being written from that arena must fail, not complete with
+    bytes overwritten under it (the checksum would even match them)."""
+    import zmq
+
+    from ckptd.producer.staging import Arena
+
+    d = make_daemon(write_rate="1MiB")  # the 4 MiB step takes ~4 s to write
+    arena = Arena(8 * 2**20)
+    size = 4 * 2**20
+    arena.view(arena.alloc(size, timeout=1, block=False, what="t"))[:] = b"A" * size
+    ipc = str(d.sock_dir / "d.sock")
+    ctx = zmq.Context.instance()
+
+    def hello(sock: zmq.Socket) -> dict:
+        sock.connect(d.endpoint)
+        sock.send(wire.encode("hello", v=wire.VERSION, run="re", rank=0, world_size=1, pid=os.getpid(), host="h",
+                              shm_token=handoff.offer(ipc, arena.fd, 5), shm_size=arena.capacity))
+        return wire.decode(sock.recv_multipart())[0]
+
+    old, new = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    assert hello(old)["shm"] is True
+    old.send(wire.encode("tensor", seq=1, step=1, name="t", dtype="uint8", shape=[size], nbytes=size, start=0,
+                         numpy=False, offset=0, length=size))
+    old.send(wire.encode("commit", seq=2, step=1, ntensors=1, state="null", metadata="{}"))
+    time.sleep(0.3)  # the writer is under way
+    assert hello(new)["shm"] is True  # the same arena, under a new session: about to be reused
+    arena._mm[:size] = b"B" * size
+    deadline = time.monotonic() + 30
+    while True:
+        assert old.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), "the old commit was never answered"
+        reply = wire.decode(old.recv_multipart())[0]
+        if reply["op"] in ("committed", "error"):
+            break
+    assert reply["op"] == "error" and "reconnected" in reply["message"], reply
+    assert ckptd.list_checkpoints("re", root=d.root) == []
+    old.close(0)
+    new.close(0)
+    arena.close()

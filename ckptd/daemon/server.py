@@ -78,6 +78,10 @@ class Daemon:
         self.upkeep: Upkeep | None = None
         self.handoffs: handoff.Listener | None = None  # staging arenas offered by local producers
         self.owners = Owners(self.root)
+        # Commits in flight whose bytes are in a producer's shared arena, by arena: if the
+        # same arena comes back in a new hello (the producer reconnected), it is about to
+        # be reused, and those commits must not complete with bytes overwritten under them.
+        self.arena_commits: dict[tuple[int, int], list[Share]] = {}
 
     # -- start and stop -------------------------------------------------------------
     def start(self) -> None:
@@ -395,9 +399,10 @@ class Daemon:
         for fd in self.handoffs.expire(now):
             poller.unregister(fd)
 
-    def _map_arena(self, h: dict[str, Any]) -> memoryview | None:
-        """Map the staging arena that the hello's token names, read-only; None (and a
-        warning: the producer then sends inline, or fails if it insists) if it cannot."""
+    def _map_arena(self, h: dict[str, Any]) -> tuple[memoryview, tuple[int, int]] | None:
+        """Map the staging arena that the hello's token names, read-only; return it and
+        its identity, or None (and a warning: the producer then sends inline, or fails if
+        it insists) if it cannot."""
         why = None
         claimed = self.handoffs.claim(h["shm_token"]) if self.handoffs is not None else None
         if claimed is None:
@@ -415,7 +420,16 @@ class Daemon:
             log.warning("producer of run %r rank %s (pid %s): %s; it sends tensors inline",
                         h["run"], h["rank"], h["pid"], why)
             return None
-        return memoryview(mm)
+        return memoryview(mm), claimed.ident
+
+    def _disown_arena(self, arena: tuple[int, int]) -> None:
+        """The arena is back under a new session, whose producer reuses it from now on:
+        fail the commits still being written from it (their producer was told already)."""
+        for share in self.arena_commits.pop(arena, []):
+            if share.error is None:
+                share.error = (f"step {share.step} was not saved: its producer reconnected before the daemon "
+                               "had written its shared staging memory, which the producer now reuses")
+                log.warning("run=%s step=%d rank=%d: %s", share.run, share.step, share.rank, share.error)
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
@@ -507,8 +521,10 @@ class Daemon:
         sess = Session(identity, h["run"], h["rank"], h["world_size"], h["pid"], h["host"], fmt,
                        chunk_size=self.cfg.chunk_size)
         if h["shm_token"] is not None and h["shm_size"] is not None:
-            sess.shm = self._map_arena(h)
-            if sess.shm is not None:
+            mapped = self._map_arena(h)
+            if mapped is not None:
+                sess.shm, sess.arena = mapped
+                self._disown_arena(sess.arena)  # before the welcome: nothing is reused yet
                 # Chunks gather in the producer's arena until written: at most a quarter
                 # of it per chunk, so that writing one never waits for the arena to fill.
                 sess.chunk_size = max(1, min(self.cfg.chunk_size, len(sess.shm) // 4))
@@ -621,6 +637,8 @@ class Daemon:
         open_step.flush()
         del sess.steps[step]
         self.committing.add((share.run, share.rank, step))
+        if sess.arena is not None:
+            self.arena_commits.setdefault(sess.arena, []).append(share)
         assert self.writer is not None
         self.writer.commit(share, structure, metadata, token=(sess.identity, seq, open_step.received_bytes))
 
@@ -697,6 +715,7 @@ class Daemon:
                 self._report_failure(share, r.message)
             elif r.kind in ("committed", "commit_failed"):
                 self.committing.discard((share.run, share.rank, share.step))
+                self._forget_arena_commit(share)
                 identity, seq, nbytes = r.token
                 if r.kind == "committed":
                     assert r.info is not None
@@ -711,6 +730,14 @@ class Daemon:
                     self.figures.error("commit")
                     self._send(identity, "error", seq=seq, step=share.step,
                                message=f"step {share.step} was not committed: {r.message}")
+
+    def _forget_arena_commit(self, share: Share) -> None:
+        for arena, shares in list(self.arena_commits.items()):
+            if share in shares:
+                shares.remove(share)
+                if not shares:
+                    del self.arena_commits[arena]
+                return
 
     def _report_failure(self, share: Share, message: str) -> None:
         """Tell the producer at once when a write failed, before it commits."""

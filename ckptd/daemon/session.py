@@ -28,6 +28,7 @@ class Session:
     unwritten: deque[int] = field(default_factory=deque)
     written: set[int] = field(default_factory=set)  # out of order: waits for older ones
     shm: memoryview | None = None  # the producer's staging arena, mapped read-only
+    arena: tuple[int, int] | None = None  # that arena's identity (st_dev, st_ino)
     chunk_size: int = 0
 
     def acknowledgeable(self) -> int:
