@@ -383,7 +383,8 @@ def test_user_unit_under_systemd(manager: UserManager) -> None:
     wait_for("a restart", lambda: m.show()["MainPID"] not in ("0", str(first_pid))
              and m.show()["SubState"] == "running", 60, m.log)
     # the watchdog's SIGABRT: faulthandler printed where every thread was
-    assert m.log().count("Fatal Python error: Aborted") == 1 and "Current thread" in m.log()
+    # (which thread takes the signal varies: "Current thread" is only there when it is a Python one)
+    assert m.log().count("Fatal Python error: Aborted") == 1 and "(most recent call first)" in m.log()
     assert int(m.show()["NRestarts"]) == 1
 
     # stop drains: a checkpoint begun before systemd sends SIGTERM completes
