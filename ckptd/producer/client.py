@@ -575,7 +575,7 @@ class Producer:
                 raise CheckpointError(f"the daemon at {self.endpoint} refused this producer: {self._hello_error}")
             if transport.refused:
                 raise CheckpointError(transport.refused)
-            hint = ("start one with `ckptd serve -c config.toml`, or point CKPTD_ENDPOINT at a running one")
+            hint = "start one with `ckptd serve -c config.toml`, or point CKPTD_ENDPOINT at a running one"
             if self._curve_keys is not None:  # a CurveZMQ refusal looks like silence from here
                 hint += ("; or the daemon refused this producer's CurveZMQ key, or curve_server_key is not "
                          "the daemon's public key (the daemon's log, or `ckptd status -c CONFIG`, says which)")
@@ -596,18 +596,18 @@ class Producer:
         assert self._arena is not None
         if mode == "inline":
             return None
-        why = None
-        if not self.endpoint.startswith("ipc://"):
+        ipc = self.endpoint[len("ipc://"):] if self.endpoint.startswith("ipc://") else None
+        if ipc is None:
             why = f"the endpoint {self.endpoint} is not an ipc:// socket on this host"
         elif self._arena.fd < 0:
             why = "this system has no memfd_create"
         else:
             try:
-                return handoff.offer(self.endpoint[len("ipc://"):], self._arena.fd, self.options.timeout)
+                return handoff.offer(ipc, self._arena.fd, self.options.timeout)
             except handoff.HandoffRefused as exc:
                 why = f"the daemon refused it: {exc}"
             except OSError as exc:
-                why = f"no daemon takes it at {handoff.socket_path(self.endpoint[len('ipc://'):])}: {exc.strerror or exc}"
+                why = f"no daemon takes it at {handoff.socket_path(ipc)}: {exc.strerror or exc}"
         if mode == "shm":
             raise CheckpointError(
                 f"[producer] transport = \"shm\", but staging memory cannot be shared with the daemon: {why}; "
