@@ -7,5 +7,6 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt
+echo "scripts/setup.sh: installing the pinned CPU torch and the requirements into .venv (a minute or so)" >&2
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -r requirements.txt
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
