@@ -70,7 +70,7 @@ def test_the_producer_reads_the_config_in_the_current_folder(make_daemon, tmp_pa
     (work / "config.toml").write_text(
         f'[daemon]\nendpoint = "{d.endpoint}"\nroot = "{d.root}"\n[producer]\nstaging_size = "48MiB"\n')
     monkeypatch.chdir(work)
-    monkeypatch.delenv("CKPTD_CONFIG")
+    monkeypatch.delenv("CKPTD_CONFIG", raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     with caplog.at_level(logging.INFO, logger="ckptd.producer"):
         with Producer(run="disc") as p:
@@ -88,7 +88,7 @@ def test_serve_without_a_config_says_it_runs_on_defaults(tmp_path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "PYTHONUNBUFFERED": "1"}
-    env.pop("CKPTD_CONFIG")
+    env.pop("CKPTD_CONFIG", None)
     proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve"], cwd=empty, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
