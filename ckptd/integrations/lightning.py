@@ -91,7 +91,9 @@ class CkptdCheckpointIO(_io.CheckpointIO):
             self._handles[step] = self.producer.save(plain(checkpoint), step)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(target, pointer_bytes(self.run, step))
+        # Replaced atomically but not fsynced: it is bookkeeping for Lightning, the checkpoint is
+        # ckptd's (durable once committed), and a "last" pointer resolves to the newest complete step.
+        atomic_write(target, pointer_bytes(self.run, step), fsync=False)
         self._dirs.add(target.parent.absolute())
         self._reap()
 

@@ -62,9 +62,8 @@ class KillAfter(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
-    out = sys.argv[1]
-    args = sys.argv[2:]
+def main(argv: list[str]) -> None:
+    out, args = argv[0], argv[1:]
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     plugin = None if "--plain" in args else CkptdCheckpointIO(staging_size="8MiB")
@@ -81,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
