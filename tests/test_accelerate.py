@@ -14,12 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("accelerate", reason="scripts/setup.sh installs accelerate (requirements.txt)")
+from safetensors.torch import load_file
 
-from safetensors.torch import load_file  # noqa: E402
-
-import ckptd  # noqa: E402
-from ckptd.integrations import accelerate as ckptd_accelerate  # noqa: E402
+import ckptd
+from ckptd.integrations import accelerate as ckptd_accelerate
 
 FRAMEWORKS = Path(__file__).parent / "frameworks"
 SCRIPT = str(FRAMEWORKS / "accel_train.py")

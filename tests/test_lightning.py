@@ -13,19 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="scripts/setup.sh installs lightning (requirements.txt)")
+import lightning as L
+from lightning.fabric.plugins.io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 
-import lightning as L  # noqa: E402
-from lightning.fabric.plugins.io import TorchCheckpointIO  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-import ckptd  # noqa: E402
-from ckptd.integrations.lightning import CkptdCheckpointIO, read_pointer  # noqa: E402
+import ckptd
+from ckptd.integrations.lightning import CkptdCheckpointIO, read_pointer
 
 FRAMEWORKS = Path(__file__).parent / "frameworks"
 sys.path.insert(0, str(FRAMEWORKS))
-import lightning_fit  # noqa: E402
+import lightning_fit  # noqa: E402  (tests/frameworks: the training script the subprocesses run)
 
 
 def _env(daemon, run: str) -> dict[str, str]:

@@ -14,16 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="scripts/setup.sh installs transformers (requirements.txt)")
+from safetensors.torch import load_file
+from transformers import Trainer
 
-from safetensors.torch import load_file  # noqa: E402
-from transformers import Trainer  # noqa: E402
-
-import ckptd  # noqa: E402
+import ckptd
 
 FRAMEWORKS = Path(__file__).parent / "frameworks"
 sys.path.insert(0, str(FRAMEWORKS))
-import hf_train  # noqa: E402
+import hf_train  # noqa: E402  (tests/frameworks: the training script the subprocesses run)
 
 
 @pytest.fixture(autouse=True)
