@@ -23,10 +23,15 @@ FRAMEWORKS = Path(__file__).parent / "frameworks"
 SCRIPT = str(FRAMEWORKS / "accel_train.py")
 
 
-def _run(daemon, run: str, command: list[str]) -> subprocess.CompletedProcess:
+def _start(daemon, run: str, command: list[str]) -> subprocess.Popen:
     env = dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_ROOT=str(daemon.root), CKPTD_RUN=run,
                PYTHONUNBUFFERED="1")
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out[-3000:]
 
 
 def _torchrun(nproc: int) -> list[str]:
@@ -34,16 +39,18 @@ def _torchrun(nproc: int) -> list[str]:
 
 
 def _kill_resume_equals_uninterrupted(daemon, tmp_path: Path, launcher: list[str], world: int) -> None:
-    ref = _run(daemon, "ref", [*launcher, SCRIPT, str(tmp_path / "ref")])
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    # the uninterrupted run and the one that is killed run side by side
+    ref = _start(daemon, "ref", [*launcher, SCRIPT, str(tmp_path / "ref")])
     out = tmp_path / "crash"
-    killed = _run(daemon, "crash", [*launcher, SCRIPT, str(out), "--kill-after", "6"])
-    assert killed.returncode != 0 and not (out / "final.safetensors").exists(), killed.stderr[-3000:]
+    rc, log = _finish(_start(daemon, "crash", [*launcher, SCRIPT, str(out), "--kill-after", "6"]))
+    assert rc != 0 and not (out / "final.safetensors").exists(), log
+    rc, log = _finish(ref)
+    assert rc == 0, log
     info = ckptd.latest("crash", root=daemon.root)
     assert info.step == 6
     assert len(list(Path(info.path).glob("manifest-r*.json"))) == world  # every process its share
-    resumed = _run(daemon, "crash", [*launcher, SCRIPT, str(out), "--resume"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rc, log = _finish(_start(daemon, "crash", [*launcher, SCRIPT, str(out), "--resume"]))
+    assert rc == 0, log
     expected, final = load_file(tmp_path / "ref" / "final.safetensors"), load_file(out / "final.safetensors")
     assert final.keys() == expected.keys()
     for name in expected:
