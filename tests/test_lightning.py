@@ -31,9 +31,18 @@ def _env(daemon, run: str) -> dict[str, str]:
                 PYTHONUNBUFFERED="1")
 
 
-def _fit(daemon, run: str, out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(FRAMEWORKS / "lightning_fit.py"), str(out), *args],
-                          env=_env(daemon, run), capture_output=True, text=True, timeout=300)
+def _start(daemon, run: str, out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(FRAMEWORKS / "lightning_fit.py"), str(out), *args],
+                            env=_env(daemon, run), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out
+
+
+def _fit(daemon, run: str, out: Path, *args: str) -> tuple[int, str]:
+    return _finish(_start(daemon, run, out, *args))
 
 
 @pytest.mark.slow
@@ -47,15 +56,15 @@ def test_sigkill_then_fit_ckpt_path_last_is_bit_exact(daemon, tmp_path: Path, mo
     reference = load_file(tmp_path / "ref" / "final.safetensors")
 
     out = tmp_path / "crash"
-    killed = _fit(daemon, "crash", out, "--kill-after", "8")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    rc, log = _fit(daemon, "crash", out, "--kill-after", "8")
+    assert rc == -signal.SIGKILL, log[-3000:]
     assert read_pointer(out / "ckpt" / "last.ckpt") == ("crash", 8)
     assert ckptd.latest("crash", root=daemon.root).step == 8
     assert not (out / "final.safetensors").exists()
 
-    resumed = _fit(daemon, "crash", out, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Restored all states from the checkpoint at" in resumed.stderr + resumed.stdout
+    rc, log = _fit(daemon, "crash", out, "--resume")
+    assert rc == 0, log[-3000:]
+    assert "Restored all states from the checkpoint at" in log
     final = load_file(out / "final.safetensors")
     assert final.keys() == reference.keys()
     for name in reference:
@@ -63,6 +72,26 @@ def test_sigkill_then_fit_ckpt_path_last_is_bit_exact(daemon, tmp_path: Path, mo
     assert ckptd.latest("crash", root=daemon.root).step == 12
     state = ckptd.load("crash", root=daemon.root)
     assert state["global_step"] == 12 and state["hyper_parameters"] == {"lr": 0.05, "width": 16}
+
+
+@pytest.mark.slow
+def test_ddp_rank_zero_saves_and_every_rank_resumes_bit_exact(daemon, tmp_path: Path) -> None:
+    """strategy="ddp" on 2 CPU processes: Lightning saves from global rank 0 (one copy of the
+    replicated model, a world of one in ckptd); every rank loads "last"."""
+    reference = _start(daemon, "ddp-ref", tmp_path / "ref", "--ddp")  # side by side with the crash
+    out = tmp_path / "crash"
+    rc, log = _fit(daemon, "ddp", out, "--ddp", "--kill-after", "4")  # 2 steps an epoch on each rank
+    assert rc == -signal.SIGKILL, log[-3000:]
+    info = ckptd.latest("ddp", root=daemon.root)
+    assert info.step == 4 and [p.name for p in Path(info.path).glob("manifest-*")] == ["manifest-r00000.json"]
+    rc, log = _finish(reference)
+    assert rc == 0, log[-3000:]
+    rc, log = _fit(daemon, "ddp", out, "--ddp", "--resume")
+    assert rc == 0, log[-3000:]
+    expected, final = load_file(tmp_path / "ref" / "final.safetensors"), load_file(out / "final.safetensors")
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name
+    assert ckptd.latest("ddp", root=daemon.root).step == 6
 
 
 class Scored(lightning_fit.Tiny):

@@ -1,11 +1,11 @@
 """A tiny Lightning fit through CkptdCheckpointIO, as its own process (tests/test_lightning.py).
 
-    python lightning_fit.py OUT_DIR [--resume] [--kill-after STEP] [--plain]
+    python lightning_fit.py OUT_DIR [--resume] [--kill-after STEP] [--plain] [--ddp]
 
 Trains a small MLP for 3 epochs of 4 batches, checkpointing every 4 steps with
 save_last=True; --kill-after STEP flushes the plugin once STEP was saved and
 SIGKILLs this process; --resume fits with ckpt_path="last"; --plain uses Lightning's
-own TorchCheckpointIO. Writes the final weights to OUT_DIR/final.safetensors.
+own TorchCheckpointIO; --ddp trains on 2 CPU processes (strategy="ddp"). Writes the final weights to OUT_DIR/final.safetensors.
 CKPTD_ENDPOINT, CKPTD_ROOT and CKPTD_RUN say where the daemon is.
 """
 
@@ -71,12 +71,14 @@ def main(argv: list[str]) -> None:
                                                    save_last=True)]
     if "--kill-after" in args:
         callbacks.insert(0, KillAfter(plugin, int(args[args.index("--kill-after") + 1])))
-    trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, plugins=[plugin] if plugin else None,
+    ddp = {"devices": 2, "strategy": "ddp"} if "--ddp" in args else {"devices": 1}
+    trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", **ddp, plugins=[plugin] if plugin else None,
                         callbacks=callbacks, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, deterministic=True, default_root_dir=out)
     model = Tiny()
     trainer.fit(model, data(), ckpt_path="last" if "--resume" in args else None)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out, "final.safetensors"))
+    if trainer.is_global_zero:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out, "final.safetensors"))
 
 
 if __name__ == "__main__":
