@@ -115,7 +115,9 @@ def test_save_top_k_keeps_the_best_and_waits_for_durability(daemon, tmp_path: Pa
     # scores 3, 1, 4, 1.5, 5, 0.5, 2, 6 at steps 1..8: the two lowest are at steps 6 and 2
     kept = sorted(read_pointer(p)[1] for p in best.best_k_models)
     assert kept == [2, 6]
-    assert [i.step for i in ckptd.list_checkpoints("topk", root=daemon.root)] == [2, 6]
+    infos = ckptd.list_checkpoints("topk", root=daemon.root)
+    assert [i.step for i in infos] == [2, 6]
+    assert [i.metadata for i in infos] == [{"score": 1.0}, {"score": 0.5}]  # what keep_best ranks by
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(Path(p).name for p in best.best_k_models)
 
     # A removal that Lightning asks for while the newer save is not yet durable waits for it.

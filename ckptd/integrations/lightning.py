@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from collections import OrderedDict
@@ -88,7 +89,7 @@ class CkptdCheckpointIO(_io.CheckpointIO):
                             "pass Producer options to CkptdCheckpointIO(...) instead")
         step = self._step_of(checkpoint)
         if step not in self._handles:  # save_last re-saves the step a top-k save just saved
-            self._handles[step] = self.producer.save(plain(checkpoint), step)
+            self._handles[step] = self.producer.save(plain(checkpoint), step, metadata=scores(checkpoint))
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         # Replaced atomically but not fsynced: it is bookkeeping for Lightning, the checkpoint is
@@ -242,6 +243,24 @@ def plain(value: Any) -> Any:
     if type(value) in (list, tuple):
         return type(value)(plain(v) for v in value)
     return value
+
+
+def scores(checkpoint: dict[str, Any]) -> dict[str, float]:
+    """Each ``ModelCheckpoint``'s monitored value at this save, as commit metadata
+    (``{"val_loss": 0.31}``): what ckptd's ``keep_best`` retention ranks by."""
+    out: dict[str, float] = {}
+    callbacks = checkpoint.get("callbacks")
+    for state in (callbacks.values() if isinstance(callbacks, dict) else ()):
+        if not isinstance(state, dict) or not isinstance(state.get("monitor"), str):
+            continue
+        score = state.get("current_score")
+        try:
+            value = float(score)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            out[state["monitor"]] = value
+    return out
 
 
 def _is_device(value: Any) -> bool:
