@@ -1,0 +1,218 @@
+"""Hugging Face ``Trainer`` checkpoints through ckptd: ``CkptdCallback``.
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[CkptdCallback(run="exp1")])
+    trainer.train(resume_from_checkpoint=True)   # ckptd's newest complete checkpoint
+
+How it hooks in (docs/integrations.md): when the Trainer that holds it is built
+(``on_init_end``), the callback attaches itself to that Trainer, the same way as
+``callback.attach(trainer)`` does for a callback added later:
+
+- the Trainer's checkpoint writer (``_save_checkpoint``, called at its own save
+  points: ``save_strategy``, ``save_steps``) becomes one ``producer.save`` of
+  what the Trainer would have written: model, optimizer, scheduler, scaler, RNG
+  states and ``TrainerState`` (as its JSON). Training waits only for the copy.
+  Each process saves its own share (its RNG states; process 0 also the rest),
+  as step ``global_step``.
+- ``train(resume_from_checkpoint=True)`` resumes from the run's newest complete
+  checkpoint: the callback writes its ``TrainerState`` JSON into
+  ``<output_dir>/ckptd-resume/checkpoint-<step>/`` and hands that folder to the
+  Trainer's own resume path, whose readers of model, optimizer, scheduler,
+  scaler and RNG files read the ckptd checkpoint instead. So global step,
+  epoch, data position (the Trainer skips the batches already trained), RNG,
+  optimizer and scheduler come back exactly as from the Trainer's own files.
+- ``save_total_limit = N`` becomes the run's ckptd retention ``keep_last = N``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import reader
+from ..durable import atomic_write
+from ..names import check_run
+from ..producer import Producer
+from . import require, rng
+
+_transformers = require("transformers", "transformers")
+from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers.trainer_callback import ExportableState  # noqa: E402
+
+RESUME_DIR = "ckptd-resume"
+_LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
+
+
+class CkptdCallback(TrainerCallback):
+    """Checkpoints of the Trainer that holds this callback go through a ckptd daemon.
+
+    ``run``: the ckptd run (default ``$CKPTD_RUN``). ``endpoint``, ``root``: the
+    daemon's socket and checkpoint root (defaults: ``$CKPTD_ENDPOINT`` /
+    ``$CKPTD_ROOT``, else config.toml's). ``producer_options``: ``Producer``
+    keywords (``staging_size=``, ``retention=``, ...). ``save_seconds`` lists how
+    long each save blocked training.
+    """
+
+    def __init__(self, run: str | None = None, *, endpoint: str | None = None,
+                 root: str | os.PathLike[str] | None = None, **producer_options: Any) -> None:
+        run = run if run is not None else os.environ.get("CKPTD_RUN")
+        if not run:
+            raise ValueError("CkptdCallback needs a run: pass run=\"name\" or set CKPTD_RUN")
+        self.run = check_run(run)
+        self.endpoint, self.root = endpoint, root
+        self.producer_options = producer_options
+        self.save_seconds: list[float] = []
+        self._producer: Producer | None = None
+        self._trainer: Any = None
+        self._resume_dir: str | None = None
+        self._resume: dict[str, Any] = {}  # the checkpoint being resumed from: rank 0's share and ours
+
+    # -- attaching -------------------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = _owning_trainer()
+        if trainer is not None:
+            self.attach(trainer)
+
+    def attach(self, trainer: Any) -> None:
+        """Route ``trainer``'s checkpoint writes and resumes through ckptd."""
+        if self._trainer is trainer:
+            return
+        if self._trainer is not None:
+            raise ValueError("this CkptdCallback is attached to another Trainer already; give each its own")
+        if trainer.args.load_best_model_at_end:
+            raise ValueError("CkptdCallback does not support load_best_model_at_end=True (the Trainer reloads "
+                             "the best model from its own files); leave it False and load the best step with "
+                             "ckptd.load(run, step)")
+        self._trainer = trainer
+        original_train = trainer.train
+
+        def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+            return original_train(self._resolve(resume_from_checkpoint), *args, **kwargs)
+
+        trainer.train = train
+        trainer._save_checkpoint = self._save_checkpoint
+        for name in _LOADERS:
+            setattr(trainer, name, self._loader(name, getattr(trainer, name)))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Training ends once every checkpoint is durable; a failed one raises CheckpointError."""
+        self.flush()
+
+    def flush(self, timeout: float | None = None) -> None:
+        if self._producer is not None:
+            self._producer.flush(timeout)
+
+    def close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.close()
+
+    @property
+    def producer(self) -> Producer:
+        if self._producer is None:
+            args = self._trainer.args
+            options = dict(self.producer_options)
+            if args.save_total_limit and "retention" not in options:
+                options["retention"] = {"keep_last": args.save_total_limit}
+            self._producer = Producer(self.endpoint, self.run, rank=args.process_index,
+                                      world_size=args.world_size, **options)
+        return self._producer
+
+    # -- saving ----------------------------------------------------------------------------
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """What ``Trainer._save_checkpoint`` writes, as one ckptd step of this process's share."""
+        started = time.perf_counter()
+        trainer = self._trainer
+        if trial is not None or trainer.hp_search_backend is not None:
+            raise ValueError("CkptdCallback does not save hyper-parameter search trials; "
+                             "run the search without it")
+        trainer.store_flos()
+        args = trainer.args
+        share: dict[str, Any] = {}
+        if args.should_save:  # process 0: the replicated model and the trainer's state
+            share["model"] = trainer.model.state_dict()
+            if not args.save_only_model:
+                share["optimizer"] = trainer.optimizer.state_dict()
+                share["scheduler"] = trainer.lr_scheduler.state_dict()
+                scaler = getattr(trainer.accelerator, "scaler", None)
+                if scaler is not None:
+                    share["scaler"] = scaler.state_dict()
+            _export_callback_states(trainer)
+            share["trainer_state"] = json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
+        if not args.save_only_model:
+            share["rng"] = rng.capture()
+        self.producer.save(share, trainer.state.global_step)
+        self.save_seconds.append(time.perf_counter() - started)
+
+    # -- resuming --------------------------------------------------------------------------
+    def _resolve(self, resume_from_checkpoint: Any) -> Any:
+        """``True``: ckptd's newest complete checkpoint of the run (else the Trainer's own lookup)."""
+        if resume_from_checkpoint is not True:
+            return resume_from_checkpoint
+        self.flush()
+        info = reader.latest(self.run, root=self.root)
+        if info is None:
+            return True  # nothing in ckptd: the Trainer looks for its own checkpoint folders
+        args = self._trainer.args
+        first = reader.load(self.run, info.step, root=self.root, rank=0)
+        mine = first if args.process_index == 0 else reader.load(self.run, info.step, root=self.root,
+                                                                 rank=args.process_index)
+        self._resume = {"first": first, "mine": mine}
+        folder = Path(args.output_dir) / RESUME_DIR / f"checkpoint-{info.step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / "trainer_state.json", first["trainer_state"].encode(), fsync=False)
+        self._resume_dir = str(folder)
+        return self._resume_dir
+
+    def _loader(self, name: str, original: Any) -> Any:
+        load = getattr(self, name)
+
+        def dispatch(checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+            if checkpoint is not None and checkpoint == self._resume_dir:
+                return load(*args, **kwargs)
+            return original(checkpoint, *args, **kwargs)
+
+        return dispatch
+
+    def _load_from_checkpoint(self, model: Any = None) -> None:
+        (model or self._trainer.model).load_state_dict(self._resume["first"]["model"])
+
+    def _load_optimizer_and_scheduler(self) -> None:
+        first = self._resume["first"]
+        if "optimizer" in first:
+            self._trainer.optimizer.load_state_dict(first["optimizer"])
+            self._trainer.lr_scheduler.load_state_dict(first["scheduler"])
+
+    def _load_scaler(self) -> None:
+        scaler = getattr(self._trainer.accelerator, "scaler", None)
+        if scaler is not None and "scaler" in self._resume["first"]:
+            scaler.load_state_dict(self._resume["first"]["scaler"])
+
+    def _load_rng_state(self) -> None:
+        if "rng" in self._resume["mine"]:
+            rng.restore(self._resume["mine"]["rng"])
+
+
+def _export_callback_states(trainer: Any) -> None:
+    """As ``Trainer._save_checkpoint`` does: stateful callbacks' states into ``trainer.state``."""
+    for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
+        name = cb.__class__.__name__
+        if isinstance(trainer.state.stateful_callbacks[name], list):
+            trainer.state.stateful_callbacks[name].append(cb.state())
+        else:
+            trainer.state.stateful_callbacks[name] = cb.state()
+
+
+def _owning_trainer() -> Any:
+    """The Trainer whose ``__init__`` is running ``on_init_end`` (the frames above this call)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None

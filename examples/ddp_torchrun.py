@@ -1,0 +1,93 @@
+"""Data-parallel training under torchrun, checkpointed through ckptd; the same command resumes.
+
+    .venv/bin/ckptd serve -c config.toml &                 # one daemon per node
+    .venv/bin/torchrun --nproc-per-node 2 examples/ddp_torchrun.py --run-name ddp-demo
+    # kill it (kill -9, a preempted node, Ctrl-C), then run the same torchrun line: it
+    # resumes from the newest step that every rank made durable
+
+What each rank does (README "Multi-GPU: torchrun on one node"):
+
+- connects to the node's daemon: the producer reads ``$RANK`` and ``$WORLD_SIZE`` from
+  torchrun, so a step is complete once every rank has committed its share;
+- saves its share every ``--every`` steps: the replicated model and optimizer (every
+  rank holds the same; with DDP each rank saves them today), plus what is its own:
+  its RNG states and where it is in its data;
+- on start, loads its own share of the newest complete step (``ckptd.load`` picks
+  the share by ``$RANK``) and goes on from the step after.
+
+The gloo backend on CPU runs anywhere; on GPUs use nccl and move the model to
+``cuda:LOCAL_RANK`` (emit copies GPU tensors to staging without blocking the CPU).
+``--kill-at STEP`` (for the test) makes every rank SIGKILL itself once STEP is durable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+import ckptd
+from ckptd import producer
+
+
+def batch(rank: int, step: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch of ``step``: its data position is the step itself."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(size, 32, generator=g)
+    return x, x[:, :8].sin()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-name", dest="run", default=os.environ.get("CKPTD_RUN", "ddp-demo"))
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--staging", default="64MiB", help="per rank: at least one checkpoint's bytes")
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--out", default=None, help="rank 0 writes the final weights here (safetensors)")
+    args = p.parse_args()
+
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)  # the same initial weights everywhere; dropout draws from each rank's RNG
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 8)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(rank + 1)
+
+    producer.configure(run=args.run, staging_size=args.staging)  # rank, world size: torchrun's
+    start = 1
+    if ckptd.latest(args.run) is not None:
+        state = ckptd.load(args.run)  # this rank's share of the newest complete step
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        torch.set_rng_state(state["rng"])
+        start = state["step"] + 1
+        print(f"rank {rank}: resumed from step {state['step']}", flush=True)
+
+    for step in range(start, args.steps + 1):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if step % args.every == 0:
+            handle = producer.save({"model": model.module.state_dict(), "optim": opt.state_dict(),
+                                    "rng": torch.get_rng_state(), "step": step}, step)
+            if step == args.kill_at:
+                handle.wait(60)  # this rank's share is durable ...
+                dist.barrier()   # ... and every other rank's
+                os.kill(os.getpid(), signal.SIGKILL)
+    producer.close()  # waits until every checkpoint is durable
+    if rank == 0 and args.out:
+        from safetensors.torch import save_file
+
+        save_file(dict(model.module.state_dict()), args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The Hugging Face Trainer through CkptdCallback: a tiny GPT-2, killed and resumed, against the
+same run resumed from the Trainer's own checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from safetensors.torch import load_file
+from transformers import Trainer
+
+import ckptd
+
+FRAMEWORKS = Path(__file__).parent / "frameworks"
+sys.path.insert(0, str(FRAMEWORKS))
+import hf_train  # noqa: E402  (tests/frameworks: the training script the subprocesses run)
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model is built from a config
+
+
+def _train(daemon, out: Path, mode: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_ROOT=str(daemon.root), CKPTD_RUN="gpt",
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, str(FRAMEWORKS / "hf_train.py"), str(out), mode, *args],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_killed_then_resumed_equals_the_trainers_own_resume(daemon, tmp_path: Path) -> None:
+    results = {}
+    for mode in ("trainer", "ckptd"):
+        out = tmp_path / mode
+        killed = _train(daemon, out, mode, "--kill-after", "8")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        if mode == "ckptd":
+            assert ckptd.latest("gpt", root=daemon.root).step == 8
+            assert not list(out.glob("checkpoint-*"))  # the Trainer wrote none of its own
+        resumed = _train(daemon, out, mode, "--resume")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        results[mode] = (load_file(out / "final.safetensors"), json.loads((out / "log_history.json").read_text()),
+                         json.loads((out / "blocked.json").read_text()))
+    (own, own_log, own_blocked), (ours, our_log, our_blocked) = results["trainer"], results["ckptd"]
+    assert own.keys() == ours.keys()
+    for name in own:
+        assert torch.equal(own[name], ours[name]), name
+    losses = [e["loss"] for e in our_log if "loss" in e]
+    assert len(losses) == hf_train.MAX_STEPS
+    assert losses == [e["loss"] for e in own_log if "loss" in e]
+    # step 12 was saved after the resume; save_total_limit=2 kept two steps
+    assert [i.step for i in ckptd.list_checkpoints("gpt", root=daemon.root)] == [8, 12]
+    print(f"\nblocked by the step-12 checkpoint of the tiny GPT-2 (first save of the process): "
+          f"CkptdCallback {our_blocked[0] * 1e3:.1f} ms, Trainer._save_checkpoint {own_blocked[0] * 1e3:.1f} ms")
+
+
+def test_blocked_time_against_the_trainers_own_save_of_the_same_state(daemon, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CKPTD_RUN", "timing")
+    monkeypatch.setenv("CKPTD_ENDPOINT", daemon.endpoint)
+    monkeypatch.setenv("CKPTD_ROOT", str(daemon.root))
+    trainer, callback = hf_train.build(str(tmp_path / "out"), "ckptd", None, width=256, staging="64MiB")
+    trainer.args.max_steps = 1
+    trainer.train()  # one step: the optimizer has its state
+    assert trainer._save_checkpoint == callback._save_checkpoint
+    own = Trainer._save_checkpoint.__get__(trainer)
+    times: dict[str, list[float]] = {"ckptd": [], "trainer": []}
+    for step in range(2, 9):  # the first saves also touch fresh staging pages
+        trainer.state.global_step = step
+        for name, save in (("ckptd", trainer._save_checkpoint), ("trainer", own)):
+            started = time.perf_counter()
+            save(trainer.model, None)
+            times[name].append(time.perf_counter() - started)
+        callback.flush(60)
+    nbytes = ckptd.latest("timing", root=daemon.root).nbytes
+    print(f"\nblocked per checkpoint of the same state ({nbytes / 2**20:.1f} MiB of tensors), ms: "
+          + "; ".join(f"{n} " + " ".join(f"{t * 1e3:.1f}" for t in ts) for n, ts in times.items()))
+    assert [i.step for i in ckptd.list_checkpoints("timing", root=daemon.root)] == [7, 8]  # save_total_limit=2
+    state = ckptd.load("timing", root=daemon.root)
+    assert json.loads(state["trainer_state"])["global_step"] == 8
+    assert set(state) == {"model", "optimizer", "scheduler", "rng", "trainer_state"}
+    callback.close()
+
+
+def test_load_best_model_at_end_is_refused_clearly(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from ckptd.integrations.transformers import CkptdCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), load_best_model_at_end=True, eval_strategy="steps",
+                             save_strategy="steps", report_to=[], use_cpu=True)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    with pytest.raises(ValueError, match="does not support load_best_model_at_end"):
+        Trainer(model=model, args=args, eval_dataset=hf_train.Tokens(), callbacks=[CkptdCallback(run="x")])
