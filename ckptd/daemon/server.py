@@ -32,6 +32,7 @@ from ..names import check_rank, check_run, check_step
 from ..wakeup import WakePipe
 from .metrics import Figures, MetricsServer
 from .notify import Notifier, status_line, use_journal_priorities
+from .liveness import Liveness, peer_pid
 from .owners import NotOwner, Owners, principal
 from .process import keep_freed_memory, lock_root, lower_priority
 from .session import Session
@@ -78,6 +79,7 @@ class Daemon:
         self.upkeep: Upkeep | None = None
         self.handoffs: handoff.Listener | None = None  # staging arenas offered by local producers
         self.owners = Owners(self.root)
+        self.liveness = Liveness()  # local producers' processes: a death ends its session at once
         # Commits in flight whose bytes are in a producer's shared arena, by arena: if the
         # same arena comes back in a new hello (the producer reconnected), it is about to
         # be reused, and those commits must not complete with bytes overwritten under them.
@@ -174,6 +176,7 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        self.liveness.close()
         self.notifier.close()
 
     # -- the loop ---------------------------------------------------------------------
@@ -187,6 +190,7 @@ class Daemon:
         poller.register(self._wake.fd, zmq.POLLIN)
         if self.handoffs is not None:
             poller.register(self.handoffs.fileno(), zmq.POLLIN)
+        poller.register(self.liveness.fileno(), zmq.POLLIN)
         reading = False
         watchdog = self.notifier.watchdog_s
         next_ping = last_housekeeping = time.monotonic()
@@ -204,6 +208,8 @@ class Daemon:
                     self.notifier.send("WATCHDOG=1")
                     next_ping = now + watchdog / 2
                 timeout = min(timeout, next_ping - now)
+            if self.liveness.pending():
+                timeout = min(timeout, 0.1)
             want = self.queued < self.cfg.memory_budget
             if want != reading:
                 # Over budget: leave messages in the producers' staging (they block
@@ -223,6 +229,8 @@ class Daemon:
             if reading and self.router in events:
                 self._read_batch()
             now = time.monotonic()
+            if reading and (self.liveness.fileno() in events or self.liveness.pending()):
+                self._end_dead_sessions(now)
             if self.stopping and events:
                 self._last_progress = now  # bytes arrived, or the I/O threads finished something
             if now - last_housekeeping >= 1.0:
@@ -530,6 +538,9 @@ class Daemon:
                 sess.chunk_size = max(1, min(self.cfg.chunk_size, len(sess.shm) // 4))
         self.sessions[identity] = sess
         self.owner[key] = identity
+        pid = peer_pid(frame) if self.endpoint.startswith("ipc://") else None
+        if pid is not None:  # tcp:// producers keep session_timeout
+            self.liveness.watch(identity, pid)
         log.info("producer connected: %s host=%s format=%s transport=%s", sess.label, sess.host, sess.format,
                  "shm" if sess.shm is not None else "inline")
         self._send(identity, "welcome", v=wire.VERSION, max_frame=self.cfg.max_frame, daemon_pid=os.getpid(),
@@ -678,8 +689,14 @@ class Daemon:
         for step in list(sess.steps):
             self._drop_step(sess, step)
         self.sessions.pop(sess.identity, None)
+        self.liveness.forget(sess.identity)
         if self.owner.get((sess.run, sess.rank)) == sess.identity:
             del self.owner[(sess.run, sess.rank)]
+
+    def _end_dead_sessions(self, now: float) -> None:
+        """End the sessions of local producers whose process exited (ckptd.daemon.liveness)."""
+        for identity, pid in self.liveness.ended(now, lambda i: self.sessions[i].last_seen):
+            self._end_session(self.sessions[identity], f"died (process {pid} exited)")
 
     def _keep_alive(self, now: float) -> None:
         """While the daemon is not reading (over budget), producers' pings go unread:
