@@ -90,6 +90,8 @@ class Manifest:
     # data file -> its size when committed; lets the completeness check see a file that
     # is still being copied in where offsets say nothing (chunked HDF5 datasets)
     files: dict[str, int] = field(default_factory=dict)
+    # the job's attempt that wrote it (ckptd.attempt); a step is complete out of one attempt's
+    attempt: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +106,8 @@ class Manifest:
             "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
             "files": self.files,
         }
+        if self.attempt is not None:
+            d["attempt"] = self.attempt
         return json.dumps(d, ensure_ascii=False, allow_nan=False, indent=1).encode("utf-8")
 
     @classmethod
@@ -189,12 +193,15 @@ class _Parser:
             self.data_file(file, rank, fmt, "files: ")
             if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= _MAX_INT:
                 raise self.fail(f"files: the size of {file!r} is {_short(size)}, not a byte count")
+        attempt = d.get("attempt")
+        if attempt is not None and not (isinstance(attempt, str) and 0 < len(attempt) <= 1024):
+            raise self.fail(f"attempt {_short(attempt)} is not a string of 1 to 1024 characters")
         tensors = self.typed(d, "tensors", dict)
         records = {name: self.tensor(name, t, rank, fmt) for name, t in tensors.items()}
         self.no_overlaps(records)
         return Manifest(run=run, step=step, rank=rank, world_size=world, time=when,
                         tensors=records, state=d.get("state"), metadata=metadata, format=fmt,
-                        files=dict(files))
+                        files=dict(files), attempt=attempt)
 
     def data_file(self, file: Any, rank: int, fmt: str, what: str) -> str:
         # Only the names ckptd writes: no "..", no "/", no absolute path, this rank's own

@@ -1,7 +1,7 @@
 """Find and read complete checkpoints straight from the checkpoint root.
 
 Only manifests decide what is complete: a step folder is a checkpoint once every
-rank's manifest exists. Reading goes by the manifest's offsets, one ``preadv``
+rank's manifest exists, all of one attempt (``ckptd.index.one_attempt``). Reading goes by the manifest's offsets, one ``preadv``
 per tensor into memory the caller then owns, so ``names=`` reads only those
 tensors' bytes and nothing is ever unpickled. Chunk files and contiguous HDF5
 datasets have offsets; a chunked HDF5 dataset (compressed) has none and is read

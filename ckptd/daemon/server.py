@@ -24,7 +24,8 @@ from typing import Any
 
 import zmq
 
-from .. import __version__, handoff, layout, state as state_mod, wire
+from .. import __version__, handoff, state as state_mod, wire
+from ..attempt import check_attempt
 from ..config import FORMATS, Config, ConfigError, load as load_config
 from ..curve import CurveServer
 from ..errors import CheckpointError, ProtocolError
@@ -37,6 +38,7 @@ from .owners import NotOwner, Owners, principal
 from .process import keep_freed_memory, lock_root, lower_priority
 from .session import Session
 from .assembly import OpenStep, StepError
+from .attempts import resave
 from .recovery import remove_orphans
 from .upkeep import Upkeep
 from .writer import Result, Share, Writer
@@ -495,6 +497,8 @@ class Daemon:
         try:
             check_run(h["run"])
             check_rank(h["rank"], h["world_size"])
+            if h["attempt"] is not None:
+                check_attempt(h["attempt"])
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
         fmt = h["format"] or self.cfg.format
@@ -527,7 +531,7 @@ class Daemon:
             except ConfigError as exc:
                 raise ProtocolError(str(exc)) from None
         sess = Session(identity, h["run"], h["rank"], h["world_size"], h["pid"], h["host"], fmt,
-                       chunk_size=self.cfg.chunk_size)
+                       attempt=h["attempt"], chunk_size=self.cfg.chunk_size)
         if h["shm_token"] is not None and h["shm_size"] is not None:
             mapped = self._map_arena(h)
             if mapped is not None:
@@ -564,7 +568,8 @@ class Daemon:
             return open_step
         assert self.writer is not None
         open_step = sess.steps[step] = OpenStep(
-            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format, owner=sess.identity),
+            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format, owner=sess.identity,
+                  attempt=sess.attempt),
             self.writer, sess.chunk_size)
         try:
             check_step(step)
@@ -576,12 +581,12 @@ class Daemon:
                 f"the daemon is stopping: step {step} of run {sess.run!r} was refused and not saved; "
                 "save it again once the daemon has restarted"), seq, discard=False)
             return open_step
-        if (sess.run, sess.rank, step) in self.committing or (
-            open_step.share.dir / layout.manifest_name(sess.rank)
-        ).exists():
-            self._fail_step(sess, open_step, (
-                f"step {step} of run {sess.run!r} is already committed for rank {sess.rank}; "
-                "a committed checkpoint is never overwritten"), seq, discard=False)
+        verdict = resave(open_step.share.dir, sess.run, sess.rank, step, sess.attempt,
+                         in_flight=(sess.run, sess.rank, step) in self.committing)
+        if verdict.error is not None:
+            self._fail_step(sess, open_step, verdict.error, seq, discard=False)
+        elif verdict.replace:
+            self.writer.replace_earlier(open_step.share)
         return open_step
 
     def _on_tensor(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:

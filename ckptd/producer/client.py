@@ -26,6 +26,7 @@ from typing import Any, Iterator
 from .. import config as config_mod
 from .. import curve
 from .. import dtypes, handoff, wire
+from ..attempt import current as current_attempt
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, check_json
 from ..names import check_name, check_rank, check_run, check_step
@@ -131,6 +132,7 @@ class Producer:
             raise ValueError(f"format={format!r}: use one of {', '.join(map(repr, config_mod.FORMATS))}, "
                              "or None for the daemon's [daemon] format")
         self.format = format
+        self.attempt = current_attempt(self.options.attempt, self.world_size)  # elastic restarts
 
         self._lock = threading.Lock()  # bookkeeping shared with the sender thread
         self._emit_lock = threading.Lock()  # one emit at a time: regions go out in order
@@ -568,7 +570,7 @@ class Producer:
         transport.send(wire.encode("hello", v=wire.VERSION, run=run, rank=self.rank,
                                    world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
                                    retention=self.retention, format=self.format, shm_token=token,
-                                   shm_size=self._arena.capacity if token else None))
+                                   shm_size=self._arena.capacity if token else None, attempt=self.attempt))
         if not self._welcome.wait(self.options.timeout) or self._hello_error or transport.lost:
             transport.close()
             if self._hello_error:
