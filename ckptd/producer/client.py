@@ -211,6 +211,9 @@ class Producer:
         planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
         items = {name: dataclasses.replace(self._describe(name, t), shard=shard)
                  for name, (t, shard) in planned.stage.items()}
+        for name in planned.replicas:  # checked on every rank, though another writes it
+            if not is_dtensor(tensors[name]):
+                self._describe(name, tensors[name])
         meta_json = _metadata_json(metadata)
         state_json = json.dumps(structure, ensure_ascii=False, allow_nan=False)
         try:

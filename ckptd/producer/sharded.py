@@ -53,19 +53,25 @@ def plan(tensors: dict[str, Any], rank: int, world_size: int, replicated: Any = 
         if is_dtensor(value):
             piece = describe_dtensor(name, value)
             out.stage[name] = (piece.local, piece.shard)
-            group = piece.group
-            nbytes = piece.local.numel() * piece.local.element_size()
+            group, local = piece.group, piece.local
         else:
             out.stage[name] = (value, None)
             group = everyone if world_size > 1 and is_replicated(name) else ()
-            nbytes = int(value.nbytes)
+            local = value
         if len(group) > 1:
             if rank not in group:
                 raise ValueError(f"tensor {name!r} is held by ranks {list(group)}, not by this rank {rank}: "
                                  "the producer's rank must be the process's global rank (RANK)")
-            shared.append((name, nbytes, group))
+            shared.append((name, _nbytes(local), group))
     for name, writer in assign_writers(shared).items():
         if writer != rank:
             del out.stage[name]
             out.replicas[name] = writer
     return out
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of a tensor or array (its dense size: what ``emit`` would copy)."""
+    if hasattr(value, "element_size"):
+        return value.numel() * value.element_size()
+    return int(getattr(value, "nbytes", 0))
