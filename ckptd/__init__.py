@@ -8,10 +8,11 @@ from . import producer
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from .manifest import CheckpointInfo
 from .producer import CommitHandle, Producer
+from .load_into import load_into
 from .reader import latest, list_checkpoints, load
 
 __all__ = [
     "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointNotFound",
-    "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "producer",
+    "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "load_into", "producer",
 ]
 __version__ = "0.1.0"

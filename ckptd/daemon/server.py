@@ -639,7 +639,8 @@ class Daemon:
             metadata = _parse_json(h["metadata"], "metadata")
             if not isinstance(metadata, dict):
                 raise StepError("commit metadata must be a JSON object")
-            missing = [n for n in state_mod.tensor_names(structure) if n not in open_step.names]
+            missing = [n for n in state_mod.tensor_names(structure)
+                       if n not in open_step.names and n not in share.replicas]
             if missing:
                 raise StepError(f"the saved state refers to tensors never sent: {missing[:5]}")
         except StepError as exc:

@@ -61,6 +61,7 @@ class Share:
     owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
     dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
     attempt: str | None = None  # the job's attempt that writes it (ckptd.attempt)
+    replicas: dict[str, int] = field(default_factory=dict)  # tensors of its state another rank wrote
 
     @property
     def dir(self) -> Path:
@@ -406,6 +407,7 @@ class Writer:
             time=time.time(), tensors=share.records, state=state, metadata=metadata,
             format=share.format, files={f: os.stat(share.at(f)).st_size for f in sorted(data_files)},
             attempt=share.attempt,
+            replicas=share.replicas,
         )
         atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self._fsync)
         try:  # committed: the claim is over (a leftover is harmless and removed at start-up)
@@ -492,4 +494,4 @@ class Writer:
 
 def _record(e: Entry, file: str, key: str, offset: int | None, digest: str) -> TensorRecord:
     return TensorRecord(dtype=e.dtype.name, shape=e.shape, file=file, key=key, offset=offset,
-                        nbytes=e.nbytes, checksum=digest, numpy=e.numpy)
+                        nbytes=e.nbytes, checksum=digest, numpy=e.numpy, shard=e.shard)
