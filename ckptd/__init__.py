@@ -16,3 +16,11 @@ __all__ = [
     "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "load_into", "producer",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # ckptd.dcp: imported on first use (it imports torch.distributed.checkpoint)
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module 'ckptd' has no attribute {name!r}")

@@ -197,9 +197,20 @@ class Producer:
                         st.names.discard(name)
                 raise
 
-    def commit(self, step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
-        """Close ``step``: the daemon makes it durable, then the handle resolves."""
-        return self._commit(check_step(step), metadata, None, None)
+    def commit(self, step: int, *, metadata: dict[str, Any] | None = None, structure: Any = None,
+               replicas: dict[str, int] | None = None) -> CommitHandle:
+        """Close ``step``: the daemon makes it durable, then the handle resolves.
+
+        For layers that emit a state piece by piece (``ckptd.dcp``): ``structure`` is
+        the saved state's structure (``ckptd.state.flatten``'s) over the tensors
+        emitted, and ``replicas`` names the tensors it refers to that another rank
+        writes (``{name: that rank}``)."""
+        check_step(step)
+        state_json = None if structure is None else json.dumps(structure, ensure_ascii=False, allow_nan=False)
+        with self._emit_lock:
+            for name, writer in (replicas or {}).items():
+                self._claim(step, check_name(name), replica_of=writer)
+        return self._commit(step, metadata, None, state_json)
 
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None,
              replicated: Any = None) -> CommitHandle:
