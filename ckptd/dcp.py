@@ -14,7 +14,8 @@ here is an ordinary ckptd step (checksums, ``verify``, retention, the index,
   ``TypeError`` naming it. Ranks other than the coordinator commit at the end of
   ``write_data``.
 - ``finish`` (the coordinator, rank 0) commits rank 0's share last, with DCP's global
-  ``Metadata`` as JSON in its commit metadata under ``"dcp"`` (``encode_metadata``).
+  ``Metadata`` as JSON in its commit metadata under ``"ckptd.dcp"`` (``encode_metadata``;
+  ``CheckpointInfo.metadata`` leaves it out).
   The step is complete when every rank's manifest is there (one attempt's), so
   the metadata becomes visible exactly when the step does.
 - ``StorageReader(run, step=None)`` reads the stored metadata, or, for a step saved
@@ -57,7 +58,7 @@ from .load_into import _fill, _Piece, _Target  # its reader: byte ranges straigh
 from .manifest import CheckpointInfo, Manifest
 from .sharding import Box
 
-METADATA_KEY = "dcp"  # rank 0's commit metadata holds DCP's Metadata under this key
+METADATA_KEY = "ckptd.dcp"  # rank 0's commit metadata holds DCP's Metadata under this key (manifest.py)
 ENCODING_VERSION = 1
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "preserve_format": torch.preserve_format}
@@ -174,10 +175,14 @@ class StorageWriter(_Writer):
         replicas = {name: writers.get(name, -1) for name in state_mod.tensor_names(structure)
                     if name not in self._emitted}
         unwritten = sorted(name for name, rank in replicas.items() if rank < 0)
-        if unwritten:
-            raise ValueError(f"ckptd.dcp: DCP's plan writes tensors {unwritten[:3]} on no rank")
-        handle = producer.commit(self.step, structure=structure, replicas=replicas,
-                                 metadata={**self.metadata, METADATA_KEY: encode_metadata(metadata)})
+        try:
+            if unwritten:
+                raise ValueError(f"ckptd.dcp: DCP's plan writes tensors {unwritten[:3]} on no rank")
+            handle = producer.commit(self.step, structure=structure, replicas=replicas,
+                                     metadata={**self.metadata, METADATA_KEY: encode_metadata(metadata)})
+        except BaseException:
+            producer.abort(self.step)  # what rank 0 emitted is discarded, not left open
+            raise
         if self.durable:
             handle.wait(self.timeout)
 

@@ -23,6 +23,9 @@ FORMAT_VERSION = 1  # a manifest without sharded or replicated tensors
 SHARDED_FORMAT_VERSION = 2  # one whose records carry "shard" or that lists "replicas"
 READABLE_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION)
 CHECKSUM_ALGORITHM = "xxh3_64"
+# Commit metadata keys that ckptd's own layers write (ckptd.dcp: DCP's Metadata); they stay
+# in the manifest and are left out of CheckpointInfo.metadata, which is the user's.
+LAYER_METADATA_PREFIX = "ckptd."
 
 
 class Checksum:
@@ -402,7 +405,8 @@ class CheckpointInfo:
             time=max(m.time for m in manifests),
             nbytes=sum(m.nbytes for m in manifests),
             ntensors=sum(len(m.tensors) for m in manifests),
-            format=first.format, metadata=first.metadata,
+            format=first.format,
+            metadata={k: v for k, v in first.metadata.items() if not k.startswith(LAYER_METADATA_PREFIX)},
         )
 
 

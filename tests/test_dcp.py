@@ -71,9 +71,11 @@ def small_state(seed: int, n: int = 4) -> dict:
 
 def test_single_process_dcp_save_and_load(daemon) -> None:
     state = small_state(1)
-    writer = ckptd.dcp.StorageWriter(run="one", step=7, endpoint=daemon.endpoint, staging_size="8MiB", timeout=10)
+    writer = ckptd.dcp.StorageWriter(run="one", step=7, endpoint=daemon.endpoint, staging_size="8MiB", timeout=10,
+                                     metadata={"loss": 0.5})
     dcp.save(state, storage_writer=writer, no_dist=True)
-    assert ckptd.latest("one", root=daemon.root).step == 7  # dcp.save returns once the step is complete
+    info = ckptd.latest("one", root=daemon.root)  # dcp.save returns once the step is complete
+    assert info.step == 7 and info.metadata == {"loss": 0.5}  # DCP's own metadata stays in the manifest
     target = small_state(2)
     dcp.load(target, storage_reader=ckptd.dcp.StorageReader("one", root=daemon.root), no_dist=True)
     assert target["epoch"] == 1 and target["tag"] == [1, "x"]
