@@ -14,10 +14,19 @@ from . import producer  # noqa: E402
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from .manifest import CheckpointInfo
 from .producer import CommitHandle, Producer
+from .load_into import load_into
 from .reader import latest, list_checkpoints, load
 
 __all__ = [
     "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointNotFound",
-    "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "producer",
+    "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "load_into", "producer",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # ckptd.dcp: imported on first use (it imports torch.distributed.checkpoint)
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module 'ckptd' has no attribute {name!r}")

@@ -31,6 +31,7 @@ class Entry:
     nbytes: int
     buffers: list[Any]  # bytes-like pieces, in order, adding up to nbytes
     numpy: bool = False  # emitted as a numpy array
+    shard: Any = None  # a manifest.Shard: the piece of a larger tensor this is
 
 
 def header(entries: Sequence[Entry]) -> bytes:

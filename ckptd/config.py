@@ -92,6 +92,12 @@ def _positive(parse: Callable[[object], Any]) -> Callable[[object], Any]:
     return check
 
 
+def _attempt(value: object) -> str:
+    from .attempt import check_attempt
+
+    return "" if value == "" else check_attempt(value)  # type: ignore[arg-type]
+
+
 def _opt(default: Any, parse: Callable[[object], Any]) -> Any:
     return field(default=default, metadata={"parse": parse})
 
@@ -132,6 +138,7 @@ class ProducerConfig:
     gpu_snapshot: str = _opt("host", _choice("host", "device"))
     curve_server_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's public NAME.key file
     curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: this producer's NAME.key_secret file
+    attempt: str = _opt("", _attempt)  # this job's attempt (ckptd.attempt); "": torchrun's, or this process's
 
 
 def _auto(value: object, parse: Callable[[object], Any]) -> Any:

@@ -1,8 +1,8 @@
 """What is complete under the checkpoint root: one scan, then watchdog events as hints.
 
 Manifests are the truth. A step folder is a complete checkpoint when every rank's
-manifest is there and every file they name exists at least as long as the
-manifest says. The functions at the top answer that straight from the disk, for
+manifest is there, all of one attempt of the job (``ckptd.attempt``), and every
+file they name exists at least as long as the manifest says. The functions at the top answer that straight from the disk, for
 any process; ``Index`` keeps the answer in memory for the daemon: it scans the
 root once, then re-reads whatever a watchdog event touches, and reconciles with
 a full rescan periodically and whenever the observer reports trouble (watchdog
@@ -75,17 +75,36 @@ def _read_manifests(dir_fd: int, step_path: Path) -> list[Manifest] | None:
         manifests.append(m)
     if not manifests:
         return None
+    _agree(manifests, ("run", "step"), step_path)
+    return one_attempt(manifests, step_path)
+
+
+def one_attempt(manifests: list[Manifest], step_path: Path) -> list[Manifest] | None:
+    """The manifests of the attempt whose every rank committed the step, or None.
+
+    A step is complete only out of manifests of one attempt (``ckptd.attempt``): the
+    shares an earlier, failed attempt left of a step never count together with the
+    shares of the attempt that saved it again (which replace them rank by rank),
+    whatever their world sizes."""
+    by_attempt: dict[str | None, list[Manifest]] = {}
+    for m in manifests:
+        by_attempt.setdefault(m.attempt, []).append(m)
+    for group in by_attempt.values():
+        _agree(group, ("world_size",), step_path)  # formats may differ by rank
+        world = group[0].world_size
+        if len(group) == world and {m.rank for m in group} == set(range(world)):
+            return group
+    return None
+
+
+def _agree(manifests: list[Manifest], keys: tuple[str, ...], step_path: Path) -> None:
     first = manifests[0]
     for m in manifests[1:]:
-        for key in ("run", "step", "world_size"):  # formats may differ by rank
+        for key in keys:
             if getattr(m, key) != getattr(first, key):
                 raise CheckpointCorrupt(
                     f"{step_path}: the manifests disagree on {key}: rank {first.rank} says "
                     f"{getattr(first, key)!r}, rank {m.rank} says {getattr(m, key)!r}")
-    world = first.world_size
-    if len(manifests) != world or {m.rank for m in manifests} != set(range(world)):
-        return None
-    return manifests
 
 
 def step_info(step_path: Path, *, warn: bool = False) -> CheckpointInfo | None:

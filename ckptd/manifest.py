@@ -19,8 +19,13 @@ import xxhash
 from . import dtypes, layout, names
 from .errors import CheckpointCorrupt
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a manifest without sharded or replicated tensors
+SHARDED_FORMAT_VERSION = 2  # one whose records carry "shard" or that lists "replicas"
+READABLE_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION)
 CHECKSUM_ALGORITHM = "xxh3_64"
+# Commit metadata keys that ckptd's own layers write (ckptd.dcp: DCP's Metadata); they stay
+# in the manifest and are left out of CheckpointInfo.metadata, which is the user's.
+LAYER_METADATA_PREFIX = "ckptd."
 
 
 class Checksum:
@@ -46,6 +51,59 @@ def checksum(buffers: Iterable[Any]) -> str:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """Where a stored piece sits in its whole tensor (docs/format.md): the record's
+    ``shape`` is the piece's own; ``placements`` and ``mesh_shape`` are for people."""
+
+    global_shape: list[int]
+    offsets: list[int]
+    placements: list[str] | None = None
+    mesh_shape: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"global_shape": self.global_shape, "offsets": self.offsets}
+        if self.placements is not None:
+            d["placements"] = self.placements
+        if self.mesh_shape is not None:
+            d["mesh_shape"] = self.mesh_shape
+        return d
+
+    @classmethod
+    def parse(cls, d: Any, shape: list[int]) -> "Shard":
+        """Check an untrusted shard object against its piece's ``shape``; ValueError
+        saying what is wrong."""
+        if not isinstance(d, dict):
+            raise ValueError(f"shard must be an object, not {type(d).__name__}")
+        extra = set(d) - {"global_shape", "offsets", "placements", "mesh_shape"}
+        if extra:
+            raise ValueError(f"shard has unknown fields {sorted(extra)}")
+        global_shape = _sizes(d.get("global_shape"), "shard global_shape")
+        offsets = _sizes(d.get("offsets"), "shard offsets")
+        if not len(global_shape) == len(offsets) == len(shape):
+            raise ValueError(f"shard global_shape {global_shape} and offsets {offsets} must have one entry "
+                             f"per dimension of the piece's shape {shape}")
+        for dim, (o, n, g) in enumerate(zip(offsets, shape, global_shape)):
+            if o + n > g:
+                raise ValueError(f"a piece of shape {shape} at offsets {offsets} does not fit global_shape "
+                                 f"{global_shape} (dimension {dim})")
+        placements = d.get("placements")
+        if placements is not None and (not isinstance(placements, list) or len(placements) > MAX_DIMS
+                                       or not all(isinstance(p, str) and len(p) <= 200 for p in placements)):
+            raise ValueError(f"shard placements {_short(placements)} must be a list of short strings")
+        mesh_shape = d.get("mesh_shape")
+        if mesh_shape is not None:
+            mesh_shape = _sizes(mesh_shape, "shard mesh_shape")
+        return cls(global_shape, offsets, placements, mesh_shape)
+
+
+def _sizes(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_DIMS or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= _MAX_INT for n in value):
+        raise ValueError(f"{what} {_short(value)} must be a list of at most {MAX_DIMS} sizes")
+    return value
+
+
+@dataclass(frozen=True)
 class TensorRecord:
     dtype: str
     shape: list[int]
@@ -57,11 +115,24 @@ class TensorRecord:
     nbytes: int
     checksum: str
     numpy: bool = False  # emitted as a numpy array; loads back as one
+    shard: Shard | None = None  # None: the record holds the whole tensor
+
+    @property
+    def global_shape(self) -> list[int]:
+        return self.shard.global_shape if self.shard is not None else self.shape
+
+    @property
+    def offsets(self) -> list[int]:
+        return self.shard.offsets if self.shard is not None else [0] * len(self.shape)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if not self.numpy:
             del d["numpy"]
+        if self.shard is None:
+            del d["shard"]
+        else:
+            d["shard"] = self.shard.to_dict()
         return d
 
     @classmethod
@@ -72,6 +143,7 @@ class TensorRecord:
             offset=None if d["offset"] is None else int(d["offset"]), nbytes=int(d["nbytes"]),
             checksum=d["checksum"],
             numpy=bool(d.get("numpy", False)),
+            shard=None if d.get("shard") is None else Shard.parse(d["shard"], [int(x) for x in d["shape"]]),
         )
 
 
@@ -90,20 +162,30 @@ class Manifest:
     # data file -> its size when committed; lets the completeness check see a file that
     # is still being copied in where offsets say nothing (chunked HDF5 datasets)
     files: dict[str, int] = field(default_factory=dict)
+    # the job's attempt that wrote it (ckptd.attempt); a step is complete out of one attempt's
+    attempt: str | None = None
+    # replicated tensors this rank's state refers to but another rank wrote: name -> that rank
+    replicas: dict[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
     def to_json(self) -> bytes:
+        sharded = self.replicas or any(t.shard is not None for t in self.tensors.values())
         d = {
-            "format_version": self.format_version, "format": self.format,
+            "format_version": SHARDED_FORMAT_VERSION if sharded else self.format_version,
+            "format": self.format,
             "run": self.run, "step": self.step, "rank": self.rank,
             "world_size": self.world_size, "time": self.time, "metadata": self.metadata,
             "state": self.state,
             "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
             "files": self.files,
         }
+        if self.attempt is not None:
+            d["attempt"] = self.attempt
+        if self.replicas:
+            d["replicas"] = self.replicas
         return json.dumps(d, ensure_ascii=False, allow_nan=False, indent=1).encode("utf-8")
 
     @classmethod
@@ -162,9 +244,9 @@ class _Parser:
         if not isinstance(d, dict):
             raise self.fail(f"manifest must be a JSON object, not {type(d).__name__}")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise self.fail(f"manifest format_version {_short(version)} is not supported by this ckptd "
-                            f"(it reads version {FORMAT_VERSION}); upgrade ckptd")
+                            f"(it reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade ckptd")
         run = self.typed(d, "run", str)
         if not names.RUN_ID_PATTERN.fullmatch(run):
             raise self.fail(f"run {_short(run)} is not a valid run id")
@@ -189,12 +271,31 @@ class _Parser:
             self.data_file(file, rank, fmt, "files: ")
             if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= _MAX_INT:
                 raise self.fail(f"files: the size of {file!r} is {_short(size)}, not a byte count")
+        attempt = d.get("attempt")
+        if attempt is not None and not (isinstance(attempt, str) and 0 < len(attempt) <= 1024):
+            raise self.fail(f"attempt {_short(attempt)} is not a string of 1 to 1024 characters")
         tensors = self.typed(d, "tensors", dict)
         records = {name: self.tensor(name, t, rank, fmt) for name, t in tensors.items()}
         self.no_overlaps(records)
+        replicas = self.replicas(d.get("replicas") or {}, rank, world, records)
         return Manifest(run=run, step=step, rank=rank, world_size=world, time=when,
                         tensors=records, state=d.get("state"), metadata=metadata, format=fmt,
-                        files=dict(files))
+                        files=dict(files), format_version=version, replicas=replicas, attempt=attempt)
+
+    def replicas(self, d: Any, rank: int, world: int, records: dict[str, TensorRecord]) -> dict[str, int]:
+        if not isinstance(d, dict):
+            raise self.fail(f"replicas must be an object, not {type(d).__name__}")
+        for name, writer in d.items():
+            try:
+                names.check_name(name)
+            except ValueError as exc:
+                raise self.fail(f"replicas: tensor name is invalid: {exc}") from None
+            if name in records:
+                raise self.fail(f"replicas: tensor {name!r} is also one of this rank's own tensors")
+            if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer < world or writer == rank:
+                raise self.fail(f"replicas: tensor {name!r} names writer rank {_short(writer)}, not another "
+                                f"rank of 0..{world - 1}")
+        return dict(d)
 
     def data_file(self, file: Any, rank: int, fmt: str, what: str) -> str:
         # Only the names ckptd writes: no "..", no "/", no absolute path, this rank's own
@@ -247,8 +348,14 @@ class _Parser:
         numpy = t.get("numpy", False)
         if not isinstance(numpy, bool) or (numpy and info.numpy is None):
             raise self.fail(f"{what}numpy {_short(numpy)} is not possible for dtype {dtype}")
+        shard = None
+        if t.get("shard") is not None:
+            try:
+                shard = Shard.parse(t["shard"], shape)
+            except ValueError as exc:
+                raise self.fail(f"{what}{exc}") from None
         return TensorRecord(dtype=dtype, shape=shape, file=file, key=key, offset=offset,
-                            nbytes=nbytes, checksum=digest, numpy=numpy)
+                            nbytes=nbytes, checksum=digest, numpy=numpy, shard=shard)
 
     def no_overlaps(self, records: dict[str, TensorRecord]) -> None:
         """No two tensors' bytes share a range of a file: a manifest that aliased them
@@ -307,7 +414,8 @@ class CheckpointInfo:
             time=max(m.time for m in manifests),
             nbytes=sum(m.nbytes for m in manifests),
             ntensors=sum(len(m.tensors) for m in manifests),
-            format=first.format, metadata=first.metadata,
+            format=first.format,
+            metadata={k: v for k, v in first.metadata.items() if not k.startswith(LAYER_METADATA_PREFIX)},
             world_size=first.world_size, rank=None if whole else first.rank,
         )
 

@@ -1,7 +1,7 @@
 """Find and read complete checkpoints straight from the checkpoint root.
 
 Only manifests decide what is complete: a step folder is a checkpoint once every
-rank's manifest exists. Reading goes by the manifest's offsets, one ``preadv``
+rank's manifest exists, all of one attempt (``ckptd.index.one_attempt``). Reading goes by the manifest's offsets, one ``preadv``
 per tensor into memory the caller then owns, so ``names=`` reads only those
 tensors' bytes and nothing is ever unpickled. Chunk files and contiguous HDF5
 datasets have offsets; a chunked HDF5 dataset (compressed) has none and is read
@@ -143,12 +143,19 @@ def load(
     ``step=None`` loads the newest complete step. ``names`` reads only those
     tensors and returns them flat. ``verify=True`` checks each tensor's checksum
     (and that each file's own header agrees with the manifest).
-    In a multi-rank checkpoint, ``rank`` (default ``$RANK``) picks whose share.
+    In a multi-rank checkpoint, ``rank`` (default ``$RANK``) picks whose share
+    (its replicated tensors included, wherever they were written); with neither,
+    the whole state, sharded tensors assembled to their global shape.
     """
     path, manifests = find(run, step, root)
+    if rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit():
+        from .load_into import load_whole
+
+        return load_whole(path, manifests, names=names, map_location=map_location, verify=verify)
     manifest = pick_rank(manifests, rank)
-    wanted = list(manifest.tensors) if names is None else list(names)
-    missing = [n for n in wanted if n not in manifest.tensors]
+    records = share_records(path, manifests, manifest)
+    wanted = list(records) if names is None else list(names)
+    missing = [n for n in wanted if n not in records]
     if missing:
         raise CheckpointNotFound(
             f"step {manifest.step} of run {run!r} has no tensor named "
@@ -157,20 +164,37 @@ def load(
     rebuild = names is None and manifest.state is not None
     if rebuild:  # a malformed structure fails now, before gigabytes are read
         check_structure(path, manifest)
-    tensors = read_tensors(path, {n: manifest.tensors[n] for n in wanted}, verify=verify)
+    tensors = read_tensors(path, {n: records[n] for n in wanted}, verify=verify)
     if map_location not in (None, "cpu"):
         tensors = {n: t.to(map_location) for n, t in tensors.items()}
     values = {
-        n: (t.numpy() if manifest.tensors[n].numpy else t) for n, t in tensors.items()
+        n: (t.numpy() if records[n].numpy else t) for n, t in tensors.items()
     }
     return _unflatten(path, manifest, values) if rebuild else values
+
+
+def share_records(step_path: Path, manifests: list[Manifest], manifest: Manifest) -> dict[str, TensorRecord]:
+    """The records of one rank's share: its own tensors, and each replicated tensor it
+    lists under ``replicas`` from the manifest of the rank that wrote it."""
+    if not manifest.replicas:
+        return manifest.tensors
+    records = dict(manifest.tensors)
+    for name, writer in manifest.replicas.items():
+        rec = manifests[writer].tensors.get(name)
+        if rec is None:
+            raise CheckpointCorrupt(
+                f"{step_path / layout.manifest_name(manifest.rank)}: replicated tensor {name!r} is listed as "
+                f"written by rank {writer}, whose manifest has no such tensor (were the ranks saved with "
+                "different replicated= or different tensors?)")
+        records[name] = rec
+    return records
 
 
 def check_structure(step_path: Path, manifest: Manifest) -> None:
     """CheckpointCorrupt if the manifest's saved structure cannot be rebuilt (a node
     ckptd does not write, a reference to a tensor it does not list, ...)."""
     if manifest.state is not None:
-        _unflatten(step_path, manifest, dict.fromkeys(manifest.tensors))
+        _unflatten(step_path, manifest, dict.fromkeys([*manifest.tensors, *manifest.replicas]))
 
 
 def _unflatten(path: Path, manifest: Manifest, values: dict[str, Any]) -> Any:
@@ -224,6 +248,7 @@ def check(step_path: Path, manifests: list[Manifest], progress: Callable[[int], 
                     if progress is not None:
                         progress(manifest.tensors[name].nbytes)
             check_structure(step_path, manifest)
+            share_records(step_path, manifests, manifest)
         except CheckpointCorrupt as exc:
             problems.append(f"rank {manifest.rank}: {exc}")
     return problems
@@ -394,6 +419,22 @@ class _DataFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def read_range(fd: int, path: Path, name: str, rec: TensorRecord, start: int, dst: memoryview) -> None:
+    """Read bytes ``[start, start + len(dst))`` of record ``rec`` from ``fd`` (its data
+    file, ``path``) straight into ``dst``. The record must have an offset (chunk files,
+    contiguous HDF5 datasets); its end is checked against the file's size first.
+    Nothing is checksummed: a part of a record cannot be."""
+    assert rec.offset is not None and 0 <= start and start + len(dst) <= rec.nbytes
+    size = os.fstat(fd).st_size
+    if rec.offset + rec.nbytes > size:
+        raise CheckpointCorrupt(f"{path}: tensor {name!r}: is truncated: the manifest puts it at bytes "
+                                f"{rec.offset}..{rec.offset + rec.nbytes}, but the file has {size} bytes")
+    got = _pread_into(fd, dst, rec.offset + start)
+    if got != len(dst):
+        raise CheckpointCorrupt(f"{path}: tensor {name!r}: is truncated: {got} of {len(dst)} bytes "
+                                f"at offset {rec.offset + start}")
 
 
 def as_tensor(raw: Any, rec: TensorRecord) -> Any:

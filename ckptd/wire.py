@@ -29,11 +29,13 @@ _MAX_DIMS = 64
 SCHEMAS: dict[str, dict[str, str]] = {
     # producer -> daemon
     "hello": {"v": "int", "run": "str", "rank": "int", "world_size": "int", "pid": "int",
-              "host": "str", "retention": "map?", "format": "str?", "shm_token": "bin?", "shm_size": "int?"},
+              "host": "str", "retention": "map?", "format": "str?", "shm_token": "bin?", "shm_size": "int?",
+              "attempt": "str?"},
     "tensor": {"seq": "int", "step": "int", "name": "str", "dtype": "str", "shape": "shape",
-               "nbytes": "int", "start": "int", "numpy": "bool", "offset": "int?", "length": "int?"},
+               "nbytes": "int", "start": "int", "numpy": "bool", "offset": "int?", "length": "int?",
+               "shard": "map?"},
     "commit": {"seq": "int", "step": "int", "ntensors": "int", "state": "json",
-               "metadata": "json"},
+               "metadata": "json", "replicas": "map?"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
     "ping": {"seq": "int"},
     "latest": {"seq": "int", "run": "str"},

@@ -13,7 +13,7 @@ from ckptd import producer
 def test_public_surface_is_pinned() -> None:
     assert sorted(ckptd.__all__) == sorted([
         "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointNotFound",
-        "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "producer",
+        "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "load_into", "producer",
     ])
     for name in ("configure", "emit", "commit", "checkpoint", "save", "flush", "latest", "close"):
         assert callable(getattr(producer, name)), name

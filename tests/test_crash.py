@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -118,18 +119,23 @@ def test_kill_producer_mid_step(daemon) -> None:
 
 
 def test_silent_producer_session_expires(make_daemon) -> None:
-    """A producer that died without anyone replacing it: its step is dropped after session_timeout."""
+    """A producer that stopped talking without anyone replacing it (frozen: SIGSTOP; a dead
+    local one is noticed at once, tests/test_liveness.py): its step is dropped after
+    session_timeout."""
     d = make_daemon(session_timeout="1s")
     child = subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, d.endpoint],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "emitted"
     time.sleep(0.3)
-    child.kill()
-    child.wait()
-    deadline = time.monotonic() + 15
-    while "was silent" not in d.log_text() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert "was silent" in d.log_text()
+    child.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        while "was silent" not in d.log_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "was silent" in d.log_text()
+    finally:
+        child.kill()
+        child.wait()
     deadline = time.monotonic() + 5
     while (d.root / "t" / "step-000000000002").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

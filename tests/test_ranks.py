@@ -24,8 +24,9 @@ def test_step_is_complete_only_when_every_rank_committed(daemon) -> None:
     assert ckptd.latest("t", root=daemon.root).step == 10
     assert ckptd.load("t", root=daemon.root, rank=1)["rank"] == 1
     assert torch.equal(ckptd.load("t", root=daemon.root, rank=0)["shard"], torch.zeros(4))
-    with pytest.raises(ValueError, match="2 ranks; pass rank="):
-        ckptd.load("t", root=daemon.root)
+    # no rank= and no $RANK: the whole state; a tensor each rank stored whole is rank 0's
+    whole = ckptd.load("t", root=daemon.root)
+    assert whole["rank"] == 0 and torch.equal(whole["shard"], torch.zeros(4))
     assert (daemon.root / "t" / "latest").read_text().strip() == "step-000000000010"
 
 

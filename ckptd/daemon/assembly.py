@@ -19,6 +19,7 @@ from typing import Any
 
 from .. import dtypes
 from ..chunkfile import Entry
+from ..manifest import Shard
 from ..names import check_name
 from .writer import Share, Stream, Writer
 
@@ -104,7 +105,12 @@ class OpenStep:
                 f"tensor {name!r}: shape {h['shape']} of {dtype.name} is {expected} bytes, "
                 f"but the message declares {h['nbytes']}"
             )
-        partial = self.partial = Partial(Entry(name, dtype, h["shape"], h["nbytes"], [], numpy=h["numpy"]))
+        try:
+            shard = None if h["shard"] is None else Shard.parse(h["shard"], h["shape"])
+        except ValueError as exc:
+            raise StepError(f"tensor {name!r}: {exc}") from None
+        partial = self.partial = Partial(Entry(name, dtype, h["shape"], h["nbytes"], [], numpy=h["numpy"],
+                                               shard=shard))
         self.names.add(name)
         # A tensor that comes in pieces (``first`` is not all of it) is written as it
         # arrives too: pieces held until the last one came filled memory_budget, and the
@@ -155,3 +161,20 @@ class OpenStep:
                 f"commit of step {h['step']} declares {h['ntensors']} tensors, "
                 f"but the daemon received {self.complete}"
             )
+        self.share.replicas = self._replicas(h["replicas"] or {})
+
+    def _replicas(self, replicas: dict[Any, Any]) -> dict[str, int]:
+        """The commit's ``replicas``: tensors of the state that another rank writes."""
+        share = self.share
+        for name, writer in replicas.items():
+            try:
+                check_name(name)
+            except ValueError as exc:
+                raise StepError(f"replicas: {exc}") from None
+            if name in self.names:
+                raise StepError(f"replicas: tensor {name!r} was also sent by this rank")
+            if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer < share.world_size \
+                    or writer == share.rank:
+                raise StepError(f"replicas: tensor {name!r} names writer rank {writer!r}, not another rank "
+                                f"of 0..{share.world_size - 1}")
+        return dict(replicas)

@@ -25,7 +25,8 @@ from typing import Any
 
 import zmq
 
-from .. import __version__, handoff, layout, state as state_mod, units, unixsock, wire
+from .. import __version__, handoff, state as state_mod, units, unixsock, wire
+from ..attempt import check_attempt
 from ..config import FORMATS, Config, ConfigError, load as load_config
 from ..curve import CurveServer
 from ..errors import CheckpointError, ProtocolError
@@ -33,10 +34,12 @@ from ..names import check_rank, check_run, check_step
 from ..wakeup import WakePipe
 from .metrics import Figures, MetricsServer
 from .notify import Notifier, status_line, use_journal_priorities
+from .liveness import Liveness, peer_pid
 from .owners import NotOwner, Owners, principal
 from .process import keep_freed_memory, lock_root, lower_priority
 from .session import Session
 from .assembly import OpenStep, StepError
+from .attempts import resave
 from .recovery import remove_orphans
 from .upkeep import Upkeep
 from .writer import Result, Share, Writer
@@ -80,6 +83,7 @@ class Daemon:
         self.upkeep: Upkeep | None = None
         self.handoffs: handoff.Listener | None = None  # staging arenas offered by local producers
         self.owners = Owners(self.root)
+        self.liveness = Liveness()  # local producers' processes: a death ends its session at once
         # Commits in flight whose bytes are in a producer's shared arena, by arena: if the
         # same arena comes back in a new hello (the producer reconnected), it is about to
         # be reused, and those commits must not complete with bytes overwritten under them.
@@ -181,6 +185,7 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        self.liveness.close()
         self.notifier.close()
 
     # -- the loop ---------------------------------------------------------------------
@@ -194,6 +199,7 @@ class Daemon:
         poller.register(self._wake.fd, zmq.POLLIN)
         if self.handoffs is not None:
             poller.register(self.handoffs.fileno(), zmq.POLLIN)
+        poller.register(self.liveness.fileno(), zmq.POLLIN)
         reading = False
         watchdog = self.notifier.watchdog_s
         next_ping = last_housekeeping = time.monotonic()
@@ -211,6 +217,8 @@ class Daemon:
                     self.notifier.send("WATCHDOG=1")
                     next_ping = now + watchdog / 2
                 timeout = min(timeout, next_ping - now)
+            if self.liveness.pending():
+                timeout = min(timeout, 0.1)
             want = self.queued < self.cfg.memory_budget
             if want != reading:
                 # Over budget: leave messages in the producers' staging (they block
@@ -230,6 +238,8 @@ class Daemon:
             if reading and self.router in events:
                 self._read_batch()
             now = time.monotonic()
+            if reading and (self.liveness.fileno() in events or self.liveness.pending()):
+                self._end_dead_sessions(now)
             if self.stopping and events:
                 self._last_progress = now  # bytes arrived, or the I/O threads finished something
             if now - last_housekeeping >= 1.0:
@@ -494,6 +504,8 @@ class Daemon:
         try:
             check_run(h["run"])
             check_rank(h["rank"], h["world_size"])
+            if h["attempt"] is not None:
+                check_attempt(h["attempt"])
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
         fmt = h["format"] or self.cfg.format
@@ -526,7 +538,7 @@ class Daemon:
             except ConfigError as exc:
                 raise ProtocolError(str(exc)) from None
         sess = Session(identity, h["run"], h["rank"], h["world_size"], h["pid"], h["host"], fmt,
-                       chunk_size=self.cfg.chunk_size)
+                       attempt=h["attempt"], chunk_size=self.cfg.chunk_size)
         if h["shm_token"] is not None and h["shm_size"] is not None:
             mapped = self._map_arena(h)
             if mapped is not None:
@@ -537,6 +549,9 @@ class Daemon:
                 sess.chunk_size = max(1, min(self.cfg.chunk_size, len(sess.shm) // 4))
         self.sessions[identity] = sess
         self.owner[key] = identity
+        pid = peer_pid(frame) if self.endpoint.startswith("ipc://") else None
+        if pid is not None:  # tcp:// producers keep session_timeout
+            self.liveness.watch(identity, pid)
         log.info("producer connected: %s host=%s format=%s transport=%s", sess.label, sess.host, sess.format,
                  "shm" if sess.shm is not None else "inline")
         self._send(identity, "welcome", v=wire.VERSION, max_frame=self.cfg.max_frame, daemon_pid=os.getpid(),
@@ -560,7 +575,8 @@ class Daemon:
             return open_step
         assert self.writer is not None
         open_step = sess.steps[step] = OpenStep(
-            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format, owner=sess.identity),
+            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format, owner=sess.identity,
+                  attempt=sess.attempt),
             self.writer, sess.chunk_size)
         try:
             check_step(step)
@@ -572,12 +588,12 @@ class Daemon:
                 f"the daemon is stopping: step {step} of run {sess.run!r} was refused and not saved; "
                 "save it again once the daemon has restarted"), seq, discard=False)
             return open_step
-        if (sess.run, sess.rank, step) in self.committing or (
-            open_step.share.dir / layout.manifest_name(sess.rank)
-        ).exists():
-            self._fail_step(sess, open_step, (
-                f"step {step} of run {sess.run!r} is already committed for rank {sess.rank}; "
-                "a committed checkpoint is never overwritten"), seq, discard=False)
+        verdict = resave(open_step.share.dir, sess.run, sess.rank, step, sess.attempt,
+                         in_flight=(sess.run, sess.rank, step) in self.committing)
+        if verdict.error is not None:
+            self._fail_step(sess, open_step, verdict.error, seq, discard=False)
+        elif verdict.replace:
+            self.writer.replace_earlier(open_step.share)
         return open_step
 
     def _on_tensor(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
@@ -630,7 +646,8 @@ class Daemon:
             metadata = _parse_json(h["metadata"], "metadata")
             if not isinstance(metadata, dict):
                 raise StepError("commit metadata must be a JSON object")
-            missing = [n for n in state_mod.tensor_names(structure) if n not in open_step.names]
+            missing = [n for n in state_mod.tensor_names(structure)
+                       if n not in open_step.names and n not in share.replicas]
             if missing:
                 raise StepError(f"the saved state refers to tensors never sent: {missing[:5]}")
         except StepError as exc:
@@ -685,8 +702,14 @@ class Daemon:
         for step in list(sess.steps):
             self._drop_step(sess, step)
         self.sessions.pop(sess.identity, None)
+        self.liveness.forget(sess.identity)
         if self.owner.get((sess.run, sess.rank)) == sess.identity:
             del self.owner[(sess.run, sess.rank)]
+
+    def _end_dead_sessions(self, now: float) -> None:
+        """End the sessions of local producers whose process exited (ckptd.daemon.liveness)."""
+        for identity, pid in self.liveness.ended(now, lambda i: self.sessions[i].last_seen):
+            self._end_session(self.sessions[identity], f"died (process {pid} exited)")
 
     def _keep_alive(self, now: float) -> None:
         """While the daemon is not reading (over budget), producers' pings go unread:

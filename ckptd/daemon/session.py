@@ -19,6 +19,7 @@ class Session:
     pid: int
     host: str
     format: str = "chunk"  # of this session's checkpoints: its hello's, else [daemon] format
+    attempt: str | None = None  # of the job (ckptd.attempt), recorded in its manifests
     last_seen: float = field(default_factory=time.monotonic)
     steps: dict[int, OpenStep] = field(default_factory=dict)
     # Acknowledgements: the producer may reuse staging up to ``acked``. Inline bytes are

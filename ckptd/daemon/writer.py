@@ -32,6 +32,7 @@ from ..durable import atomic_write, fsync_dir, write_all
 from ..manifest import Checksum, CheckpointInfo, Manifest, TensorRecord, checksum
 from ..errors import CheckpointCorrupt
 from ..index import read_manifests
+from .attempts import read_manifest
 from .datafile import Bounce, DataFile, Throttle
 
 log = logging.getLogger("ckptd.writer")
@@ -59,6 +60,8 @@ class Share:
     h5: Any = None  # that file while it is open (an hdf5file.H5Writer)
     owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
     dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
+    attempt: str | None = None  # the job's attempt that writes it (ckptd.attempt)
+    replicas: dict[str, int] = field(default_factory=dict)  # tensors of its state another rank wrote
 
     @property
     def dir(self) -> Path:
@@ -156,6 +159,11 @@ class Writer:
     def commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
         # via the share's writer queue, so it follows every write of this share
         self._after_writes(share, (self._syncs.put, ((self._do_commit, (share, state, metadata, token)),)))
+
+    def replace_earlier(self, share: Share) -> None:
+        """Before any write of ``share``: remove its rank's share of the step that an earlier
+        attempt of the job committed (``ckptd.daemon.attempts``), on the thread that writes it."""
+        (self._h5jobs if share.format == "hdf5" else self._jobs).put((self._do_replace, (share,)))
 
     def discard(self, share: Share) -> None:
         # On the writer thread itself, not the syncer: a step aborted and at once sent
@@ -398,6 +406,8 @@ class Writer:
             run=share.run, step=share.step, rank=share.rank, world_size=share.world_size,
             time=time.time(), tensors=share.records, state=state, metadata=metadata,
             format=share.format, files={f: os.stat(share.at(f)).st_size for f in sorted(data_files)},
+            attempt=share.attempt,
+            replicas=share.replicas,
         )
         atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self._fsync)
         try:  # committed: the claim is over (a leftover is harmless and removed at start-up)
@@ -420,6 +430,32 @@ class Writer:
         except Exception:  # the commit stands; a failed clean-up must not hide it
             log.exception("after committing run=%s step=%d", share.run, share.step)
         return info
+
+    def _do_replace(self, share: Share) -> None:
+        name = layout.manifest_name(share.rank)
+        try:
+            old = read_manifest(share.dir, name)
+            if old is None or old.attempt == share.attempt:
+                return
+            fd = layout.open_step_dir(share.dir)
+            try:
+                os.unlink(name, dir_fd=fd)  # first: from now on no manifest names the old files
+                if self._fsync:
+                    os.fsync(fd)
+                for file in sorted({t.file for t in old.tensors.values()} | set(old.files)):
+                    try:
+                        os.unlink(file, dir_fd=fd)  # this rank's own files: the manifest's parser checked
+                    except FileNotFoundError:
+                        pass
+            finally:
+                os.close(fd)
+        except (OSError, CheckpointCorrupt) as exc:
+            if share.error is None:
+                share.error = f"replacing the share of an earlier attempt in {share.dir}: {exc}"
+                log.error("run=%s step=%d rank=%d failed: %s", share.run, share.step, share.rank, share.error)
+            return
+        log.info("run=%s step=%d rank=%d: the share of attempt %s (the step never became complete) is "
+                 "replaced by attempt %s's", share.run, share.step, share.rank, old.attempt, share.attempt)
 
     def _do_discard(self, share: Share) -> None:
         self._remove_files(share)
@@ -458,4 +494,4 @@ class Writer:
 
 def _record(e: Entry, file: str, key: str, offset: int | None, digest: str) -> TensorRecord:
     return TensorRecord(dtype=e.dtype.name, shape=e.shape, file=file, key=key, offset=offset,
-                        nbytes=e.nbytes, checksum=digest, numpy=e.numpy)
+                        nbytes=e.nbytes, checksum=digest, numpy=e.numpy, shard=e.shard)

@@ -46,8 +46,9 @@ def _get() -> Producer:
         return _default
 
 
-def emit(name: str, tensor: Any, *, step: int | None = None) -> None:
-    _get().emit(name, tensor, step=step)
+def emit(name: str, tensor: Any, *, step: int | None = None,
+         global_shape: Any = None, offset: Any = None) -> None:
+    _get().emit(name, tensor, step=step, global_shape=global_shape, offset=offset)
 
 
 def commit(step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
@@ -58,8 +59,9 @@ def checkpoint(step: int, metadata: dict[str, Any] | None = None) -> AbstractCon
     return _get().checkpoint(step, metadata)
 
 
-def save(state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
-    return _get().save(state, step, metadata=metadata)
+def save(state: Any, step: int, *, metadata: dict[str, Any] | None = None,
+         replicated: Any = None) -> CommitHandle:
+    return _get().save(state, step, metadata=metadata, replicated=replicated)
 
 
 def flush(timeout: float | None = None) -> None:

@@ -27,11 +27,13 @@ from typing import Any, Iterator
 from .. import config as config_mod
 from .. import curve
 from .. import dtypes, handoff, unixsock, wire
+from ..attempt import current as current_attempt
 from ..errors import CheckpointError
-from ..manifest import CheckpointInfo, check_json
+from ..manifest import CheckpointInfo, Shard, check_json
 from ..names import check_name, check_rank, check_run, check_step
+from ..sharding import hand_shard, is_dtensor
 from ..state import flatten
-from . import sizing
+from . import sharded, sizing
 from .staging import Arena, Region
 from .transport import Transport
 
@@ -79,6 +81,7 @@ class _Step:
 
     names: set[str] = field(default_factory=set)
     room: int = 0  # staging bytes its tensors take at once (sizing.room_for)
+    replicas: dict[str, int] = field(default_factory=dict)  # tensors of the step another rank writes
     handle: CommitHandle | None = None  # set once commit() was called
     error: str | None = None  # the daemon failed it before commit()
 
@@ -93,6 +96,7 @@ class _Tensor:
     nbytes: int
     is_numpy: bool
     is_cuda: bool
+    shard: Shard | None = None  # a piece of a larger tensor
 
 
 class Producer:
@@ -137,6 +141,7 @@ class Producer:
             raise ValueError(f"format={format!r}: use one of {', '.join(map(repr, config_mod.FORMATS))}, "
                              "or None for the daemon's [daemon] format")
         self.format = format
+        self.attempt = current_attempt(self.options.attempt, self.world_size)  # elastic restarts
 
         self._lock = threading.Lock()  # bookkeeping shared with the sender thread
         self._emit_lock = threading.Lock()  # one emit at a time: regions go out in order
@@ -180,11 +185,29 @@ class Producer:
                 self._connector.start()
 
     # -- public API -------------------------------------------------------------------------
-    def emit(self, name: str, tensor: Any, *, step: int | None = None) -> None:
-        """Snapshot ``tensor`` as ``name`` of ``step`` and return; it is written in the background."""
+    def emit(self, name: str, tensor: Any, *, step: int | None = None,
+             global_shape: Any = None, offset: Any = None) -> None:
+        """Snapshot ``tensor`` as ``name`` of ``step`` and return; it is written in the background.
+
+        ``global_shape=`` and ``offset=`` (per dimension) say that ``tensor`` is the
+        piece at ``offset`` of a tensor of ``global_shape`` that several ranks hold
+        pieces of (each rank emits its own under the same name). A DTensor is stored
+        as its local piece; one replicated over ranks is written by one of them."""
         step = self._resolve_step(step)
         check_name(name)
-        item = self._describe(name, tensor)
+        if global_shape is not None or offset is not None:
+            if is_dtensor(tensor):
+                raise ValueError(f"emit({name!r}, ...): a DTensor places itself; drop global_shape= and offset=")
+            item = self._describe(name, tensor)
+            item = dataclasses.replace(item, shard=hand_shard(name, item.shape, global_shape, offset))
+        else:
+            planned = sharded.plan({name: tensor}, self.rank, self.world_size)
+            if name in planned.replicas:  # another rank of its mesh writes this replicated piece
+                with self._emit_lock:
+                    self._claim(step, name, replica_of=planned.replicas[name])
+                return
+            source, shard = planned.stage[name]
+            item = dataclasses.replace(self._describe(name, source), shard=shard)
         with self._emit_lock:
             self._grow_between_steps()
             self._claim(step, name)
@@ -201,20 +224,43 @@ class Producer:
                 if st is not None:
                     st.room += sizing.room_for([item.nbytes])
 
-    def commit(self, step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
-        """Close ``step``: the daemon makes it durable, then the handle resolves."""
-        return self._commit(check_step(step), metadata, None, None)
+    def commit(self, step: int, *, metadata: dict[str, Any] | None = None, structure: Any = None,
+               replicas: dict[str, int] | None = None) -> CommitHandle:
+        """Close ``step``: the daemon makes it durable, then the handle resolves.
 
-    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
-        """Snapshot a nested state (``{"model": sd, "optim": osd, ...}``) as ``step`` and commit it."""
+        For layers that emit a state piece by piece (``ckptd.dcp``): ``structure`` is
+        the saved state's structure (``ckptd.state.flatten``'s) over the tensors
+        emitted, and ``replicas`` names the tensors it refers to that another rank
+        writes (``{name: that rank}``)."""
+        check_step(step)
+        state_json = None if structure is None else json.dumps(structure, ensure_ascii=False, allow_nan=False)
+        with self._emit_lock:
+            for name, writer in (replicas or {}).items():
+                self._claim(step, check_name(name), replica_of=writer)
+        return self._commit(step, metadata, None, state_json)
+
+    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None,
+             replicated: Any = None) -> CommitHandle:
+        """Snapshot a nested state (``{"model": sd, "optim": osd, ...}``) as ``step`` and commit it.
+
+        DTensors are stored as this rank's pieces. ``replicated``: True (every plain
+        tensor is the same on every rank) or fnmatch globs of tensor names; each such
+        tensor, and each DTensor piece several ranks hold, is written by one rank."""
         check_step(step)
         structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
-        items = {name: self._describe(name, t) for name, t in tensors.items()}
+        planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
+        items = {name: dataclasses.replace(self._describe(name, t), shard=shard)
+                 for name, (t, shard) in planned.stage.items()}
+        for name in planned.replicas:  # checked on every rank, though another writes it
+            if not is_dtensor(tensors[name]):
+                self._describe(name, tensors[name])
         meta_json = _metadata_json(metadata)
         state_json = json.dumps(structure, ensure_ascii=False, allow_nan=False)
         try:
             with self._emit_lock:
                 self._grow_between_steps()
+                for name, writer in planned.replicas.items():
+                    self._claim(step, name, replica_of=writer)
                 for name, item in items.items():
                     self._claim(step, name)
                     self._stage(step, name, item)
@@ -357,7 +403,10 @@ class Producer:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(value).__name__}, not a torch.Tensor or numpy.ndarray")
         if type(value) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"tensor {name!r} is a {type(value).__name__}, a tensor subclass ckptd cannot store")
+            raise TypeError(
+                f"tensor {name!r} is a {type(value).__name__}, a tensor subclass ckptd cannot store; store a "
+                "plain tensor made from it (for a wrapper subclass, its inner tensor or .to_dense(); for "
+                "a sharded tensor, each rank's piece with emit(..., global_shape=, offset=))")
         why = None
         if value.layout != torch.strided:
             why = f"is sparse ({value.layout}); store value.to_dense()"
@@ -374,14 +423,17 @@ class Producer:
         d = dtypes.lookup(dtypes.torch_name(value.dtype))
         return _Tensor(value, d, list(value.shape), value.numel() * d.itemsize, False, value.is_cuda)
 
-    def _claim(self, step: int, name: str) -> None:
+    def _claim(self, step: int, name: str, replica_of: int | None = None) -> None:
         with self._lock:
             st = self._steps.setdefault(step, _Step())
             if st.handle is not None:
                 raise ValueError(f"step {step} was already committed by this producer")
-            if name in st.names:
+            if name in st.names or name in st.replicas:
                 raise ValueError(f"tensor name {name!r} was already emitted in step {step}")
-            st.names.add(name)
+            if replica_of is None:
+                st.names.add(name)
+            else:
+                st.replicas[name] = replica_of
 
     def _stage(self, step: int, name: str, item: _Tensor) -> None:
         self._ensure_connected()
@@ -389,6 +441,8 @@ class Producer:
         assert arena is not None
         header = dict(step=step, name=name, dtype=item.dtype.name, shape=item.shape,
                       nbytes=item.nbytes, numpy=item.is_numpy)
+        if item.shard is not None:
+            header["shard"] = item.shard.to_dict()
         # In shared memory a large tensor goes in quarters of the arena, so that the
         # daemon writes one while the next is copied; inline, frames are capped too.
         piece = arena.capacity // 4 if self._shm else min(arena.capacity, self._max_frame)
@@ -554,7 +608,8 @@ class Producer:
             self._finish(step, handle, error=str(exc))
             raise
         self._send("commit", register=self._commits, value=handle, step=step,
-                   ntensors=len(st.names), state=state_json or "null", metadata=meta_json)
+                   ntensors=len(st.names), state=state_json or "null", metadata=meta_json,
+                   replicas=st.replicas or None)
         return handle
 
     def _finish(self, step: int, handle: CommitHandle, info: CheckpointInfo | None = None,
@@ -669,7 +724,7 @@ class Producer:
         transport.send(wire.encode("hello", v=wire.VERSION, run=run, rank=self.rank,
                                    world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
                                    retention=self.retention, format=self.format, shm_token=token,
-                                   shm_size=self._arena.capacity if token else None))
+                                   shm_size=self._arena.capacity if token else None, attempt=self.attempt))
         if not self._welcome.wait(self.options.timeout) or self._hello_error or transport.lost:
             transport.close()
             if self._hello_error:

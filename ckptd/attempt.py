@@ -1,0 +1,69 @@
+"""Which attempt of a job a producer belongs to (elastic restarts).
+
+A job restarted after a failure (``torchrun --max-restarts``) saves again the steps
+after the one it resumed from, among them a step that one rank of the failed
+attempt may have committed before another died. Each manifest records the
+attempt that wrote it (top-level ``"attempt"``); a step is complete only out of
+manifests of one attempt (``ckptd.index``), and the daemon lets a new attempt's
+share replace an earlier attempt's share of a step that never became complete.
+
+The attempt is a string, the same on every rank of one attempt and different
+between attempts:
+
+- ``[producer] attempt`` / ``Producer(attempt=...)``, when given (a job scheduler's
+  job id and restart count, say);
+- under torchrun (``TORCHELASTIC_RESTART_COUNT`` set): ``torchelastic:<run id>:<restart
+  count>``, plus, when the job runs on one node (``GROUP_WORLD_SIZE`` 1), the
+  identity of the torchrun agent process that every local worker shares, so that
+  two launches with the same rendezvous id ("none" without ``--rdzv-id``) differ;
+- a one-rank job outside torchrun: this process (boot id, pid, start time);
+- otherwise (several ranks started by something else) none: a rank's committed
+  share is then never replaced, as before attempts existed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping
+
+MAX_LENGTH = 200
+_PATTERN = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_LENGTH)  # printable ASCII, no spaces
+
+
+def check_attempt(value: str) -> str:
+    """``value`` if it is a valid attempt, else ValueError saying what one looks like."""
+    if not isinstance(value, str) or not _PATTERN.fullmatch(value):
+        raise ValueError(f"attempt {value!r} is not 1 to {MAX_LENGTH} printable ASCII characters without spaces")
+    return value
+
+
+def current(explicit: str, world_size: int, environ: Mapping[str, str] = os.environ) -> str | None:
+    """This process's attempt (see the module's docstring); ``explicit``: the configured one, or ""."""
+    if explicit:
+        return check_attempt(explicit)
+    restart = environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None:
+        attempt = f"torchelastic:{environ.get('TORCHELASTIC_RUN_ID', 'none')}:{restart}"
+        if environ.get("GROUP_WORLD_SIZE", "1") == "1":
+            agent = _process(os.getppid())
+            if agent is not None:
+                attempt += f":agent-{agent}"
+        return check_attempt(attempt[:MAX_LENGTH])
+    if world_size == 1:
+        me = _process(os.getpid())
+        return check_attempt(f"process-{me}") if me is not None else None
+    return None
+
+
+def _process(pid: int) -> str | None:
+    """``<boot id prefix>-<pid>-<start time>``: a process, unique across pid reuse and reboots."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip().replace("-", "")[:8]
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return f"{boot}-{pid}-{fields[19]}" if len(fields) > 19 else None

@@ -1,0 +1,374 @@
+"""``ckptd.load_into``: fill a state's tensors and DTensors in place from a checkpoint,
+whatever layout (world size, sharding) it was saved in; and ``load`` of a whole
+multi-rank checkpoint, every sharded tensor assembled to its global shape.
+
+Every stored piece of a tensor, from every rank's manifest, is a block of the
+whole tensor (``sharding.Box``). For each target (a plain tensor: the whole
+block; a DTensor: its local shard's block) only the stored pieces that overlap it
+are read, and of each only the bytes that hold the overlap: straight into the
+target's memory where the overlap is one contiguous run in both, otherwise the
+smallest contiguous span of the piece that holds it, copied out with one strided
+copy. Reads run on a small thread pool (``preadv`` and torch's copies release the
+GIL), files opened once each, large runs split so that several threads share one
+big piece.
+
+``verify=True`` reads each needed record whole, so that its checksum can be checked,
+then copies the overlaps out of it: a part of a record has no checksum of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from . import dtypes, layout, reader, state as state_mod
+from .errors import CheckpointCorrupt, CheckpointNotFound
+from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
+from .sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
+
+READ_THREADS = 8
+SPLIT_BYTES = 32 << 20  # a direct read larger than this is shared out between threads
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One stored piece: a record of one rank's manifest, and its block."""
+
+    rank: int
+    name: str
+    rec: TensorRecord
+    box: Box
+
+
+@dataclass
+class _Target:
+    name: str
+    buf: Any  # contiguous CPU tensor the reads fill
+    box: Box
+    final: Any = None  # the caller's tensor, when ``buf`` is a stand-in copied into it at the end
+    direct: Any = field(default=None, repr=False)  # ``buf`` as a flat uint8 memoryview
+
+
+def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None,
+              verify: bool = False, strict: bool = True) -> CheckpointInfo:
+    """Fill the tensors and DTensors of ``state`` in place from ``step`` of ``run``
+    (None: the newest complete step), resharding from whatever layout it was saved
+    in; plain values in ``state``'s dicts and lists are replaced by the saved ones.
+
+    A tensor or plain value of ``state`` the checkpoint lacks is a
+    ``CheckpointNotFound`` naming it, unless ``strict=False`` (then it is left as it
+    is); a global shape or dtype that differs is a ``ValueError`` naming the tensor.
+    """
+    path, manifests = reader.find(run, step, root)
+    rank = _own_rank(manifests[0].world_size)
+    pieces = _pieces(manifests)
+    saved = _saved_structure(path, manifests, rank)
+    targets: dict[str, Any] = {}
+    missing: list[str] = []
+    _walk(state, saved, (), targets, missing)
+    plans = []
+    for name, value in targets.items():
+        if name not in pieces:
+            missing.append(name)
+            continue
+        plans.append(_target(name, value, pieces[name]))
+    if missing and strict:
+        raise CheckpointNotFound(
+            f"step {manifests[0].step} of run {run!r} has no " + ", ".join(map(repr, missing[:5]))
+            + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+            + "; pass strict=False to load what it has and leave the rest as it is")
+    _fill(path, plans, pieces, rank, verify)
+    return CheckpointInfo.from_manifests(str(path), manifests)
+
+
+def load_whole(path: Path, manifests: list[Manifest], *, names: Iterable[str] | None = None,
+               map_location: Any = "cpu", verify: bool = False) -> Any:
+    """The whole state of a multi-rank checkpoint: each tensor at its global shape, a
+    replicated one once; plain values and structure as rank 0 saved them. A tensor
+    several ranks stored whole (not sharded) is taken from the lowest of them."""
+    import torch
+
+    pieces = _pieces(manifests)
+    wanted = list(pieces) if names is None else list(names)
+    absent = [n for n in wanted if n not in pieces]
+    if absent:
+        raise CheckpointNotFound(f"step {manifests[0].step} of run {manifests[0].run!r} has no tensor named "
+                                 + ", ".join(map(repr, absent[:5])) + (" ..." if len(absent) > 5 else ""))
+    out: dict[str, Any] = {}
+    plans = []
+    for name in wanted:
+        rec = pieces[name][0].rec
+        out[name] = torch.empty(rec.global_shape, dtype=dtypes.torch_dtype(rec.dtype))
+        plans.append(_target(name, out[name], pieces[name]))
+    _fill(path, plans, pieces, 0, verify)
+    if map_location not in (None, "cpu"):
+        out = {n: t.to(map_location) for n, t in out.items()}
+    out = {n: (t.numpy() if pieces[n][0].rec.numpy else t) for n, t in out.items()}
+    first = manifests[0]
+    if names is not None or first.state is None:
+        return out
+    try:
+        return state_mod.unflatten(first.state, out.__getitem__)
+    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, RecursionError) as exc:
+        raise CheckpointCorrupt(f"{path / layout.manifest_name(0)}: the saved structure (\"state\") is "
+                                f"malformed: {exc}") from None
+
+
+# -- what is stored, what is wanted -----------------------------------------------------------
+def _own_rank(world: int) -> int:
+    """This process's rank, for per-rank values stored whole (the same rank's copy is
+    preferred on a resume at the same world size)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:
+        pass
+    env = os.environ.get("RANK", "")
+    return int(env) if env.isdigit() else 0
+
+
+def _pieces(manifests: list[Manifest]) -> dict[str, list[_Piece]]:
+    out: dict[str, list[_Piece]] = {}
+    for m in manifests:
+        for name, rec in m.tensors.items():
+            out.setdefault(name, []).append(_Piece(m.rank, name, rec, Box(tuple(rec.offsets), tuple(rec.shape))))
+    return out
+
+
+def _saved_structure(path: Path, manifests: list[Manifest], rank: int) -> Any:
+    """The saved state with plain values decoded and tensors as ``_TENSOR``: this rank's
+    where the checkpoint has it, else rank 0's."""
+    m = manifests[rank] if rank < len(manifests) else manifests[0]
+    if m.state is None:
+        return None
+    try:
+        return state_mod.unflatten(m.state, lambda name: _TENSOR)
+    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, RecursionError) as exc:
+        raise CheckpointCorrupt(f"{path / layout.manifest_name(m.rank)}: the saved structure (\"state\") is "
+                                f"malformed: {exc}") from None
+
+
+class _Tensor:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _Tensor()
+_MISSING = object()
+
+
+def _walk(target: Any, saved: Any, path: tuple[Any, ...], targets: dict[str, Any], missing: list[str]) -> None:
+    """Collect the tensors of ``target`` by name; set its plain values from ``saved``."""
+    import numpy as np
+    import torch
+
+    if isinstance(target, dict):
+        items: Iterable[tuple[Any, Any]] = list(target.items())
+        get = (lambda k: saved.get(k, _MISSING)) if isinstance(saved, dict) else (lambda k: _MISSING)
+    elif isinstance(target, (list, tuple)):
+        items = list(enumerate(target))
+        ok = isinstance(saved, (list, tuple))
+        get = lambda i: saved[i] if ok and i < len(saved) else _MISSING  # noqa: E731
+    else:
+        return
+    for key, value in items:
+        sub = path + (key,)
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            targets[state_mod.path_name(sub)] = value
+        elif isinstance(value, (dict, list, tuple)):
+            _walk(value, get(key), sub, targets, missing)
+        else:
+            old = get(key)
+            if old is _MISSING or old is _TENSOR or isinstance(old, (dict, list, tuple)):
+                missing.append(state_mod.path_name(sub))
+            elif not isinstance(target, tuple):
+                target[key] = old
+
+
+def _target(name: str, value: Any, stored: list[_Piece]) -> _Target:
+    """Where ``value`` (a tensor, DTensor or array to fill) wants its bytes, checked
+    against what is stored."""
+    import numpy as np
+    import torch
+
+    if is_dtensor(value):
+        piece = describe_dtensor(name, value)
+        local, box = piece.local, Box(tuple(piece.shard.offsets), tuple(piece.local.shape))
+        global_shape = list(piece.shard.global_shape)
+    else:
+        local = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+        box = Box((0,) * local.dim(), tuple(local.shape))
+        global_shape = list(local.shape)
+    rec = stored[0].rec
+    if rec.global_shape != global_shape:
+        raise ValueError(f"tensor {name!r} has shape {global_shape} here, but {rec.global_shape} in the "
+                         "checkpoint; build the target with the saved shape")
+    want = dtypes.torch_name(local.dtype)
+    if rec.dtype != want:
+        raise ValueError(f"tensor {name!r} is {want} here, but {rec.dtype} in the checkpoint; "
+                         "make the target that dtype (or load it and convert)")
+    local = local.detach()
+    if local.device.type == "cpu" and local.is_contiguous():
+        return _Target(name, local, box)
+    return _Target(name, torch.empty(local.shape, dtype=local.dtype), box, final=local)
+
+
+# -- reading ----------------------------------------------------------------------------------
+def _choose(target: _Target, stored: list[_Piece], rank: int) -> list[tuple[_Piece, Box]]:
+    """The stored pieces to read for ``target``, each with the block it gives."""
+    whole = [p for p in stored if p.rec.shard is None]
+    if whole:  # held whole (per rank, or replicated): one copy, this rank's if it has one
+        candidates = [min(whole, key=lambda p: (p.rank != rank, p.rank))]
+    else:  # the same block stored twice (replicated shards saved by emit) is read once
+        seen: dict[Box, _Piece] = {}
+        for p in sorted(stored, key=lambda p: p.rank):
+            seen.setdefault(p.box, p)
+        candidates = list(seen.values())
+    out = []
+    for p in candidates:
+        overlap = intersect(p.box, target.box)
+        if overlap is not None and overlap.numel:
+            out.append((p, overlap))
+    covered = sum(o.numel for _, o in out)
+    if covered != target.box.numel:
+        raise CheckpointCorrupt(f"tensor {target.name!r}: the stored pieces cover {covered} of the "
+                                f"{target.box.numel} elements at offsets {list(target.box.offsets)} "
+                                f"sizes {list(target.box.sizes)}; the checkpoint is incomplete")
+    return out
+
+
+def _fill(path: Path, targets: list[_Target], pieces: dict[str, list[_Piece]], rank: int, verify: bool) -> None:
+    work: list[tuple[_Target, _Piece, Box]] = []
+    for t in targets:
+        work += [(t, p, box) for p, box in _choose(t, pieces[t.name], rank)]
+    try:
+        dir_fd = layout.open_step_dir(path)
+    except OSError as exc:
+        raise CheckpointCorrupt(f"cannot open the step folder: {exc.strerror}") from None
+    files = _Files(dir_fd, path)
+    try:
+        tasks = _tasks(work, files, verify)
+        if len(tasks) <= 1:
+            for task in tasks:
+                task()
+        else:
+            with ThreadPoolExecutor(min(READ_THREADS, len(tasks)), thread_name_prefix="ckptd-load") as pool:
+                for future in [pool.submit(task) for task in tasks]:
+                    future.result()
+    finally:
+        files.close()
+        os.close(dir_fd)
+    for t in targets:
+        if t.final is not None:
+            t.final.copy_(t.buf)
+
+
+class _Files:
+    """The step's data files, each opened once (never through a symlink)."""
+
+    def __init__(self, dir_fd: int, path: Path) -> None:
+        self.dir_fd, self.path, self.fds = dir_fd, path, {}
+
+    def fd(self, file: str) -> int:
+        if file not in self.fds:
+            try:
+                self.fds[file] = layout.open_regular(file, dir_fd=self.dir_fd)
+            except OSError as exc:
+                raise CheckpointCorrupt(f"{self.path / file}: cannot open a file the manifest names: "
+                                        f"{exc.strerror or exc}") from None
+        return self.fds[file]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _tasks(work: list[tuple[_Target, _Piece, Box]], files: _Files, verify: bool) -> list[Any]:
+    """Closures that each do one read (and copy); independent, to run in any order."""
+    tasks: list[Any] = []
+    by_piece: dict[tuple[int, str], list[tuple[_Target, Box]]] = {}
+    for target, piece, box in work:
+        if verify or piece.rec.offset is None:  # read whole: checked, or HDF5 without one place
+            by_piece.setdefault((piece.rank, piece.name), []).append((target, box))
+            continue
+        fd = files.fd(piece.rec.file)
+        itemsize = dtypes.lookup(piece.rec.dtype).itemsize
+        start, length, rows = byte_span(box, piece.box, itemsize)
+        t_start, _, t_rows = byte_span(box, target.box, itemsize)
+        if rows == 1 and t_rows == 1:  # one run in both: straight into the target
+            dst = _flat_bytes(target)
+            for part in range(0, length, SPLIT_BYTES):
+                n = min(SPLIT_BYTES, length - part)
+                tasks.append(_direct(files, fd, piece, start + part, dst[t_start + part:t_start + part + n]))
+        else:
+            tasks.append(_span(files, fd, piece, box, target, start, length))
+    pieces = {(p.rank, p.name): p for _, p, _ in work}
+    for key, wanted in by_piece.items():
+        tasks.append(_whole(files, pieces[key], wanted, verify))
+    return tasks
+
+
+def _flat_bytes(target: _Target) -> memoryview:
+    if target.direct is None:
+        import torch
+
+        target.direct = memoryview(target.buf.reshape(-1).view(torch.uint8).numpy())
+    return target.direct
+
+
+def _direct(files: _Files, fd: int, piece: _Piece, start: int, dst: memoryview) -> Any:
+    return lambda: reader.read_range(fd, files.path / piece.rec.file, piece.name, piece.rec, start, dst)
+
+
+def _span(files: _Files, fd: int, piece: _Piece, box: Box, target: _Target, start: int, length: int) -> Any:
+    def run() -> None:
+        import torch
+
+        raw = torch.empty(length, dtype=torch.uint8)
+        reader.read_range(fd, files.path / piece.rec.file, piece.name, piece.rec, start, memoryview(raw.numpy()))
+        _copy_out(raw, piece, box, target)
+    return run
+
+
+def _whole(files: _Files, piece: _Piece, wanted: list[tuple[_Target, Box]], verify: bool) -> Any:
+    def run() -> None:
+        import torch
+
+        rec = piece.rec
+        if rec.offset is None:
+            raw = reader.read_tensors(files.path, {piece.name: rec}, verify=verify)[piece.name]
+            raw = raw.reshape(-1).view(torch.uint8)
+        else:
+            raw = torch.empty(rec.nbytes, dtype=torch.uint8)
+            if rec.nbytes:
+                reader.read_range(files.fd(rec.file), files.path / rec.file, piece.name, rec, 0,
+                                  memoryview(raw.numpy()))
+            if verify and checksum([memoryview(raw.numpy())] if rec.nbytes else []) != rec.checksum:
+                raise CheckpointCorrupt(f"{files.path / rec.file}: tensor {piece.name!r}: does not match "
+                                        "its checksum")
+        itemsize = dtypes.lookup(rec.dtype).itemsize
+        for target, box in wanted:
+            start, length, _ = byte_span(box, piece.box, itemsize)
+            _copy_out(raw[start:start + length], piece, box, target)
+    return run
+
+
+def _copy_out(raw: Any, piece: _Piece, box: Box, target: _Target) -> None:
+    """Copy ``box`` out of ``raw``, the bytes of ``piece``'s storage from ``box``'s first
+    element on, into the target."""
+    import torch
+
+    dtype = target.buf.dtype
+    strides = [1] * len(piece.box.sizes)
+    for d in range(len(strides) - 2, -1, -1):
+        strides[d] = strides[d + 1] * piece.box.sizes[d + 1]
+    src = raw.view(dtype).as_strided(box.sizes, strides) if box.sizes else raw.view(dtype).reshape(())
+    with torch.no_grad():
+        target.buf[local_slices(box, target.box)].copy_(src)
+
