@@ -31,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)  # --help and --version print here
+        if args.command != "serve":  # serve sets up its own logging, from its config
+            # warnings (a step left out, and why) on stderr, never a record lost in silence
+            logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                                format=f"ckptd {args.command}: %(levelname)s: %(message)s")
         return args.func(args)
     except BrokenPipeError:
         return _output_closed()
@@ -142,6 +146,9 @@ def _serve(args: argparse.Namespace) -> int:
     # watchdog's debug output is one line per inotify event; its warnings still count
     logging.getLogger("watchdog").setLevel(logging.INFO)
     logging.getLogger("h5py").setLevel(logging.INFO)  # its debug output: one line per type converter
+    from .daemon.notify import use_journal_priorities
+
+    use_journal_priorities()  # before the first line: under systemd each one carries its priority
     log = logging.getLogger("ckptd.daemon")
     if cfg.path is None:  # say so loudly: the socket and the root may not be where the user thinks
         log.warning("%s: endpoint %s, root %s", config_mod.describe(cfg), cfg.endpoint, cfg.root)

@@ -681,8 +681,8 @@ class Producer:
                 if not self._closed:
                     self._ensure_connected()
         except CheckpointError as exc:
-            message = (f"ckptd: {exc}. Checkpoints of run {self.run!r} fail until a daemon answers "
-                       "(set [producer] on_no_daemon = \"raise\" to fail here instead)")
+            message = (f"ckptd: {exc}. Until that is mended, checkpoints of run {self.run!r} fail "
+                       "(set [producer] on_no_daemon = \"raise\" to fail at start instead)")
             log.warning("%s", message)
             warnings.warn(message, RuntimeWarning, stacklevel=1)
         except Exception:  # never let the thread die silently
