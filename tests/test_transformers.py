@@ -37,7 +37,7 @@ def _train(daemon, out: Path, mode: str, *args: str) -> subprocess.CompletedProc
 
 
 @pytest.mark.slow
-def test_killed_then_resumed_equals_the_trainers_own_resume(daemon, tmp_path: Path) -> None:
+def test_killed_then_resumed_equals_the_trainers_own_resume(daemon, tmp_path: Path, capsys) -> None:
     results = {}
     for mode in ("trainer", "ckptd"):
         out = tmp_path / mode
@@ -59,11 +59,12 @@ def test_killed_then_resumed_equals_the_trainers_own_resume(daemon, tmp_path: Pa
     assert losses == [e["loss"] for e in own_log if "loss" in e]
     # step 12 was saved after the resume; save_total_limit=2 kept two steps
     assert [i.step for i in ckptd.list_checkpoints("gpt", root=daemon.root)] == [8, 12]
-    print(f"\nblocked by the step-12 checkpoint of the tiny GPT-2 (first save of the process): "
-          f"CkptdCallback {our_blocked[0] * 1e3:.1f} ms, Trainer._save_checkpoint {own_blocked[0] * 1e3:.1f} ms")
+    with capsys.disabled():  # in the test output even without -s
+        print(f"\nblocked by the step-12 checkpoint of the tiny GPT-2 (first save of the process): "
+              f"CkptdCallback {our_blocked[0] * 1e3:.1f} ms, Trainer._save_checkpoint {own_blocked[0] * 1e3:.1f} ms")
 
 
-def test_blocked_time_against_the_trainers_own_save_of_the_same_state(daemon, tmp_path: Path, monkeypatch) -> None:
+def test_blocked_time_against_the_trainers_own_save_of_the_same_state(daemon, tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("CKPTD_RUN", "timing")
     monkeypatch.setenv("CKPTD_ENDPOINT", daemon.endpoint)
     monkeypatch.setenv("CKPTD_ROOT", str(daemon.root))
@@ -81,8 +82,9 @@ def test_blocked_time_against_the_trainers_own_save_of_the_same_state(daemon, tm
             times[name].append(time.perf_counter() - started)
         callback.flush(60)
     nbytes = ckptd.latest("timing", root=daemon.root).nbytes
-    print(f"\nblocked per checkpoint of the same state ({nbytes / 2**20:.1f} MiB of tensors), ms: "
-          + "; ".join(f"{n} " + " ".join(f"{t * 1e3:.1f}" for t in ts) for n, ts in times.items()))
+    with capsys.disabled():  # in the test output even without -s
+        print(f"\nblocked per checkpoint of the same state ({nbytes / 2**20:.1f} MiB of tensors), ms: "
+              + "; ".join(f"{n} " + " ".join(f"{t * 1e3:.1f}" for t in ts) for n, ts in times.items()))
     assert [i.step for i in ckptd.list_checkpoints("timing", root=daemon.root)] == [7, 8]  # save_total_limit=2
     state = ckptd.load("timing", root=daemon.root)
     assert json.loads(state["trainer_state"])["global_step"] == 8
