@@ -47,6 +47,8 @@ def _fit(daemon, run: str, out: Path, *args: str) -> tuple[int, str]:
 
 @pytest.mark.slow
 def test_sigkill_then_fit_ckpt_path_last_is_bit_exact(daemon, tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "crash"
+    crash = _start(daemon, "crash", out, "--kill-after", "8")  # side by side with the reference
     for key, value in _env(daemon, "ref").items():
         monkeypatch.setenv(key, value)
     try:
@@ -55,8 +57,7 @@ def test_sigkill_then_fit_ckpt_path_last_is_bit_exact(daemon, tmp_path: Path, mo
         torch.use_deterministic_algorithms(False)
     reference = load_file(tmp_path / "ref" / "final.safetensors")
 
-    out = tmp_path / "crash"
-    rc, log = _fit(daemon, "crash", out, "--kill-after", "8")
+    rc, log = _finish(crash)
     assert rc == -signal.SIGKILL, log[-3000:]
     assert read_pointer(out / "ckpt" / "last.ckpt") == ("crash", 8)
     assert ckptd.latest("crash", root=daemon.root).step == 8
