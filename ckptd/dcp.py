@@ -33,6 +33,7 @@ that waiting happens off the training thread.
 from __future__ import annotations
 
 import io
+import math
 import os
 import threading
 import uuid
@@ -97,6 +98,7 @@ class StorageWriter(_Writer):
         self.rank = 0
         self.is_coordinator = True
         self._structure: Any = None
+        self._staged_structure: Any = None  # AsyncStorageWriter: the structure as it was staged
         self._emitted: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -136,23 +138,13 @@ class StorageWriter(_Writer):
         results = []
         try:
             for item in plan.items:
-                fqn = item.index.fqn
                 if item.type == WriteItemType.BYTE_IO:  # a plain value: kept in the structure
                     results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=(self.rank, None)))
                     continue
-                if fqn in self._emitted:
-                    raise ValueError(f"ckptd.dcp: tensor {fqn!r} has more than one chunk on rank {self.rank}; "
-                                     "ckptd stores one piece of a tensor per rank (a DTensor's local shard)")
-                tensor = planner.resolve_data(item)
-                chunk, size = item.tensor_data.chunk, list(item.tensor_data.size)
-                if item.type == WriteItemType.TENSOR and list(chunk.sizes) == size:
-                    producer.emit(fqn, tensor, step=self.step)
-                else:
-                    producer.emit(fqn, tensor, step=self.step, global_shape=size, offset=list(chunk.offsets))
-                self._emitted.add(fqn)
-                results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
-                                           storage_data=(self.rank, fqn)))
-            self._structure = _structure_of(planner)
+                nbytes = self._write_item(producer, item, planner)
+                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=(self.rank,
+                                                                                                 item.index.fqn)))
+            self._structure = self._staged_structure or _structure_of(planner)
             if not self.is_coordinator:
                 handle = producer.commit(self.step, structure=_prune(self._structure, self._emitted))
                 if self.durable:
@@ -163,6 +155,21 @@ class StorageWriter(_Writer):
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _write_item(self, producer: Any, item: Any, planner: SavePlanner) -> int:
+        """Emit one tensor write item (a whole tensor, or a DTensor's local shard); its bytes."""
+        fqn = item.index.fqn
+        if fqn in self._emitted:
+            raise ValueError(f"ckptd.dcp: tensor {fqn!r} has more than one chunk on rank {self.rank}; "
+                             "ckptd stores one piece of a tensor per rank (a DTensor's local shard)")
+        tensor = planner.resolve_data(item)
+        chunk, size = item.tensor_data.chunk, list(item.tensor_data.size)
+        if item.type == WriteItemType.TENSOR and list(chunk.sizes) == size:
+            producer.emit(fqn, tensor, step=self.step)
+        else:
+            producer.emit(fqn, tensor, step=self.step, global_shape=size, offset=list(chunk.offsets))
+        self._emitted.add(fqn)
+        return tensor.numel() * tensor.element_size()
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator: rank 0's share, with DCP's metadata as JSON, is committed last."""
@@ -203,14 +210,87 @@ class StorageWriter(_Writer):
         return self._producer
 
 
+class AsyncStorageWriter(StorageWriter):
+    """A ``StorageWriter`` that is DCP's stager too, for ``dcp.async_save`` with the thread
+    executor (its default). ``async_save`` calls ``stage`` on the training thread: this
+    rank's tensors are copied straight into the producer's staging (one copy, into memory
+    allocated once, as ``producer.save`` does) and their structure is taken; the
+    background thread's ``write_data`` then only reports them and commits. With
+    ``StorageWriter``, DCP's own stager copies into fresh memory first and ``write_data``
+    copies again.
+
+    Not for ``AsyncCheckpointerType.PROCESS`` (the staged bytes belong to this process's
+    producer; pickling it raises) nor for a custom planner (staging plans with DCP's
+    ``DefaultSavePlanner``). A plain tensor that every rank holds (DCP's dedup gives it to
+    one rank) is staged by every rank: for DDP-style states use ``StorageWriter``.
+    """
+
+    _synchronize_after_execute = False  # staging is done when stage() returns
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any) -> Any:
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        if self.step is None:
+            raise ValueError("ckptd.dcp.AsyncStorageWriter stages at async_save: pass AsyncStorageWriter(step=N)")
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict)
+        self.rank = _rank()
+        producer = self._get_producer()
+        self._emitted, self._staged_structure = set(), None
+        try:
+            for item in planner.create_local_plan().items:
+                if item.type != WriteItemType.BYTE_IO:
+                    self._write_item(producer, item, planner)
+            self._staged_structure = _structure_of(planner)
+        except BaseException:
+            producer.abort(self.step)
+            raise
+        return state_dict  # DCP plans with it; its values are never read again
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None and _step_of(checkpoint_id) != self.step:
+            raise ValueError("ckptd.dcp.AsyncStorageWriter: the step was fixed when it was staged; "
+                             "give it as AsyncStorageWriter(step=N), not as checkpoint_id")
+        self._structure = None  # what stage() emitted stays
+
+    def _write_item(self, producer: Any, item: Any, planner: SavePlanner) -> int:
+        if self._staged_structure is None:  # staging now
+            return super()._write_item(producer, item, planner)
+        if item.index.fqn not in self._emitted:
+            raise ValueError(f"ckptd.dcp.AsyncStorageWriter: DCP's plan writes {item.index.fqn!r}, which was not "
+                             "staged (a custom planner?); use ckptd.dcp.StorageWriter")
+        return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._producer is not None and self.step is not None:
+            self._producer.abort(self.step)  # staged, and now never to be committed
+        raise TypeError("ckptd.dcp.AsyncStorageWriter stages into this process's producer, so it cannot go to "
+                        "another process (AsyncCheckpointerType.PROCESS); use ckptd.dcp.StorageWriter there")
+
+
 _PRODUCERS: dict[tuple, Any] = {}
 _PRODUCERS_LOCK = threading.Lock()
 
 
 def _shared_producer(endpoint: str | None, run: str | None, rank: int, world: int, options: dict[str, Any]) -> Any:
     """This process's producer for (endpoint, run, rank): made once, its staging reused."""
+    from . import producer as default
     from .producer import Producer
 
+    mine = default._default  # the module's producer (producer.save) of this run: one session, shared
+    if (mine is not None and not mine._closed and (mine.run, mine.rank, mine.world_size) == (run, rank, world)
+            and (endpoint is None or config_mod.resolve_endpoint(endpoint, Path.cwd()) == mine.endpoint)):
+        return mine
     key = (endpoint, run, rank, world, tuple(sorted((k, repr(v)) for k, v in options.items())))
     with _PRODUCERS_LOCK:
         p = _PRODUCERS.get(key)
