@@ -22,8 +22,8 @@ one method after another, with barriers between them (figures are the slower ran
   timed warm (second of two runs: both read from the page cache).
 
 Goals (issue 12): blocked <= 0.5x DCP's fastest async mode; durable >= 0.9x the raw
-write; load <= 1.0x ``dcp.load``. ``ckptd.dcp`` + ``dcp.async_save`` (thread executor) has
-a row of its own (``measure_ckptd_dcp``).
+write; load <= 1.0x ``dcp.load``. ``ckptd.dcp`` + ``dcp.async_save`` (thread executor), with
+``StorageWriter`` and with ``AsyncStorageWriter``, have rows of their own (``measure_ckptd_dcp``).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def worker(size: int, base: Path) -> None:
         handle = producer.save({**state, "step": 1}, next(steps))
         return lambda: handle.wait(600)
     save["ckptd producer.save"] = timed(ckptd_save)
-    save["ckptd.dcp + dcp.async_save"] = measure_ckptd_dcp(state, timed)
+    save.update(measure_ckptd_dcp(state, timed))
     save.update(measure_dcp(state, timed, base))
     save["raw write + fsync"] = timed(lambda: _raw_write(base / f"raw-{rank}", local))
     producer.close()
@@ -198,7 +198,7 @@ def build(size: int):
     return model, opt
 
 
-def measure_ckptd_dcp(state: dict, timed: Callable) -> dict[str, float] | None:
+def measure_ckptd_dcp(state: dict, timed: Callable) -> dict[str, dict[str, float]]:
     """``dcp.async_save`` (thread executor, DCP's default stager) through
     ``ckptd.dcp.StorageWriter``, under a run of its own. Blocked: until async_save
     returns (its stager's copy); durable: until its future resolves, which the writer
@@ -213,8 +213,12 @@ def measure_ckptd_dcp(state: dict, timed: Callable) -> dict[str, float] | None:
         fut = dcp.async_save(state, storage_writer=ckptd.dcp.StorageWriter(run="bench-dcp", step=next(steps)))
         return lambda: fut.result()
 
+    def staged():  # ckptd.dcp.AsyncStorageWriter: the snapshot goes straight into ckptd's staging
+        fut = dcp.async_save(state, storage_writer=ckptd.dcp.AsyncStorageWriter(run="bench-dcp", step=next(steps)))
+        return lambda: fut.result()
+
     save()()  # its producer connects and maps its staging once: unmeasured, as producer.save's warm-up
-    return timed(save)
+    return {"ckptd.dcp + dcp.async_save": timed(save), "ckptd.dcp.AsyncStorageWriter + async_save": timed(staged)}
 
 
 def measure_dcp(state: dict, timed: Callable, base: Path) -> dict[str, Any]:
