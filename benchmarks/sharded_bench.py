@@ -199,10 +199,12 @@ def build(size: int):
 
 
 def measure_ckptd_dcp(state: dict, timed: Callable) -> dict[str, dict[str, float]]:
-    """``dcp.async_save`` (thread executor, DCP's default stager) through
-    ``ckptd.dcp.StorageWriter``, under a run of its own. Blocked: until async_save
-    returns (its stager's copy); durable: until its future resolves, which the writer
-    (``durable=True``) sets once every rank's share is durable and the step complete."""
+    """``dcp.async_save`` (thread executor) through ``ckptd.dcp.StorageWriter`` (DCP's
+    default stager copies first) and through ``ckptd.dcp.AsyncStorageWriter`` (the
+    snapshot goes into ckptd's staging), under a run of their own. Blocked: until
+    async_save returns (the staging copy); durable: until its future resolves, which
+    the writer (``durable=True``) sets once every rank's share is durable and the step
+    complete."""
     import torch.distributed.checkpoint as dcp
 
     import ckptd.dcp
