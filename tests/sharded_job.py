@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import ckptd
@@ -138,8 +138,13 @@ def assert_same(a: dict, b: dict, what: str) -> int:
 
 def fsdp_train(out: Path) -> None:
     model, opt = fsdp()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # emit takes DTensors too: a Replicate one is written by one rank only
+    producer.emit("rep", DTensor.from_local(torch.arange(4.0), mesh, [Replicate()]), step=0)
+    producer.emit("sharded", DTensor.from_local(torch.full((2,), float(dist.get_rank())), mesh, [Shard(0)]), step=0)
+    producer.commit(0).wait(60)
     # a placement ckptd cannot place is refused before anything is sent
-    partial = DTensor.from_local(torch.ones(3), init_device_mesh("cpu", (dist.get_world_size(),)), [Partial()])
+    partial = DTensor.from_local(torch.ones(3), mesh, [Partial()])
     try:
         producer.save({"p": partial}, 100)
     except TypeError as exc:

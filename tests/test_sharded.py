@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import ckptd
+import ckptd.export
+import ckptd.reader
 
 
 def _manifest(daemon, step: int, rank: int) -> dict:
@@ -16,9 +18,10 @@ def _manifest(daemon, step: int, rank: int) -> dict:
     return json.loads(path.read_text())
 
 
-def test_hand_sharded_pieces_are_recorded_with_their_place(daemon) -> None:
+@pytest.mark.parametrize("fmt", ["chunk", "hdf5"])
+def test_hand_sharded_pieces_are_recorded_with_their_place(daemon, fmt: str) -> None:
     w = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
-    producers = [daemon.producer(rank=r, world_size=2) for r in (0, 1)]
+    producers = [daemon.producer(rank=r, world_size=2, format=fmt) for r in (0, 1)]
     try:
         producers[0].emit("w", w[:4], step=1, global_shape=[7, 3], offset=[0, 0])
         producers[1].emit("w", w[4:], step=1, global_shape=(7, 3), offset=(4, 0))
@@ -42,6 +45,14 @@ def test_hand_sharded_pieces_are_recorded_with_their_place(daemon) -> None:
     assert torch.equal(ckptd.load("t", root=daemon.root, rank=1)["w"], w[4:])  # the rank's own piece
     whole = ckptd.load("t", root=daemon.root, verify=True)  # no rank, no $RANK: assembled
     assert torch.equal(whole["w"], w) and torch.equal(whole["bias"], torch.ones(2))
+    # plain targets filled from both ranks' pieces, read in part or (verify) whole
+    target = {"w": torch.zeros(7, 3), "bias": torch.zeros(2)}
+    for verify in (False, True):
+        target["w"].zero_()
+        ckptd.load_into(target, "t", root=daemon.root, verify=verify)
+        assert torch.equal(target["w"], w) and torch.equal(target["bias"], torch.ones(2))
+    _, problems = ckptd.reader.verify("t", root=daemon.root)
+    assert problems == []
 
 
 def test_replicated_state_is_written_once_and_loads_on_every_rank(daemon) -> None:
@@ -64,3 +75,8 @@ def test_replicated_state_is_written_once_and_loads_on_every_rank(daemon) -> Non
         assert out["epoch"] == 3
         for k in ("big", "small", "mid"):
             assert torch.equal(out[k], state[k])
+    # rank 1's share, exported, holds what rank 0 wrote for it
+    from safetensors.torch import load_file
+
+    exported = ckptd.export.export("t", None, daemon.root.parent / "r1.safetensors", root=daemon.root, rank=1)
+    assert torch.equal(load_file(str(exported))["big"], state["big"])

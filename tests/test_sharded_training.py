@@ -56,6 +56,14 @@ def test_fsdp2_resume_after_kill_is_bit_exact(fsdp_run) -> None:
     daemon, out = fsdp_run
     info = ckptd.latest("fsdp", root=daemon.root)
     assert info is not None and info.step == SAVE_AT
+    # step 0 was emitted: a Replicate DTensor written by one rank, a Shard(0) one by both
+    manifests = [json.loads((Path(info.path).parent / "step-000000000000" / f"manifest-r0000{r}.json").read_text())
+                 for r in (0, 1)]
+    writers = [r for r in (0, 1) if "rep" in manifests[r]["tensors"]]
+    assert len(writers) == 1 and manifests[1 - writers[0]]["replicas"] == {"rep": writers[0]}
+    assert manifests[1]["tensors"]["sharded"]["shard"]["offsets"] == [2]
+    step0 = ckptd.load("fsdp", 0, root=daemon.root)
+    assert torch.equal(step0["rep"], torch.arange(4.0)) and torch.equal(step0["sharded"], torch.tensor([0., 0, 1, 1]))
     torchrun(daemon, 2, "fsdp-resume", out)
     want = load_file(str(out / "final-uninterrupted.safetensors"))
     got = load_file(str(out / "final-resumed.safetensors"))
