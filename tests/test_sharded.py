@@ -80,3 +80,23 @@ def test_replicated_state_is_written_once_and_loads_on_every_rank(daemon) -> Non
 
     exported = ckptd.export.export("t", None, daemon.root.parent / "r1.safetensors", root=daemon.root, rank=1)
     assert torch.equal(load_file(str(exported))["big"], state["big"])
+
+
+def test_pieces_that_overlap_or_leave_a_gap_are_refused(daemon) -> None:
+    producers = [daemon.producer(rank=r, world_size=2) for r in (0, 1)]
+    try:
+        # rows 0..3 twice in part (0..3 and 2..5), row 6 never: as many elements as the whole
+        producers[0].emit("w", torch.zeros(4, 2), step=1, global_shape=[7, 2], offset=[0, 0])
+        producers[1].emit("w", torch.ones(3, 2), step=1, global_shape=[7, 2], offset=[2, 0])
+        producers[0].emit("v", torch.zeros(3), step=1, global_shape=[5], offset=[0])
+        producers[1].emit("v", torch.zeros(1), step=1, global_shape=[5], offset=[4])
+        for h in [p.commit(1) for p in producers]:
+            h.wait(30)
+    finally:
+        for p in producers:
+            p.close()
+    with pytest.raises(ckptd.CheckpointCorrupt, match=r"tensor 'w': the pieces stored by ranks 0 and 1 overlap"):
+        ckptd.load("t", root=daemon.root, names=["w"])
+    with pytest.raises(ckptd.CheckpointCorrupt, match=r"tensor 'v': the stored pieces cover 4 of the 5 elements"):
+        ckptd.load_into({"v": torch.zeros(5)}, "t", root=daemon.root)
+    assert torch.equal(ckptd.load("t", root=daemon.root, rank=1)["v"], torch.zeros(1))  # a rank's share still loads
