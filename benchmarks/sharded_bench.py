@@ -16,7 +16,9 @@ one method after another, with barriers between them (figures are the slower ran
 - **durable**: from the call until every rank's bytes are on disk (``wait()`` of the
   commit; DCP's futures), as throughput, against a **raw write** floor: each rank
   writes the same number of bytes to one file and fsyncs it, both ranks at once.
-- **peak RSS** of each rank during each method (``VmHWM`` reset before it).
+- **peak RSS** of each rank during each method (``VmHWM`` reset before it), and how
+  much it rose above the RSS before the method began (the job's model, optimizer and
+  ckptd's staging arena are already resident; DCP's background process is not counted).
 - **load** 2 -> 2 into the job's own FSDP2 state, and 2 -> 1 into plain tensors in
   one process: ``ckptd.load_into`` against ``dcp.load`` of the same state, each
   timed warm (one unmeasured run each, then the best of 3 taken in turns: both
@@ -95,14 +97,14 @@ def report(f: dict[str, Any]) -> None:
     gib = f["bytes_total"] / 2**30
     print(f"\nFSDP2 on 2 ranks (CPU, gloo): {f['bytes_total'] / MiB:.0f} MiB of model + Adam state "
           f"({f['bytes_per_rank'] / MiB:.0f} MiB a rank), {f['tensors']} tensors a rank\n")
-    print(f"{'method':40} {'blocked s':>10} {'durable s':>10} {'GiB/s':>7} {'peak RSS MiB':>13}")
+    print(f"{'method':40} {'blocked s':>10} {'durable s':>10} {'GiB/s':>7} {'peak RSS MiB':>13} {'(added)':>8}")
     for name, m in f["save"].items():
         if m is None:
             print(f"{name:40} {'n/a (not built yet)':>43}")
             continue
         rate = gib / m["durable"] if m.get("durable") else float("nan")
         print(f"{name:40} {m['blocked']:10.3f} {m.get('durable', float('nan')):10.3f} {rate:7.2f} "
-              f"{m.get('peak_rss', 0) / MiB:13.0f}")
+              f"{m.get('peak_rss', 0) / MiB:13.0f} {m.get('rss_added', 0) / MiB:+8.0f}")
     print(f"\n{'load':40} {'ckptd s':>10} {'dcp.load s':>10} {'ratio':>7}")
     for name, key in (("2 -> 2 (FSDP2 shards, load_into)", "load_2to2"), ("2 -> 1 (plain tensors, load_into)", "load_2to1")):
         m = f[key]
@@ -144,6 +146,7 @@ def worker(size: int, base: Path) -> None:
         """``fn()`` returns once the loop may go on, giving a wait-until-durable callable."""
         os.sync()  # what the previous method left dirty is not this one's to write back
         _reset_peak()
+        before = status().get("VmRSS", 0)
         dist.barrier()
         t0 = time.perf_counter()
         finish = fn()
@@ -153,8 +156,8 @@ def worker(size: int, base: Path) -> None:
         peak = status().get("VmHWM", 0)
         dist.barrier()
         durable = time.perf_counter() - t0
-        both = _max(torch, [blocked, mine, float(peak)])
-        return {"blocked": both[0], "durable": max(both[1], durable), "peak_rss": both[2]}
+        both = _max(torch, [blocked, mine, float(peak), float(peak - before)])
+        return {"blocked": both[0], "durable": max(both[1], durable), "peak_rss": both[2], "rss_added": both[3]}
 
     save: dict[str, Any] = {}
     from ckptd import producer
@@ -220,17 +223,18 @@ def measure_dcp(state: dict, timed: Callable, base: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     n = iter(range(100))
 
+    # one stager for every call: it keeps its shared-memory buffers, DCP's fastest way
+    stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
+                                          use_async_staging=True, use_non_blocking_copy=torch.cuda.is_available()))
+
     def process_shm():
-        stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
-                                              use_async_staging=True,
-                                              use_non_blocking_copy=torch.cuda.is_available()))
         resp = dcp.async_save(state, checkpoint_id=str(base / f"dcp-proc-{next(n)}"),
                               async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
         staged, done = (resp.staging_completion, resp.upload_completion) if hasattr(resp, "staging_completion") \
             else (None, resp)
         if staged is not None:
             staged.result()  # only now may the loop change its tensors
-        return lambda: (done.result(), stager.close())
+        return done.result
 
     def thread():
         fut = dcp.async_save(state, checkpoint_id=str(base / f"dcp-thread-{next(n)}"))
@@ -238,6 +242,7 @@ def measure_dcp(state: dict, timed: Callable, base: Path) -> dict[str, Any]:
 
     process_shm()()  # the process executor starts its background process on first use: unmeasured
     out["dcp.async_save (process, shm stager)"] = timed(process_shm)
+    stager.close()
     out["dcp.async_save (thread)"] = timed(thread)
     out["dcp.save"] = timed(lambda: (dcp.save(state, checkpoint_id=str(base / "dcp-save")), lambda: None)[1])
     return out

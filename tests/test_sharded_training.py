@@ -119,6 +119,7 @@ print("equal", n)
     assert "equal 16" in proc.stdout  # 4 parameters, 3 Adam tensors for each
 
 
+@pytest.mark.slow  # its checkpoint comes from the torchrun job
 def test_load_into_names_what_does_not_match(fsdp_run) -> None:
     daemon, _ = fsdp_run
     root = daemon.root
