@@ -100,3 +100,32 @@ def test_pieces_that_overlap_or_leave_a_gap_are_refused(daemon) -> None:
     with pytest.raises(ckptd.CheckpointCorrupt, match=r"tensor 'v': the stored pieces cover 4 of the 5 elements"):
         ckptd.load_into({"v": torch.zeros(5)}, "t", root=daemon.root)
     assert torch.equal(ckptd.load("t", root=daemon.root, rank=1)["v"], torch.zeros(1))  # a rank's share still loads
+
+
+def test_overlap_spans_match_brute_force() -> None:
+    """``byte_span`` names exactly the bytes of a piece that hold an overlap."""
+    import random
+
+    from ckptd.sharding import Box, byte_span, intersect
+
+    rng = random.Random(12)
+    for _ in range(300):
+        ndim = rng.randint(1, 3)
+        whole = [rng.randint(1, 6) for _ in range(ndim)]
+
+        def box() -> Box:
+            lo = [rng.randint(0, n - 1) for n in whole]
+            return Box(tuple(lo), tuple(rng.randint(1, n - o) for o, n in zip(lo, whole)))
+
+        piece, target = box(), box()
+        both = intersect(piece, target)
+        index = torch.arange(piece.numel).reshape(piece.sizes)  # element numbers in the piece's storage
+        if both is None:
+            assert any(p + n <= t or t + m <= p for p, n, t, m in
+                       zip(piece.offsets, piece.sizes, target.offsets, target.sizes))
+            continue
+        inside = index[tuple(slice(o - p, o - p + n) for o, p, n in zip(both.offsets, piece.offsets, both.sizes))]
+        start, length, rows = byte_span(both, piece, 4)
+        assert start == int(inside.min()) * 4 and start + length == (int(inside.max()) + 1) * 4
+        runs = (inside.reshape(-1)[1:] - inside.reshape(-1)[:-1] != 1).sum().item() + 1
+        assert rows == runs
