@@ -1,6 +1,6 @@
 """Sharded training with real torchrun (gloo on CPU), a real daemon and DCP as the
-reference: FSDP2 save, kill -9, resume; resharding into 1, 2 and 4 processes and
-into TP and FSDP x TP layouts; DDP with one copy of replicated state.
+reference: FSDP2 save, kill -9, resume; resharding 2 -> 1, 2 -> 4 and 1 -> 4, into
+FSDP2, TP and FSDP x TP layouts; DDP with one copy of replicated state.
 The jobs themselves are tests/sharded_job.py."""
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def fsdp_run(tmp_path_factory):
     try:
         text = torchrun(daemon, 2, "fsdp-train", out, expect_ok=False)
         assert (out / "final-uninterrupted.safetensors").exists(), text[-6000:]
+        # the same state saved whole by one process: for loads 1 -> N
+        with daemon.producer("fsdp-whole") as p:
+            p.save(ckptd.load("fsdp", SAVE_AT, root=daemon.root), SAVE_AT).wait(60)
         yield daemon, out
     finally:
         daemon.cleanup()
@@ -77,8 +80,9 @@ def test_fsdp2_checkpoint_reshards_into_4_ranks_tp_and_fsdp_x_tp(fsdp_run) -> No
     daemon, out = fsdp_run
     text = torchrun(daemon, 4, "reshard", out)
     for layout in ("fsdp", "tp", "fsdp_x_tp"):
-        for rank in range(4):
-            assert f"rank {rank}: {layout}: " in text, text[-4000:]
+        for run in ("fsdp", "fsdp-whole"):  # 2 -> 4 and 1 -> 4
+            for rank in range(4):
+                assert f"rank {rank}: {layout} from {run}: 16 tensors equal" in text, text[-4000:]
 
 
 @pytest.mark.slow
