@@ -229,11 +229,24 @@ def _choose(target: _Target, stored: list[_Piece], rank: int) -> list[tuple[_Pie
         for p in sorted(stored, key=lambda p: p.rank):
             seen.setdefault(p.box, p)
         candidates = list(seen.values())
+    first = stored[0].rec
+    for p in candidates:
+        if p.rec.dtype != first.dtype or p.rec.global_shape != first.global_shape:
+            raise CheckpointCorrupt(f"tensor {target.name!r}: rank {p.rank} stored a piece of a {p.rec.dtype} "
+                                    f"tensor of shape {p.rec.global_shape}, rank {stored[0].rank} one of a "
+                                    f"{first.dtype} tensor of shape {first.global_shape}")
     out = []
     for p in candidates:
         overlap = intersect(p.box, target.box)
         if overlap is not None and overlap.numel:
             out.append((p, overlap))
+    # pieces that overlap each other could leave a gap that the count below misses
+    for i, (a, box_a) in enumerate(out):
+        for b, box_b in out[i + 1:]:
+            both = intersect(box_a, box_b)
+            if both is not None and both.numel:
+                raise CheckpointCorrupt(f"tensor {target.name!r}: the pieces stored by ranks {a.rank} and "
+                                        f"{b.rank} overlap at offsets {list(both.offsets)}")
     covered = sum(o.numel for _, o in out)
     if covered != target.box.numel:
         raise CheckpointCorrupt(f"tensor {target.name!r}: the stored pieces cover {covered} of the "

@@ -154,7 +154,3 @@ def byte_span(box: Box, within: Box, itemsize: int) -> tuple[int, int, int]:
     rows = math.prod(box.sizes[:j]) if j > 0 else 1
     return start, last + itemsize - start, rows
 
-
-def is_whole_run(box: Box, within: Box) -> bool:
-    """True if ``box`` is one contiguous run of ``within``'s C-order storage."""
-    return byte_span(box, within, 1)[2] == 1
