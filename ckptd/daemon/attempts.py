@@ -55,7 +55,9 @@ def resave(step_dir: Path, run: str, rank: int, step: int, attempt: str | None, 
     if attempt is None or earlier.attempt == attempt:
         hint = ("; a restarted job's producers need an attempt of their own (torchrun gives one; elsewhere "
                 "pass Producer(attempt=...)) for their share to replace the failed attempt's"
-                if attempt is None else " by this attempt of the job; save each step once")
+                if attempt is None else f" by this attempt of the job ({attempt}); save each step once per attempt "
+                "(a new launch that has the same attempt, e.g. torchrun on several nodes without --rdzv-id, needs "
+                "one of its own: [producer] attempt)")
         return Verdict(f"step {step} of run {run!r} is already committed for rank {rank}{hint}; a committed "
                        "share is never overwritten")
     return Verdict(replace=True)
