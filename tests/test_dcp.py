@@ -81,6 +81,10 @@ def test_single_process_dcp_save_and_load(daemon) -> None:
     dcp.load(target, storage_reader=ckptd.dcp.StorageReader("one", root=daemon.root), no_dist=True)
     assert target["epoch"] == 1 and target["tag"] == [1, "x"]
     assert all(torch.equal(target["w"][k], v) for k, v in state["w"].items())
+    out = daemon.base / "one.safetensors"  # an ordinary step: `ckptd export` takes it as any other
+    assert cli("export", "one", "7", "-o", str(out), "--root", str(daemon.root)).returncode == 0
+    exported = load_file(str(out))
+    assert exported.keys() == {f"w.t{i}" for i in range(4)} and torch.equal(exported["w.t0"], state["w"]["t0"])
     # DCP hands on what its storage layer raised inside a CheckpointException (with its traceback)
     with pytest.raises(CheckpointException, match="ValueError: ckptd.dcp.StorageWriter: no step; pass StorageWriter"):
         dcp.save(state, storage_writer=ckptd.dcp.StorageWriter(run="one", endpoint=daemon.endpoint), no_dist=True)
