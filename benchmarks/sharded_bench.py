@@ -8,14 +8,17 @@ One daemon (``ckptd serve``) and one ``torchrun --nproc_per_node=2`` job. Each r
 holds its FSDP2 shards of a stack of Linear layers and their Adam state, and measures,
 one method after another, with barriers between them (figures are the slower rank's):
 
-- **blocked**: how long the training loop cannot touch its tensors. ``producer.save``
+- **blocked**: how long the training loop cannot touch its tensors, in steady state
+  (each method saved once, unmeasured, before: a training job saves many times). ``producer.save``
   (returns once its snapshot is copied); DCP ``async_save`` with the process executor
   and its shared-memory stager (``DefaultStager``, pinned memory where CUDA exists;
   blocked until its ``staging_completion``, after which the loop may change the
   tensors), and with the thread executor; ``dcp.save`` (blocked until durable).
 - **durable**: from the call until every rank's bytes are on disk (``wait()`` of the
   commit; DCP's futures), as throughput, against a **raw write** floor: each rank
-  writes the same number of bytes to one file and fsyncs it, both ranks at once.
+  writes the same number of bytes to one file and fsyncs it, both ranks at once,
+  through the page cache and with O_DIRECT (as ckptd's daemon writes); the faster
+  of the two is the floor.
 - **peak RSS** of each rank during each method (``VmHWM`` reset before it), and how
   much it rose above the RSS before the method began (the job's model, optimizer and
   ckptd's staging arena are already resident; DCP's background process is not counted).
@@ -113,10 +116,12 @@ def report(f: dict[str, Any]) -> None:
     asyncs = {k: v["blocked"] for k, v in save.items() if v and k.startswith("dcp.async_save")}
     fastest = min(asyncs, key=asyncs.get)
     blocked = save["ckptd producer.save"]["blocked"] / asyncs[fastest]
-    durable = save["raw write + fsync"]["durable"] / save["ckptd producer.save"]["durable"]
+    floor = min(("raw write + fsync", "raw O_DIRECT write + fsync"), key=lambda k: save[k]["durable"])
+    durable = save[floor]["durable"] / save["ckptd producer.save"]["durable"]
     print("\ngoals:")
     print(f"  blocked: {blocked:.2f}x {fastest} (goal <= 0.5x): {'met' if blocked <= 0.5 else 'MISSED'}")
-    print(f"  durable: {durable:.2f}x raw write throughput (goal >= 0.9x): {'met' if durable >= 0.9 else 'MISSED'}")
+    print(f"  durable: {durable:.2f}x the throughput of the faster raw write ({floor}) (goal >= 0.9x): "
+          f"{'met' if durable >= 0.9 else 'MISSED'}")
     for key in ("load_2to2", "load_2to1"):
         r = f[key]["ckptd"] / f[key]["dcp"]
         print(f"  load {key[5:]}: {r:.2f}x dcp.load (goal <= 1.0x): {'met' if r <= 1.0 else 'MISSED'}")
@@ -163,7 +168,8 @@ def worker(size: int, base: Path) -> None:
     from ckptd import producer
 
     steps = iter(range(1, 100))
-    producer.save({"warmup": torch.zeros(1)}, 0).wait(60)  # connects, maps staging once
+    # steady state, as DCP's process executor gets below: connected, staging warm
+    producer.save({**state, "step": 0}, 0).wait(600)
 
     def ckptd_save():
         handle = producer.save({**state, "step": 1}, next(steps))
@@ -172,6 +178,7 @@ def worker(size: int, base: Path) -> None:
     save.update(measure_ckptd_dcp(state, timed))
     save.update(measure_dcp(state, timed, base))
     save["raw write + fsync"] = timed(lambda: _raw_write(base / f"raw-{rank}", local))
+    save["raw O_DIRECT write + fsync"] = timed(lambda: _raw_write_direct(base / f"raw-direct-{rank}", local))
     producer.close()
 
     import ckptd
@@ -256,7 +263,11 @@ def measure_dcp(state: dict, timed: Callable, base: Path) -> dict[str, Any]:
         fut = dcp.async_save(state, checkpoint_id=str(base / f"dcp-thread-{next(n)}"))
         return fut.result
 
-    process_shm()()  # the process executor starts its background process on first use: unmeasured
+    # once each, unmeasured: the process executor starts its background process on first
+    # use, and every method runs in steady state
+    process_shm()()
+    thread()()
+    dcp.save(state, checkpoint_id=str(base / "dcp-save"))
     out["dcp.async_save (process, shm stager)"] = timed(process_shm)
     stager.close()
     out["dcp.async_save (thread)"] = timed(thread)
@@ -302,6 +313,46 @@ def _raw_write(path: Path, tensors: list[Any]) -> Callable[[], None]:
         os.fsync(fd)
     finally:
         os.close(fd)
+    return lambda: None
+
+
+def _raw_write_direct(path: Path, tensors: list[Any]) -> Callable[[], None]:
+    """The floor as ckptd's daemon writes: O_DIRECT from an aligned 32 MiB buffer (the
+    bytes copied into it first, as into ckptd's staging), then fsync. Falls back to a
+    buffered write where the filesystem refuses O_DIRECT."""
+    import mmap
+
+    import torch
+
+    block = 32 * MiB
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        return _raw_write(path, tensors)
+    bounce = mmap.mmap(-1, block)
+    buf = torch.frombuffer(bounce, dtype=torch.uint8)
+    fill = total = 0
+    try:
+        for t in tensors:
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            done = 0
+            while done < flat.numel():
+                n = min(block - fill, flat.numel() - done)
+                buf[fill:fill + n].copy_(flat[done:done + n])
+                fill, done = fill + n, done + n
+                if fill == block:
+                    os.write(fd, memoryview(bounce))
+                    total, fill = total + fill, 0
+        if fill:
+            padded = -(-fill // 4096) * 4096
+            os.write(fd, memoryview(bounce)[:padded])
+            total += fill
+            os.ftruncate(fd, total)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        del buf
+        bounce.close()
     return lambda: None
 
 
