@@ -175,7 +175,7 @@ def worker(size: int, base: Path) -> None:
         handle = producer.save({**state, "step": 1}, next(steps))
         return lambda: handle.wait(600)
     save["ckptd producer.save"] = timed(ckptd_save)
-    save["ckptd.dcp + dcp.async_save"] = measure_ckptd_dcp(state, timed)
+    save["ckptd.dcp + dcp.async_save"] = measure_ckptd_dcp(state, timed, base)
     save.update(measure_dcp(state, timed, base))
     save["raw write + fsync"] = timed(lambda: _raw_write(base / f"raw-{rank}", local))
     save["raw O_DIRECT write + fsync"] = timed(lambda: _raw_write_direct(base / f"raw-direct-{rank}", local))
@@ -212,8 +212,13 @@ def build(size: int):
     return model, opt
 
 
-def measure_ckptd_dcp(state: dict, timed: Callable) -> dict[str, float] | None:
-    """``dcp.async_save`` through ``ckptd.dcp.StorageWriter``: filled in once ckptd.dcp exists."""
+def measure_ckptd_dcp(state: dict, timed: Callable, base: Path) -> dict[str, float] | None:
+    """``dcp.async_save`` through ``ckptd.dcp.StorageWriter``: filled in once ckptd.dcp exists.
+
+    The contract of every measurement here: ``timed(fn)`` calls ``fn()``, which returns
+    once the loop may change its tensors and gives back a callable that waits until the
+    bytes are durable; save once unmeasured first (steady state). Return ``timed(...)``'s
+    dict, or None to print "n/a"."""
     try:
         import ckptd.dcp  # noqa: F401
     except ImportError:
