@@ -175,7 +175,7 @@ def worker(size: int, base: Path) -> None:
         handle = producer.save({**state, "step": 1}, next(steps))
         return lambda: handle.wait(600)
     save["ckptd producer.save"] = timed(ckptd_save)
-    save.update(measure_ckptd_dcp(state, timed))
+    save.update(measure_ckptd_dcp(state, timed, base))
     save.update(measure_dcp(state, timed, base))
     save["raw write + fsync"] = timed(lambda: _raw_write(base / f"raw-{rank}", local))
     save["raw O_DIRECT write + fsync"] = timed(lambda: _raw_write_direct(base / f"raw-direct-{rank}", local))
@@ -212,13 +212,17 @@ def build(size: int):
     return model, opt
 
 
-def measure_ckptd_dcp(state: dict, timed: Callable) -> dict[str, dict[str, float]]:
+def measure_ckptd_dcp(state: dict, timed: Callable, base: Path) -> dict[str, dict[str, float]]:
     """``dcp.async_save`` (thread executor) through ``ckptd.dcp.StorageWriter`` (DCP's
     default stager copies first) and through ``ckptd.dcp.AsyncStorageWriter`` (the
     snapshot goes into ckptd's staging), under a run of their own. Blocked: until
     async_save returns (the staging copy); durable: until its future resolves, which
     the writer (``durable=True``) sets once every rank's share is durable and the step
-    complete."""
+    complete. ``base``: the work folder (unused: these go to the daemon's root).
+
+    The contract of every measurement here: ``timed(fn)`` calls ``fn()``, which returns
+    once the loop may change its tensors and gives back a callable that waits until the
+    bytes are durable; save once unmeasured first (steady state)."""
     import torch.distributed.checkpoint as dcp
 
     import ckptd.dcp

@@ -70,11 +70,12 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     missing: list[str] = []
     _walk(state, saved, (), targets, missing)
     plans = []
+    placed: dict[Any, Any] = {}
     for name, value in targets.items():
         if name not in pieces:
             missing.append(name)
             continue
-        plans.append(_target(name, value, pieces[name]))
+        plans.append(_target(name, value, pieces[name], placed))
     if missing and strict:
         raise CheckpointNotFound(
             f"step {manifests[0].step} of run {run!r} has no " + ", ".join(map(repr, missing[:5]))
@@ -190,14 +191,14 @@ def _walk(target: Any, saved: Any, path: tuple[Any, ...], targets: dict[str, Any
                 target[key] = old
 
 
-def _target(name: str, value: Any, stored: list[_Piece]) -> _Target:
+def _target(name: str, value: Any, stored: list[_Piece], placed: dict[Any, Any] | None = None) -> _Target:
     """Where ``value`` (a tensor, DTensor or array to fill) wants its bytes, checked
     against what is stored."""
     import numpy as np
     import torch
 
     if is_dtensor(value):
-        piece = describe_dtensor(name, value)
+        piece = describe_dtensor(name, value, placed)
         local, box = piece.local, Box(tuple(piece.shard.offsets), tuple(piece.local.shape))
         global_shape = list(piece.shard.global_shape)
     else:
