@@ -48,8 +48,8 @@ def resave(step_dir: Path, run: str, rank: int, step: int, attempt: str | None, 
         by = f" (attempt {complete[0].attempt})" if complete[0].attempt else ""
         return Verdict(
             f"step {step} of run {run!r} is already committed by every rank{by}: it is complete, and a complete "
-            f"checkpoint is never overwritten; ckptd.latest({run!r}) (or `ckptd latest {run}`) tells the newest complete step: "
-            "resume from it and save the steps after it, or save under a new step number")
+            f"checkpoint is never overwritten; ckptd.latest({run!r}) (or `ckptd latest {run}`) tells the newest "
+            "complete step: resume from it and save the steps after it, or save under a new step number")
     if earlier is None:  # replaced or removed since it was seen
         return GO
     if attempt is None or earlier.attempt == attempt:

@@ -62,7 +62,8 @@ def decode_metadata(d: Any, where: str) -> Metadata:
             t = md["tensor"]
             props = TensorProperties(dtype=dtypes.torch_dtype(t["dtype"]), layout=getattr(torch, t["layout"]),
                                      requires_grad=bool(t["requires_grad"]),
-                                     memory_format=_MEMORY_FORMATS[t["memory_format"]], pin_memory=bool(t["pin_memory"]))
+                                     memory_format=_MEMORY_FORMATS[t["memory_format"]],
+                                     pin_memory=bool(t["pin_memory"]))
             sdm[fqn] = TensorStorageMetadata(props, torch.Size(t["size"]), [
                 ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
         storage = {MetadataIndex(fqn, offset): (int(rank), name) for fqn, offset, rank, name in d["storage_data"]}
