@@ -9,7 +9,8 @@ holds its FSDP2 shards of a stack of Linear layers and their Adam state, and mea
 one method after another, with barriers between them (figures are the slower rank's):
 
 - **blocked**: how long the training loop cannot touch its tensors, in steady state
-  (each method saved once, unmeasured, before: a training job saves many times). ``producer.save``
+  (each method saved once, unmeasured, before: a training job saves many times; then
+  the median of 3 runs). ``producer.save``
   (returns once its snapshot is copied); DCP ``async_save`` with the process executor
   and its shared-memory stager (``DefaultStager``, pinned memory where CUDA exists;
   blocked until its ``staging_completion``, after which the loop may change the
@@ -38,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +50,7 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 MiB = 2**20
+REPEATS = 3  # runs of each save method; the median is reported
 WIDTH = 2048  # each layer is WIDTH x WIDTH float32: 16 MiB, 64 MiB with its Adam state
 
 
@@ -147,22 +150,29 @@ def worker(size: int, base: Path) -> None:
     local = [t.to_local() if hasattr(t, "to_local") else t for t in _tensors(state)]
     nbytes = sum(t.numel() * t.element_size() for t in local)
 
-    def timed(fn: Callable[[], Callable[[], None]]) -> dict[str, float]:
-        """``fn()`` returns once the loop may go on, giving a wait-until-durable callable."""
-        os.sync()  # what the previous method left dirty is not this one's to write back
-        _reset_peak()
-        before = status().get("VmRSS", 0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        finish = fn()
-        blocked = time.perf_counter() - t0
-        finish()
-        mine = time.perf_counter() - t0
-        peak = status().get("VmHWM", 0)
-        dist.barrier()
-        durable = time.perf_counter() - t0
-        both = _max(torch, [blocked, mine, float(peak), float(peak - before)])
-        return {"blocked": both[0], "durable": max(both[1], durable), "peak_rss": both[2], "rss_added": both[3]}
+    def timed(fn: Callable[[], Callable[[], None]]) -> dict[str, Any]:
+        """``fn()`` returns once the loop may go on, giving a wait-until-durable callable.
+        The median of REPEATS runs, each figure the slower rank's."""
+        runs = []
+        for _ in range(REPEATS):
+            os.sync()  # what the previous run left dirty is not this one's to write back
+            _reset_peak()
+            before = status().get("VmRSS", 0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            finish = fn()
+            blocked = time.perf_counter() - t0
+            finish()
+            mine = time.perf_counter() - t0
+            peak = status().get("VmHWM", 0)
+            dist.barrier()
+            durable = time.perf_counter() - t0
+            both = _max(torch, [blocked, mine, float(peak), float(peak - before)])
+            runs.append({"blocked": both[0], "durable": max(both[1], durable), "peak_rss": both[2],
+                         "rss_added": both[3]})
+        out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        out["runs"] = runs
+        return out
 
     save: dict[str, Any] = {}
     from ckptd import producer
@@ -249,14 +259,13 @@ def measure_dcp(state: dict, timed: Callable, base: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     out: dict[str, Any] = {}
-    n = iter(range(100))
 
     # one stager for every call: it keeps its shared-memory buffers, DCP's fastest way
     stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
                                           use_async_staging=True, use_non_blocking_copy=torch.cuda.is_available()))
 
     def process_shm():
-        resp = dcp.async_save(state, checkpoint_id=str(base / f"dcp-proc-{next(n)}"),
+        resp = dcp.async_save(state, checkpoint_id=str(base / "dcp-proc"),
                               async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
         staged, done = (resp.staging_completion, resp.upload_completion) if hasattr(resp, "staging_completion") \
             else (None, resp)
@@ -265,7 +274,7 @@ def measure_dcp(state: dict, timed: Callable, base: Path) -> dict[str, Any]:
         return done.result
 
     def thread():
-        fut = dcp.async_save(state, checkpoint_id=str(base / f"dcp-thread-{next(n)}"))
+        fut = dcp.async_save(state, checkpoint_id=str(base / "dcp-thread"))
         return fut.result
 
     # once each, unmeasured: the process executor starts its background process on first

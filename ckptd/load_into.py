@@ -310,6 +310,8 @@ def _tasks(work: list[tuple[_Target, _Piece, Box]], files: _Files, verify: bool)
     for target, piece, box in work:
         if verify or piece.rec.offset is None:  # read whole: checked, or HDF5 without one place
             by_piece.setdefault((piece.rank, piece.name), []).append((target, box))
+            if piece.rec.offset is not None:
+                files.fd(piece.rec.file)  # opened here, not by several threads at once
             continue
         fd = files.fd(piece.rec.file)
         itemsize = dtypes.lookup(piece.rec.dtype).itemsize
