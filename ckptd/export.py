@@ -15,6 +15,8 @@ naming what and the formats that can.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from pathlib import Path
@@ -45,6 +47,8 @@ def export(run: str, step: int | None, out: str | os.PathLike[str], *,
         raise ValueError(f"cannot export to {out}: folder {out.parent} does not exist")
     path, manifests = reader.find(run, step, root)
     manifest = reader.pick_rank(manifests, rank)
+    # the rank's replicated tensors, written by other ranks, belong to its share too
+    manifest = dataclasses.replace(manifest, tensors=reader.share_records(path, manifests, manifest), replicas={})
     reader.check_structure(path, manifest)  # every format carries the structure
     if write is _pt:  # refuse before reading gigabytes
         _check_pt(manifest)

@@ -2,12 +2,13 @@
 
 Manifests are the truth. A step folder is a complete checkpoint when every rank's
 manifest is there, all of one attempt of the job (``ckptd.attempt``), and every
-file they name exists at least as long as the manifest says. The functions at the top answer that straight from the disk, for
-any process; ``Index`` keeps the answer in memory for the daemon: it scans the
-root once, then re-reads whatever a watchdog event touches, and reconciles with
-a full rescan periodically and whenever the observer reports trouble (watchdog
-drops events when the inotify queue overflows; inotify sees nothing that other
-hosts write on NFS or Lustre), so missed or coalesced events cannot leave it wrong.
+file they name exists at least as long as the manifest says. The functions at the
+top answer that straight from the disk, for any process; ``Index`` keeps the
+answer in memory for the daemon: it scans the root once, then re-reads whatever a
+watchdog event touches, and reconciles with a full rescan periodically and
+whenever the observer reports trouble (watchdog drops events when the inotify
+queue overflows; inotify sees nothing that other hosts write on NFS or Lustre), so
+missed or coalesced events cannot leave it wrong.
 """
 
 from __future__ import annotations

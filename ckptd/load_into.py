@@ -70,11 +70,12 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     missing: list[str] = []
     _walk(state, saved, (), targets, missing)
     plans = []
+    placed: dict[Any, Any] = {}
     for name, value in targets.items():
         if name not in pieces:
             missing.append(name)
             continue
-        plans.append(_target(name, value, pieces[name]))
+        plans.append(_target(name, value, pieces[name], placed))
     if missing and strict:
         raise CheckpointNotFound(
             f"step {manifests[0].step} of run {run!r} has no " + ", ".join(map(repr, missing[:5]))
@@ -190,14 +191,14 @@ def _walk(target: Any, saved: Any, path: tuple[Any, ...], targets: dict[str, Any
                 target[key] = old
 
 
-def _target(name: str, value: Any, stored: list[_Piece]) -> _Target:
+def _target(name: str, value: Any, stored: list[_Piece], placed: dict[Any, Any] | None = None) -> _Target:
     """Where ``value`` (a tensor, DTensor or array to fill) wants its bytes, checked
     against what is stored."""
     import numpy as np
     import torch
 
     if is_dtensor(value):
-        piece = describe_dtensor(name, value)
+        piece = describe_dtensor(name, value, placed)
         local, box = piece.local, Box(tuple(piece.shard.offsets), tuple(piece.local.shape))
         global_shape = list(piece.shard.global_shape)
     else:
@@ -229,11 +230,24 @@ def _choose(target: _Target, stored: list[_Piece], rank: int) -> list[tuple[_Pie
         for p in sorted(stored, key=lambda p: p.rank):
             seen.setdefault(p.box, p)
         candidates = list(seen.values())
+    first = stored[0].rec
+    for p in candidates:
+        if p.rec.dtype != first.dtype or p.rec.global_shape != first.global_shape:
+            raise CheckpointCorrupt(f"tensor {target.name!r}: rank {p.rank} stored a piece of a {p.rec.dtype} "
+                                    f"tensor of shape {p.rec.global_shape}, rank {stored[0].rank} one of a "
+                                    f"{first.dtype} tensor of shape {first.global_shape}")
     out = []
     for p in candidates:
         overlap = intersect(p.box, target.box)
         if overlap is not None and overlap.numel:
             out.append((p, overlap))
+    # pieces that overlap each other could leave a gap that the count below misses
+    for i, (a, box_a) in enumerate(out):
+        for b, box_b in out[i + 1:]:
+            both = intersect(box_a, box_b)
+            if both is not None and both.numel:
+                raise CheckpointCorrupt(f"tensor {target.name!r}: the pieces stored by ranks {a.rank} and "
+                                        f"{b.rank} overlap at offsets {list(both.offsets)}")
     covered = sum(o.numel for _, o in out)
     if covered != target.box.numel:
         raise CheckpointCorrupt(f"tensor {target.name!r}: the stored pieces cover {covered} of the "
@@ -296,6 +310,8 @@ def _tasks(work: list[tuple[_Target, _Piece, Box]], files: _Files, verify: bool)
     for target, piece, box in work:
         if verify or piece.rec.offset is None:  # read whole: checked, or HDF5 without one place
             by_piece.setdefault((piece.rank, piece.name), []).append((target, box))
+            if piece.rec.offset is not None:
+                files.fd(piece.rec.file)  # opened here, not by several threads at once
             continue
         fd = files.fd(piece.rec.file)
         itemsize = dtypes.lookup(piece.rec.dtype).itemsize

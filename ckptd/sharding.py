@@ -37,14 +37,31 @@ def is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
-def describe_dtensor(name: str, value: Any) -> DTensorPiece:
+def describe_dtensor(name: str, value: Any, cache: dict[Any, Any] | None = None) -> DTensorPiece:
     """This rank's piece of DTensor ``value``; TypeError for a placement that has no
-    place in the whole tensor (Partial: values still to be reduced)."""
+    place in the whole tensor (Partial: values still to be reduced). ``cache``: a dict
+    kept across the tensors of one state (FSDP's many same-shaped pieces are placed once)."""
+    mesh, placements = value.device_mesh, tuple(value.placements)
+    key = (id(mesh), placements, tuple(value.shape))
+    place = cache.get(key) if cache is not None else None
+    if place is None:
+        place = _place(name, value.shape, mesh, placements)
+        if cache is not None:
+            cache[key] = place
+    sizes, shard, group = place
+    local = value.to_local()
+    if list(local.shape) != sizes:
+        raise TypeError(f"tensor {name!r}: its DTensor local shard has shape {list(local.shape)}, but its "
+                        f"placements {list(placements)} give {sizes}; save value.full_tensor() instead")
+    return DTensorPiece(local, shard, group)
+
+
+def _place(name: str, shape: Any, mesh: Any, placements: tuple[Any, ...]) -> tuple[list[int], Shard, tuple[int, ...]]:
+    """``(local sizes, Shard, group)`` of this rank's piece of a DTensor of ``shape``."""
     from torch.distributed.tensor import Replicate, Shard as TShard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh, placements = value.device_mesh, tuple(value.placements)
     for dim, p in enumerate(placements):
         if not isinstance(p, (TShard, _StridedShard, Replicate)):
             raise TypeError(
@@ -57,18 +74,14 @@ def describe_dtensor(name: str, value: Any) -> DTensorPiece:
     if coordinate is None:
         raise TypeError(f"tensor {name!r} is a DTensor on a device mesh this rank is not part of; "
                         "save it from the ranks of its mesh")
-    sizes, offsets = compute_local_shape_and_global_offset(value.shape, mesh, placements)
-    local = value.to_local()
-    if list(local.shape) != list(sizes):
-        raise TypeError(f"tensor {name!r}: its DTensor local shard has shape {list(local.shape)}, but its "
-                        f"placements {list(placements)} give {list(sizes)}; save value.full_tensor() instead")
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     # the ranks holding the same piece: this rank's coordinate on sharded mesh
     # dimensions, any coordinate on replicated ones
     index = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(placements, coordinate))
     group = tuple(sorted(int(r) for r in mesh.mesh[index].reshape(-1).tolist()))
-    shard = Shard(global_shape=list(value.shape), offsets=[int(o) for o in offsets],
+    shard = Shard(global_shape=list(shape), offsets=[int(o) for o in offsets],
                   placements=[str(p) for p in placements], mesh_shape=list(mesh.shape))
-    return DTensorPiece(local, shard, group)
+    return [int(n) for n in sizes], shard, group
 
 
 def hand_shard(name: str, shape: Sequence[int], global_shape: Any, offset: Any) -> Shard:
@@ -154,7 +167,3 @@ def byte_span(box: Box, within: Box, itemsize: int) -> tuple[int, int, int]:
     rows = math.prod(box.sizes[:j]) if j > 0 else 1
     return start, last + itemsize - start, rows
 
-
-def is_whole_run(box: Box, within: Box) -> bool:
-    """True if ``box`` is one contiguous run of ``within``'s C-order storage."""
-    return byte_span(box, within, 1)[2] == 1

@@ -5,7 +5,8 @@ over 2 ranks: uneven shards), and saves its state with ``get_state_dict``:
 
   step 1  dcp.save through ckptd.dcp.StorageWriter
   step 2  dcp.async_save, thread executor
-  step 3  dcp.async_save, process executor
+  step 3  dcp.async_save, ckptd.dcp.AsyncStorageWriter (it stages into ckptd itself)
+  run "dcp-process" step 1  dcp.async_save, process executor
   run "ps" step 1  producer.save of the same state (ckptd's own sharded format)
   and DCP's own FileSystemWriter, the reference
 
@@ -36,6 +37,7 @@ import ckptd.dcp
 from ckptd import Producer
 
 RUN = "dcp"
+PROCESS_RUN = "dcp-process"
 
 
 def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -104,7 +106,10 @@ def main(endpoint: str, root: str, out: Path) -> None:
     dcp.save(state, checkpoint_id=str(out / "reference"))  # DCP's own
     dcp.save(state, storage_writer=ckptd.dcp.StorageWriter(run=RUN, step=1, **options))
     dcp.async_save(state, storage_writer=ckptd.dcp.StorageWriter(run=RUN, step=2, **options)).result()
-    dcp.async_save(state, storage_writer=ckptd.dcp.StorageWriter(run=RUN, step=3, **options),
+    dcp.async_save(state, storage_writer=ckptd.dcp.AsyncStorageWriter(run=RUN, step=3, **options)).result()
+    # the process executor's helper process has a producer of its own for its run and rank:
+    # saves from the training process go to another run (README, DCP users)
+    dcp.async_save(state, storage_writer=ckptd.dcp.StorageWriter(run=PROCESS_RUN, step=1, **options),
                    async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
     with Producer(endpoint, "ps", staging_size="16MiB", timeout=20) as p:
         p.save(state, 1).wait(60)
@@ -114,7 +119,7 @@ def main(endpoint: str, root: str, out: Path) -> None:
     dcp.load(target, checkpoint_id=str(out / "reference"))
     reference = loaded(m, o, target)
     same(reference, flat(state), "DCP's own save and load")
-    for run, step in ((RUN, 1), (RUN, 2), (RUN, 3), ("ps", 1)):
+    for run, step in ((RUN, 1), (RUN, 2), (RUN, 3), (PROCESS_RUN, 1), ("ps", 1)):
         m, o, target = fresh()
         dcp.load(target, storage_reader=ckptd.dcp.StorageReader(run, step, root=root))
         same(loaded(m, o, target), reference, f"dcp.load of {run} step {step} through ckptd.dcp")

@@ -9,7 +9,8 @@ Modes:
                kill -9 itself (every rank): the job dies without closing anything.
   fsdp-resume  FSDP2 on the same world size: load_into the newest checkpoint, train
                to STEPS, write OUT/final-resumed.safetensors.
-  reshard      on any world size: load the checkpoint into an FSDP2 model, a
+  reshard      on any world size: load the checkpoint (and its copy that one process
+               saved whole, run "<run>-whole") into an FSDP2 model, a
                tensor-parallel model (ColwiseParallel / RowwiseParallel) and a 2-D
                FSDP x TP model, each with ckptd.load_into and with dcp.load from the
                reference; every value must be equal.
@@ -38,7 +39,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import ckptd
@@ -138,8 +139,13 @@ def assert_same(a: dict, b: dict, what: str) -> int:
 
 def fsdp_train(out: Path) -> None:
     model, opt = fsdp()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # emit takes DTensors too: a Replicate one is written by one rank only
+    producer.emit("rep", DTensor.from_local(torch.arange(4.0), mesh, [Replicate()]), step=0)
+    producer.emit("sharded", DTensor.from_local(torch.full((2,), float(dist.get_rank())), mesh, [Shard(0)]), step=0)
+    producer.commit(0).wait(60)
     # a placement ckptd cannot place is refused before anything is sent
-    partial = DTensor.from_local(torch.ones(3), init_device_mesh("cpu", (dist.get_world_size(),)), [Partial()])
+    partial = DTensor.from_local(torch.ones(3), mesh, [Partial()])
     try:
         producer.save({"p": partial}, 100)
     except TypeError as exc:
@@ -180,19 +186,22 @@ def reshard(out: Path) -> None:
     if world % 2 == 0 and world > 2:
         layouts["fsdp_x_tp"] = lambda: fsdp_tp(world)
     for what, build in layouts.items():
-        mine_model, mine_opt = build()
         ref_model, ref_opt = build()
-        for m, o in ((mine_model, mine_opt), (ref_model, ref_opt)):
-            train(m, o, range(100, 101))  # optimizer state exists, with values that must go
-        mine, ref = state_of(mine_model, mine_opt), state_of(ref_model, ref_opt)
-        before = {k: _local(v).clone() for k, v in flat(mine) if isinstance(v, torch.Tensor)}
-        ckptd.load_into(mine, RUN, SAVE_AT, root=ROOT)
-        after = {k: _local(v) for k, v in flat(mine) if isinstance(v, torch.Tensor)}
-        stale = [k for k, v in before.items() if v.numel() and torch.equal(v, after[k])]
-        assert not stale, (what, "not loaded", stale)
+        train(ref_model, ref_opt, range(100, 101))
+        ref = state_of(ref_model, ref_opt)
         dcp.load(ref, checkpoint_id=str(out / "dcp"))
-        n = assert_same(mine, ref, f"{what} on {world} ranks")
-        print(f"rank {dist.get_rank()}: {what}: {n} tensors equal to dcp.load", flush=True)
+        # from the 2-rank FSDP2 checkpoint, and from the same state saved whole by 1 process
+        for run in (RUN, RUN + "-whole"):
+            model, opt = build()
+            train(model, opt, range(100, 101))  # optimizer state exists, with values that must go
+            mine = state_of(model, opt)
+            before = {k: _local(v).clone() for k, v in flat(mine) if isinstance(v, torch.Tensor)}
+            ckptd.load_into(mine, run, SAVE_AT, root=ROOT)
+            after = {k: _local(v) for k, v in flat(mine) if isinstance(v, torch.Tensor)}
+            stale = [k for k, v in before.items() if v.numel() and torch.equal(v, after[k])]
+            assert not stale, (what, run, "not loaded", stale)
+            n = assert_same(mine, ref, f"{what} on {world} ranks from {run}")
+            print(f"rank {dist.get_rank()}: {what} from {run}: {n} tensors equal to dcp.load", flush=True)
 
 
 def ddp(out: Path) -> None:

@@ -40,7 +40,8 @@ def test_shares_of_two_attempts_never_make_a_step_and_the_new_one_replaces(daemo
     named = {t["file"] for m in folder.glob("manifest-r*.json") for t in json.loads(m.read_text())["tensors"].values()}
     assert {f.name for f in folder.glob("*.safetensors")} == named  # the old share's files are gone
 
-    with pytest.raises(ckptd.CheckpointError, match=r"step 10 of run 't' is already committed by every rank \(attempt job7.1\).*never "
+    with pytest.raises(ckptd.CheckpointError, match=r"step 10 of run 't' is already committed by every rank "
+                       r"\(attempt job7.1\).*never "
                        r"overwritten; ckptd.latest\('t'\).*resume from it and save the steps after it"):
         save(daemon, 0, 10, "job7.2", 4.0)
     assert torch.equal(ckptd.load("t", 10, root=daemon.root, rank=0)["w"], torch.full((64,), 3.0))

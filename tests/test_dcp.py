@@ -6,6 +6,7 @@ one read by dcp.load), single-process use, and kill -9 of the daemon mid-save.""
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 import threading
@@ -40,7 +41,7 @@ def test_fsdp2_two_ranks_dcp_save_async_save_load_and_cross_loads(daemon, tmp_pa
     reference = load_file(str(out / "reference.safetensors"))
     assert any(k.startswith("optim.state.") for k in reference) and "model.0.weight" in reference
     assert reference["model.0.weight"].shape == (5, 6)  # sharded 3 + 2 rows: uneven
-    for run_id in (job.RUN, "ps"):
+    for run_id in (job.RUN, job.PROCESS_RUN, "ps"):
         whole = ckptd.load(run_id, 1, root=daemon.root, names=list(reference))  # assembled from 2 ranks
         assert all(torch.equal(whole[k], v) for k, v in reference.items()), run_id
         target = {k: torch.zeros_like(v) for k, v in reference.items()}
@@ -80,6 +81,10 @@ def test_single_process_dcp_save_and_load(daemon) -> None:
     dcp.load(target, storage_reader=ckptd.dcp.StorageReader("one", root=daemon.root), no_dist=True)
     assert target["epoch"] == 1 and target["tag"] == [1, "x"]
     assert all(torch.equal(target["w"][k], v) for k, v in state["w"].items())
+    out = daemon.base / "one.safetensors"  # an ordinary step: `ckptd export` takes it as any other
+    assert cli("export", "one", "7", "-o", str(out), "--root", str(daemon.root)).returncode == 0
+    exported = load_file(str(out))
+    assert exported.keys() == {f"w.t{i}" for i in range(4)} and torch.equal(exported["w.t0"], state["w"]["t0"])
     # DCP hands on what its storage layer raised inside a CheckpointException (with its traceback)
     with pytest.raises(CheckpointException, match="ValueError: ckptd.dcp.StorageWriter: no step; pass StorageWriter"):
         dcp.save(state, storage_writer=ckptd.dcp.StorageWriter(run="one", endpoint=daemon.endpoint), no_dist=True)
@@ -118,3 +123,23 @@ def test_kill_daemon_during_dcp_save_leaves_the_previous_step_latest(make_daemon
     target = small_state(3)
     dcp.load(target, storage_reader=ckptd.dcp.StorageReader("k", root=d.root, verify=True), no_dist=True)
     assert target["epoch"] == 1 and all(torch.equal(target["w"][k], v) for k, v in first["w"].items())
+
+
+def test_async_storage_writer_stages_into_ckptd_and_keeps_the_snapshot(daemon) -> None:
+    state = small_state(4)
+    want = {k: v.clone() for k, v in state["w"].items()}
+    options = dict(endpoint=daemon.endpoint, staging_size="8MiB", timeout=10)
+    future = dcp.async_save(state, storage_writer=ckptd.dcp.AsyncStorageWriter(run="st", step=1, **options),
+                            no_dist=True)
+    for t in state["w"].values():  # the training loop goes on at once: the checkpoint is not torn
+        t.add_(1.0)
+    state["epoch"] = 99
+    future.result()
+    target = small_state(5)
+    dcp.load(target, storage_reader=ckptd.dcp.StorageReader("st", 1, root=daemon.root, verify=True), no_dist=True)
+    assert target["epoch"] == 4 and all(torch.equal(target["w"][k], v) for k, v in want.items())
+    # the process executor pickles the writer to send it to its helper process: refused
+    with pytest.raises(TypeError, match="cannot go to another process .*use ckptd.dcp.StorageWriter there"):
+        pickle.dumps(ckptd.dcp.AsyncStorageWriter(run="st", step=2, **options))
+    pickle.loads(pickle.dumps(ckptd.dcp.StorageWriter(run="st", step=2, **options)))  # it can
+    assert [i.step for i in ckptd.list_checkpoints("st", root=daemon.root)] == [1]

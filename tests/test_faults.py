@@ -211,7 +211,7 @@ def test_kill_producers_mid_step_frees_their_memory_and_others_carry_on(make_dae
         for child in children.values():
             child.kill()
             child.wait()
-        # their sessions expire (session_timeout), their steps are dropped, their memory freed
+        # their deaths are noticed (a pidfd: ckptd.daemon.liveness), their steps dropped, their memory freed
         wait_until(lambda: not victims(status(d)), 20, "the victims' sessions are gone")
         wait_until(lambda: status(d)["queued_bytes"] == 0, 20, "queued_bytes is back to 0")
         wait_until(lambda: staging_maps(d.proc.pid) == maps_before, 20, "the shm victim's staging is unmapped")

@@ -15,18 +15,20 @@ import time
 import torch
 
 import ckptd
+from conftest import start_tcp
 
 CHILD = textwrap.dedent("""
     import os, sys, time, torch
     from ckptd import Producer
     endpoint, mode = sys.argv[1], sys.argv[2]
-    p = Producer(endpoint, "t", staging_size="16MiB", timeout=5)
+    keys = dict(curve_server_key=sys.argv[3], curve_secret_key=sys.argv[4]) if len(sys.argv) > 3 else {}
+    p = Producer(endpoint, "t", staging_size="16MiB", timeout=5, **keys)
     if mode == "open":  # step 1 begun, never committed
         p.emit("w", torch.arange(2.0**20), step=1)  # 4 MiB = chunk_size: a file of its own, written now
         p.latest()  # answered after the tensor before it: the step is open in the daemon
         print("emitted", flush=True)
         time.sleep(600)
-    else:  # "commit-and-die": a raw DEALER sends a whole step and exits before any answer
+    elif mode == "commit-and-die":  # a raw DEALER sends a whole step and exits before any answer
         import socket, zmq
         from ckptd import wire
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -46,6 +48,17 @@ CHILD = textwrap.dedent("""
 
 def status(d) -> dict:
     out = subprocess.run([sys.executable, "-m", "ckptd", "status", "--json", "--endpoint", d.endpoint],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def status_tcp(endpoint: str, keys: dict, folder) -> dict:
+    """`ckptd status --json` over tcp://, with alice's keys from a config file."""
+    cfg = folder / "alice.toml"
+    cfg.write_text(f'[daemon]\nendpoint = "{endpoint}"\n[producer]\n'
+                   f'curve_server_key = "{keys["server"]}"\ncurve_secret_key = "{keys["alice"]}"\n')
+    out = subprocess.run([sys.executable, "-m", "ckptd", "status", "--json", "-c", str(cfg)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -97,3 +110,25 @@ def test_commit_sent_just_before_death_is_still_committed(make_daemon) -> None:
         assert time.monotonic() < deadline, d.log_text()
         time.sleep(0.05)
     assert os.path.exists(d.root / "t" / "step-000000000007" / "manifest-r00000.json")
+
+
+def test_remote_producer_keeps_the_session_timeout(make_daemon, keys, tmp_path) -> None:
+    """Over tcp:// the daemon has no pid to watch: a killed producer's step stays open
+    until session_timeout (the default, 60 s: still open 3 s after the kill)."""
+    d, endpoint = start_tcp(make_daemon, keys)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, endpoint, "open", str(keys["server"]), str(keys["alice"])],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "emitted"
+        status_of = lambda: [p for p in status_tcp(endpoint, keys, tmp_path)["producers"]  # noqa: E731
+                             if p["pid"] == child.pid]
+        assert [p["open_steps"] for p in status_of()] == [[1]]
+        child.kill()
+        child.wait()
+        time.sleep(3.0)
+        assert [p["open_steps"] for p in status_of()] == [[1]]
+        assert "died (process" not in d.log_text()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

@@ -1,6 +1,6 @@
 """Sharded training with real torchrun (gloo on CPU), a real daemon and DCP as the
-reference: FSDP2 save, kill -9, resume; resharding into 1, 2 and 4 processes and
-into TP and FSDP x TP layouts; DDP with one copy of replicated state.
+reference: FSDP2 save, kill -9, resume; resharding 2 -> 1, 2 -> 4 and 1 -> 4, into
+FSDP2, TP and FSDP x TP layouts; DDP with one copy of replicated state.
 The jobs themselves are tests/sharded_job.py."""
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def fsdp_run(tmp_path_factory):
     try:
         text = torchrun(daemon, 2, "fsdp-train", out, expect_ok=False)
         assert (out / "final-uninterrupted.safetensors").exists(), text[-6000:]
+        # the same state saved whole by one process: for loads 1 -> N
+        with daemon.producer("fsdp-whole") as p:
+            p.save(ckptd.load("fsdp", SAVE_AT, root=daemon.root), SAVE_AT).wait(60)
         yield daemon, out
     finally:
         daemon.cleanup()
@@ -56,6 +59,14 @@ def test_fsdp2_resume_after_kill_is_bit_exact(fsdp_run) -> None:
     daemon, out = fsdp_run
     info = ckptd.latest("fsdp", root=daemon.root)
     assert info is not None and info.step == SAVE_AT
+    # step 0 was emitted: a Replicate DTensor written by one rank, a Shard(0) one by both
+    manifests = [json.loads((Path(info.path).parent / "step-000000000000" / f"manifest-r0000{r}.json").read_text())
+                 for r in (0, 1)]
+    writers = [r for r in (0, 1) if "rep" in manifests[r]["tensors"]]
+    assert len(writers) == 1 and manifests[1 - writers[0]]["replicas"] == {"rep": writers[0]}
+    assert manifests[1]["tensors"]["sharded"]["shard"]["offsets"] == [2]
+    step0 = ckptd.load("fsdp", 0, root=daemon.root)
+    assert torch.equal(step0["rep"], torch.arange(4.0)) and torch.equal(step0["sharded"], torch.tensor([0., 0, 1, 1]))
     torchrun(daemon, 2, "fsdp-resume", out)
     want = load_file(str(out / "final-uninterrupted.safetensors"))
     got = load_file(str(out / "final-resumed.safetensors"))
@@ -69,8 +80,9 @@ def test_fsdp2_checkpoint_reshards_into_4_ranks_tp_and_fsdp_x_tp(fsdp_run) -> No
     daemon, out = fsdp_run
     text = torchrun(daemon, 4, "reshard", out)
     for layout in ("fsdp", "tp", "fsdp_x_tp"):
-        for rank in range(4):
-            assert f"rank {rank}: {layout}: " in text, text[-4000:]
+        for run in ("fsdp", "fsdp-whole"):  # 2 -> 4 and 1 -> 4
+            for rank in range(4):
+                assert f"rank {rank}: {layout} from {run}: 16 tensors equal" in text, text[-4000:]
 
 
 @pytest.mark.slow
@@ -111,6 +123,7 @@ print("equal", n)
     assert "equal 16" in proc.stdout  # 4 parameters, 3 Adam tensors for each
 
 
+@pytest.mark.slow  # its checkpoint comes from the torchrun job
 def test_load_into_names_what_does_not_match(fsdp_run) -> None:
     daemon, _ = fsdp_run
     root = daemon.root

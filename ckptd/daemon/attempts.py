@@ -48,14 +48,16 @@ def resave(step_dir: Path, run: str, rank: int, step: int, attempt: str | None, 
         by = f" (attempt {complete[0].attempt})" if complete[0].attempt else ""
         return Verdict(
             f"step {step} of run {run!r} is already committed by every rank{by}: it is complete, and a complete "
-            f"checkpoint is never overwritten; ckptd.latest({run!r}) (or `ckptd latest {run}`) tells the newest complete step: "
-            "resume from it and save the steps after it, or save under a new step number")
+            f"checkpoint is never overwritten; ckptd.latest({run!r}) (or `ckptd latest {run}`) tells the newest "
+            "complete step: resume from it and save the steps after it, or save under a new step number")
     if earlier is None:  # replaced or removed since it was seen
         return GO
     if attempt is None or earlier.attempt == attempt:
         hint = ("; a restarted job's producers need an attempt of their own (torchrun gives one; elsewhere "
                 "pass Producer(attempt=...)) for their share to replace the failed attempt's"
-                if attempt is None else " by this attempt of the job; save each step once")
+                if attempt is None else f" by this attempt of the job ({attempt}); save each step once per attempt "
+                "(a new launch that has the same attempt, e.g. torchrun on several nodes without --rdzv-id, needs "
+                "one of its own: [producer] attempt)")
         return Verdict(f"step {step} of run {run!r} is already committed for rank {rank}{hint}; a committed "
                        "share is never overwritten")
     return Verdict(replace=True)

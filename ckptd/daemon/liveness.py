@@ -69,8 +69,10 @@ class Liveness:
                 w.died = time.monotonic()
             else:  # ENOSYS, EPERM (a seccomp filter): /proc it is
                 w.start = _start_time(pid)
-                if w.start is None:
-                    w.died = time.monotonic()
+                if w.start is None:  # hidden (ProtectProc=invisible): no death is ever guessed
+                    log.debug("cannot watch pid %d (%s, and /proc does not show it): session_timeout applies",
+                              pid, exc.strerror)
+                    return
         else:
             self._epoll.register(w.fd, select.EPOLLIN)
             self._by_fd[w.fd] = identity

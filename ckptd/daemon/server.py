@@ -708,8 +708,12 @@ class Daemon:
 
     def _end_dead_sessions(self, now: float) -> None:
         """End the sessions of local producers whose process exited (ckptd.daemon.liveness)."""
-        for identity, pid in self.liveness.ended(now, lambda i: self.sessions[i].last_seen):
-            self._end_session(self.sessions[identity], f"died (process {pid} exited)")
+        last_seen = lambda i: self.sessions[i].last_seen if i in self.sessions else 0.0  # noqa: E731
+        for identity, pid in self.liveness.ended(now, last_seen):
+            if identity in self.sessions:
+                self._end_session(self.sessions[identity], f"died (process {pid} exited)")
+            else:  # never happens: sessions and the watch end together; a stray watch must not stop the loop
+                self.liveness.forget(identity)
 
     def _keep_alive(self, now: float) -> None:
         """While the daemon is not reading (over budget), producers' pings go unread:

@@ -200,7 +200,7 @@ class Producer:
                 raise ValueError(f"emit({name!r}, ...): a DTensor places itself; drop global_shape= and offset=")
             item = self._describe(name, tensor)
             item = dataclasses.replace(item, shard=hand_shard(name, item.shape, global_shape, offset))
-        else:
+        elif is_dtensor(tensor):
             planned = sharded.plan({name: tensor}, self.rank, self.world_size)
             if name in planned.replicas:  # another rank of its mesh writes this replicated piece
                 with self._emit_lock:
@@ -208,6 +208,8 @@ class Producer:
                 return
             source, shard = planned.stage[name]
             item = dataclasses.replace(self._describe(name, source), shard=shard)
+        else:
+            item = self._describe(name, tensor)
         with self._emit_lock:
             self._grow_between_steps()
             self._claim(step, name)

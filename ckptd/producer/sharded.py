@@ -49,9 +49,10 @@ def plan(tensors: dict[str, Any], rank: int, world_size: int, replicated: Any = 
     out = Plan()
     shared: list[tuple[str, int, tuple[int, ...]]] = []  # pieces several ranks hold
     everyone = tuple(range(world_size))
+    placed: dict[Any, Any] = {}
     for name, value in tensors.items():
         if is_dtensor(value):
-            piece = describe_dtensor(name, value)
+            piece = describe_dtensor(name, value, placed)
             out.stage[name] = (piece.local, piece.shard)
             group, local = piece.group, piece.local
         else:

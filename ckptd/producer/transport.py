@@ -44,6 +44,10 @@ class Transport:
         self._curve_keys = curve_keys  # a tcp:// endpoint's CurveZMQ keys (docs/security.md)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = WakePipe()
+        # the sender sleeps in poll: only then does a queued message need a wake-up
+        # (a pipe write per message, with the thread switch it causes, was a third of
+        # the time a many-tensor save blocked the training thread)
+        self._idle = False
         self._stop = False
         self.lost: str | None = None
         self.refused: str | None = None  # why the daemon refused this producer's CurveZMQ key
@@ -56,7 +60,8 @@ class Transport:
     def send(self, header: bytes, payload: Any = None, event: Any = None) -> None:
         """Queue one message; ``event`` (a CUDA event) must complete before it ships."""
         self._queue.put((header, payload, event))
-        self._wake.wake()
+        if self._idle:
+            self._wake.wake()
 
     def close(self) -> None:
         """Send what is queued (briefly), then stop the thread and close the socket."""
@@ -83,9 +88,12 @@ class Transport:
         seq = 0
         try:
             while True:
-                for fd, _ in poller.poll(int(self._heartbeat * 1000 / 2)):
+                self._idle = True  # then look at the queue: a message put before this was seen
+                wait = 0 if not self._queue.empty() else int(self._heartbeat * 1000 / 2)
+                for fd, _ in poller.poll(wait):
                     if fd == self._wake.fd:
                         self._wake.drain()
+                self._idle = False
                 while True:
                     try:
                         outbox.append(self._queue.get_nowait())

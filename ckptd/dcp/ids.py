@@ -1,0 +1,35 @@
+"""Steps from DCP's ``checkpoint_id``, and this process's rank and world size."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def step_of(value: Any) -> int:
+    """A step from ``step=`` or DCP's ``checkpoint_id`` (an int, or a str/path ending in digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    tail = None if text is None else str(text).rstrip("/").rsplit("/", 1)[-1].removeprefix("step-")
+    if tail is not None and tail.isdigit():
+        return int(tail)
+    raise ValueError(f"ckptd.dcp: {value!r} is not a step; pass a step number (an int >= 0)")
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    env = os.environ.get("RANK", "")
+    return int(env) if env.isdigit() else 0
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    env = os.environ.get("WORLD_SIZE", "")
+    return int(env) if env.isdigit() else 1
