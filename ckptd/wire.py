@@ -32,6 +32,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
               "host": "str", "retention": "map?", "format": "str?", "shm_token": "bin?", "shm_size": "int?"},
     "tensor": {"seq": "int", "step": "int", "name": "str", "dtype": "str", "shape": "shape",
                "nbytes": "int", "start": "int", "numpy": "bool", "offset": "int?", "length": "int?"},
+    # small tensors in one region of the shared arena: items are [name, dtype, shape,
+    # nbytes, numpy, offset] (``batch_pieces``); shared memory only
+    "tensors": {"seq": "int", "step": "int", "items": "batch"},
     "commit": {"seq": "int", "step": "int", "ntensors": "int", "state": "json",
                "metadata": "json"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
@@ -56,6 +59,34 @@ STOPPING = "stopping"  # the daemon is draining before it exits: no new producer
 def encode(op: str, **fields: Any) -> bytes:
     """Pack one header. Callers pass exactly the schema's fields."""
     return msgpack.packb({"op": op, **fields}, use_bin_type=True)
+
+
+# one tensor of a ``tensors`` message, a list in this order: its bytes are
+# ``[offset, offset + nbytes)`` of the arena
+BATCH_ITEM = ("name", "dtype", "shape", "nbytes", "numpy", "offset")
+
+
+def batch_pieces(header: dict[str, Any]) -> list[dict[str, Any]]:
+    """A decoded ``tensors`` message's items as ``tensor`` headers (each one whole piece)."""
+    step = header["step"]
+    return [{"step": step, "name": name, "dtype": dtype, "shape": shape, "nbytes": nbytes, "start": 0,
+             "numpy": numpy, "offset": offset, "length": nbytes}
+            for name, dtype, shape, nbytes, numpy, offset in header["items"]]
+
+
+def _is_uint(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _is_shape(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= _MAX_DIMS and all(_is_uint(d) for d in v)
+
+
+def _is_batch(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(it, list) and len(it) == len(BATCH_ITEM) and isinstance(it[0], str) and isinstance(it[1], str)
+        and _is_shape(it[2]) and _is_uint(it[3]) and isinstance(it[4], bool) and _is_uint(it[5])
+        for it in v)
 
 
 def decode(frames: list[Any]) -> tuple[dict[str, Any], Any]:
@@ -114,14 +145,14 @@ def _check_field(op: str, header: dict[str, Any], key: str, kind: str) -> None:
         raise ProtocolError(f"{op!r} message lacks field {key!r}")
     value = header[key]
     ok = {
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
+        "int": _is_uint,
+        "batch": _is_batch,
         "str": lambda v: isinstance(v, str),
         "bin": lambda v: isinstance(v, bytes),
         "bool": lambda v: isinstance(v, bool),
         "json": lambda v: isinstance(v, str),
         "map": lambda v: isinstance(v, dict),
-        "shape": lambda v: isinstance(v, list) and len(v) <= _MAX_DIMS and all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in v),
+        "shape": _is_shape,
     }[kind](value)
     if not ok:
         raise ProtocolError(f"{op!r} message field {key!r} has a bad value {_short(value)}")

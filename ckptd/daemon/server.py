@@ -462,6 +462,9 @@ class Daemon:
             elif op == "tensor":
                 assert sess is not None
                 self._on_tensor(sess, header, payload)
+            elif op == "tensors":
+                assert sess is not None
+                self._on_tensors(sess, header)
             elif op == "commit":
                 self._on_commit(sess, header)
             elif op == "abort":
@@ -595,6 +598,25 @@ class Daemon:
             for st in sess.steps.values():
                 st.flush()
 
+    def _on_tensors(self, sess: Session, h: dict[str, Any]) -> None:
+        """A batch of small tensors in one region of shared memory (docs/protocol.md)."""
+        seq = sess.received = h["seq"]
+        open_step = self._open_step(sess, h["step"], seq)
+        if open_step.share.error is not None:
+            return
+        taken = 0
+        try:
+            for piece in wire.batch_pieces(h):
+                open_step.add_piece(piece, self._shared_piece(sess, piece), seq)
+                taken += piece["length"] > 0  # an empty tensor holds no piece of the region
+        except StepError as exc:
+            self._fail_step(sess, open_step, str(exc), seq)
+        if taken:  # the pieces handed on are reported written, one by one
+            sess.expect(seq, taken)
+        if sum(st.gathered for st in sess.steps.values()) >= len(sess.shm or b"") // 2:
+            for st in sess.steps.values():
+                st.flush()
+
     @staticmethod
     def _shared_piece(sess: Session, h: dict[str, Any]) -> memoryview:
         """The piece's bytes in the producer's arena, checked against the arena's bounds."""
@@ -671,7 +693,7 @@ class Daemon:
     def _release_partial(self, sess: Session, open_step: OpenStep) -> None:
         held, seqs = open_step.release_partial()
         self.queued -= held
-        sess.written.update(seqs)
+        sess.mark_written(seqs)
 
     def _end_session(self, sess: Session, why: str) -> None:
         log.info("producer %s %s; discarding %d unfinished step(s)", sess.label, why, len(sess.steps))
@@ -709,7 +731,7 @@ class Daemon:
             if r.seqs:
                 sess = self.sessions.get(share.owner)
                 if sess is not None:
-                    sess.written.update(r.seqs)
+                    sess.mark_written(r.seqs)
                     self._ack(sess)
             if r.kind == "failed":
                 self._report_failure(share, r.message)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import chunkfile, layout
+from .. import chunkfile, layout, manifestcache
 from ..chunkfile import Entry
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
@@ -400,6 +400,7 @@ class Writer:
             format=share.format, files={f: os.stat(share.at(f)).st_size for f in sorted(data_files)},
         )
         atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self._fsync)
+        manifestcache.remember(share.at(layout.manifest_name(share.rank)), manifest)  # read back below
         try:  # committed: the claim is over (a leftover is harmless and removed at start-up)
             os.unlink(share.at(layout.writing_marker(share.rank)))
         except FileNotFoundError:
