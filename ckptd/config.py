@@ -109,6 +109,7 @@ class DaemonConfig:
     drain_timeout: float = _opt(60.0, parse_duration)
     direct_io: bool = _opt(True, lambda v: _bool(v))  # O_DIRECT chunk writes where the filesystem allows
     write_rate: int = _opt(0, parse_size)  # bytes/s cap on data writes; 0 = none
+    writer_threads: int = _opt(2, lambda v: _threads(v))  # chunk files written at once
     shared_runs: bool = _opt(False, lambda v: _bool(v))  # False: a run is written only by its creator
     curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's NAME.key_secret file
     curve_clients: str = _opt("", lambda v: _path(v))  # tcp:// only: folder of admitted producers' NAME.key files
@@ -130,6 +131,12 @@ class ProducerConfig:
 def _nice(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
         raise ValueError(f"{value!r} is not a niceness from 0 to 19")
+    return value
+
+
+def _threads(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+        raise ValueError(f"{value!r} is not a number of threads from 1 to 64")
     return value
 
 

@@ -97,7 +97,8 @@ class Daemon:
         self.upkeep = Upkeep(self.config)
         self.upkeep.start()
         self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
-                             hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate)
+                             hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate,
+                             threads=self.cfg.writer_threads)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
