@@ -94,6 +94,16 @@ class Targets:
         for d in self.dst:
             d.fill_(1.0)
 
+    def fastest_cpu(self) -> float:
+        """The same, in CPU seconds of this thread (what a busy machine's wall time hides)."""
+        def timed(fn: Callable[[], None]) -> float:
+            t0 = time.thread_time()
+            fn()
+            return time.thread_time() - t0
+
+        return min(timed(lambda: torch._foreach_copy_(self.dst, self.src)),
+                   timed(lambda: [d.copy_(s) for d, s in zip(self.dst, self.src)]))
+
     def fastest(self) -> float:
         def loop_copy() -> None:
             for d, s in zip(self.dst, self.src):
@@ -117,22 +127,29 @@ def producer_for(daemon: DaemonProcess, staging: int, fmt: str | None = None) ->
                           staging_size=staging, format=fmt, timeout=60)
 
 
+CPU: dict[str, float] = {}  # the last call's CPU seconds on the calling thread
+
+
 def time_save(p: Any, state: dict[str, torch.Tensor], step: int, timeout: float) -> tuple[float, float]:
+    c0 = time.thread_time()
     t0 = time.perf_counter()
     handle = p.save(state, step)
     t1 = time.perf_counter()
+    CPU["blocked"] = time.thread_time() - c0
     handle.wait(timeout)
     return t1 - t0, time.perf_counter() - t0
 
 
 def time_emit(p: Any, state: dict[str, torch.Tensor], step: int, timeout: float) -> tuple[float, float]:
-    blocked = 0.0
+    blocked = cpu = 0.0
     t0 = time.perf_counter()
     with p.checkpoint(step) as handle:
         for name, t in state.items():
-            a = time.perf_counter()
+            a, c = time.perf_counter(), time.thread_time()
             p.emit(name, t)
             blocked += time.perf_counter() - a
+            cpu += time.thread_time() - c
+    CPU["blocked"] = cpu
     handle.wait(timeout)
     return blocked, time.perf_counter() - t0
 
@@ -271,14 +288,18 @@ def one_round(lab: Lab, record: bool) -> None:
     t = args.timeout
     # -- part 1: the stall ------------------------------------------------------------
     for kind, state in states.items():
-        floor = Targets(state).fastest()
+        targets = Targets(state)
+        floor, floor_cpu = targets.fastest(), targets.fastest_cpu()
         rec(f"memcpy.{kind}", floor)
+        rec(f"memcpy.{kind}.cpu", floor_cpu)
         p = lab.producers["disk"]
         for api, fn in (("save", time_save), ("emit", time_emit)):
             os.sync()
             blocked, durable = fn(p, state, lab.next_step(), t)
             rec(f"{api}.{kind}.blocked", blocked)
             rec(f"{api}.{kind}.x_memcpy", blocked / floor)
+            rec(f"{api}.{kind}.cpu", CPU["blocked"])
+            rec(f"{api}.{kind}.cpu_x_memcpy", CPU["blocked"] / max(floor_cpu, 1e-6))
     large = states["large"]
     nbytes = nbytes_of(large)
     # -- part 2: durable against O_DIRECT, and the RAM disk ------------------------------
@@ -462,6 +483,10 @@ def report(lab: Lab) -> list[dict[str, Any]]:
               f"cold {med(lab, 'load_mmap.cold.open'):.4f} s")
     print(f"selective: asked {med(lab, 'select.asked_mb'):.1f} MB, ckptd read {med(lab, 'select.read_mb'):.1f} MB "
           f"from disk, a plain read of the range {med(lab, 'select.raw_mb'):.1f} MB")
+    print("the stall in CPU seconds of the calling thread (immune to waiting for a busy CPU): "
+          + ", ".join(f"{api} {kind} {med(lab, f'{api}.{kind}.cpu_x_memcpy'):.2f}x memcpy's"
+                      for kind in lab.states for api in ("save", "emit") if f"{api}.{kind}.cpu_x_memcpy" in lab.samples))
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for note in lab.notes:
         print(f"note: {note}")
     return rows
