@@ -90,9 +90,9 @@ class Targets:
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         self.src = list(state.values())
-        self.dst = [torch.empty_like(t) for t in self.src]
-        for d in self.dst:
-            d.fill_(1.0)
+        # random, not constant: a host that merges identical pages (KSM) would turn the
+        # copy's first write to each page into a copy-on-write fault
+        self.dst = [torch.rand_like(t) for t in self.src]
 
     def fastest_cpu(self) -> float:
         """The same, in CPU seconds of this thread (what a busy machine's wall time hides)."""
@@ -180,7 +180,7 @@ class ReadTarget:
     """A preallocated, pre-faulted buffer as large as the biggest file: the raw read's floor."""
 
     def __init__(self, size: int) -> None:
-        self.buf = torch.ones(max(1, size), dtype=torch.uint8)
+        self.buf = torch.randint(0, 256, (max(1, size),), dtype=torch.uint8)  # pre-faulted, unmergeable
         self.view = memoryview(self.buf.numpy())
 
     def read_files(self, files: list[Path]) -> float:
@@ -237,6 +237,7 @@ class Lab:
     samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     step: int = 0
+    rounds: int = 0
 
     def record(self, key: str, value: float | None) -> None:
         if value is not None:
@@ -284,6 +285,7 @@ def start(lab: Lab) -> None:
 
 def one_round(lab: Lab, record: bool) -> None:
     args, states = lab.args, lab.states
+    lab.rounds += 1
     rec = lab.record if record else (lambda key, value: None)
     t = args.timeout
     # -- part 1: the stall ------------------------------------------------------------
@@ -293,7 +295,8 @@ def one_round(lab: Lab, record: bool) -> None:
         rec(f"memcpy.{kind}", floor)
         rec(f"memcpy.{kind}.cpu", floor_cpu)
         p = lab.producers["disk"]
-        for api, fn in (("save", time_save), ("emit", time_emit)):
+        calls = [("save", time_save), ("emit", time_emit)]
+        for api, fn in calls if lab.rounds % 2 else calls[::-1]:  # which goes first alternates
             os.sync()
             blocked, durable = fn(p, state, lab.next_step(), t)
             rec(f"{api}.{kind}.blocked", blocked)
@@ -535,8 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         off += n
     lab.direct_buf = view[:nbytes]
     lab.read_target = ReadTarget(nbytes + 64 * MiB)
-    lab.out_state = {k: torch.empty_like(v).fill_(0) for k, v in lab.states["large"].items()}
-    lab.touch = {k: torch.empty_like(v).fill_(0) for k, v in lab.states["large"].items()}
+    lab.out_state = {k: torch.rand_like(v) for k, v in lab.states["large"].items()}
+    lab.touch = {k: torch.rand_like(v) for k, v in lab.states["large"].items()}
     try:
         start(lab)
         print("warm-up round ...", flush=True)
