@@ -43,7 +43,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "status": {"seq": "int"},  # also from `ckptd status`, without a session
     "bye": {},
     # daemon -> producer
-    "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int", "shm": "bool?"},
+    "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int", "shm": "bool?", "batch": "bool?"},
     "ack": {"seq": "int"},
     "committed": {"seq": "int", "step": "int", "info": "map"},
     "error": {"seq": "int?", "step": "int?", "message": "str", "code": "str?"},

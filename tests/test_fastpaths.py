@@ -123,8 +123,9 @@ def test_malformed_batches_are_protocol_errors() -> None:
             wire.decode([wire.encode("tensors", seq=1, step=1, items=items)])
 
 
-def test_writer_threads_write_chunk_files_side_by_side_bit_exact(make_daemon) -> None:
-    d = make_daemon(chunk_size="1MiB", writer_threads=4)
+@pytest.mark.parametrize("threads", [1, 4])
+def test_writer_threads_write_chunk_files_side_by_side_bit_exact(make_daemon, threads: int) -> None:
+    d = make_daemon(chunk_size="1MiB", writer_threads=threads)
     g = torch.Generator().manual_seed(3)
     state = {f"w{i}": torch.randn(2**16 + i, generator=g) for i in range(40)}  # ~10 MiB, ~10 files
     with d.producer("wt", transport="shm", staging_size="16MiB") as p:

@@ -537,7 +537,7 @@ class Daemon:
         log.info("producer connected: %s host=%s format=%s transport=%s", sess.label, sess.host, sess.format,
                  "shm" if sess.shm is not None else "inline")
         self._send(identity, "welcome", v=wire.VERSION, max_frame=self.cfg.max_frame, daemon_pid=os.getpid(),
-                   shm=sess.shm is not None)
+                   shm=sess.shm is not None, batch=True)
 
     def _on_latest(self, identity: bytes, h: dict[str, Any]) -> None:
         try:

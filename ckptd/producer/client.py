@@ -148,6 +148,7 @@ class Producer:
         self._max_frame = 0
         self._shm = False  # this connection's tensors travel through the shared arena
         self._batcher: Batcher | None = None  # small tensors' open batch (shared memory only)
+        self._batches = False  # the daemon takes batches (its welcome says so)
         self._closed = False
         self._arena: Arena | None = None
         self._arena_error: BaseException | None = None
@@ -614,7 +615,7 @@ class Producer:
             )
         self._transport = transport
         self._batcher = Batcher(self._arena.capacity, self._arena_t.data_ptr(), self._alloc, self._send_region,
-                                self._copy_whole) if self._shm else None
+                                self._copy_whole) if self._shm and self._batches else None
 
     def _send_batch(self) -> None:
         """Send the open batch of small tensors, if any (under ``_emit_lock``)."""
@@ -674,6 +675,7 @@ class Producer:
         elif op == "welcome":
             self._max_frame = h["max_frame"]
             self._shm = bool(h["shm"])
+            self._batches = bool(h["batch"])  # this daemon takes ``tensors`` messages
             if self._welcome is not None:
                 self._welcome.set()
         elif op == "committed":
