@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,23 @@ import pytest
 import torch
 
 import ckptd
-from ckptd import CheckpointCorrupt, layout, manifestcache, reader, wire
+from ckptd import CheckpointCorrupt, handoff, layout, manifestcache, reader, wire
 from ckptd.errors import ProtocolError
 from ckptd.manifest import Manifest
 
 from test_crash import referenced_files_only, wait_for_files
+
+
+def shm_daemon(make_daemon, **keys: object):
+    """A daemon whose shared-memory handoff socket is listening too (it is made just
+    after the main socket, which is what the fixture waits for)."""
+    d = make_daemon(**keys)
+    path = Path(handoff.socket_path(d.endpoint[len("ipc://"):]))
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        assert time.monotonic() < deadline, d.log_text()
+        time.sleep(0.01)
+    return d
 
 
 def small_state(seed: int, n: int = 1500) -> dict[str, object]:
@@ -76,7 +89,7 @@ def same_state(got: dict, want: dict) -> None:
 
 @pytest.mark.parametrize("fmt", ["chunk", "hdf5"])
 def test_small_tensors_travel_in_batches_bit_exact_and_as_snapshots(make_daemon, fmt: str) -> None:
-    d = make_daemon(format=fmt, chunk_size="256KiB")
+    d = shm_daemon(make_daemon, format=fmt, chunk_size="256KiB")
     with d.producer("b", transport="shm", staging_size="2MiB") as p:  # small: batches wrap the ring
         want = {}
         for step in (1, 2):
@@ -101,7 +114,8 @@ def test_small_tensors_travel_in_batches_bit_exact_and_as_snapshots(make_daemon,
     assert reader.verify("b", 2, root=d.root)[1] == []
 
 
-def test_a_batch_that_names_memory_outside_the_arena_fails_its_step_only(daemon) -> None:
+def test_a_batch_that_names_memory_outside_the_arena_fails_its_step_only(make_daemon) -> None:
+    daemon = shm_daemon(make_daemon)
     with daemon.producer("bad", transport="shm", staging_size="1MiB") as p:
         p.save({"x": torch.ones(3)}, 1).wait(30)
         with p._lock:  # a hand-made message through the producer's own connection
@@ -125,7 +139,7 @@ def test_malformed_batches_are_protocol_errors() -> None:
 
 @pytest.mark.parametrize("threads", [1, 4])
 def test_writer_threads_write_chunk_files_side_by_side_bit_exact(make_daemon, threads: int) -> None:
-    d = make_daemon(chunk_size="1MiB", writer_threads=threads)
+    d = shm_daemon(make_daemon, chunk_size="1MiB", writer_threads=threads)
     g = torch.Generator().manual_seed(3)
     state = {f"w{i}": torch.randn(2**16 + i, generator=g) for i in range(40)}  # ~10 MiB, ~10 files
     with d.producer("wt", transport="shm", staging_size="16MiB") as p:
@@ -141,7 +155,7 @@ def test_writer_threads_write_chunk_files_side_by_side_bit_exact(make_daemon, th
 
 @pytest.mark.parametrize("point", ["3 files", "after commit sent"])
 def test_kill_9_during_pooled_writes_leaves_every_listed_step_loadable(make_daemon, point: str) -> None:
-    d = make_daemon(chunk_size="1MiB", writer_threads=4)
+    d = shm_daemon(make_daemon, chunk_size="1MiB", writer_threads=4)
     p = d.producer(staging_size="64MiB", timeout=2, heartbeat=0.2)
     g = torch.Generator().manual_seed(1)
     first = {f"a{i}": torch.randn(2**18, generator=g) for i in range(4)}
@@ -170,7 +184,7 @@ def test_kill_9_during_pooled_writes_leaves_every_listed_step_loadable(make_daem
 
 
 def saved(make_daemon, fmt: str, **hdf5: object) -> tuple[object, dict]:
-    d = make_daemon(format=fmt, chunk_size="512KiB", tables={"hdf5": hdf5} if hdf5 else None)
+    d = shm_daemon(make_daemon, format=fmt, chunk_size="512KiB", tables={"hdf5": hdf5} if hdf5 else None)
     s = small_state(7, n=200)
     s["optim"].update(w=torch.randn(300, 70), d=torch.randn(999).double())
     contiguous = {"optim": {k: (v.resolve_conj().contiguous() if isinstance(v, torch.Tensor) else v)

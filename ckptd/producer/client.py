@@ -79,6 +79,7 @@ class _Step:
     names: set[str] = field(default_factory=set)
     handle: CommitHandle | None = None  # set once commit() was called
     error: str | None = None  # the daemon failed it before commit()
+    opened: bool = False  # a tensor of it went out alone: the daemon knows the step is open
 
 
 @dataclass(slots=True, eq=False)
@@ -365,10 +366,16 @@ class Producer:
         arena = self._arena
         assert arena is not None
         if self._batcher is not None:
-            if self._batcher.wants(item):
+            # A step's first tensor goes out alone, so that the daemon knows the step is
+            # open at once (a SIGTERM then waits for its commit, DESIGN §6); later small
+            # ones wait in a batch.
+            st = self._steps.get(step)
+            if st is not None and st.opened and self._batcher.wants(item):
                 self._batcher.take(step, name, item)
                 return
             self._batcher.flush()  # regions go out in the order they were taken
+            if st is not None:
+                st.opened = True
         header = dict(step=step, name=name, dtype=item.dtype.name, shape=item.shape,
                       nbytes=item.nbytes, numpy=item.is_numpy)
         # In shared memory a large tensor goes in quarters of the arena, so that the
