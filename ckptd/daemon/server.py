@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 
 from .. import __version__, handoff, layout, state as state_mod, wire
-from ..config import FORMATS, Config, ConfigError, load as load_config
+from ..config import FORMATS, Config, ConfigError, load as load_config, writer_threads
 from ..curve import CurveServer
 from ..errors import CheckpointError, ProtocolError
 from ..names import check_rank, check_run, check_step
@@ -98,7 +98,7 @@ class Daemon:
         self.upkeep.start()
         self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
                              hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate,
-                             threads=self.cfg.writer_threads)
+                             threads=writer_threads(self.cfg.writer_threads))
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
