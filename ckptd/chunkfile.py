@@ -51,6 +51,13 @@ def header(entries: Sequence[Entry]) -> bytes:
     return padded.to_bytes(8, "little") + text + b" " * (padded - size)
 
 
+def buffer_address(view: memoryview) -> int:
+    """The address of a buffer's first byte (O_DIRECT wants it page-aligned)."""
+    import numpy as np
+
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
 def write_buffers(fd: int, buffers: Sequence[Any]) -> None:
     """Write every buffer in order with as few syscalls as the kernel allows."""
     pending = deque(v for b in buffers if len(v := memoryview(b).cast("B")))

@@ -118,6 +118,7 @@ class DaemonConfig:
     drain_timeout: float = _opt(60.0, parse_duration)
     direct_io: bool = _opt(True, lambda v: _bool(v))  # O_DIRECT chunk writes where the filesystem allows
     write_rate: int = _opt(0, parse_size)  # bytes/s cap on data writes; 0 = none
+    writer_threads: int = _opt(0, lambda v: _threads(v))  # chunk files written at once; 0 = a quarter of the cores, 1..4
     shared_runs: bool = _opt(False, lambda v: _bool(v))  # False: a run is written only by its creator
     curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's NAME.key_secret file
     curve_clients: str = _opt("", lambda v: _path(v))  # tcp:// only: folder of admitted producers' NAME.key files
@@ -152,6 +153,18 @@ def _nice(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
         raise ValueError(f"{value!r} is not a niceness from 0 to 19")
     return value
+
+
+def _threads(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
+        raise ValueError(f"{value!r} is not a number of threads from 1 to 64, or 0 (a quarter of the cores)")
+    return value
+
+
+def writer_threads(configured: int) -> int:
+    """``[daemon] writer_threads``, with 0 resolved: a quarter of the cores, 1 to 4 (on
+    2 cores more writer threads only competed with the trainer: docs/speed.md)."""
+    return configured or max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def _count(value: object) -> int:

@@ -64,6 +64,17 @@ def torch_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_BY_TORCH: dict[Any, Dtype] = {}
+
+
+def by_torch(dtype: Any) -> Dtype:
+    """The Dtype of a ``torch.dtype`` (cached: the producer asks once per tensor)."""
+    d = _BY_TORCH.get(dtype)
+    if d is None:
+        d = _BY_TORCH[dtype] = lookup(torch_name(dtype))
+    return d
+
+
 @lru_cache(maxsize=None)
 def torch_dtype(name: str) -> Any:
     import torch

@@ -23,11 +23,11 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from . import layout
+from . import layout, manifestcache
 from .config import IndexConfig
 from .durable import atomic_write
 from .errors import CheckpointCorrupt
-from .manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
+from .manifest import CheckpointInfo, Manifest
 from .names import RUN_ID_PATTERN
 
 log = logging.getLogger("ckptd.index")
@@ -65,12 +65,11 @@ def _read_manifests(dir_fd: int, step_path: Path) -> list[Manifest] | None:
     for name in names:
         where = str(step_path / name)
         try:
-            data = layout.read_small(name, MAX_MANIFEST_BYTES, dir_fd=dir_fd)
+            m = manifestcache.read(name, dir_fd, where)
         except FileNotFoundError:  # deleted while we looked
             return None
         except OSError as exc:  # a symlink, a FIFO, a sparse file claiming terabytes
             raise CheckpointCorrupt(f"{step_path}: {exc.strerror}") from None
-        m = Manifest.from_json(data, where)
         if m.rank != layout.file_rank(name):
             raise CheckpointCorrupt(f"{where}: holds the manifest of rank {m.rank}")
         manifests.append(m)

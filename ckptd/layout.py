@@ -134,22 +134,27 @@ def read_small(name: str | os.PathLike[str], limit: int, *, dir_fd: int | None =
     or allocated beyond ``limit`` (a sparse file may claim terabytes)."""
     fd = open_regular(name, dir_fd=dir_fd)
     try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise OSError(errno.EFBIG, f"{name} is {size} bytes, more than the {limit} allowed")
-        chunks = []
-        total = 0
-        while total <= limit:  # the file may grow while it is read: stop past the limit
-            data = os.read(fd, min(limit + 1 - total, 1 << 20))
-            if not data:
-                break
-            chunks.append(data)
-            total += len(data)
-        if total > limit:
-            raise OSError(errno.EFBIG, f"{name} is more than the {limit} bytes allowed")
-        return b"".join(chunks)
+        return read_limited(fd, name, limit)
     finally:
         os.close(fd)
+
+
+def read_limited(fd: int, name: str | os.PathLike[str], limit: int) -> bytes:
+    """``read_small`` of a file already open (``name`` only for messages)."""
+    size = os.fstat(fd).st_size
+    if size > limit:
+        raise OSError(errno.EFBIG, f"{name} is {size} bytes, more than the {limit} allowed")
+    chunks = []
+    total = 0
+    while total <= limit:  # the file may grow while it is read: stop past the limit
+        data = os.read(fd, min(limit + 1 - total, 1 << 20))
+        if not data:
+            break
+        chunks.append(data)
+        total += len(data)
+    if total > limit:
+        raise OSError(errno.EFBIG, f"{name} is more than the {limit} bytes allowed")
+    return b"".join(chunks)
 
 
 def _not_real(path: str | os.PathLike[str], dir_fd: int | None, exc: OSError, what: str) -> OSError:

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap as mmap_mod
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -34,6 +37,12 @@ from .names import check_run
 log = logging.getLogger("ckptd.reader")
 
 _MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors' own limit
+# Files read at once by a load: preadv releases the GIL, so the copies out of the page
+# cache (and the first touch of fresh memory, which costs more than the copy) run on
+# several cores, and a cold read keeps several requests in flight on the device.
+# Measured on a 2-core VM: two threads faulting fresh memory in one process ran slower
+# than one, so a reader thread per spare pair of cores.
+READERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 def _run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]:
@@ -137,6 +146,8 @@ def load(
     map_location: Any = "cpu",
     verify: bool = False,
     rank: int | None = None,
+    out: Any = None,
+    mmap: bool = False,
 ) -> dict[Any, Any]:
     """Load a complete checkpoint: the state as saved, or ``{name: tensor}``.
 
@@ -146,9 +157,26 @@ def load(
     In a multi-rank checkpoint, ``rank`` (default ``$RANK``) picks whose share
     (its replicated tensors included, wherever they were written); with neither,
     the whole state, sharded tensors assembled to their global shape.
+    ``out``: a state (nested, as saved, or flat ``{name: tensor}``) whose tensors
+    are read into in place, no memory allocated for them: each must be a contiguous
+    CPU tensor (or numpy array) of the record's dtype and shape; the result holds
+    those very tensors. ``mmap=True``: tensors are mapped copy-on-write from the
+    chunk files (as ``torch.load(mmap=True)``): nothing is read until touched, and
+    writes stay in this process; a tensor the format cannot map (a compressed HDF5
+    dataset, a misaligned offset) is read as usual.
     """
+    if mmap and out is not None:
+        raise ValueError("load(out=..., mmap=True): choose one; out= reads into your tensors, "
+                         "mmap=True maps the files instead")
+    if mmap and map_location not in (None, "cpu"):
+        raise ValueError(f"load(mmap=True) maps the files into CPU memory; map_location={map_location!r} "
+                         "would copy every byte at once: load without mmap=True")
     path, manifests = find(run, step, root)
     if rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit():
+        if out is not None or mmap:
+            raise ValueError(f"load(out=/mmap=True) reads one rank's share, and step {manifests[0].step} has "
+                             f"{manifests[0].world_size} ranks: pass rank=, or fill your tensors of the whole "
+                             "state with ckptd.load_into(state, run, step)")
         from .load_into import load_whole
 
         return load_whole(path, manifests, names=names, map_location=map_location, verify=verify)
@@ -164,11 +192,12 @@ def load(
     rebuild = names is None and manifest.state is not None
     if rebuild:  # a malformed structure fails now, before gigabytes are read
         check_structure(path, manifest)
-    tensors = read_tensors(path, {n: records[n] for n in wanted}, verify=verify)
+    into = destinations(out, records, manifest.step) if out is not None else None
+    tensors = read_tensors(path, {n: records[n] for n in wanted}, verify=verify, into=into, mapped=mmap)
     if map_location not in (None, "cpu"):
         tensors = {n: t.to(map_location) for n, t in tensors.items()}
-    values = {
-        n: (t.numpy() if records[n].numpy else t) for n, t in tensors.items()
+    values = {  # (an out= numpy array is one already)
+        n: (t.numpy() if records[n].numpy and hasattr(t, "numpy") else t) for n, t in tensors.items()
     }
     return _unflatten(path, manifest, values) if rebuild else values
 
@@ -212,12 +241,15 @@ def _unflatten(path: Path, manifest: Manifest, values: dict[str, Any]) -> Any:
 
 
 def read_tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
+                 into: dict[str, Any] | None = None, mapped: bool = False,
                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Read ``records`` (of one rank's manifest) from the step folder; the first problem
-    is raised as CheckpointCorrupt naming the file and the tensor. ``progress`` is
-    called with each tensor's bytes once it is read."""
+    is raised as CheckpointCorrupt naming the file and the tensor. ``into``: tensors
+    (flat, by name) to read into instead of fresh memory (``destinations``);
+    ``mapped``: map the files instead of reading them (``load(mmap=True)``).
+    ``progress`` is called with each tensor's bytes once it is read."""
     out: dict[str, Any] = {}
-    with closing(_tensors(step_path, records, verify=verify)) as it:
+    with closing(_tensors(step_path, records, verify=verify, into=into, mapped=mapped)) as it:
         for name, tensor, error in it:
             if error is not None:
                 raise error
@@ -254,11 +286,48 @@ def check(step_path: Path, manifests: list[Manifest], progress: Callable[[int], 
     return problems
 
 
+def destinations(out: Any, records: dict[str, TensorRecord], step: int) -> dict[str, Any]:
+    """The tensors of ``out`` (a state as saved, or flat ``{name: tensor}``) by name,
+    each checked against its record (of a rank's share of ``step``): ValueError naming
+    the first that cannot take it."""
+    import numpy as np
+    import torch
+
+    if isinstance(out, dict) and all(isinstance(k, str) and k in records for k in out):
+        flat = dict(out)
+    else:
+        _, flat = state_mod.flatten(out)
+    unknown = [n for n in flat if n not in records]
+    if unknown:
+        raise ValueError(f"load(out=...): step {step} has no tensor named "
+                         + ", ".join(map(repr, unknown[:5])) + (" ..." if len(unknown) > 5 else "")
+                         + "; pass a state with only the checkpoint's tensors")
+    for name, t in flat.items():
+        rec = records[name]
+        if isinstance(t, np.ndarray):
+            ok = t.flags.c_contiguous and t.flags.writeable and dtypes.BY_NUMPY.get(t.dtype.name) is not None \
+                and dtypes.BY_NUMPY[t.dtype.name].name == rec.dtype and list(t.shape) == rec.shape
+            have = f"a numpy array of {t.dtype} {list(t.shape)}"
+        elif isinstance(t, torch.Tensor):
+            ok = t.device.type == "cpu" and t.is_contiguous() and dtypes.torch_name(t.dtype) == rec.dtype \
+                and list(t.shape) == rec.shape and not t.is_conj() and not t.is_neg()
+            have = f"a {t.device.type} tensor of {dtypes.torch_name(t.dtype)} {list(t.shape)}" + (
+                "" if t.is_contiguous() else ", not contiguous")
+        else:
+            ok, have = False, f"a {type(t).__name__}"
+        if not ok:
+            raise ValueError(f"load(out=...): tensor {name!r} is {rec.dtype} {rec.shape} in the checkpoint; "
+                             f"out= holds {have}: pass a contiguous CPU tensor of that dtype and shape")
+    return flat
+
+
 # -- reading files ---------------------------------------------------------------------------
-def _tensors(step_path: Path, records: dict[str, TensorRecord], *,
-             verify: bool) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
+def _tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
+             into: dict[str, Any] | None = None,
+             mapped: bool = False) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
     """``(name, tensor, None)`` for each record read, ``(name, None, error)`` for each
-    that cannot be; grouped by file, in file order."""
+    that cannot be; grouped by file, in file order. Up to ``READERS`` files are read
+    at once (checksums too); mapping reads nothing, so it runs on the calling thread."""
     try:
         dir_fd = layout.open_step_dir(step_path)
     except OSError as exc:
@@ -266,9 +335,23 @@ def _tensors(step_path: Path, records: dict[str, TensorRecord], *,
     by_file: dict[str, list[tuple[str, TensorRecord]]] = {}
     for name, rec in records.items():
         by_file.setdefault(rec.file, []).append((name, rec))
+
+    def one(file: str, items: list[tuple[str, TensorRecord]]) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
+        return _DataFile(dir_fd, step_path, file, into=into, mapped=mapped).tensors(items, verify)
+
     try:
-        for file, items in by_file.items():
-            yield from _DataFile(dir_fd, step_path, file).tensors(items, verify)
+        if mapped or len(by_file) < 2 or READERS < 2:
+            for file, items in by_file.items():
+                yield from one(file, items)
+            return
+        with ThreadPoolExecutor(READERS, thread_name_prefix="ckptd-read") as pool:
+            pending: deque[Any] = deque()
+            for file, items in by_file.items():  # at most READERS files read ahead: memory stays bounded
+                pending.append(pool.submit(lambda f=file, i=items: list(one(f, i))))
+                if len(pending) >= READERS:
+                    yield from pending.popleft().result()
+            while pending:
+                yield from pending.popleft().result()
     finally:
         os.close(dir_fd)
 
@@ -277,8 +360,12 @@ class _DataFile:
     """One chunk or HDF5 file of a step, opened without following a symlink; its
     header (safetensors) or HDF5 structure is only looked at when needed."""
 
-    def __init__(self, dir_fd: int, step_path: Path, file: str) -> None:
+    def __init__(self, dir_fd: int, step_path: Path, file: str, *, into: dict[str, Any] | None = None,
+                 mapped: bool = False) -> None:
         self.dir_fd = dir_fd
+        self.into = into  # name -> tensor to read into (load(out=...))
+        self.mapped = mapped
+        self._map: Any = None  # the file mapped copy-on-write (load(mmap=True)), once needed
         self.path = step_path / file
         self.is_h5 = bool(layout.H5.fullmatch(file))
         self.fd = -1
@@ -320,19 +407,36 @@ class _DataFile:
                                           f"but the file has {self.size} bytes")
             if verify:
                 self._check_structure(name, rec)
-            buf = torch.empty(rec.nbytes, dtype=torch.uint8)
-            got = _pread_into(self.fd, memoryview(buf.numpy()), rec.offset) if rec.nbytes else 0
-            if got != rec.nbytes:
-                raise self._corrupt(name, f"is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}")
+            dst = self.into.get(name) if self.into is not None else None
+            if dst is None and self.mapped and rec.nbytes and rec.offset % dtypes.lookup(rec.dtype).itemsize == 0:
+                buf = self._mapped(rec)
+            else:
+                buf = torch.empty(rec.nbytes, dtype=torch.uint8) if dst is None else None
+                view = memoryview(buf.numpy()) if dst is None else _bytes_of(dst)
+                got = _pread_into(self.fd, view, rec.offset) if rec.nbytes else 0
+                if got != rec.nbytes:
+                    raise self._corrupt(name, f"is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}")
+                if dst is not None:
+                    if verify and checksum([view] if rec.nbytes else []) != rec.checksum:
+                        raise self._corrupt(name, "does not match its checksum")
+                    return dst
         else:
-            ds = self._dataset(name, rec)  # checks its size against its storage first
-            buf = torch.empty(rec.nbytes, dtype=torch.uint8)
+            import numpy as np
+
             from . import hdf5file
 
+            ds = self._dataset(name, rec)  # checks its size against its storage first
+            dst = self.into.get(name) if self.into is not None else None
+            buf = torch.empty(rec.nbytes, dtype=torch.uint8) if dst is None else None
+            target = buf.numpy() if dst is None else np.frombuffer(_bytes_of(dst), dtype=np.uint8)
             try:
-                hdf5file.read_into(ds, dtypes.lookup(rec.dtype), rec.shape, buf.numpy())
+                hdf5file.read_into(ds, dtypes.lookup(rec.dtype), rec.shape, target)
             except (OSError, ValueError, RuntimeError, TypeError) as exc:
                 raise self._corrupt(name, f"cannot read dataset {rec.key!r}: {exc}") from None
+            if dst is not None:
+                if verify and checksum([memoryview(target)] if rec.nbytes else []) != rec.checksum:
+                    raise self._corrupt(name, "does not match its checksum")
+                return dst
         if verify and checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
             raise self._corrupt(name, "does not match its checksum")
         return as_tensor(buf, rec)
@@ -406,7 +510,18 @@ class _DataFile:
         except (OSError, ValueError, RuntimeError, TypeError) as exc:
             raise self._corrupt(name, str(exc)) from None
 
+    def _mapped(self, rec: TensorRecord) -> Any:
+        """The record's bytes in a copy-on-write mapping of the file (kept alive by the
+        tensors made from it, not by this object)."""
+        import torch
+
+        if self._map is None:
+            self._map = mmap_mod.mmap(self.fd, 0, flags=mmap_mod.MAP_PRIVATE,
+                                      prot=mmap_mod.PROT_READ | mmap_mod.PROT_WRITE)
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=rec.nbytes, offset=rec.offset)
+
     def _close(self) -> None:
+        self._map = None  # the tensors hold it open as long as they live
         if self._h5 is not None:
             try:
                 self._h5.close()
@@ -435,6 +550,14 @@ def read_range(fd: int, path: Path, name: str, rec: TensorRecord, start: int, ds
     if got != len(dst):
         raise CheckpointCorrupt(f"{path}: tensor {name!r}: is truncated: {got} of {len(dst)} bytes "
                                 f"at offset {rec.offset + start}")
+
+
+def _bytes_of(t: Any) -> memoryview:
+    """The memory of a contiguous CPU tensor or numpy array, as writable bytes."""
+    import numpy as np
+
+    arr = t if isinstance(t, np.ndarray) else t.detach().view(-1).view(dtypes.torch_dtype("uint8")).numpy()
+    return memoryview(arr.reshape(-1).view(np.uint8))
 
 
 def as_tensor(raw: Any, rec: TensorRecord) -> Any:

@@ -34,6 +34,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "tensor": {"seq": "int", "step": "int", "name": "str", "dtype": "str", "shape": "shape",
                "nbytes": "int", "start": "int", "numpy": "bool", "offset": "int?", "length": "int?",
                "shard": "map?"},
+    # small tensors in one region of the shared arena: items are [name, dtype, shape,
+    # nbytes, numpy, offset] (``batch_pieces``); shared memory only
+    "tensors": {"seq": "int", "step": "int", "items": "batch"},
     "commit": {"seq": "int", "step": "int", "ntensors": "int", "state": "json",
                "metadata": "json", "replicas": "map?"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
@@ -42,7 +45,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "status": {"seq": "int"},  # also from `ckptd status`, without a session
     "bye": {},
     # daemon -> producer
-    "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int", "shm": "bool?"},
+    "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int", "shm": "bool?", "batch": "bool?"},
     "ack": {"seq": "int"},
     "committed": {"seq": "int", "step": "int", "info": "map"},
     "error": {"seq": "int?", "step": "int?", "message": "str", "code": "str?"},
@@ -58,6 +61,34 @@ STOPPING = "stopping"  # the daemon is draining before it exits: no new producer
 def encode(op: str, **fields: Any) -> bytes:
     """Pack one header. Callers pass exactly the schema's fields."""
     return msgpack.packb({"op": op, **fields}, use_bin_type=True)
+
+
+# one tensor of a ``tensors`` message, a list in this order: its bytes are
+# ``[offset, offset + nbytes)`` of the arena
+BATCH_ITEM = ("name", "dtype", "shape", "nbytes", "numpy", "offset")
+
+
+def batch_pieces(header: dict[str, Any]) -> list[dict[str, Any]]:
+    """A decoded ``tensors`` message's items as ``tensor`` headers (each one whole piece)."""
+    step = header["step"]
+    return [{"step": step, "name": name, "dtype": dtype, "shape": shape, "nbytes": nbytes, "start": 0,
+             "numpy": numpy, "offset": offset, "length": nbytes}
+            for name, dtype, shape, nbytes, numpy, offset in header["items"]]
+
+
+def _is_uint(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _is_shape(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= _MAX_DIMS and all(_is_uint(d) for d in v)
+
+
+def _is_batch(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(it, list) and len(it) == len(BATCH_ITEM) and isinstance(it[0], str) and isinstance(it[1], str)
+        and _is_shape(it[2]) and _is_uint(it[3]) and isinstance(it[4], bool) and _is_uint(it[5])
+        for it in v)
 
 
 def decode(frames: list[Any]) -> tuple[dict[str, Any], Any]:
@@ -116,14 +147,14 @@ def _check_field(op: str, header: dict[str, Any], key: str, kind: str) -> None:
         raise ProtocolError(f"{op!r} message lacks field {key!r}")
     value = header[key]
     ok = {
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63,
+        "int": _is_uint,
+        "batch": _is_batch,
         "str": lambda v: isinstance(v, str),
         "bin": lambda v: isinstance(v, bytes),
         "bool": lambda v: isinstance(v, bool),
         "json": lambda v: isinstance(v, str),
         "map": lambda v: isinstance(v, dict),
-        "shape": lambda v: isinstance(v, list) and len(v) <= _MAX_DIMS and all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in v),
+        "shape": _is_shape,
     }[kind](value)
     if not ok:
         raise ProtocolError(f"{op!r} message field {key!r} has a bad value {_short(value)}")

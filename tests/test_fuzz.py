@@ -33,6 +33,10 @@ VALUES = {
     "json": st.text(max_size=12),
     "map": st.dictionaries(st.text(max_size=4), st.integers(-5, 5) | st.text(max_size=3), max_size=3),
     "shape": st.lists(st.integers(0, 2**63 - 1), max_size=64),
+    # a ``tensors`` batch: [name, dtype, shape, nbytes, numpy, offset] items
+    "batch": st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6), st.lists(st.integers(0, 2**63 - 1), max_size=4),
+                                st.integers(0, 2**63 - 1), st.booleans(), st.integers(0, 2**63 - 1)).map(list),
+                      max_size=3),
 }
 JUNK = st.one_of(
     st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=5),
@@ -55,6 +59,11 @@ def conforms(kind: str, v: object) -> bool:
         return type(v) is dict
     if kind == "shape":
         return type(v) is list and len(v) <= 64 and all(type(d) is int and 0 <= d < 2**63 for d in v)
+    if kind == "batch":
+        return type(v) is list and all(
+            type(it) is list and len(it) == 6 and type(it[0]) is str and type(it[1]) is str
+            and conforms("shape", it[2]) and conforms("int", it[3]) and type(it[4]) is bool and conforms("int", it[5])
+            for it in v)
     raise AssertionError(f"the schema has a field kind {kind!r} this test does not know: teach it")
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-import numpy as np
+from ..chunkfile import buffer_address
 
 BLOCK = 4096  # O_DIRECT alignment of addresses, offsets and lengths (the common logical block size)
 BOUNCE = 8 * 2**20  # the bounce buffer; measured: 8 MiB writes are as fast as larger ones
@@ -85,7 +85,7 @@ class DataFile:
                 if not self.direct:
                     self._write_all(view)
                     break
-                if self._fill % BLOCK == 0 and len(view) >= BLOCK and _address(view) % BLOCK == 0:
+                if self._fill % BLOCK == 0 and len(view) >= BLOCK and buffer_address(view) % BLOCK == 0:
                     self._drain()  # the file offset is block-aligned now, and so is this buffer
                     n = min(len(view) - len(view) % BLOCK, _DIRECT_MAX)
                     self._write_all(view[:n])
@@ -186,7 +186,3 @@ class Bounce:
 def _direct_allowed(fd: int) -> bool:
     with _no_direct_lock:
         return os.fstat(fd).st_dev not in _no_direct
-
-
-def _address(view: memoryview) -> int:
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0

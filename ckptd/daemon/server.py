@@ -27,7 +27,7 @@ import zmq
 
 from .. import __version__, handoff, state as state_mod, units, unixsock, wire
 from ..attempt import check_attempt
-from ..config import FORMATS, Config, ConfigError, load as load_config
+from ..config import FORMATS, Config, ConfigError, load as load_config, writer_threads
 from ..curve import CurveServer
 from ..errors import CheckpointError, ProtocolError
 from ..names import check_rank, check_run, check_step
@@ -103,7 +103,8 @@ class Daemon:
         self.upkeep = Upkeep(self.config)
         self.upkeep.start()
         self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
-                             hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate)
+                             hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate,
+                             threads=writer_threads(self.cfg.writer_threads))
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
@@ -479,6 +480,9 @@ class Daemon:
             elif op == "tensor":
                 assert sess is not None
                 self._on_tensor(sess, header, payload)
+            elif op == "tensors":
+                assert sess is not None
+                self._on_tensors(sess, header)
             elif op == "commit":
                 self._on_commit(sess, header)
             elif op == "abort":
@@ -555,7 +559,7 @@ class Daemon:
         log.info("producer connected: %s host=%s format=%s transport=%s", sess.label, sess.host, sess.format,
                  "shm" if sess.shm is not None else "inline")
         self._send(identity, "welcome", v=wire.VERSION, max_frame=self.cfg.max_frame, daemon_pid=os.getpid(),
-                   shm=sess.shm is not None)
+                   shm=sess.shm is not None, batch=True)
 
     def _on_latest(self, identity: bytes, h: dict[str, Any]) -> None:
         try:
@@ -615,6 +619,25 @@ class Daemon:
         sess.unwritten.append(seq)  # its staging is free once the writer is done with it
         if sum(st.gathered for st in sess.steps.values()) >= len(sess.shm) // 2:
             # Several open steps gather chunks in the arena: write them before it fills.
+            for st in sess.steps.values():
+                st.flush()
+
+    def _on_tensors(self, sess: Session, h: dict[str, Any]) -> None:
+        """A batch of small tensors in one region of shared memory (docs/protocol.md)."""
+        seq = sess.received = h["seq"]
+        open_step = self._open_step(sess, h["step"], seq)
+        if open_step.share.error is not None:
+            return
+        taken = 0
+        try:
+            for piece in wire.batch_pieces(h):
+                open_step.add_piece(piece, self._shared_piece(sess, piece), seq)
+                taken += piece["length"] > 0  # an empty tensor holds no piece of the region
+        except StepError as exc:
+            self._fail_step(sess, open_step, str(exc), seq)
+        if taken:  # the pieces handed on are reported written, one by one
+            sess.expect(seq, taken)
+        if sum(st.gathered for st in sess.steps.values()) >= len(sess.shm or b"") // 2:
             for st in sess.steps.values():
                 st.flush()
 
@@ -695,7 +718,7 @@ class Daemon:
     def _release_partial(self, sess: Session, open_step: OpenStep) -> None:
         held, seqs = open_step.release_partial()
         self.queued -= held
-        sess.written.update(seqs)
+        sess.mark_written(seqs)
 
     def _end_session(self, sess: Session, why: str) -> None:
         log.info("producer %s %s; discarding %d unfinished step(s)", sess.label, why, len(sess.steps))
@@ -743,7 +766,7 @@ class Daemon:
             if r.seqs:
                 sess = self.sessions.get(share.owner)
                 if sess is not None:
-                    sess.written.update(r.seqs)
+                    sess.mark_written(r.seqs)
                     self._ack(sess)
             if r.kind == "failed":
                 self._report_failure(share, r.message)

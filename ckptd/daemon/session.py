@@ -32,6 +32,26 @@ class Session:
     arena: tuple[int, int] | None = None  # that arena's identity (st_dev, st_ino)
     chunk_size: int = 0
 
+    # a ``tensors`` batch shares one region (one seq) among its tensors, which may land
+    # in different chunk files: its seq is written once every one of them is
+    pieces: dict[int, int] = field(default_factory=dict)
+
+    def expect(self, seq: int, count: int) -> None:
+        """``seq`` names ``count`` pieces; it is written when the last of them is."""
+        self.unwritten.append(seq)
+        if count > 1:
+            self.pieces[seq] = count
+
+    def mark_written(self, seqs: list[int]) -> None:
+        """The writer is done with these pieces (a seq once per piece)."""
+        for seq in seqs:
+            left = self.pieces.get(seq, 1) - 1
+            if left > 0:
+                self.pieces[seq] = left
+            else:
+                self.pieces.pop(seq, None)
+                self.written.add(seq)
+
     def acknowledgeable(self) -> int:
         """The newest seq whose staging memory the daemon no longer needs."""
         while self.unwritten and self.unwritten[0] in self.written:

@@ -7,6 +7,12 @@
 The writers checksum and write (to the page cache); the syncer fsyncs and, last,
 writes the manifest. The queues are FIFO, so a commit runs only after every write
 of its step has been fsynced, and writing chunk k+1 overlaps the fsync of chunk k.
+With ``[daemon] writer_threads`` > 1, ckptd-writer hands each whole chunk file to a
+pool (``ckptd-writer-N``) that checksums, writes and fsyncs it, and queues the
+job's future for the syncer instead of the descriptor: chunk files are written
+side by side (the checksum of one overlaps the write of another; a fast device
+sees several writes in flight), and the syncer still commits only after every
+one of its share's futures is done.
 A share goes to one writer by its format. HDF5 has its own thread, which does
 nothing else, so that a slow file (gzip) never delays chunk files, and h5py's
 global lock is only ever taken there (docs/hdf5.md says why a thread, not a
@@ -21,11 +27,12 @@ import queue
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import chunkfile, layout
+from .. import chunkfile, layout, manifestcache
 from ..chunkfile import Entry
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
@@ -62,6 +69,7 @@ class Share:
     dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
     attempt: str | None = None  # the job's attempt that writes it (ckptd.attempt)
     replicas: dict[str, int] = field(default_factory=dict)  # tensors of its state another rank wrote
+    inflight: list[Future] = field(default_factory=list)  # its chunk files in the writer pool
 
     @property
     def dir(self) -> Path:
@@ -113,13 +121,15 @@ class Stream:
 class Writer:
     def __init__(self, notify: Callable[[Result], None], *, fsync: bool = True,
                  after_commit: Callable[[Share, bool], None] = lambda share, complete: None,
-                 hdf5: Hdf5Config = Hdf5Config(), direct_io: bool = True, write_rate: int = 0) -> None:
+                 hdf5: Hdf5Config = Hdf5Config(), direct_io: bool = True, write_rate: int = 0,
+                 threads: int = 1) -> None:
         self._notify = notify
         self._after_commit = after_commit  # (share, step now complete), on the syncer thread
         self._fsync = fsync
         self._hdf5 = hdf5
         self._direct = direct_io
-        self._bounce = Bounce()  # the ckptd-writer thread's, for O_DIRECT writes
+        self._bounces = threading.local()  # each writing thread's bounce buffer, for O_DIRECT writes
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-writer") if threads > 1 else None
         self._throttle = Throttle(write_rate) if write_rate else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._h5jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -184,6 +194,8 @@ class Writer:
         for jobs, thread in zip((self._jobs, self._h5jobs, self._syncs), self._threads):
             jobs.put(None)
             thread.join()
+        if self._pool is not None:
+            self._pool.shutdown()  # idle by now: the syncer has awaited every job
 
     # -- the threads ---------------------------------------------------------------
     def _loop(self, jobs: queue.SimpleQueue) -> None:
@@ -223,22 +235,71 @@ class Writer:
         """A new chunk file of ``share``, written on the ckptd-writer thread."""
         self._ensure_dir(share)
         share.files.append(name)
-        return DataFile.create(share.at(name), direct=self._direct, bounce=self._bounce, throttle=self._throttle)
+        return DataFile.create(share.at(name), direct=self._direct, bounce=self._bounce(), throttle=self._throttle)
+
+    def _bounce(self) -> Bounce:
+        bounce = getattr(self._bounces, "buffer", None)
+        if bounce is None:
+            bounce = self._bounces.buffer = Bounce()
+        return bounce
 
     def _do_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int]) -> None:
+        if self._pool is not None and share.error is None:
+            try:
+                self._ensure_dir(share)  # here, once: the pool's threads only make files in it
+                share.files.append(name)  # (in order, before any pool thread appends)
+            except OSError as exc:
+                self._fail(share, f"writing {share.dir / name}", exc)
+            else:
+                future = self._pool.submit(self._pooled_chunk, share, name, entries, held, seqs)
+                share.inflight.append(future)
+                self._syncs.put((self._await, (share, future)))
+                return
         try:
             if share.error is None:
-                self._write_chunk(share, name, entries)
+                fd = self._write_chunk(share, name, entries)
+                if fd is not None:
+                    self._syncs.put((self._do_sync, (share, name, fd)))
         finally:
             entries.clear()  # drop the received buffers before reporting them freed
             self._report_freed(share, held, seqs)
 
-    def _write_chunk(self, share: Share, name: str, entries: list[Entry]) -> None:
+    def _pooled_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int]) -> None:
+        """On a pool thread: the whole chunk file, fsync included (after its buffers are
+        reported free: the producer may reuse them while the disk syncs)."""
+        fd = None
+        try:
+            if share.error is None:
+                fd = self._write_chunk(share, name, entries, listed=True)
+        finally:
+            entries.clear()
+            self._report_freed(share, held, seqs)
+        if fd is not None:
+            self._do_sync(share, name, fd)
+
+    @staticmethod
+    def _await(share: Share, future: Future) -> None:
+        """On the syncer: a pooled chunk file is written and fsynced (or failed)."""
+        try:
+            future.result()
+        except Exception:  # a bug in the job; the share must not commit without its file
+            log.exception("internal error writing a chunk of run=%s step=%d", share.run, share.step)
+            share.error = share.error or "internal error while writing a chunk file"
+        finally:
+            share.inflight.remove(future)
+
+    def _write_chunk(self, share: Share, name: str, entries: list[Entry], *, listed: bool = False) -> int | None:
+        """Write one chunk file; its descriptor, to fsync and close, or None (failed).
+        ``listed``: the file is in ``share.files`` already (the pool's case)."""
         head = chunkfile.header(entries)
         records = {}
         out = None
         try:
-            out = self._create(share, name)
+            if listed:
+                out = DataFile.create(share.at(name), direct=self._direct, bounce=self._bounce(),
+                                      throttle=self._throttle)
+            else:
+                out = self._create(share, name)
             out.write([head])
             offset = len(head)
             for e in entries:
@@ -251,9 +312,9 @@ class Writer:
             if out is not None:
                 out.close()
             self._fail(share, f"writing {share.dir / name}", exc)
-            return
+            return None
         share.records.update(records)
-        self._syncs.put((self._do_sync, (share, name, fd)))
+        return fd
 
     def _do_stream_open(self, stream: Stream) -> None:
         if stream.share.error is not None:
@@ -305,7 +366,7 @@ class Writer:
             self._ensure_dir(share)
             name = layout.h5_name(share.rank)
             share.files.append(name)
-            share.h5 = H5Writer(Path(share.at(name)), self._hdf5, shown=share.dir / name,
+            share.h5 = H5Writer(Path(share.at(name)), self._hdf5, shown=share.dir / name, direct=self._direct,
                                 attrs={"run": share.run, "step": share.step, "rank": share.rank})
         return share.h5
 
@@ -410,6 +471,7 @@ class Writer:
             replicas=share.replicas,
         )
         atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self._fsync)
+        manifestcache.remember(share.at(layout.manifest_name(share.rank)), manifest)  # read back below
         try:  # committed: the claim is over (a leftover is harmless and removed at start-up)
             os.unlink(share.at(layout.writing_marker(share.rank)))
         except FileNotFoundError:
@@ -458,6 +520,8 @@ class Writer:
                  "replaced by attempt %s's", share.run, share.step, share.rank, old.attempt, share.attempt)
 
     def _do_discard(self, share: Share) -> None:
+        for future in list(share.inflight):  # its files still being written by the pool
+            future.exception()
         self._remove_files(share)
         self._notify(Result("discarded", share))
 

@@ -1,0 +1,295 @@
+"""The speed paths of issue 15, for correctness: batched small tensors, writer threads,
+O_DIRECT HDF5 data, ``load(out=...)``, ``load(mmap=True)``, parallel reads, the parsed
+manifest cache. Real daemons, real sockets, real files; speed itself is measured by
+benchmarks/limits.py, never here."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ckptd
+from ckptd import CheckpointCorrupt, handoff, layout, manifestcache, reader, wire
+from ckptd.errors import ProtocolError
+from ckptd.manifest import Manifest
+
+from test_crash import referenced_files_only, wait_for_files
+
+
+def shm_daemon(make_daemon, **keys: object):
+    """A daemon whose shared-memory handoff socket is listening too (it is made just
+    after the main socket, which is what the fixture waits for)."""
+    d = make_daemon(**keys)
+    path = Path(handoff.socket_path(d.endpoint[len("ipc://"):]))
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        assert time.monotonic() < deadline, d.log_text()
+        time.sleep(0.01)
+    return d
+
+
+def small_state(seed: int, n: int = 1500) -> dict[str, object]:
+    """An optimizer-like state: many small tensors of mixed dtypes and odd sizes (which
+    misalign what follows them in a chunk file), empty ones, strided and conjugated
+    views, numpy arrays, and a few large tensors between them."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8)
+    tensors: dict[str, object] = {}
+    for i in range(n):
+        kind = i % 9
+        if kind == 0:
+            tensors[f"s{i}"] = torch.rand(i % 7 + 1, generator=g) > 0.5  # 1..7 bytes
+        elif kind == 1:
+            tensors[f"s{i}"] = torch.empty(0, 3)
+        elif kind == 2:
+            tensors[f"s{i}"] = torch.randn(13, 9, generator=g).t()  # strided
+        elif kind == 3:
+            tensors[f"s{i}"] = torch.randn(5, generator=g, dtype=torch.complex64).conj()  # lazily conjugated
+        elif kind == 4:
+            tensors[f"s{i}"] = np.arange(i % 50 + 1, dtype=np.int32) * seed
+        else:
+            tensors[f"s{i}"] = (torch.randn(i % 300 + 1, generator=g) * 100).to(dtypes[i % len(dtypes)])
+    tensors["big0"] = torch.randn(2**18, generator=g)  # 1 MiB: not batched, between batches
+    tensors["big1"] = torch.randn(3 * 2**18 + 5, generator=g)
+    return {"optim": tensors, "epoch": seed}
+
+
+def equal(a: object, b: object) -> bool:
+    if isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    b = b.resolve_conj()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.numel() else a,
+                                                                      b.contiguous().view(torch.uint8) if b.numel() else b)
+
+
+def mutate(value: object) -> None:
+    """Change a tensor in place, as a training step right after ``emit`` would."""
+    if isinstance(value, np.ndarray):
+        value += 1
+    elif isinstance(value, torch.Tensor) and value.numel():
+        if value.dtype == torch.bool:
+            value.logical_not_()
+        else:
+            value.add_(1)
+
+
+def same_state(got: dict, want: dict) -> None:
+    assert got["epoch"] == want["epoch"]
+    assert got["optim"].keys() == want["optim"].keys()
+    for name, v in want["optim"].items():
+        assert equal(got["optim"][name], v), name
+
+
+@pytest.mark.parametrize("fmt", ["chunk", "hdf5"])
+def test_small_tensors_travel_in_batches_bit_exact_and_as_snapshots(make_daemon, fmt: str) -> None:
+    d = shm_daemon(make_daemon, format=fmt, chunk_size="256KiB")
+    with d.producer("b", transport="shm", staging_size="2MiB") as p:  # small: batches wrap the ring
+        want = {}
+        for step in (1, 2):
+            s = small_state(step)
+            want[step] = {"optim": {k: (v.clone() if isinstance(v, torch.Tensor) else v.copy())
+                                    for k, v in s["optim"].items()}, "epoch": step}
+            seq = p._seq
+            if step == 1:
+                handle = p.save(s, step)
+            else:
+                with p.checkpoint(step) as handle:
+                    for name, t in s["optim"].items():
+                        p.emit(f"optim.{name}", t)
+                        mutate(t)  # right after emit: must not reach the checkpoint
+            for t in s["optim"].values():
+                mutate(t)  # right after save returned
+            handle.wait(60)
+            assert p._seq - seq < len(s["optim"]) // 10  # one message per batch, not per tensor
+    same_state(ckptd.load("b", 1, root=d.root, verify=True), want[1])
+    flat = ckptd.load("b", 2, root=d.root, verify=True)
+    same_state({"optim": {k.removeprefix("optim."): v for k, v in flat.items()}, "epoch": 2}, want[2])
+    assert reader.verify("b", 2, root=d.root)[1] == []
+
+
+def test_a_batch_that_names_memory_outside_the_arena_fails_its_step_only(make_daemon) -> None:
+    daemon = shm_daemon(make_daemon)
+    with daemon.producer("bad", transport="shm", staging_size="1MiB") as p:
+        p.save({"x": torch.ones(3)}, 1).wait(30)
+        with p._lock:  # a hand-made message through the producer's own connection
+            p._seq += 1
+            seq = p._seq
+        p._transport.send(wire.encode("tensors", seq=seq, step=2,
+                                      items=[["y", "float32", [4], 16, False, 2**40]]))
+        with pytest.raises(ckptd.CheckpointError, match="outside the .* bytes of shared staging memory"):
+            p.commit(2).wait(30)
+        assert p.save({"z": torch.ones(2)}, 3).wait(30).step == 3  # the session serves on
+
+
+def test_malformed_batches_are_protocol_errors() -> None:
+    good = {"seq": 1, "step": 1, "items": [["a", "float32", [2], 8, False, 0]]}
+    assert wire.batch_pieces(wire.decode([wire.encode("tensors", **good)])[0])[0]["length"] == 8
+    for items in ([["a", "float32", [2], 8, False]], [["a", "float32", [-2], 8, False, 0]],
+                  [["a", "float32", [2], 8, "no", 0]], [[1, "float32", [2], 8, False, 0]], "x"):
+        with pytest.raises(ProtocolError, match="'tensors' message field 'items' has a bad value"):
+            wire.decode([wire.encode("tensors", seq=1, step=1, items=items)])
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_writer_threads_write_chunk_files_side_by_side_bit_exact(make_daemon, threads: int) -> None:
+    d = shm_daemon(make_daemon, chunk_size="1MiB", writer_threads=threads)
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(2**16 + i, generator=g) for i in range(40)}  # ~10 MiB, ~10 files
+    with d.producer("wt", transport="shm", staging_size="16MiB") as p:
+        p.save(state, 1).wait(60)
+        p.save({k: v * 2 for k, v in state.items()}, 2).wait(60)
+    files = [n for n in os.listdir(d.root / "wt" / "step-000000000001") if layout.CHUNK.fullmatch(n)]
+    assert len(files) >= 8
+    for step, factor in ((1, 1), (2, 2)):
+        got = ckptd.load("wt", step, root=d.root, verify=True)
+        assert all(torch.equal(got[k], v * factor) for k, v in state.items())
+    referenced_files_only(d.root)
+
+
+@pytest.mark.parametrize("point", ["3 files", "after commit sent"])
+def test_kill_9_during_pooled_writes_leaves_every_listed_step_loadable(make_daemon, point: str) -> None:
+    d = shm_daemon(make_daemon, chunk_size="1MiB", writer_threads=4)
+    p = d.producer(staging_size="64MiB", timeout=2, heartbeat=0.2)
+    g = torch.Generator().manual_seed(1)
+    first = {f"a{i}": torch.randn(2**18, generator=g) for i in range(4)}
+    second = {**{f"b{i}": torch.randn(2**18, generator=g) for i in range(24)},
+              **{f"s{i}": torch.randn(100, generator=g) for i in range(500)}}  # batched, too
+    p.save(first, 1).wait(30)
+    handle = p.save(second, 2)
+    if point.endswith("files"):
+        wait_for_files(d.root / "t" / "step-000000000002", 3)
+    d.kill()
+    try:
+        committed = handle.wait(30).step == 2
+    except ckptd.CheckpointError:
+        committed = False
+    d.start()  # start-up removes what the crash left
+    listed = [i.step for i in ckptd.list_checkpoints("t", root=d.root)]
+    assert listed == ([1, 2] if committed else [1])
+    for step, want in ((1, first), (2, second))[:len(listed)]:
+        got = ckptd.load("t", step, root=d.root, verify=True)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+    referenced_files_only(d.root)
+    try:
+        p.close()
+    except ckptd.CheckpointError:
+        pass  # step 2's failure, if it failed
+
+
+def saved(make_daemon, fmt: str, **hdf5: object) -> tuple[object, dict]:
+    d = shm_daemon(make_daemon, format=fmt, chunk_size="512KiB", tables={"hdf5": hdf5} if hdf5 else None)
+    s = small_state(7, n=200)
+    s["optim"].update(w=torch.randn(300, 70), d=torch.randn(999).double())
+    contiguous = {"optim": {k: (v.resolve_conj().contiguous() if isinstance(v, torch.Tensor) else v)
+                            for k, v in s["optim"].items()}, "epoch": 7}
+    with d.producer("o", transport="shm", staging_size="8MiB") as p:
+        p.save(contiguous, 1).wait(60)
+    return d, contiguous
+
+
+@pytest.mark.parametrize("fmt,hdf5", [("chunk", {}), ("hdf5", {}), ("hdf5", {"chunk_shape": "auto"})])
+def test_load_out_reads_into_the_callers_tensors(make_daemon, fmt: str, hdf5: dict) -> None:
+    d, want = saved(make_daemon, fmt, **hdf5)
+    out = {"optim": {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else np.zeros_like(v))
+                     for k, v in want["optim"].items()}, "epoch": 0}
+    got = ckptd.load("o", 1, root=d.root, out=out, verify=True)
+    same_state(got, want)
+    assert all(got["optim"][k] is t for k, t in out["optim"].items())  # the very same objects, filled
+    same_state({"optim": out["optim"], "epoch": 7}, want)
+    # a flat {name: tensor} of some of them, also fine
+    part = {"optim.w": torch.empty(300, 70)}
+    got = ckptd.load("o", 1, root=d.root, out=part)
+    assert got["optim"]["w"] is part["optim.w"] and torch.equal(part["optim.w"], want["optim"]["w"])
+
+
+def test_load_out_refuses_what_cannot_take_the_bytes(make_daemon) -> None:
+    d, want = saved(make_daemon, "chunk")
+    for bad, why in (({"optim.w": torch.empty(70, 300)}, r"float32 \[300, 70\].*out= holds a cpu tensor of float32 \[70, 300\]"),
+                     ({"optim.w": torch.empty(70, 300).t()}, "not contiguous"),
+                     ({"optim.w": torch.empty(300, 70, dtype=torch.float64)}, "of float64"),
+                     ({"optim.nope": torch.empty(1)}, "has no tensor named 'optim.nope'")):
+        with pytest.raises(ValueError, match=why):
+            ckptd.load("o", 1, root=d.root, out=bad)
+    with pytest.raises(ValueError, match="choose one"):
+        ckptd.load("o", 1, root=d.root, out={}, mmap=True)
+
+
+def _corrupt_one_byte(step_dir: Path, manifest_tensor: str) -> None:
+    rec = json.loads((step_dir / "manifest-r00000.json").read_text())["tensors"][manifest_tensor]
+    with open(step_dir / rec["file"], "r+b") as f:
+        f.seek(rec["offset"] + rec["nbytes"] // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_load_out_verify_catches_a_damaged_tensor(make_daemon) -> None:
+    d, want = saved(make_daemon, "chunk")
+    _corrupt_one_byte(d.root / "o" / "step-000000000001", "optim.w")
+    with pytest.raises(CheckpointCorrupt, match="'optim.w': does not match its checksum"):
+        ckptd.load("o", 1, root=d.root, out={"optim.w": torch.empty(300, 70)}, verify=True)
+
+
+def mapped_files(pid: int | str = "self") -> dict[str, list[tuple[int, int]]]:
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            spans.setdefault(parts[5], []).append((lo, hi))
+    return spans
+
+
+@pytest.mark.parametrize("fmt", ["chunk", "hdf5"])
+def test_load_mmap_maps_the_files_copy_on_write(make_daemon, fmt: str) -> None:
+    d, want = saved(make_daemon, fmt)
+    got = ckptd.load("o", 1, root=d.root, mmap=True, verify=True)
+    same_state(got, want)
+    spans = [s for path, ss in mapped_files().items() if "/step-000000000001/" in path for s in ss]
+    w = got["optim"]["w"]
+    assert any(lo <= w.data_ptr() < hi for lo, hi in spans)  # mapped from the file, not read
+    w.add_(1)  # copy-on-write: this process's copy changes, the file does not
+    same_state(ckptd.load("o", 1, root=d.root, verify=True), want)
+    _corrupt_one_byte(d.root / "o" / "step-000000000001", "optim.w")
+    with pytest.raises(CheckpointCorrupt, match="does not match its checksum"):
+        ckptd.load("o", 1, root=d.root, mmap=True, verify=True)
+    with pytest.raises(ValueError, match="mmap=True"):
+        ckptd.load("o", 1, root=d.root, mmap=True, map_location="cuda")
+
+
+@pytest.mark.parametrize("readers", [1, 4])
+def test_reads_across_files_in_parallel_are_bit_exact(make_daemon, monkeypatch, readers: int) -> None:
+    monkeypatch.setattr(reader, "READERS", readers)
+    d, want = saved(make_daemon, "chunk")
+    assert len({r.file for r in reader.find("o", 1, d.root)[1][0].tensors.values()}) >= 3
+    same_state(ckptd.load("o", 1, root=d.root, verify=True), want)
+    _corrupt_one_byte(d.root / "o" / "step-000000000001", "optim.w")
+    problems = reader.verify("o", 1, root=d.root)[1]
+    assert len(problems) == 1 and "'optim.w'" in problems[0]
+
+
+def test_a_replaced_manifest_is_read_again_not_from_the_cache(tmp_path: Path) -> None:
+    from ckptd.durable import atomic_write
+    from ckptd.manifest import TensorRecord
+
+    def manifest(step_time: float) -> Manifest:
+        rec = TensorRecord(dtype="float32", shape=[1], file=layout.chunk_name(0, 0), key="a", offset=4096,
+                           nbytes=4, checksum="xxh3_64:0123456789abcdef")
+        return Manifest(run="r", step=1, rank=0, world_size=1, time=step_time, tensors={"a": rec})
+
+    path = tmp_path / "manifest-r00000.json"
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for t in (1.0, 2.0, 3.0):
+            atomic_write(path, manifest(t).to_json())
+            assert manifestcache.read(path.name, dir_fd, str(path)).time == t
+            assert manifestcache.read(path.name, dir_fd, str(path)) is manifestcache.read(path.name, dir_fd, str(path))
+    finally:
+        os.close(dir_fd)
