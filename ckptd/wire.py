@@ -69,10 +69,11 @@ BATCH_ITEM = ("name", "dtype", "shape", "nbytes", "numpy", "offset")
 
 
 def batch_pieces(header: dict[str, Any]) -> list[dict[str, Any]]:
-    """A decoded ``tensors`` message's items as ``tensor`` headers (each one whole piece)."""
+    """A decoded ``tensors`` message's items as ``tensor`` headers (each one whole piece,
+    whole tensors only: a piece of a sharded tensor travels alone, with its ``shard``)."""
     step = header["step"]
     return [{"step": step, "name": name, "dtype": dtype, "shape": shape, "nbytes": nbytes, "start": 0,
-             "numpy": numpy, "offset": offset, "length": nbytes}
+             "numpy": numpy, "offset": offset, "length": nbytes, "shard": None}
             for name, dtype, shape, nbytes, numpy, offset in header["items"]]
 
 
