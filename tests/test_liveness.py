@@ -22,8 +22,8 @@ CHILD = textwrap.dedent("""
     from ckptd import Producer
     endpoint, mode = sys.argv[1], sys.argv[2]
     keys = dict(curve_server_key=sys.argv[3], curve_secret_key=sys.argv[4]) if len(sys.argv) > 3 else {}
-    p = Producer(endpoint, "t", staging_size="16MiB", timeout=5, **keys)
     if mode == "open":  # step 1 begun, never committed
+        p = Producer(endpoint, "t", staging_size="16MiB", timeout=5, **keys)
         p.emit("w", torch.arange(2.0**20), step=1)  # 4 MiB = chunk_size: a file of its own, written now
         p.latest()  # answered after the tensor before it: the step is open in the daemon
         print("emitted", flush=True)

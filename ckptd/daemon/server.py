@@ -139,6 +139,13 @@ class Daemon:
                     f"another process (a ckptd daemon of another root?) already serves {self.endpoint}; "
                     "stop it, or give this daemon another [daemon] endpoint"
                 )
+            # The handoff socket first: a producer that finds the ZeroMQ socket (and
+            # connects at once) must find this one too, or it would send inline for good.
+            if len(handoff.socket_path(str(path)).encode()) <= IPC_PATH_MAX:
+                self.handoffs = handoff.Listener(str(path))
+            else:
+                log.warning("the ipc path %s leaves no room for %s beside it: local producers send "
+                            "tensors through the socket (transport \"inline\")", path, handoff.SUFFIX)
         self.curve.secure(self.ctx, self.router)  # tcp://: CurveZMQ and the producers' allowlist
         try:
             self.router.bind(self.endpoint)
@@ -150,11 +157,6 @@ class Daemon:
             path = self.endpoint[len("ipc://"):]
             self._ipc = unixsock.BoundSocket.of(path)  # ours to remove at exit, and only ours
             os.chmod(path, 0o660)
-            if len(handoff.socket_path(path).encode()) <= IPC_PATH_MAX:
-                self.handoffs = handoff.Listener(path)
-            else:
-                log.warning("the ipc path %s leaves no room for %s beside it: local producers send "
-                            "tensors through the socket (transport \"inline\")", path, handoff.SUFFIX)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals.append(signum)  # the wakeup fd wakes the loop, which acts on it
