@@ -278,9 +278,13 @@ class CheckpointInfo:
     ntensors: int
     format: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    # where the step is complete: "local" (this root), "remote" (the [remote] tier), or both
+    tiers: tuple[str, ...] = ("local",)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["tiers"] = list(self.tiers)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CheckpointInfo":
@@ -288,12 +292,14 @@ class CheckpointInfo:
             run=str(d["run"]), step=int(d["step"]), path=str(d["path"]),
             time=float(d["time"]), nbytes=int(d["nbytes"]), ntensors=int(d["ntensors"]),
             format=str(d["format"]), metadata=dict(d.get("metadata") or {}),
+            tiers=tuple(str(t) for t in d.get("tiers") or ("local",)),
         )
 
     @classmethod
-    def from_manifests(cls, path: str, manifests: list[Manifest]) -> "CheckpointInfo":
+    def from_manifests(cls, path: str, manifests: list[Manifest],
+                       tiers: tuple[str, ...] = ("local",)) -> "CheckpointInfo":
         first = manifests[0]
-        return cls(
+        return cls(tiers=tiers,
             run=first.run, step=first.step, path=path,
             time=max(m.time for m in manifests),
             nbytes=sum(m.nbytes for m in manifests),

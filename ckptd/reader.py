@@ -30,6 +30,7 @@ from .config import default_root
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from .names import check_run
+from .remote import catalog, fetch, tiers
 
 log = logging.getLogger("ckptd.reader")
 
@@ -48,16 +49,31 @@ def _run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]
     return base, run_dir
 
 
-def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None) -> list[CheckpointInfo]:
-    """Every complete checkpoint of ``run``, ascending by step. A step whose manifest
-    is damaged is not complete: it is left out, with a logged warning saying why."""
+def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None,
+                     remote: str | None = None) -> list[CheckpointInfo]:
+    """Every complete checkpoint of ``run``, ascending by step, in the local root and
+    (``remote``: a URL, "" for none, None for the config's ``[remote]``) the remote
+    tier; ``tiers`` says which hold each. A step whose manifest is damaged is not
+    complete: it is left out, with a logged warning saying why."""
     _, run_dir = _run_dir(run, root)
     steps = index.scan_run(run_dir, warn=True)
-    return [steps[s] for s in sorted(steps)]
+    local = [steps[s] for s in sorted(steps)]
+    store = tiers.open_store(remote)
+    return tiers.merge(local, catalog.list_checkpoints(store, run)) if store else local
 
 
 def latest(run: str, *, root: str | os.PathLike[str] | None = None,
-           verify: bool = False) -> CheckpointInfo | None:
+           verify: bool = False, remote: str | None = None) -> CheckpointInfo | None:
+    """The newest complete checkpoint of ``run`` in the local root or the remote tier
+    (``remote`` as for ``list_checkpoints``; ``verify=True`` looks at the local root
+    only), or None when it has none. See ``latest_local``."""
+    store = None if verify else tiers.open_store(remote)
+    local = latest_local(run, root=root, verify=verify)
+    return tiers.newest(local, catalog.latest(store, run)) if store else local
+
+
+def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
+                 verify: bool = False) -> CheckpointInfo | None:
     """The newest complete checkpoint of ``run``, or None when it has none.
 
     Reads the ``<run>/latest`` pointer the daemon keeps, and falls back to a scan
@@ -93,7 +109,7 @@ def find(run: str, step: int | None, root: str | os.PathLike[str] | None) -> tup
     if not run_dir.is_dir():
         raise CheckpointNotFound(f"run {run!r} has no checkpoints under {base}")
     if step is None:
-        info = latest(run, root=base)
+        info = latest_local(run, root=base)
         if info is None:
             raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {base}")
         step = info.step
@@ -137,6 +153,7 @@ def load(
     map_location: Any = "cpu",
     verify: bool = False,
     rank: int | None = None,
+    remote: str | None = None,
 ) -> dict[Any, Any]:
     """Load a complete checkpoint: the state as saved, or ``{name: tensor}``.
 
@@ -144,9 +161,32 @@ def load(
     tensors and returns them flat. ``verify=True`` checks each tensor's checksum
     (and that each file's own header agrees with the manifest).
     In a multi-rank checkpoint, ``rank`` (default ``$RANK``) picks whose share.
+    ``remote`` (a URL, "" for none, None for the config's ``[remote]``): a step not
+    complete in the local root is read from the remote tier, only that rank's
+    tensors (or ``names``), in parallel ranged reads, every checksum checked.
     """
+    store = tiers.open_store(remote)
+    if store is not None:
+        if step is None:
+            info = latest(run, root=root, remote=store.url)
+            if info is None:
+                raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {default_root(root)} "
+                                         f"nor in {store.url}")
+            step = info.step
+        local_path = layout.step_dir(default_root(root), check_run(run), step)
+        if index.step_info(local_path) is None:  # not complete here: the bucket's copy
+            _, manifests = tiers.find(store, run, step)
+            manifest = pick_rank(manifests, rank)
+            return _load_share(local_path, manifest, names, map_location, verify, store=store)
     path, manifests = find(run, step, root)
-    manifest = pick_rank(manifests, rank)
+    return _load_share(path, pick_rank(manifests, rank), names, map_location, verify)
+
+
+def _load_share(path: Path, manifest: Manifest, names: Iterable[str] | None, map_location: Any,
+                verify: bool, store: Any = None) -> dict[Any, Any]:
+    """One rank's share: read from ``path`` or, with ``store``, from the remote tier
+    (unless this rank's own files are complete at ``path``, as on the node that wrote them)."""
+    run = manifest.run
     wanted = list(manifest.tensors) if names is None else list(names)
     missing = [n for n in wanted if n not in manifest.tensors]
     if missing:
@@ -157,13 +197,27 @@ def load(
     rebuild = names is None and manifest.state is not None
     if rebuild:  # a malformed structure fails now, before gigabytes are read
         check_structure(path, manifest)
-    tensors = read_tensors(path, {n: manifest.tensors[n] for n in wanted}, verify=verify)
+    records = {n: manifest.tensors[n] for n in wanted}
+    if store is not None and not _own_share_here(path, manifest):
+        tensors = fetch.read_tensors(store, manifest, records)  # checksums always checked
+    else:
+        tensors = read_tensors(path, records, verify=verify)
     if map_location not in (None, "cpu"):
         tensors = {n: t.to(map_location) for n, t in tensors.items()}
     values = {
         n: (t.numpy() if manifest.tensors[n].numpy else t) for n, t in tensors.items()
     }
     return _unflatten(path, manifest, values) if rebuild else values
+
+
+def _own_share_here(path: Path, manifest: Manifest) -> bool:
+    """This rank's share of the step is committed in the local root (the node that wrote
+    it, its disk intact), with the same manifest as the bucket's."""
+    try:
+        local = index.read_share(path, manifest.rank)
+    except (CheckpointCorrupt, OSError):
+        return False
+    return local is not None and local.time == manifest.time
 
 
 def check_structure(step_path: Path, manifest: Manifest) -> None:

@@ -339,7 +339,7 @@ class Daemon:
         """Figures of the moment, for the metrics thread: plain reads, no iteration."""
         return {"queued_bytes": self.queued, "memory_budget": self.cfg.memory_budget,
                 "producers": len(self.sessions), "commits_in_progress": len(self.committing),
-                "draining": self.stopping}
+                "draining": self.stopping, "remote": self.upkeep.remote_figures() if self.upkeep else None}
 
     def _status_report(self) -> dict[str, Any]:
         """What `ckptd status` prints (the wire's ``report``)."""
@@ -360,6 +360,7 @@ class Daemon:
             "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
             "last_commit": snap["last_commit"],
             "runs": snap["runs"],
+            "remote": self.upkeep.remote_figures() if self.upkeep else None,  # the uploads, with [remote]
         }
 
     def _read_batch(self, limit: int = 256) -> None:

@@ -16,7 +16,7 @@ from .client import CommitHandle, Producer
 
 __all__ = [
     "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "flush",
-    "latest", "save",
+    "latest", "save", "wait_complete",
 ]
 
 _default: Producer | None = None
@@ -68,6 +68,11 @@ def flush(timeout: float | None = None) -> None:
 
 def latest(run: str | None = None) -> CheckpointInfo | None:
     return _get().latest(run)
+
+
+def wait_complete(step: int, timeout: float | None = None) -> CheckpointInfo:
+    """Until every rank's share of ``step`` is durable in the remote tier (else the shared root)."""
+    return _get().wait_complete(step, timeout)
 
 
 def abort(step: int) -> None:

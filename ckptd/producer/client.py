@@ -120,6 +120,10 @@ class Producer:
         rank = rank if rank is not None else int(os.environ.get("RANK", 0))
         world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
         self.rank, self.world_size = check_rank(rank, world_size)
+        # the launcher's node-local identity (torchrun, Slurm's wrappers): information only,
+        # each node's ranks reach their own node's daemon through its endpoint
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         # this run's own [retention] keys, checked here and applied by the daemon
         self.retention = retention
         if retention is not None:
@@ -237,6 +241,13 @@ class Producer:
         unseen = [h._error for h in failures if not h.observed]
         if unseen:
             raise CheckpointError("; ".join(e for e in unseen if e))
+
+    def wait_complete(self, step: int, timeout: float | None = None) -> CheckpointInfo:
+        """Wait until every rank's share of ``step`` is durable in the remote tier (or,
+        with no ``[remote]``, on the shared root), as the storage itself shows it."""
+        from ..completion import wait_complete
+
+        return wait_complete(self._need_run(), check_step(step), timeout=timeout)
 
     def latest(self, run: str | None = None) -> CheckpointInfo | None:
         """Ask the daemon for the newest complete checkpoint of ``run`` (default: this run)."""
