@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument("--root", help="checkpoint root (default: $CKPTD_ROOT, else the config's root)")
         r.add_argument("-c", "--config", help="config file whose root to read")
         r.add_argument("--json", action="store_true", help="print JSON")
+        if name in ("latest", "list", "show", "verify"):
+            r.add_argument("--remote", nargs="?", const="", default=None, metavar="URL",
+                           help="read the remote tier (URL, or the config's [remote] url) instead of the root")
         return r
 
     latest = reading("latest", "print the newest complete checkpoint of RUN", False)
@@ -185,7 +188,26 @@ def _install_systemd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote_store(args: argparse.Namespace) -> Any:
+    """With --remote: the remote tier to read (its URL, else the config's [remote] url)."""
+    from .remote import tiers
+
+    url = args.remote or config_mod.load(args.config).remote.url
+    if not url:
+        raise ValueError("--remote needs a URL (--remote s3://bucket/prefix) or a [remote] url in the config")
+    return tiers.open_store(url)
+
+
 def _latest(args: argparse.Namespace) -> int:
+    if args.remote is not None:
+        from .remote import catalog
+
+        store = _remote_store(args)
+        info = catalog.latest(store, check_run(args.run))
+        if info is None:
+            raise CheckpointError(f"run {args.run!r} has no complete checkpoint in {store.url}")
+        print(json.dumps(info.to_dict()) if args.json else _describe(info))
+        return 0
     if args.endpoint and args.verify:
         raise ValueError("--verify reads the checkpoint root; leave out --endpoint")
     if args.endpoint:
@@ -200,7 +222,7 @@ def _latest(args: argparse.Namespace) -> int:
         where = f"the daemon at {endpoint}"
     else:
         root = _root(args)
-        info = reader.latest(args.run, root=root, verify=args.verify)
+        info = reader.latest(args.run, root=root, verify=args.verify, remote=_config_remote(args))
         where = str(root) + (" that passes verification" if args.verify else "")
     if info is None:
         raise CheckpointError(f"run {args.run!r} has no complete checkpoint under {where}")
@@ -209,23 +231,40 @@ def _latest(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    root = _root(args)
-    infos = reader.list_checkpoints(args.run, root=root)
+    if args.remote is not None:
+        from .remote import catalog
+
+        store = _remote_store(args)
+        root, infos = store.url, catalog.list_checkpoints(store, check_run(args.run))
+    else:
+        root = _root(args)
+        infos = reader.list_checkpoints(args.run, root=root, remote=_config_remote(args))
     if args.json:
         print(json.dumps([i.to_dict() for i in infos]))
         return 0
     if not infos:
         print(f"run {args.run!r} has no complete checkpoints under {root}", file=sys.stderr)
         return 0
-    print(f"{'STEP':>12}  {'TIME':<19}  {'SIZE':>10}  {'TENSORS':>7}  FORMAT")
+    print(f"{'STEP':>12}  {'TIME':<19}  {'SIZE':>10}  {'TENSORS':>7}  {'FORMAT':<6}  TIERS")
     for i in infos:
-        print(f"{i.step:>12}  {_time(i.time):<19}  {_size(i.nbytes):>10}  {i.ntensors:>7}  {i.format}")
+        print(f"{i.step:>12}  {_time(i.time):<19}  {_size(i.nbytes):>10}  {i.ntensors:>7}  {i.format:<6}  "
+              + ",".join(i.tiers))
     return 0
 
 
+def _config_remote(args: argparse.Namespace) -> str | None:
+    """The remote tier that reading commands also consider: -c's [remote], else the discovered config's."""
+    return config_mod.load(args.config).remote.url if args.config else None
+
+
 def _show(args: argparse.Namespace) -> int:
-    path, manifests = reader.find(args.run, args.step, _root(args))
-    info = CheckpointInfo.from_manifests(str(path), manifests)
+    if args.remote is not None:
+        from .remote import tiers
+
+        info, manifests = tiers.find(_remote_store(args), check_run(args.run), args.step)
+    else:
+        path, manifests = reader.find(args.run, args.step, _root(args))
+        info = CheckpointInfo.from_manifests(str(path), manifests)
     if args.json:
         out = info.to_dict()
         out["ranks"] = [
@@ -255,7 +294,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    path, problems = reader.verify(args.run, args.step, root=_root(args))
+    if args.remote is not None:
+        from .remote import fetch, tiers
+
+        store = _remote_store(args)
+        info, manifests = tiers.find(store, check_run(args.run), args.step)
+        path, problems = info.path, fetch.check(store, manifests)
+    else:
+        path, problems = reader.verify(args.run, args.step, root=_root(args))
     if args.json:
         print(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))
     elif problems:

@@ -166,3 +166,20 @@ def start_tcp(make_daemon, keys: dict[str, Path]):
         assert time.monotonic() < deadline, d.log_text()
         time.sleep(0.02)
     return d, endpoint
+
+
+# -- the remote tier: a real S3 server (SeaweedFS) on 127.0.0.1 ------------------------------
+@pytest.fixture
+def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """A started SeaweedFS S3 server with a bucket ``ckptd`` and the standard AWS variables
+    pointing at it (daemons started by the test inherit them); stopped at teardown."""
+    from seaweed import SeaweedS3, make_bucket
+
+    server = SeaweedS3(tmp_path / "s3").start()
+    try:
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        make_bucket(server, "ckptd")
+        yield server
+    finally:
+        server.cleanup()

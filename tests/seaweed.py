@@ -134,3 +134,22 @@ class SeaweedS3:
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+def make_bucket(server: SeaweedS3, bucket: str, timeout: float = 30.0) -> None:
+    """Create ``bucket`` (retrying while the filer behind S3 is still starting)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=ACCESS_KEY,
+                          aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.create_bucket(Bucket=bucket)
+            return
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

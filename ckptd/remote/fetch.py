@@ -25,33 +25,54 @@ from ..durable import atomic_write
 from ..errors import CheckpointCorrupt
 from ..manifest import Checksum, Manifest, TensorRecord, checksum
 from . import catalog
-from .store import Store
+from .store import RemoteError, Store
 
 
 def read_tensors(store: Store, manifest: Manifest, records: dict[str, TensorRecord]) -> dict[str, Any]:
     """``records`` (of ``manifest``) read from the bucket and checked; CheckpointCorrupt
     names the object and tensor that does not match."""
+    items = sorted(records.items(), key=lambda it: (it[1].file, it[1].offset or 0))
+    with _pool(store, len(items)) as pool:
+        return dict(pool.map(lambda it: (it[0], _read_one(store, manifest, *it)), items))
+
+
+def check(store: Store, manifests: list[Manifest]) -> list[str]:
+    """Every tensor of every manifest read and checked: one problem per damaged tensor."""
+    def one(item: tuple[Manifest, str, TensorRecord]) -> str | None:
+        try:
+            _read_one(store, *item)
+        except CheckpointCorrupt as exc:
+            return f"rank {item[0].rank}: {exc}"
+        return None
+
+    items = [(m, n, r) for m in manifests for n, r in m.tensors.items()]
+    with _pool(store, len(items)) as pool:
+        return [p for p in pool.map(one, items) if p is not None]
+
+
+def _pool(store: Store, n: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, min(store.concurrency, n)), thread_name_prefix="ckptd-fetch")
+
+
+def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord) -> Any:
     import torch
 
-    def one(item: tuple[str, TensorRecord]) -> tuple[str, Any]:
-        name, rec = item
-        k = catalog.key(manifest.run, manifest.step, rec.file)
-        if rec.offset is None:  # a chunked HDF5 dataset: no byte range of its own
-            raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} is a chunked (compressed) HDF5 dataset; "
-                                    "fetch the file with ckptd.remote.fetch.fetch_share and load it locally")
-        buf = torch.empty(rec.nbytes, dtype=torch.uint8)
-        try:
-            store.read_into(k, rec.offset, memoryview(buf.numpy()))
-        except FileNotFoundError:
-            raise CheckpointCorrupt(f"{store.where(k)}: a file the manifest names is missing") from None
-        if checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
-            raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} does not match its checksum")
-        return name, buf.view(dtypes.torch_dtype(rec.dtype)).reshape(rec.shape)
-
-    items = sorted(records.items(), key=lambda it: (it[1].file, it[1].offset or 0))
-    with ThreadPoolExecutor(max_workers=max(1, min(store.concurrency, len(items))),
-                            thread_name_prefix="ckptd-fetch") as pool:
-        return dict(pool.map(one, items))
+    k = catalog.key(manifest.run, manifest.step, rec.file)
+    if rec.offset is None:  # a chunked HDF5 dataset: no byte range of its own
+        raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} is a chunked (compressed) HDF5 dataset; "
+                                "fetch the file with ckptd.remote.fetch.fetch_share and load it locally")
+    buf = torch.empty(rec.nbytes, dtype=torch.uint8)
+    try:
+        store.read_into(k, rec.offset, memoryview(buf.numpy()))
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{store.where(k)}: a file the manifest names is missing") from None
+    except RemoteError as exc:
+        if "shorter than its manifest" not in str(exc):
+            raise
+        raise CheckpointCorrupt(str(exc)) from None
+    if checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
+        raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} does not match its checksum")
+    return buf.view(dtypes.torch_dtype(rec.dtype)).reshape(rec.shape)
 
 
 def fetch_share(store: Store, run: str, step: int, rank: int, root: Path) -> Manifest:

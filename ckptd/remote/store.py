@@ -15,6 +15,7 @@ is translated here into ``RemoteError`` naming the URL, the key and what to do.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
@@ -51,9 +52,10 @@ class Store:
         try:
             # object_store's own retries are kept short: the uploader retries with its own
             # backoff, forever, and a reader should hear of a dead server quickly
-            self._store = from_url(self.url, client_options=_client_options(self.url),
-                                   retry_config={"max_retries": 2, "retry_timeout": "20s",
-                                                 "backoff": {"init_backoff": "100ms", "max_backoff": "2s"}})
+            self._store = from_url(self.url, client_options=_client_options(self.url), retry_config={
+                "max_retries": 2, "retry_timeout": timedelta(seconds=20),
+                "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2),
+                            "base": 2}})
         except Exception as exc:  # a bad URL, an unknown scheme or configuration key
             raise RemoteError(f"cannot use the remote tier {url!r}: {exc}; check [remote] url") from None
 
