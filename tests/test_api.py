@@ -15,7 +15,7 @@ def test_public_surface_is_pinned() -> None:
         "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointNotFound",
         "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "producer",
     ])
-    for name in ("configure", "emit", "commit", "checkpoint", "save", "flush", "latest", "close"):
+    for name in ("configure", "emit", "commit", "checkpoint", "save", "flush", "latest", "wait_complete", "close"):
         assert callable(getattr(producer, name)), name
         if name != "configure":  # an instance is configured by its constructor
             assert callable(getattr(ckptd.Producer, name)), name
@@ -24,7 +24,8 @@ def test_public_surface_is_pinned() -> None:
     assert issubclass(ckptd.CheckpointCorrupt, ckptd.CheckpointError)
     assert list(inspect.signature(ckptd.load).parameters)[:6] == ["run", "step", "root", "names", "map_location", "verify"]
     assert [f for f in ckptd.CheckpointInfo.__dataclass_fields__] == [
-        "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata"]
+        "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata",
+        "tiers"]  # issue 14: which tiers ("local", "remote") hold the step
 
 
 def test_python_dash_m_is_the_cli() -> None:
