@@ -35,6 +35,7 @@ from .notify import Notifier, status_line, use_journal_priorities
 from .owners import NotOwner, Owners, principal
 from .process import keep_freed_memory, lock_root, lower_priority
 from .session import Session
+from .supersede import supersede
 from .assembly import OpenStep, StepError
 from .recovery import remove_orphans
 from .upkeep import Upkeep
@@ -567,8 +568,9 @@ class Daemon:
                 "save it again once the daemon has restarted"), seq, discard=False)
             return open_step
         if (sess.run, sess.rank, step) in self.committing or (
-            open_step.share.dir / layout.manifest_name(sess.rank)
-        ).exists():
+            (open_step.share.dir / layout.manifest_name(sess.rank)).exists()
+            and not supersede(open_step.share, sess.started)  # an abandoned attempt's share may go
+        ):
             self._fail_step(sess, open_step, (
                 f"step {step} of run {sess.run!r} is already committed for rank {sess.rank}; "
                 "a committed checkpoint is never overwritten"), seq, discard=False)

@@ -20,6 +20,7 @@ class Session:
     host: str
     format: str = "chunk"  # of this session's checkpoints: its hello's, else [daemon] format
     last_seen: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.time)  # Unix time of the hello
     steps: dict[int, OpenStep] = field(default_factory=dict)
     # Acknowledgements: the producer may reuse staging up to ``acked``. Inline bytes are
     # free once received; bytes in shared memory once written (``unwritten``, in order).

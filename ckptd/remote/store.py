@@ -22,6 +22,9 @@ from typing import Any, BinaryIO, Iterable
 from ..errors import CheckpointError
 
 
+TAG = "ckptd-share"  # user metadata on data objects: which share (manifest) they belong to
+
+
 class RemoteError(CheckpointError):
     """The object store refused or failed a request."""
 
@@ -63,12 +66,14 @@ class Store:
         return f"{self.url}/{key}"
 
     # -- writing -----------------------------------------------------------------------
-    def put_file(self, key: str, fh: BinaryIO) -> None:
+    def put_file(self, key: str, fh: BinaryIO, tag: str = "") -> None:
         """Upload an open local file; larger than ``part_bytes``: a multipart upload of that
         part size, ``concurrency`` parts in flight (memory: part_bytes x concurrency). The
-        object appears only when the whole upload completes."""
+        object appears only when the whole upload completes. ``tag`` is kept with the
+        object as user metadata (``tag_of`` reads it back)."""
         try:
-            self._ob.put(self._store, key, fh, chunk_size=self.part_bytes, max_concurrency=self.concurrency)
+            self._ob.put(self._store, key, fh, chunk_size=self.part_bytes, max_concurrency=self.concurrency,
+                         attributes={TAG: tag} if tag else None)
         except Exception as exc:
             raise self._error("uploading", key, exc) from None
 
@@ -77,6 +82,15 @@ class Store:
             self._ob.put(self._store, key, data, use_multipart=False)
         except Exception as exc:
             raise self._error("uploading", key, exc) from None
+
+    def tag_of(self, key: str) -> str | None:
+        """The ``tag`` an object was uploaded with (None: none, or no such object)."""
+        try:
+            return self._ob.get(self._store, key, options={"head": True}).attributes.get(TAG)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise self._error("reading", key, exc) from None
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)

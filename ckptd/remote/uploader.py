@@ -25,6 +25,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
+import xxhash
+
 from .. import index, layout
 from ..config import RemoteConfig
 from ..errors import CheckpointCorrupt
@@ -155,9 +157,11 @@ class Uploader:
                 objects = remote.get(step, {})
                 if step < newest and not objects:
                     continue
+                # a step not complete there may hold an abandoned attempt's share in place of ours
+                incomplete = objects and catalog.step_info(self.store, run, step, objects) is None
                 for name in sorted(_names(path)):
                     m = layout.MANIFEST.fullmatch(name)
-                    if m and name not in objects:
+                    if m and (name not in objects or incomplete):
                         rank = int(m.group(1))
                         try:
                             manifest = _read_local_manifest(path, rank)
@@ -183,17 +187,20 @@ class Uploader:
             name = layout.manifest_name(rank)
             data = layout.read_small(name, MAX_MANIFEST_BYTES, dir_fd=dir_fd)
             manifest = Manifest.from_json(data, str(path / name))
-            objects = self.store.list(catalog.step_prefix(run, step))
             prefix = catalog.step_prefix(run, step)
+            objects = {k[len(prefix):]: v for k, v in self.store.list(prefix).items()}
+            if name in objects and not self._replace_remote_share(run, step, rank, data, objects):
+                return
+            tag = xxhash.xxh3_64_hexdigest(data)  # this share's identity, kept on each of its objects
             sent = skipped = 0
             for file in sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()}):
                 fd = layout.open_regular(file, dir_fd=dir_fd)
                 with os.fdopen(fd, "rb") as fh:
                     size = os.fstat(fh.fileno()).st_size
-                    if objects.get(prefix + file) == size:
-                        skipped += size  # uploaded before a restart: not again
+                    if objects.get(file) == size and self.store.tag_of(prefix + file) == tag:
+                        skipped += size  # this share's, uploaded before a restart: not again
                         continue
-                    self.store.put_file(prefix + file, fh)
+                    self.store.put_file(prefix + file, fh, tag)
                 sent += size
                 self.bytes_uploaded += size
             if PIN_FILE in _names(path):
@@ -217,6 +224,33 @@ class Uploader:
                  run, step, rank, sent, skipped, secs, sent / max(secs, 1e-9) / 1e6,
                  self.last_upload["lag_seconds"], self.config.url)
         self._after_upload(run, step)
+
+    def _replace_remote_share(self, run: str, step: int, rank: int, data: bytes, objects: dict[str, int]) -> bool:
+        """The bucket already holds a manifest of this rank for this step: True if this share
+        is to be uploaded (the one there was retracted), False if not (it is this very
+        share, or the step is complete there: a complete checkpoint is never overwritten)."""
+        prefix = catalog.step_prefix(run, step)
+        name = layout.manifest_name(rank)
+        there = self.store.get(prefix + name, MAX_MANIFEST_BYTES)
+        if there == data:
+            return False  # uploaded already (the daemon died before it could tell)
+        if catalog.step_info(self.store, run, step, objects) is not None:
+            log.error("run=%s step=%d rank=%d is complete in %s with another copy of this share; "
+                      "a complete checkpoint is never overwritten: this one stays local", run, step, rank, self.config.url)
+            return False
+        try:
+            old = Manifest.from_json(there, self.store.where(prefix + name))
+            files = set(old.files) | {t.file for t in old.tensors.values()}
+        except CheckpointCorrupt:
+            files = {n for n in objects if layout.file_rank(n) == rank and layout.is_data_file(n)}
+        # an abandoned attempt's share (daemon/supersede.py): its data first, so the step
+        # is no longer complete-looking at once, then its manifest
+        self.store.delete(prefix + f for f in files if f in objects)
+        self.store.delete([prefix + name])
+        for f in files:
+            objects.pop(f, None)
+        log.warning("run=%s step=%d rank=%d: replaced the bucket's copy of an abandoned attempt", run, step, rank)
+        return True
 
     def _after_upload(self, run: str, step: int) -> None:
         """If the step is now complete in the bucket: apply the bucket's retention, then
