@@ -45,8 +45,12 @@ class Store:
     """One bucket prefix. Thread-safe: the client is shared by every thread."""
 
     def __init__(self, url: str, *, part_bytes: int = 16 * 2**20, concurrency: int = 8) -> None:
-        import obstore
-        from obstore.store import from_url
+        try:
+            import obstore
+            from obstore.store import from_url
+        except ImportError:
+            raise RemoteError(f"the remote tier {url!r} needs the obstore package: "
+                              "pip install 'ckptd[remote]' (or pip install obstore)") from None
 
         self.url = url.rstrip("/")
         self.part_bytes = part_bytes
