@@ -66,6 +66,9 @@ def test_upload_then_resume_on_an_empty_disk(s3, make_daemon, monkeypatch, tmp_p
     remote = json.loads(status.stdout)["remote"]
     assert remote["shares_uploaded"] == 2 and remote["pending_shares"] == 0 and remote["failures"] == 0
     assert remote["bytes_uploaded"] > 2 * 2048 * 1024 * 4  # 8 MiB tensors: multipart uploads
+    text = subprocess.run([sys.executable, "-m", "ckptd", "status", "-c", str(d.config)],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert f"remote:       {URL}: 2 share(s) uploaded" in text and "0 pending" in text
 
 
 def test_cli_reads_the_remote_tier(s3, make_daemon, monkeypatch, tmp_path) -> None:
