@@ -16,10 +16,11 @@ from .remote import catalog, tiers
 
 
 def wait_complete(run: str, step: int, *, timeout: float | None = None, root: str | os.PathLike[str] | None = None,
-                  remote: str | None = None) -> CheckpointInfo:
+                  remote: str | None = None, world_size: int | None = None) -> CheckpointInfo:
     """The step's CheckpointInfo once it is complete in the remote tier (``remote``: a
     URL, "" for none, None for the config's ``[remote]``), else in the root; a
-    ``CheckpointError`` naming the ranks still missing after ``timeout`` seconds."""
+    ``CheckpointError`` naming the ranks still missing after ``timeout`` seconds.
+    ``world_size`` (the caller's): no manifest is read until every rank's is listed."""
     store = tiers.open_store(remote)
     poll = load_config().remote.poll_interval
     base = default_root(root)
@@ -28,7 +29,7 @@ def wait_complete(run: str, step: int, *, timeout: float | None = None, root: st
         if store is not None:
             prefix = catalog.step_prefix(run, step)
             objects = {k[len(prefix):]: v for k, v in store.list(prefix).items()}
-            info = catalog.step_info(store, run, step, objects)
+            info = catalog.step_info(store, run, step, objects, world_size=world_size)
             where, names = store.url, list(objects)
         else:
             path = layout.step_dir(base, run, step)

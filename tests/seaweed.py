@@ -51,8 +51,9 @@ class SeaweedS3:
     """``weed mini`` in its own process group; ``start``/``stop`` may be called again
     (the data folder persists across restarts, as a real server's disk does)."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, *, nice: int = 0) -> None:
         self.base = base
+        self.nice = nice  # the benchmark's: a real object store takes none of the node's CPU
         self.data = base / "data"
         self.data.mkdir(parents=True, exist_ok=True)
         self.sock_dir = Path(tempfile.mkdtemp(prefix="sw", dir="/tmp"))
@@ -92,7 +93,8 @@ class SeaweedS3:
     def start(self, timeout: float = 90.0) -> "SeaweedS3":
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.remote import catalog
+from ckptd.remote import catalog, fetch
 from ckptd.remote.store import RemoteAuthError, Store
 
 URL = "s3://ckptd/ckpts"
@@ -57,6 +57,10 @@ def test_upload_then_resume_on_an_empty_disk(s3, make_daemon, monkeypatch, tmp_p
     only = ckptd.load("r", 1, root=empty, remote=URL, names=["model.b"])
     assert list(only) == ["model.b"]
     assert not any(empty.iterdir())  # read into memory: nothing written on the fresh node
+    # files instead (for readers that want them): one rank's share, manifest last, checked
+    fetch.fetch_share(store, "r", 2, 0, empty)
+    assert torch.equal(ckptd.load("r", root=empty, remote="")["model"]["w"], want["model"]["w"])
+    assert ckptd.latest("r", root=empty, remote=URL).tiers == ("local", "remote")
     # on the node that wrote it both tiers hold both steps, and the local copy is read
     both = ckptd.list_checkpoints("r", root=d.root, remote=URL)
     assert [(i.step, i.tiers) for i in both] == [(1, ("local", "remote")), (2, ("local", "remote"))]

@@ -247,7 +247,7 @@ class Producer:
         with no ``[remote]``, on the shared root), as the storage itself shows it."""
         from ..completion import wait_complete
 
-        return wait_complete(self._need_run(), check_step(step), timeout=timeout)
+        return wait_complete(self._need_run(), check_step(step), timeout=timeout, world_size=self.world_size)
 
     def latest(self, run: str | None = None) -> CheckpointInfo | None:
         """Ask the daemon for the newest complete checkpoint of ``run`` (default: this run)."""

@@ -52,11 +52,13 @@ def read_manifest(store: Store, run: str, step: int, rank: int) -> Manifest:
     return m
 
 
-def manifests(store: Store, run: str, step: int, objects: dict[str, int]) -> list[Manifest] | None:
+def manifests(store: Store, run: str, step: int, objects: dict[str, int], *,
+              world_size: int | None = None) -> list[Manifest] | None:
     """All ranks' manifests of a step complete in the bucket, else None; a manifest that
-    is damaged raises CheckpointCorrupt."""
+    is damaged raises CheckpointCorrupt. ``world_size``, when the caller knows it, spares
+    reading any manifest until all of them are listed (``wait_complete`` polls)."""
     ranks = sorted(int(m.group(1)) for n in objects if (m := layout.MANIFEST.fullmatch(n)))
-    if not ranks:
+    if not ranks or (world_size is not None and ranks != list(range(world_size))):
         return None
     first = read_manifest(store, run, step, ranks[0])
     if ranks != list(range(first.world_size)):
@@ -81,9 +83,9 @@ def _needed(m: Manifest) -> dict[str, int]:
 
 
 def step_info(store: Store, run: str, step: int, objects: dict[str, int], *,
-              warn: bool = False) -> CheckpointInfo | None:
+              warn: bool = False, world_size: int | None = None) -> CheckpointInfo | None:
     try:
-        found = manifests(store, run, step, objects)
+        found = manifests(store, run, step, objects, world_size=world_size)
     except (CheckpointCorrupt, FileNotFoundError) as exc:
         (log.warning if warn else log.debug)("remote run %r step %d is not complete: %s", run, step, exc)
         return None

@@ -119,14 +119,6 @@ class Store:
         except Exception as exc:
             raise self._error("listing", prefix, exc) from None
 
-    def list_dirs(self, prefix: str) -> list[str]:
-        """The 'folders' right below ``prefix`` (without the trailing ``/``)."""
-        try:
-            found = self._ob.list_with_delimiter(self._store, prefix or None)
-        except Exception as exc:
-            raise self._error("listing", prefix, exc) from None
-        return [p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"]]
-
     def get(self, key: str, limit: int) -> bytes:
         """A small object whole (a manifest); RemoteError beyond ``limit`` bytes."""
         try:
