@@ -40,7 +40,11 @@ def two_nodes(make_daemon, tmp_path):
 def test_two_daemons_on_one_root(two_nodes, monkeypatch) -> None:
     shared, a, b = two_nodes
     monkeypatch.setenv("CKPTD_ROOT", str(shared))  # wait_complete looks at the shared root
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as torchrun sets them: one rank on each node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     p0 = a.producer("job", rank=0, world_size=2)
+    assert {k: p0.stats()[k] for k in ("rank", "world_size", "local_rank", "local_world_size")} == {
+        "rank": 0, "world_size": 2, "local_rank": 0, "local_world_size": 1}
     p1 = b.producer("job", rank=1, world_size=2)
     try:
         p0.save({"w": torch.zeros(1000), "rank": 0}, 1).wait(30)

@@ -285,11 +285,14 @@ class Producer:
                 self._arena.close()
 
     def stats(self) -> dict[str, Any]:
-        """How this producer is doing: ``transport`` ("shm" or "inline", None before the
+        """How this producer is doing: its identity (``rank``, ``world_size`` and the
+        launcher's ``local_rank``, ``local_world_size``), ``transport`` ("shm" or "inline", None before the
         first connection), ``staging_bytes`` (the arena's size), ``blocked_seconds``
         (total time ``emit`` waited for staging space, i.e. for the daemon)."""
         arena = self._arena
         return {
+            "rank": self.rank, "world_size": self.world_size,
+            "local_rank": self.local_rank, "local_world_size": self.local_world_size,
             "transport": None if self._transport is None else ("shm" if self._shm else "inline"),
             "staging_bytes": arena.capacity if arena is not None else 0,
             "blocked_seconds": arena.blocked_s if arena is not None else 0.0,
