@@ -578,6 +578,7 @@ class Daemon:
 
     def _on_tensor(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         seq = sess.received = h["seq"]  # an inline piece is received: its staging is free
+        self.upkeep.received()  # a snapshot is under way: uploads to the remote tier hold off
         open_step = self._open_step(sess, h["step"], seq)
         if open_step.share.error is not None:
             return  # failed and reported; dropped until the producer aborts

@@ -82,6 +82,11 @@ class Upkeep:
         if complete:  # whoever completes a step applies retention to its run
             self.prune(share.run)
 
+    def received(self) -> None:
+        """The main loop got tensor bytes: a snapshot is under way, uploads hold off."""
+        if self.uploader is not None:
+            self.uploader.received()
+
     def remote_figures(self) -> dict[str, Any] | None:
         return self.uploader.figures() if self.uploader is not None else None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from ..errors import CheckpointError
 
@@ -70,13 +70,13 @@ class Store:
         return f"{self.url}/{key}"
 
     # -- writing -----------------------------------------------------------------------
-    def put_file(self, key: str, fh: BinaryIO, tag: str = "") -> None:
-        """Upload an open local file; larger than ``part_bytes``: a multipart upload of that
-        part size, ``concurrency`` parts in flight (memory: part_bytes x concurrency). The
-        object appears only when the whole upload completes. ``tag`` is kept with the
-        object as user metadata (``tag_of`` reads it back)."""
+    def put_file(self, key: str, source: BinaryIO | Iterator[bytes], tag: str = "") -> None:
+        """Upload an open local file, or its parts; larger than ``part_bytes``: a multipart
+        upload of that part size, ``concurrency`` parts in flight (memory: part_bytes x
+        concurrency). The object appears only when the whole upload completes. ``tag`` is
+        kept with the object as user metadata (``tag_of`` reads it back)."""
         try:
-            self._ob.put(self._store, key, fh, chunk_size=self.part_bytes, max_concurrency=self.concurrency,
+            self._ob.put(self._store, key, source, chunk_size=self.part_bytes, max_concurrency=self.concurrency,
                          attributes={TAG: tag} if tag else None)
         except Exception as exc:
             raise self._error("uploading", key, exc) from None

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable, Iterator
 
 import xxhash
 
@@ -38,6 +38,11 @@ from .store import RemoteAuthError, RemoteError, Store
 log = logging.getLogger("ckptd.remote")
 
 ShareKey = tuple[str, int, int]  # (run, step, rank)
+# While producers send tensors (a snapshot in progress), uploads feed no new part: the
+# trainer's copy must not compete with them. Quiet for this long = no snapshot...
+QUIET_S = 0.25
+# ...and a part never waits longer than this, so that uploads progress whatever comes.
+MAX_HOLD_S = 5.0
 # Called with a run and its steps complete in the bucket, after an upload completed one:
 # the daemon's local retention may then count them (docs/remote.md).
 OnRemoteComplete = Callable[[str, list[CheckpointInfo]], None]
@@ -54,6 +59,7 @@ class Uploader:
         self._pending: OrderedDict[ShareKey, tuple[float, int]] = OrderedDict()  # -> (commit time, bytes)
         self._stop = False
         self._resumed = False
+        self._last_received = 0.0  # monotonic time a producer last sent tensor bytes
         self._thread = threading.Thread(target=self._loop, name="ckptd-uploader", daemon=True)
         # figures (read by `ckptd status` and the metrics)
         self.shares_uploaded = 0
@@ -80,6 +86,22 @@ class Uploader:
         with self._cond:
             self._pending[(run, step, rank)] = (committed, nbytes)
             self._cond.notify_all()
+
+    def received(self) -> None:
+        """A producer sent tensor bytes just now (the main loop, per piece: one store)."""
+        self._last_received = time.monotonic()
+
+    def _parts(self, fh: BinaryIO) -> Iterator[bytes]:
+        """The file in parts, each read once no snapshot is under way (or MAX_HOLD_S)."""
+        while True:
+            held = time.monotonic()
+            while (time.monotonic() - self._last_received < QUIET_S and time.monotonic() - held < MAX_HOLD_S
+                   and not self._stop):
+                time.sleep(0.02)
+            part = fh.read(self.config.part_bytes)
+            if not part:
+                return
+            yield part
 
     def pending_steps(self, run: str) -> set[int]:
         """Steps of ``run`` with a share not yet uploaded (or, before the first comparison
@@ -200,7 +222,7 @@ class Uploader:
                     if objects.get(file) == size and self.store.tag_of(prefix + file) == tag:
                         skipped += size  # this share's, uploaded before a restart: not again
                         continue
-                    self.store.put_file(prefix + file, fh, tag)
+                    self.store.put_file(prefix + file, self._parts(fh), tag)
                 sent += size
                 self.bytes_uploaded += size
             if PIN_FILE in _names(path):
