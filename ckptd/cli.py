@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument("--root", help="checkpoint root (default: $CKPTD_ROOT, else the config's root)")
         r.add_argument("-c", "--config", help="config file whose root to read; " + CONFIG_HELP)
         r.add_argument("--json", action="store_true", help="print JSON")
+        if name in ("latest", "list", "show", "verify"):
+            r.add_argument("--remote", nargs="?", const="", default=None, metavar="URL",
+                           help="read the remote tier (URL, or the config's [remote] url) instead of the root")
         return r
 
     latest = reading("latest", "print the newest complete checkpoint of RUN", False)
@@ -198,6 +201,13 @@ def _status(args: argparse.Namespace) -> int:
         width = max(map(len, s["runs"]))
         for run, r in sorted(s["runs"].items()):
             print(f"  {run:<{width}}  last step {r['step']}, {_duration(now - r['time'])} ago")
+    r = s.get("remote")
+    if r:
+        rate = f", {r['bytes_uploaded'] / r['upload_seconds'] / 1e6:.1f} MB/s" if r["upload_seconds"] else ""
+        print(f"remote:       {r['url']}: {r['shares_uploaded']} share(s) uploaded ({_size(r['bytes_uploaded'])}"
+              f"{rate}); {r['pending_shares']} pending ({_size(r['pending_bytes'])}), lag "
+              f"{_duration(r['lag_seconds'])}; {r['failures']} failure(s)"
+              + (f"; last error: {r['last_error']}" if r["failures"] and r["last_error"] else ""))
     print(f"metrics:      {s['metrics'] or 'off'}")
     return 0
 
@@ -232,7 +242,26 @@ def _install_systemd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote_store(args: argparse.Namespace) -> Any:
+    """With --remote: the remote tier to read (its URL, else the config's [remote] url)."""
+    from .remote import tiers
+
+    url = args.remote or config_mod.load(args.config).remote.url
+    if not url:
+        raise ValueError("--remote needs a URL (--remote s3://bucket/prefix) or a [remote] url in the config")
+    return tiers.open_store(url)
+
+
 def _latest(args: argparse.Namespace) -> int:
+    if args.remote is not None:
+        from .remote import catalog
+
+        store = _remote_store(args)
+        info = catalog.latest(store, check_run(args.run))
+        if info is None:
+            raise CheckpointError(f"run {args.run!r} has no complete checkpoint in {store.url}")
+        print(json.dumps(info.to_dict()) if args.json else _describe(info))
+        return 0
     if args.endpoint and args.verify:
         raise ValueError("--verify reads the checkpoint root; leave out --endpoint")
     if args.endpoint:
@@ -247,7 +276,7 @@ def _latest(args: argparse.Namespace) -> int:
         where = f"the daemon at {endpoint}"
     else:
         root = _root(args)
-        info = reader.latest(args.run, root=root, verify=args.verify)
+        info = reader.latest(args.run, root=root, verify=args.verify, remote=_config_remote(args))
         where = str(root) + (" that passes verification" if args.verify else "")
     if info is None:
         raise CheckpointError(f"run {args.run!r} has no complete checkpoint under {where}")
@@ -258,19 +287,26 @@ def _latest(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     if args.run is None:
         return _runs(args)
-    root = _root(args)
-    infos = reader.list_checkpoints(args.run, root=root)
-    pinned = retention.pinned_steps(root / args.run, [i.step for i in infos])
+    if args.remote is not None:
+        from .remote import catalog
+
+        store = _remote_store(args)
+        root, infos = store.url, catalog.list_checkpoints(store, check_run(args.run))
+        pinned: set[int] = set()  # pins are marks in a local root (`ckptd pin`)
+    else:
+        root = _root(args)
+        infos = reader.list_checkpoints(args.run, root=root, remote=_config_remote(args))
+        pinned = retention.pinned_steps(root / args.run, [i.step for i in infos])
     if args.json:
         print(json.dumps([{**i.to_dict(), "pinned": i.step in pinned} for i in infos]))
         return 0
     if not infos:
         print(f"run {args.run!r} has no complete checkpoints under {root}", file=sys.stderr)
         return 0
-    print(f"{'STEP':>12}  {'TIME':<19}  {'SIZE':>10}  {'TENSORS':>7}  {'FORMAT':<6}  PINNED")
+    print(f"{'STEP':>12}  {'TIME':<19}  {'SIZE':>10}  {'TENSORS':>7}  {'FORMAT':<6}  {'TIERS':<12}  PINNED")
     for i in infos:
         print(f"{i.step:>12}  {_time(i.time):<19}  {_size(i.nbytes):>10}  {i.ntensors:>7}  {i.format:<6}  "
-              f"{'pinned' if i.step in pinned else ''}".rstrip())
+              f"{','.join(i.tiers):<12}  {'pinned' if i.step in pinned else ''}".rstrip())
     return 0
 
 
@@ -298,9 +334,19 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_remote(args: argparse.Namespace) -> str | None:
+    """The remote tier that reading commands also consider: -c's [remote], else the discovered config's."""
+    return config_mod.load(args.config).remote.url if args.config else None
+
+
 def _show(args: argparse.Namespace) -> int:
-    path, manifests = reader.find(args.run, args.step, _root(args))
-    info = CheckpointInfo.from_manifests(str(path), manifests)
+    if args.remote is not None:
+        from .remote import tiers
+
+        info, manifests = tiers.find(_remote_store(args), check_run(args.run), args.step)
+    else:
+        path, manifests = reader.find(args.run, args.step, _root(args))
+        info = CheckpointInfo.from_manifests(str(path), manifests)
     if args.json:
         out = info.to_dict()
         out["pinned"] = bool(retention.pinned_steps(path.parent, [info.step]))
@@ -342,12 +388,19 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .progress import bytes_bar
+    if args.remote is not None:
+        from .remote import fetch, tiers
 
-    path, manifests = reader.find(args.run, args.step, _root(args))
-    total = sum(m.nbytes for m in manifests)
-    with bytes_bar(total, f"verify step {manifests[0].step}", enabled=not args.json) as progress:
-        problems = reader.check(path, manifests, progress)
+        store = _remote_store(args)
+        info, manifests = tiers.find(store, check_run(args.run), args.step)
+        path, problems = info.path, fetch.check(store, manifests)
+    else:
+        from .progress import bytes_bar
+
+        path, manifests = reader.find(args.run, args.step, _root(args))
+        total = sum(m.nbytes for m in manifests)
+        with bytes_bar(total, f"verify step {manifests[0].step}", enabled=not args.json) as progress:
+            problems = reader.check(path, manifests, progress)
     if args.json:
         print(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))
     elif problems:

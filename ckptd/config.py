@@ -262,6 +262,32 @@ class IndexConfig:
     rescan_interval: float = _opt(300.0, _positive(parse_duration))
 
 
+def _url(value: object) -> str:
+    """An object-store URL (``s3://bucket/prefix``, ``gs://``, ``az://``, ``file:///``), or "" for none."""
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string: write a URL such as \"s3://bucket/prefix\", or \"\" for none")
+    if value and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^\s]+", value):
+        raise ValueError(f"{value!r} is not a URL such as \"s3://bucket/prefix\"")
+    return value.rstrip("/")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteConfig:
+    """The remote tier (docs/remote.md): every committed share is uploaded to ``url``
+    in the background; ``retention`` ([remote.retention]) is the bucket's own policy."""
+
+    url: str = _opt("", _url)  # "" = no remote tier
+    part_bytes: int = _opt(16 * 2**20, _positive(parse_size))  # multipart part size; also the ranged-read size
+    concurrency: int = _opt(8, _positive(lambda v: _count(v)))  # parts (or ranges) in flight at once
+    max_retry_s: float = _opt(30.0, _positive(parse_duration))  # backoff cap between upload retries
+    poll_interval: float = _opt(0.5, _positive(parse_duration))  # wait_complete's look at the storage
+    retention: RetentionConfig = RetentionConfig()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url)
+
+
 @dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = DaemonConfig()
@@ -269,6 +295,7 @@ class Config:
     retention: RetentionConfig = RetentionConfig()
     index: IndexConfig = IndexConfig()
     hdf5: Hdf5Config = Hdf5Config()
+    remote: RemoteConfig = RemoteConfig()
     path: Path | None = None  # the file these values came from, if any
     origin: str = "built-in defaults"  # how that file was found (config.discover)
 
@@ -290,7 +317,7 @@ class Config:
 
 _TABLES: dict[str, type] = {
     "daemon": DaemonConfig, "producer": ProducerConfig, "retention": RetentionConfig, "index": IndexConfig,
-    "hdf5": Hdf5Config,
+    "hdf5": Hdf5Config, "remote": RemoteConfig,
 }
 
 
@@ -303,6 +330,11 @@ def build(cls: type, values: dict[str, Any], where: str) -> Any:
         if f is None:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"unknown key {key!r} in {where}; known keys: {known}")
+        if "parse" not in f.metadata:  # a sub-table, built by the caller ([remote.retention])
+            if not dataclasses.is_dataclass(raw):
+                raise ConfigError(f"{key!r} in {where} must be a table: write it as [{where[1:].split(']')[0]}.{key}]")
+            kwargs[key] = raw
+            continue
         try:
             kwargs[key] = f.metadata["parse"](raw)
         except ValueError as exc:
@@ -379,6 +411,9 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
                 f"unknown table [{name}] in {file}; known tables: "
                 + ", ".join(f"[{t}]" for t in _TABLES)
             )
+        if cls is RemoteConfig and isinstance(table.get("retention"), dict):
+            # [remote.retention] takes the [retention] keys, for the bucket
+            table = dict(table, retention=build(RetentionConfig, table["retention"], f"[remote.retention] of {file}"))
         tables[name] = build(cls, table, f"[{name}] of {file}")
     return Config(path=file, origin=origin, **tables)
 

@@ -107,6 +107,25 @@ def _agree(manifests: list[Manifest], keys: tuple[str, ...], step_path: Path) ->
                     f"{getattr(first, key)!r}, rank {m.rank} says {getattr(m, key)!r}")
 
 
+def read_share(step_path: Path, rank: int) -> Manifest | None:
+    """Rank ``rank``'s manifest of a step folder if that rank's share is committed there
+    with every file it names (whether or not the other ranks' are), else None."""
+    try:
+        dir_fd = _open_step(step_path)
+    except FileNotFoundError:
+        return None
+    try:
+        name = layout.manifest_name(rank)
+        try:
+            data = layout.read_small(name, MAX_MANIFEST_BYTES, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        m = Manifest.from_json(data, str(step_path / name))
+        return m if m.rank == rank and _files_present(dir_fd, [m]) else None
+    finally:
+        os.close(dir_fd)
+
+
 def step_info(step_path: Path, *, warn: bool = False) -> CheckpointInfo | None:
     """The info of a complete step, or None (incomplete, unreadable, being copied in).
     ``warn``: log why a step with a damaged manifest is left out as a warning (for a

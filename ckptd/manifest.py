@@ -410,9 +410,13 @@ class CheckpointInfo:
     metadata: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     rank: int | None = None  # None: the whole step; an int: only that rank's share
+    # where the step is complete: "local" (this root), "remote" (the [remote] tier), or both
+    tiers: tuple[str, ...] = ("local",)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["tiers"] = list(self.tiers)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CheckpointInfo":
@@ -422,14 +426,16 @@ class CheckpointInfo:
             format=str(d["format"]), metadata=dict(d.get("metadata") or {}),
             world_size=int(d.get("world_size", 1)),
             rank=None if d.get("rank") is None else int(d["rank"]),
+            tiers=tuple(str(t) for t in d.get("tiers") or ("local",)),
         )
 
     @classmethod
-    def from_manifests(cls, path: str, manifests: list[Manifest]) -> "CheckpointInfo":
+    def from_manifests(cls, path: str, manifests: list[Manifest],
+                       tiers: tuple[str, ...] = ("local",)) -> "CheckpointInfo":
         """The info of every rank's manifest of a step, or of one rank's share alone."""
         first = manifests[0]
         whole = len(manifests) == first.world_size
-        return cls(
+        return cls(tiers=tiers,
             run=first.run, step=first.step, path=path,
             time=max(m.time for m in manifests),
             nbytes=sum(m.nbytes for m in manifests),

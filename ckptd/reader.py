@@ -33,6 +33,7 @@ from .config import default_root
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from .names import check_run
+from .remote import catalog, fetch, tiers
 
 log = logging.getLogger("ckptd.reader")
 
@@ -57,16 +58,31 @@ def _run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]
     return base, run_dir
 
 
-def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None) -> list[CheckpointInfo]:
-    """Every complete checkpoint of ``run``, ascending by step. A step whose manifest
-    is damaged is not complete: it is left out, with a logged warning saying why."""
+def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None,
+                     remote: str | None = None) -> list[CheckpointInfo]:
+    """Every complete checkpoint of ``run``, ascending by step, in the local root and
+    (``remote``: a URL, "" for none, None for the config's ``[remote]``) the remote
+    tier; ``tiers`` says which hold each. A step whose manifest is damaged is not
+    complete: it is left out, with a logged warning saying why."""
     _, run_dir = _run_dir(run, root)
     steps = index.scan_run(run_dir, warn=True)
-    return [steps[s] for s in sorted(steps)]
+    local = [steps[s] for s in sorted(steps)]
+    store = tiers.open_store(remote)
+    return tiers.merge(local, catalog.list_checkpoints(store, run)) if store else local
 
 
 def latest(run: str, *, root: str | os.PathLike[str] | None = None,
-           verify: bool = False) -> CheckpointInfo | None:
+           verify: bool = False, remote: str | None = None) -> CheckpointInfo | None:
+    """The newest complete checkpoint of ``run`` in the local root or the remote tier
+    (``remote`` as for ``list_checkpoints``; ``verify=True`` looks at the local root
+    only), or None when it has none. See ``latest_local``."""
+    store = None if verify else tiers.open_store(remote)
+    local = latest_local(run, root=root, verify=verify)
+    return tiers.newest(local, catalog.latest(store, run)) if store else local
+
+
+def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
+                 verify: bool = False) -> CheckpointInfo | None:
     """The newest complete checkpoint of ``run``, or None when it has none.
 
     Reads the ``<run>/latest`` pointer the daemon keeps, and falls back to a scan
@@ -102,7 +118,7 @@ def find(run: str, step: int | None, root: str | os.PathLike[str] | None) -> tup
     if not run_dir.is_dir():
         raise CheckpointNotFound(f"run {run!r} has no checkpoints under {base}")
     if step is None:
-        info = latest(run, root=base)
+        info = latest_local(run, root=base)
         if info is None:
             raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {base}")
         step = info.step
@@ -148,6 +164,7 @@ def load(
     rank: int | None = None,
     out: Any = None,
     mmap: bool = False,
+    remote: str | None = None,
 ) -> dict[Any, Any]:
     """Load a complete checkpoint: the state as saved, or ``{name: tensor}``.
 
@@ -164,6 +181,9 @@ def load(
     chunk files (as ``torch.load(mmap=True)``): nothing is read until touched, and
     writes stay in this process; a tensor the format cannot map (a compressed HDF5
     dataset, a misaligned offset) is read as usual.
+    ``remote`` (a URL, "" for none, None for the config's ``[remote]``): a step not
+    complete in the local root is read from the remote tier, only that rank's
+    tensors (or ``names``), in parallel ranged reads, every checksum checked.
     """
     if mmap and out is not None:
         raise ValueError("load(out=..., mmap=True): choose one; out= reads into your tensors, "
@@ -171,12 +191,16 @@ def load(
     if mmap and map_location not in (None, "cpu"):
         raise ValueError(f"load(mmap=True) maps the files into CPU memory; map_location={map_location!r} "
                          "would copy every byte at once: load without mmap=True")
-    path, manifests = find(run, step, root)
+    path, manifests, store = _find_in_tiers(run, step, root, remote)
     if rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit():
         if out is not None or mmap:
             raise ValueError(f"load(out=/mmap=True) reads one rank's share, and step {manifests[0].step} has "
                              f"{manifests[0].world_size} ranks: pass rank=, or fill your tensors of the whole "
                              "state with ckptd.load_into(state, run, step)")
+        if store is not None:
+            raise ValueError(f"step {manifests[0].step} of run {run!r} is complete only in {store.url}: load "
+                             "one rank's share there with rank= (or set RANK), or fetch the step into the "
+                             "local root first (ckptd.remote.fetch.fetch_share) to load the whole state")
         from .load_into import load_whole
 
         return load_whole(path, manifests, names=names, map_location=map_location, verify=verify)
@@ -192,14 +216,43 @@ def load(
     rebuild = names is None and manifest.state is not None
     if rebuild:  # a malformed structure fails now, before gigabytes are read
         check_structure(path, manifest)
-    into = destinations(out, records, manifest.step) if out is not None else None
-    tensors = read_tensors(path, {n: records[n] for n in wanted}, verify=verify, into=into, mapped=mmap)
+    wanted_records = {n: records[n] for n in wanted}
+    # from the bucket unless every file it needs was written here (the node that wrote it)
+    writers = {manifest.rank} | {manifest.replicas[n] for n in wanted if n in manifest.replicas}
+    if store is not None and not all(_own_share_here(path, manifests[r]) for r in writers):
+        if out is not None or mmap:
+            raise ValueError(f"load(out=/mmap=True) reads local files, and rank {manifest.rank}'s share of step "
+                             f"{manifest.step} is only in {store.url}: load without them, or fetch it first")
+        tensors = fetch.read_tensors(store, manifest, wanted_records)  # checksums always checked
+    else:
+        into = destinations(out, records, manifest.step) if out is not None else None
+        tensors = read_tensors(path, wanted_records, verify=verify, into=into, mapped=mmap)
     if map_location not in (None, "cpu"):
         tensors = {n: t.to(map_location) for n, t in tensors.items()}
     values = {  # (an out= numpy array is one already)
         n: (t.numpy() if records[n].numpy and hasattr(t, "numpy") else t) for n, t in tensors.items()
     }
     return _unflatten(path, manifest, values) if rebuild else values
+
+
+def _find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None,
+                   remote: str | None) -> tuple[Path, list[Manifest], Any]:
+    """The step's folder and manifests: locally if it is complete there, else from the
+    remote tier (then also its store; the folder is where it would be locally)."""
+    store = tiers.open_store(remote)
+    if store is not None:
+        if step is None:
+            info = latest(run, root=root, remote=store.url)
+            if info is None:
+                raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {default_root(root)} "
+                                         f"nor in {store.url}")
+            step = info.step
+        local_path = layout.step_dir(default_root(root), check_run(run), step)
+        if index.step_info(local_path) is None:  # not complete here: the bucket's copy
+            _, manifests = tiers.find(store, run, step)
+            return local_path, manifests, store
+    path, manifests = find(run, step, root)
+    return path, manifests, None
 
 
 def share_records(step_path: Path, manifests: list[Manifest], manifest: Manifest) -> dict[str, TensorRecord]:
@@ -217,6 +270,16 @@ def share_records(step_path: Path, manifests: list[Manifest], manifest: Manifest
                 "different replicated= or different tensors?)")
         records[name] = rec
     return records
+
+
+def _own_share_here(path: Path, manifest: Manifest) -> bool:
+    """This rank's share of the step is committed in the local root (the node that wrote
+    it, its disk intact), with the same manifest as the bucket's."""
+    try:
+        local = index.read_share(path, manifest.rank)
+    except (CheckpointCorrupt, OSError):
+        return False
+    return local is not None and local.time == manifest.time
 
 
 def check_structure(step_path: Path, manifest: Manifest) -> None:

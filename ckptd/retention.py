@@ -46,8 +46,11 @@ class Decision:
     nbytes: int = 0
 
 
-def plan(infos: list[CheckpointInfo], policy: RetentionConfig, *, pinned: set[int], now: float) -> list[Decision]:
-    """Decide, for each complete checkpoint of one run, whether to keep it and why."""
+def plan(infos: list[CheckpointInfo], policy: RetentionConfig, *, pinned: set[int], now: float,
+         protect: set[int] = frozenset()) -> list[Decision]:
+    """Decide, for each complete checkpoint of one run, whether to keep it and why.
+    ``protect``: steps kept whatever the rules say, as pins are (a share still to
+    upload to the remote tier)."""
     by_step = {i.step: i for i in infos}
     steps = sorted(by_step)
     if not steps:
@@ -56,6 +59,8 @@ def plan(infos: list[CheckpointInfo], policy: RetentionConfig, *, pinned: set[in
     reasons[steps[-1]].append("newest")
     for s in pinned & reasons.keys():
         reasons[s].append("pinned")
+    for s in protect & reasons.keys():
+        reasons[s].append("its upload to the remote tier has not finished")
     if policy.keeps_all:
         for s in steps:
             reasons[s].append("no keep rule is set")
@@ -83,7 +88,7 @@ def plan(infos: list[CheckpointInfo], policy: RetentionConfig, *, pinned: set[in
             if total <= policy.max_bytes:
                 break
             d = decisions[s]
-            if d.keep and s != steps[-1] and s not in pinned:
+            if d.keep and s != steps[-1] and s not in pinned and s not in protect:
                 d.keep = False
                 d.reasons = [f"max_bytes={policy.max_bytes}: the run held {total} bytes"]
                 total -= d.nbytes
@@ -212,10 +217,11 @@ def remove_trash_at(run_fd: int, name: str, run_dir: Path) -> None:
 
 
 def apply(run_dir: Path, infos: list[CheckpointInfo], policy: RetentionConfig, *, now: float,
-          dry_run: bool = False) -> tuple[list[Decision], list[Path]]:
+          dry_run: bool = False, protect: set[int] = frozenset()) -> tuple[list[Decision], list[Path]]:
     """Plan and (unless ``dry_run``) make the deletions invisible; return the
     decisions and the trash folders the caller should remove."""
-    decisions = plan(infos, policy, pinned=pinned_steps(run_dir, [i.step for i in infos]), now=now)
+    decisions = plan(infos, policy, pinned=pinned_steps(run_dir, [i.step for i in infos]), now=now,
+                     protect=protect)
     trash = []
     if not dry_run:
         for d in decisions:

@@ -126,7 +126,9 @@ def daemon(make_daemon) -> Daemon:
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Tests never read the developer's own config or environment."""
-    for var in ("CKPTD_ENDPOINT", "CKPTD_RUN", "CKPTD_ROOT", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+    for var in ("CKPTD_ENDPOINT", "CKPTD_RUN", "CKPTD_ROOT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
+                "AWS_DEFAULT_REGION", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)
     # the built-in defaults, whatever ~/.config/ckptd or /etc/ckptd hold on this machine
     monkeypatch.setenv("CKPTD_CONFIG", "none")
@@ -168,3 +170,20 @@ def start_tcp(make_daemon, keys: dict[str, Path]):
         assert time.monotonic() < deadline, d.log_text()
         time.sleep(0.02)
     return d, endpoint
+
+
+# -- the remote tier: a real S3 server (SeaweedFS) on 127.0.0.1 ------------------------------
+@pytest.fixture
+def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """A started SeaweedFS S3 server with a bucket ``ckptd`` and the standard AWS variables
+    pointing at it (daemons started by the test inherit them); stopped at teardown."""
+    from seaweed import SeaweedS3, make_bucket
+
+    server = SeaweedS3(tmp_path / "s3").start()
+    try:
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        make_bucket(server, "ckptd")
+        yield server
+    finally:
+        server.cleanup()

@@ -15,7 +15,7 @@ def test_public_surface_is_pinned() -> None:
         "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointNotFound",
         "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "load_into", "producer",
     ])
-    for name in ("configure", "emit", "commit", "checkpoint", "save", "flush", "latest", "close"):
+    for name in ("configure", "emit", "commit", "checkpoint", "save", "flush", "latest", "wait_complete", "close"):
         assert callable(getattr(producer, name)), name
         if name != "configure":  # an instance is configured by its constructor
             assert callable(getattr(ckptd.Producer, name)), name
@@ -25,7 +25,8 @@ def test_public_surface_is_pinned() -> None:
     assert list(inspect.signature(ckptd.load).parameters)[:6] == ["run", "step", "root", "names", "map_location", "verify"]
     # DESIGN §9's fields first, in order; then what tells a rank's share from the whole step
     assert [f for f in ckptd.CheckpointInfo.__dataclass_fields__] == [
-        "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata", "world_size", "rank"]
+        "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata", "world_size", "rank",
+        "tiers"]  # issue 14: which tiers ("local", "remote") hold the step
 
 
 def test_python_dash_m_is_the_cli() -> None:

@@ -32,15 +32,35 @@ def test_the_shipped_config_loads_and_matches_the_defaults() -> None:
     cfg = config.load(REPO / "config.toml")
     assert cfg.daemon == config.DaemonConfig() and cfg.producer == config.ProducerConfig()
     assert cfg.retention == config.RetentionConfig() and cfg.index == config.IndexConfig()
+    assert cfg.remote == config.RemoteConfig() and not cfg.remote.enabled
     assert cfg.root == REPO / "var" / "checkpoints"
     assert cfg.endpoint == f"ipc://{REPO}/var/run/ckptd.sock"
 
 
 def test_every_key_is_documented_in_the_shipped_config() -> None:
     text = (REPO / "config.toml").read_text()
-    for cls in (config.DaemonConfig, config.ProducerConfig, config.RetentionConfig, config.IndexConfig):
+    for cls in (config.DaemonConfig, config.ProducerConfig, config.RetentionConfig, config.IndexConfig,
+                config.RemoteConfig):
         for f in cls.__dataclass_fields__:
-            assert f"\n{f} = " in text, f
+            assert f"\n{f} = " in text or f"\n[remote.{f}]\n" in text, f
+
+
+def test_remote_table_and_its_retention(tmp_path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[remote]\nurl = "s3://bucket/some/prefix/"\npart_bytes = "8MiB"\n'
+                 '[remote.retention]\nkeep_last = 20\n[retention]\nkeep_last = 3\n')
+    cfg = config.load(f)
+    assert cfg.remote.url == "s3://bucket/some/prefix" and cfg.remote.part_bytes == 8 * 2**20
+    assert cfg.remote.retention.keep_last == 20 and cfg.retention.keep_last == 3
+    f.write_text('[remote.retention]\nkeep_lots = 1\n')
+    with pytest.raises(ConfigError, match=r"unknown key 'keep_lots' in \[remote.retention\]"):
+        config.load(f)
+    f.write_text('[remote]\nretention = 3\n')
+    with pytest.raises(ConfigError, match=r"must be a table: write it as \[remote.retention\]"):
+        config.load(f)
+    f.write_text('[remote]\nurl = "bucket"\n')
+    with pytest.raises(ConfigError, match=r"bad value for 'url' in \[remote\].*not a URL"):
+        config.load(f)
 
 
 def test_unknown_key_names_key_and_file(tmp_path) -> None:

@@ -143,6 +143,28 @@ class _Collector:
         yield stamp
         yield age
         yield step
+        if live.get("remote"):
+            yield from _remote_families(live["remote"])
+
+
+def _remote_families(r: dict[str, Any]) -> Iterator[Any]:
+    """The uploads to the remote tier (ckptd/remote/uploader.py)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield GaugeMetricFamily("ckptd_remote_pending_shares", "Shares committed locally and not yet uploaded.",
+                            value=r["pending_shares"])
+    yield GaugeMetricFamily("ckptd_remote_pending_bytes", "Tensor bytes committed locally and not yet uploaded "
+                            "(local retention keeps them: a full disk shows here first).", value=r["pending_bytes"])
+    yield GaugeMetricFamily("ckptd_remote_lag_seconds", "Age of the oldest commit not yet uploaded.",
+                            value=r["lag_seconds"])
+    yield CounterMetricFamily("ckptd_remote_uploaded_shares", "Shares uploaded (manifest last).",
+                              value=r["shares_uploaded"])
+    yield CounterMetricFamily("ckptd_remote_uploaded_bytes", "File bytes uploaded to the remote tier.",
+                              value=r["bytes_uploaded"])
+    yield CounterMetricFamily("ckptd_remote_upload_seconds", "Seconds spent uploading (bytes / seconds: "
+                              "throughput).", value=r["upload_seconds"])
+    yield CounterMetricFamily("ckptd_remote_failures", "Upload attempts that failed (each is retried).",
+                              value=r["failures"])
 
 
 def _le(bound: float) -> str:

@@ -359,7 +359,7 @@ class Daemon:
         """Figures of the moment, for the metrics thread: plain reads, no iteration."""
         return {"queued_bytes": self.queued, "memory_budget": self.cfg.memory_budget,
                 "producers": len(self.sessions), "commits_in_progress": len(self.committing),
-                "draining": self.stopping}
+                "draining": self.stopping, "remote": self.upkeep.remote_figures() if self.upkeep else None}
 
     def _status_report(self) -> dict[str, Any]:
         """What `ckptd status` prints (the wire's ``report``)."""
@@ -380,6 +380,7 @@ class Daemon:
             "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
             "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
             "runs": snap["runs"],
+            "remote": self.upkeep.remote_figures() if self.upkeep else None,  # the uploads, with [remote]
         }
 
     def _read_batch(self, limit: int = 256) -> None:
@@ -604,6 +605,7 @@ class Daemon:
 
     def _on_tensor(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         seq = sess.received = h["seq"]  # an inline piece is received: its staging is free
+        self.upkeep.received()  # a snapshot is under way: uploads to the remote tier hold off
         open_step = self._open_step(sess, h["step"], seq)
         if open_step.share.error is not None:
             return  # failed and reported; dropped until the producer aborts

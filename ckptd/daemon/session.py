@@ -21,6 +21,7 @@ class Session:
     format: str = "chunk"  # of this session's checkpoints: its hello's, else [daemon] format
     attempt: str | None = None  # of the job (ckptd.attempt), recorded in its manifests
     last_seen: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.time)  # Unix time of the hello
     steps: dict[int, OpenStep] = field(default_factory=dict)
     # Acknowledgements: the producer may reuse staging up to ``acked``. Inline bytes are
     # free once received; bytes in shared memory once written (``unwritten``, in order).

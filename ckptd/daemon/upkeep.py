@@ -4,6 +4,9 @@ retention, and the removal of deleted checkpoints in the background.
 It runs on the syncer thread after each commit (so nothing is deleted before
 the commit that triggered the pass is durable), on the index thread when the
 watcher notices a change, and on the ``ckptd-reaper`` thread that removes trash.
+With a ``[remote]`` tier it also owns the ``ckptd-uploader`` thread: each commit
+is queued for upload, and local retention never removes a step with a share
+still to upload.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from typing import Any
 
 from .. import retention
 from ..config import Config, ConfigError, RetentionConfig
+from .. import index
 from ..index import Index, write_pointer
 from ..manifest import CheckpointInfo
+from ..remote.uploader import Uploader
 from .writer import Share
 
 log = logging.getLogger("ckptd.retention")
@@ -33,6 +38,8 @@ class Upkeep:
         self._retention_lock = threading.Lock()  # one pass at a time, also against pins
         self._trash: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
         self._reaper = threading.Thread(target=self._reap, name="ckptd-reaper", daemon=True)
+        self.uploader = (Uploader(self.root, config.remote, on_remote_complete=self._remote_complete)
+                         if config.remote.enabled else None)
 
     def start(self) -> None:
         """Scan the root (fixing stale pointers), then follow it."""
@@ -40,8 +47,13 @@ class Upkeep:
         self.index.start()
         logging.getLogger("ckptd.index").info("index: %d run(s) scanned in %.3f s, %s observer",
                  len(self.index.runs()), self.index.last_scan_s, self.index.observer_kind)
+        if self.uploader is not None:
+            self.uploader.start()
+            log.info("remote tier: %s (uploads after each commit)", self.uploader.config.url)
 
     def close(self) -> None:
+        if self.uploader is not None:
+            self.uploader.close()
         self.index.close()
         self._trash.put(None)
         self._reaper.join()
@@ -64,16 +76,41 @@ class Upkeep:
     def after_commit(self, share: Share, complete: bool) -> None:
         """On the syncer thread, once a manifest is durable."""
         self.index.refresh_step(share.run, share.step)  # also moves the latest pointer
+        if self.uploader is not None:
+            self.uploader.enqueue(share.run, share.step, share.rank, time.time(),
+                                  sum(r.nbytes for r in share.records.values()))
         if complete:  # whoever completes a step applies retention to its run
             self.prune(share.run)
 
-    def prune(self, run: str) -> None:
+    def received(self) -> None:
+        """The main loop got tensor bytes: a snapshot is under way, uploads hold off."""
+        if self.uploader is not None:
+            self.uploader.received()
+
+    def remote_figures(self) -> dict[str, Any] | None:
+        return self.uploader.figures() if self.uploader is not None else None
+
+    def _remote_complete(self, run: str, infos: list[CheckpointInfo]) -> None:
+        """On the uploader thread: a step became complete in the bucket. Where each node
+        has its own root, no step is ever complete locally; local retention then counts
+        the steps complete in the bucket."""
+        self.prune(run, remote=infos)
+
+    def prune(self, run: str, remote: list[CheckpointInfo] = ()) -> None:
         run_dir = self.root / run
         policy = retention.run_policy(self.policy, run_dir)
         if not policy.enabled:
             return
         with self._retention_lock:
-            _, trash = retention.apply(run_dir, self.index.list(run), policy, now=time.time())
+            infos = {i.step: i for i in remote}
+            if infos:
+                here = {s for s, _ in index.step_dirs(run_dir)}
+                infos = {s: i for s, i in infos.items() if s in here}
+            infos.update((i.step, i) for i in self.index.list(run))
+            # a step with a share still to upload is the upload's source: never removed
+            busy = self.uploader.pending_steps(run) if self.uploader is not None else set()
+            _, trash = retention.apply(run_dir, [infos[s] for s in sorted(infos)], policy, now=time.time(),
+                                       protect=busy)
         for t in trash:
             self.index.refresh_step(run, int(t.name.split("-")[2]))
             self._trash.put(t)

@@ -16,7 +16,7 @@ from .client import CommitHandle, Producer
 
 __all__ = [
     "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "flush",
-    "latest", "save", "stats",
+    "latest", "save", "stats", "wait_complete",
 ]
 
 _default: Producer | None = None
@@ -75,6 +75,11 @@ def latest(run: str | None = None) -> CheckpointInfo | None:
 def stats() -> dict[str, Any]:
     """The default producer's figures (``Producer.stats``)."""
     return _get().stats()
+
+
+def wait_complete(step: int, timeout: float | None = None) -> CheckpointInfo:
+    """Until every rank's share of ``step`` is durable in the remote tier (else the shared root)."""
+    return _get().wait_complete(step, timeout)
 
 
 def abort(step: int) -> None:

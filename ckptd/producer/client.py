@@ -133,6 +133,10 @@ class Producer:
         rank = rank if rank is not None else int(os.environ.get("RANK", 0))
         world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
         self.rank, self.world_size = check_rank(rank, world_size)
+        # the launcher's node-local identity (torchrun, Slurm's wrappers): information only,
+        # each node's ranks reach their own node's daemon through its endpoint
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         # this run's own [retention] keys, checked here and applied by the daemon
         self.retention = retention
         if retention is not None:
@@ -330,6 +334,13 @@ class Producer:
         if unseen:
             raise CheckpointError("; ".join(e for e in unseen if e))
 
+    def wait_complete(self, step: int, timeout: float | None = None) -> CheckpointInfo:
+        """Wait until every rank's share of ``step`` is durable in the remote tier (or,
+        with no ``[remote]``, on the shared root), as the storage itself shows it."""
+        from ..completion import wait_complete
+
+        return wait_complete(self._need_run(), check_step(step), timeout=timeout, world_size=self.world_size)
+
     def latest(self, run: str | None = None) -> CheckpointInfo | None:
         """Ask the daemon for the newest complete checkpoint of ``run`` (default: this run)."""
         run = check_run(run) if run is not None else self._need_run()
@@ -370,13 +381,16 @@ class Producer:
                 self._arena.close()
 
     def stats(self) -> dict[str, Any]:
-        """How this producer is doing: ``transport`` ("shm" or "inline", None before the
-        first connection), ``staging_bytes`` (the arena's size now), ``staging_limit``
-        (what it may grow to: its fixed size unless ``staging_size = "auto"``),
-        ``blocked_seconds`` (total time ``emit`` waited for staging space, i.e. for the
-        daemon, since the producer was made)."""
+        """How this producer is doing: its identity (``rank``, ``world_size`` and the
+        launcher's ``local_rank``, ``local_world_size``), ``transport`` ("shm" or
+        "inline", None before the first connection), ``staging_bytes`` (the arena's size
+        now), ``staging_limit`` (what it may grow to: its fixed size unless
+        ``staging_size = "auto"``), ``blocked_seconds`` (total time ``emit`` waited for
+        staging space, i.e. for the daemon, since the producer was made)."""
         arena = self._arena
         return {
+            "rank": self.rank, "world_size": self.world_size,
+            "local_rank": self.local_rank, "local_world_size": self.local_world_size,
             "transport": None if self._transport is None else ("shm" if self._shm else "inline"),
             "staging_bytes": arena.capacity if arena is not None else 0,
             "staging_limit": self._growth.limit if self._growth is not None else self.options.staging_size,

@@ -1,0 +1,306 @@
+"""The daemon's uploads to the remote tier, on one thread, ``ckptd-uploader``.
+
+After a share (one rank of one step) is committed locally, the syncer thread hands
+it here (``enqueue``: a dict insert, so a local commit is never delayed) and the
+uploader copies that rank's data files to the bucket, then its manifest, last: the
+commit protocol holds in the bucket with no rename (``catalog``). Large files go
+as multipart uploads, ``concurrency`` parts of ``part_bytes`` in flight (bounded
+memory: the files are read from disk, never held whole). A failure is retried with
+exponential backoff up to ``max_retry_s``, forever: the local copy is the source,
+and local retention keeps it until its upload is done (``pending_steps``).
+
+Nothing about the queue is stored: at start the uploader compares the local root
+with the bucket and queues every local share whose manifest the bucket lacks
+(``resume``); a file already in the bucket at its full size is not sent again, so an
+upload interrupted by a daemon or server restart resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator
+
+import xxhash
+
+from .. import index, layout
+from ..config import RemoteConfig
+from ..errors import CheckpointCorrupt
+from ..manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
+from ..retention import PIN_FILE
+from . import catalog, retention as remote_retention
+from .store import RemoteAuthError, RemoteError, Store
+
+log = logging.getLogger("ckptd.remote")
+
+ShareKey = tuple[str, int, int]  # (run, step, rank)
+# While producers send tensors (a snapshot in progress), uploads feed no new part: the
+# trainer's copy must not compete with them. Quiet for this long = no snapshot...
+QUIET_S = 0.25
+# ...and a part never waits longer than this, so that uploads progress whatever comes.
+MAX_HOLD_S = 5.0
+# Called with a run and its steps complete in the bucket, after an upload completed one:
+# the daemon's local retention may then count them (docs/remote.md).
+OnRemoteComplete = Callable[[str, list[CheckpointInfo]], None]
+
+
+class Uploader:
+    def __init__(self, root: Path, config: RemoteConfig, *,
+                 on_remote_complete: OnRemoteComplete | None = None) -> None:
+        self.root = root
+        self.config = config
+        self.store = Store(config.url, part_bytes=config.part_bytes, concurrency=config.concurrency)
+        self._on_remote_complete = on_remote_complete
+        self._cond = threading.Condition()
+        self._pending: OrderedDict[ShareKey, tuple[float, int]] = OrderedDict()  # -> (commit time, bytes)
+        self._stop = False
+        self._resumed = False
+        self._last_received = 0.0  # monotonic time a producer last sent tensor bytes
+        self._thread = threading.Thread(target=self._loop, name="ckptd-uploader", daemon=True)
+        # figures (read by `ckptd status` and the metrics)
+        self.shares_uploaded = 0
+        self.bytes_uploaded = 0
+        self.bytes_skipped = 0  # already in the bucket (a resumed upload)
+        self.upload_seconds = 0.0
+        self.failures = 0
+        self.last_error = ""
+        self.last_upload: dict | None = None
+
+    # -- owner's side -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop after the file in flight; what is left is resumed by the next start."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def enqueue(self, run: str, step: int, rank: int, committed: float, nbytes: int) -> None:
+        """A share committed locally: upload it (called on the syncer thread)."""
+        with self._cond:
+            self._pending[(run, step, rank)] = (committed, nbytes)
+            self._cond.notify_all()
+
+    def received(self) -> None:
+        """A producer sent tensor bytes just now (the main loop, per piece: one store)."""
+        self._last_received = time.monotonic()
+
+    def _parts(self, fh: BinaryIO) -> Iterator[bytes]:
+        """The file in parts, each read once no snapshot is under way (or MAX_HOLD_S)."""
+        while True:
+            held = time.monotonic()
+            while (time.monotonic() - self._last_received < QUIET_S and time.monotonic() - held < MAX_HOLD_S
+                   and not self._stop):
+                time.sleep(0.02)
+            part = fh.read(self.config.part_bytes)
+            if not part:
+                return
+            yield part
+
+    def pending_steps(self, run: str) -> set[int]:
+        """Steps of ``run`` with a share not yet uploaded (or, before the first comparison
+        with the bucket is done, every step: nothing is known to be uploaded yet)."""
+        with self._cond:
+            if not self._resumed:
+                return {s for s, _ in index.step_dirs(self.root / run)}
+            return {s for (r, s, _) in self._pending if r == run}
+
+    def figures(self) -> dict:
+        with self._cond:
+            pending = list(self._pending.values())
+            resumed = self._resumed
+        now = time.time()
+        return {
+            "url": self.config.url, "resumed": resumed,
+            "pending_shares": len(pending), "pending_bytes": sum(b for _, b in pending),
+            "lag_seconds": max((now - t for t, _ in pending), default=0.0),
+            "shares_uploaded": self.shares_uploaded, "bytes_uploaded": self.bytes_uploaded,
+            "bytes_skipped": self.bytes_skipped, "upload_seconds": self.upload_seconds,
+            "failures": self.failures, "last_error": self.last_error, "last_upload": self.last_upload,
+        }
+
+    # -- the thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        backoff, streak = 0.0, 0
+        while True:
+            with self._cond:
+                if backoff:
+                    self._cond.wait_for(lambda: self._stop, timeout=backoff)
+                if self._stop:
+                    return
+            try:
+                if not self._resumed:
+                    self._resume()
+                    with self._cond:
+                        self._resumed = True
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stop or bool(self._pending))
+                    if self._stop:
+                        return
+                    share = next(iter(self._pending))
+                self._upload(*share)
+                with self._cond:
+                    self._pending.pop(share, None)
+                backoff, streak = 0.0, 0
+            except RemoteError as exc:
+                self.failures += 1
+                streak += 1
+                self.last_error = str(exc)
+                backoff = min(max(backoff * 2, 0.5), self.config.max_retry_s)
+                (log.error if isinstance(exc, RemoteAuthError) else log.warning)(
+                    "upload to %s failed (attempt %d in a row), retrying in %.1f s: %s",
+                    self.config.url, streak, backoff, exc)
+            except Exception:  # a bug: keep the daemon's other work going, retry later
+                self.failures += 1
+                log.exception("uploader")
+                backoff = self.config.max_retry_s
+
+    def _resume(self) -> None:
+        """Queue every local share whose manifest the bucket lacks. A step older than the
+        newest one complete in the bucket, of which the bucket has nothing, is not sent
+        (remote retention removed it, or it can no longer matter)."""
+        queued = 0
+        for run_dir in index.run_dirs(self.root):
+            run = run_dir.name
+            local = [(s, p) for s, p in sorted(index.step_dirs(run_dir))
+                     if any(layout.MANIFEST.fullmatch(n) for n in _names(p))]
+            if not local:
+                continue
+            remote = catalog.run_objects(self.store, run)
+            newest = max((s for s, objs in remote.items() if catalog.step_info(self.store, run, s, objs)),
+                         default=-1)
+            for step, path in local:
+                objects = remote.get(step, {})
+                if step < newest and not objects:
+                    continue
+                # a step not complete there may hold an abandoned attempt's share in place of ours
+                incomplete = objects and catalog.step_info(self.store, run, step, objects) is None
+                for name in sorted(_names(path)):
+                    m = layout.MANIFEST.fullmatch(name)
+                    if m and (name not in objects or incomplete):
+                        rank = int(m.group(1))
+                        try:
+                            manifest = _read_local_manifest(path, rank)
+                        except (OSError, CheckpointCorrupt) as exc:
+                            log.warning("not uploading %s: %s", path / name, exc)
+                            continue
+                        with self._cond:
+                            self._pending.setdefault((run, step, rank), (manifest.time, manifest.nbytes))
+                        queued += 1
+        if queued:
+            log.info("uploads to resume: %d share(s) committed locally are not complete in %s",
+                     queued, self.config.url)
+
+    def _upload(self, run: str, step: int, rank: int) -> None:
+        path = layout.step_dir(self.root, run, step)
+        t0 = time.monotonic()
+        try:
+            dir_fd = layout.open_step_dir(path)
+        except FileNotFoundError:
+            log.warning("run=%s step=%d rank=%d was removed locally before its upload; not uploaded", run, step, rank)
+            return
+        try:
+            name = layout.manifest_name(rank)
+            data = layout.read_small(name, MAX_MANIFEST_BYTES, dir_fd=dir_fd)
+            manifest = Manifest.from_json(data, str(path / name))
+            prefix = catalog.step_prefix(run, step)
+            objects = {k[len(prefix):]: v for k, v in self.store.list(prefix).items()}
+            if name in objects and not self._replace_remote_share(run, step, rank, data, objects):
+                return
+            tag = xxhash.xxh3_64_hexdigest(data)  # this share's identity, kept on each of its objects
+            sent = skipped = 0
+            for file in sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()}):
+                fd = layout.open_regular(file, dir_fd=dir_fd)
+                with os.fdopen(fd, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    if objects.get(file) == size and self.store.tag_of(prefix + file) == tag:
+                        skipped += size  # this share's, uploaded before a restart: not again
+                        continue
+                    self.store.put_file(prefix + file, self._parts(fh), tag)
+                sent += size
+                self.bytes_uploaded += size
+            if PIN_FILE in _names(path):
+                self.store.put_bytes(prefix + PIN_FILE, b"pinned\n")
+            self.store.put_bytes(prefix + name, data)  # last: this rank's share is now in the bucket
+        except (OSError, CheckpointCorrupt) as exc:
+            if isinstance(exc, FileNotFoundError):
+                log.warning("run=%s step=%d rank=%d lost a file locally before its upload (%s); not uploaded",
+                            run, step, rank, exc)
+                return
+            raise RemoteError(f"cannot read run={run} step={step} rank={rank} to upload it: {exc}") from None
+        finally:
+            os.close(dir_fd)
+        secs = time.monotonic() - t0
+        self.shares_uploaded += 1
+        self.bytes_skipped += skipped
+        self.upload_seconds += secs
+        self.last_upload = {"run": run, "step": step, "rank": rank, "bytes": sent, "seconds": secs,
+                            "time": time.time(), "lag_seconds": time.time() - manifest.time}
+        log.info("uploaded run=%s step=%d rank=%d bytes=%d skipped=%d seconds=%.3f MB/s=%.1f lag=%.1fs to %s",
+                 run, step, rank, sent, skipped, secs, sent / max(secs, 1e-9) / 1e6,
+                 self.last_upload["lag_seconds"], self.config.url)
+        self._after_upload(run, step)
+
+    def _replace_remote_share(self, run: str, step: int, rank: int, data: bytes, objects: dict[str, int]) -> bool:
+        """The bucket already holds a manifest of this rank for this step: True if this share
+        is to be uploaded (the one there was retracted), False if not (it is this very
+        share, or the step is complete there: a complete checkpoint is never overwritten)."""
+        prefix = catalog.step_prefix(run, step)
+        name = layout.manifest_name(rank)
+        there = self.store.get(prefix + name, MAX_MANIFEST_BYTES)
+        if there == data:
+            return False  # uploaded already (the daemon died before it could tell)
+        if catalog.step_info(self.store, run, step, objects) is not None:
+            log.error("run=%s step=%d rank=%d is complete in %s with another copy of this share; "
+                      "a complete checkpoint is never overwritten: this one stays local", run, step, rank, self.config.url)
+            return False
+        try:
+            old = Manifest.from_json(there, self.store.where(prefix + name))
+            files = set(old.files) | {t.file for t in old.tensors.values()}
+        except CheckpointCorrupt:
+            files = {n for n in objects if layout.file_rank(n) == rank and layout.is_data_file(n)}
+        # an earlier attempt's share (daemon/attempts.py): its data first, so the step
+        # is no longer complete-looking at once, then its manifest
+        self.store.delete(prefix + f for f in files if f in objects)
+        self.store.delete([prefix + name])
+        for f in files:
+            objects.pop(f, None)
+        log.warning("run=%s step=%d rank=%d: replaced the bucket's copy of an abandoned attempt", run, step, rank)
+        return True
+
+    def _after_upload(self, run: str, step: int) -> None:
+        """If the step is now complete in the bucket: apply the bucket's retention, then
+        let the daemon's local retention count the bucket's complete steps."""
+        objects = self.store.list(catalog.step_prefix(run, step))
+        prefix = catalog.step_prefix(run, step)
+        mine = {k[len(prefix):]: v for k, v in objects.items()}
+        if catalog.step_info(self.store, run, step, mine) is None:
+            return
+        log.info("run=%s step=%d is complete in %s", run, step, self.config.url)
+        infos = remote_retention.prune(self.store, run, self.config.retention,
+                                       busy=self.pending_steps(run))
+        if self._on_remote_complete is not None:
+            self._on_remote_complete(run, infos)
+
+
+def _names(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _read_local_manifest(path: Path, rank: int) -> Manifest:
+    name = layout.manifest_name(rank)
+    dir_fd = layout.open_step_dir(path)
+    try:
+        return Manifest.from_json(layout.read_small(name, MAX_MANIFEST_BYTES, dir_fd=dir_fd), str(path / name))
+    finally:
+        os.close(dir_fd)
+
