@@ -9,11 +9,13 @@ What each rank does (README "Multi-GPU: torchrun on one node"):
 
 - connects to the node's daemon: the producer reads ``$RANK`` and ``$WORLD_SIZE`` from
   torchrun, so a step is complete once every rank has committed its share;
-- saves its share every ``--every`` steps: the replicated model and optimizer (every
-  rank holds the same; with DDP each rank saves them today), plus what is its own:
-  its RNG states and where it is in its data;
+- saves its share every ``--every`` steps: the model and optimizer, which every rank
+  holds the same under DDP, are ``replicated=``: each of their tensors is written by
+  one rank only (the work spread over the ranks), so the job writes them once, not
+  once per rank; plus what is each rank's own: its RNG state and its data position;
 - on start, loads its own share of the newest complete step (``ckptd.load`` picks
-  the share by ``$RANK``) and goes on from the step after.
+  the share by ``$RANK``; the replicated tensors come from whichever rank wrote them)
+  and goes on from the step after.
 
 The gloo backend on CPU runs anywhere; on GPUs use nccl and move the model to
 ``cuda:LOCAL_RANK`` (emit copies GPU tensors to staging without blocking the CPU).
@@ -45,7 +47,7 @@ def main() -> None:
     p.add_argument("--run-name", dest="run", default=os.environ.get("CKPTD_RUN", "ddp-demo"))
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
-    p.add_argument("--staging", default="64MiB", help="per rank: at least one checkpoint's bytes")
+    p.add_argument("--staging", default="auto", help='per rank; "auto" grows to fit the checkpoints')
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--out", default=None, help="rank 0 writes the final weights here (safetensors)")
     args = p.parse_args()
@@ -76,7 +78,8 @@ def main() -> None:
         opt.step()
         if step % args.every == 0:
             handle = producer.save({"model": model.module.state_dict(), "optim": opt.state_dict(),
-                                    "rng": torch.get_rng_state(), "step": step}, step)
+                                    "rng": torch.get_rng_state(), "step": step}, step,
+                                   replicated=["model.*", "optim.*"])  # the same on every DDP rank
             if step == args.kill_at:
                 handle.wait(60)  # this rank's share is durable ...
                 dist.barrier()   # ... and every other rank's

@@ -49,3 +49,26 @@ def test_torchrun_ddp_killed_and_rerun_resumes_bit_exact(daemon, tmp_path: Path)
     for name in expected:
         assert torch.equal(final[name], expected[name]), name
     assert ckptd.load("ddp", root=daemon.root, rank=1)["step"] == 30
+
+
+FSDP_EXAMPLE = EXAMPLE.parent / "fsdp2_torchrun.py"
+
+
+@pytest.mark.slow
+def test_the_fsdp2_example_resumes_on_another_number_of_ranks(daemon) -> None:
+    env = dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_ROOT=str(daemon.root), PYTHONUNBUFFERED="1")
+
+    def torchrun(ranks: int, steps: int) -> str:
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={ranks}", str(FSDP_EXAMPLE), "--run-name", "fsdp",
+                            "--steps", str(steps), "--every", "10"],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        return r.stdout
+
+    torchrun(2, 20)
+    assert ckptd.latest("fsdp", root=daemon.root).step == 20
+    out = torchrun(1, 30)  # one process takes over what two saved
+    assert "rank 0: resumed from step 20 (saved by 2 ranks)" in out, out
+    whole = ckptd.load("fsdp", root=daemon.root)  # one rank saved it: plain tensors, global shapes
+    assert whole["step"] == 30 and whole["model"]["2.weight"].shape == (7, 64)
