@@ -4,7 +4,13 @@
     import ckptd; ckptd.load("run")       # resume from the newest complete checkpoint
 """
 
-from . import producer
+import logging
+
+# A library's records reach the application's handlers, never Python's bare
+# last-resort printer: a failed checkpoint is reported once, by its exception.
+logging.getLogger("ckptd").addHandler(logging.NullHandler())
+
+from . import producer  # noqa: E402
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from .manifest import CheckpointInfo
 from .producer import CommitHandle, Producer

@@ -7,41 +7,70 @@ machine-readable results on stdout.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import config as config_mod, index, reader, retention
+from . import __version__, config as config_mod, index, reader, retention
+from .units import duration as _duration, rate, size as _size
 from .errors import CheckpointError
 from .manifest import CheckpointInfo
 from .names import check_run
 
 
+CONFIG_HELP = ("default: $CKPTD_CONFIG, else ./config.toml, else ~/.config/ckptd/config.toml, "
+               "else /etc/ckptd/config.toml, else built-in defaults")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)  # --help and --version print here
+        if args.command != "serve":  # serve sets up its own logging, from its config
+            # warnings (a step left out, and why) on stderr, never a record lost in silence
+            logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                                format=f"ckptd {args.command}: %(levelname)s: %(message)s")
         return args.func(args)
+    except BrokenPipeError:
+        return _output_closed()
     except (CheckpointError, ValueError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.EPIPE:
+            return _output_closed()
         print(f"ckptd {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
 
 
+def _output_closed() -> int:
+    """Whoever read our output stopped (``ckptd list | head -1``): end quietly, as
+    coreutils do, with the status of a SIGPIPE. Python would otherwise complain
+    again while flushing stdout at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return 128 + 13
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptd", description="Checkpoint daemon for PyTorch training.")
+    p.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the writer daemon in the foreground (systemd runs this)")
-    s.add_argument("-c", "--config", help="config file (default: $CKPTD_CONFIG, else built-in defaults)")
+    s.add_argument("-c", "--config", help=CONFIG_HELP)
     s.set_defaults(func=_serve)
 
     st = sub.add_parser("status", help="print a running daemon's live figures (the same as its metrics)")
-    st.add_argument("-c", "--config", help="config file whose endpoint to ask (default: $CKPTD_CONFIG)")
+    st.add_argument("-c", "--config", help="config file whose endpoint to ask; " + CONFIG_HELP)
     st.add_argument("--endpoint", help="the daemon's endpoint (default: $CKPTD_ENDPOINT, else the config's)")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
     st.add_argument("--json", action="store_true", help="print JSON")
@@ -62,13 +91,16 @@ def _parser() -> argparse.ArgumentParser:
                       help="print the unit on stdout; write nothing")
     inst.set_defaults(func=_install_systemd)
 
-    def reading(name: str, help: str, step: bool) -> argparse.ArgumentParser:
+    def reading(name: str, help: str, step: bool, run: str = "") -> argparse.ArgumentParser:
         r = sub.add_parser(name, help=help, description=help)
-        r.add_argument("run", metavar="RUN", help="run id")
+        if run != "none":
+            r.add_argument("run", metavar="RUN", help="run id" + (" (none: every run, as `ckptd runs`)"
+                                                                   if run == "optional" else ""),
+                           nargs="?" if run == "optional" else None)
         if step:
             r.add_argument("step", metavar="STEP", nargs="?", type=int, help="step (default: the newest complete)")
         r.add_argument("--root", help="checkpoint root (default: $CKPTD_ROOT, else the config's root)")
-        r.add_argument("-c", "--config", help="config file whose root to read")
+        r.add_argument("-c", "--config", help="config file whose root to read; " + CONFIG_HELP)
         r.add_argument("--json", action="store_true", help="print JSON")
         return r
 
@@ -83,7 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     prune.set_defaults(func=_prune)
     reading("pin", "protect a checkpoint from every retention rule", True).set_defaults(func=_pin, pin=True)
     reading("unpin", "release a pinned checkpoint", True).set_defaults(func=_pin, pin=False)
-    reading("list", "list the complete checkpoints of RUN, oldest first", False).set_defaults(func=_list)
+    reading("list", "list the complete checkpoints of RUN, oldest first (* = pinned)", False,
+            run="optional").set_defaults(func=_list)
+    reading("runs", "list the runs under the root with their newest step, size and age", False,
+            run="none").set_defaults(func=_runs, run=None)
     reading("show", "describe one checkpoint and its tensors", True).set_defaults(func=_show)
     reading("verify", "check every tensor of a checkpoint against its checksum", True).set_defaults(func=_verify)
     ex = reading("export", "write one checkpoint to one .safetensors, .h5 or .pt file (the suffix decides)", True)
@@ -111,6 +146,14 @@ def _serve(args: argparse.Namespace) -> int:
     # watchdog's debug output is one line per inotify event; its warnings still count
     logging.getLogger("watchdog").setLevel(logging.INFO)
     logging.getLogger("h5py").setLevel(logging.INFO)  # its debug output: one line per type converter
+    from .daemon.notify import use_journal_priorities
+
+    use_journal_priorities()  # before the first line: under systemd each one carries its priority
+    log = logging.getLogger("ckptd.daemon")
+    if cfg.path is None:  # say so loudly: the socket and the root may not be where the user thinks
+        log.warning("%s: endpoint %s, root %s", config_mod.describe(cfg), cfg.endpoint, cfg.root)
+    else:
+        log.info("%s", config_mod.describe(cfg))
     return serve(cfg)
 
 
@@ -136,6 +179,10 @@ def _status(args: argparse.Namespace) -> int:
     lat = s["commit_seconds"]
     mean = f", {lat['sum'] / lat['count']:.2f} s on average" if lat["count"] else ""
     print(f"commits:      {s['commits']} ({_size(s['bytes_written'])}){mean}")
+    recent = s.get("recent_commits")
+    if recent and recent["commits"]:
+        print(f"throughput:   {rate(recent['bytes'], recent['seconds'])} over the last {recent['commits']} "
+              "commit(s), first byte to durable")
     print("errors:       " + ", ".join(f"{kind} {n}" for kind, n in s["errors"].items()))
     last = s["last_commit"]
     if last:
@@ -209,17 +256,45 @@ def _latest(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    if args.run is None:
+        return _runs(args)
     root = _root(args)
     infos = reader.list_checkpoints(args.run, root=root)
+    pinned = retention.pinned_steps(root / args.run, [i.step for i in infos])
     if args.json:
-        print(json.dumps([i.to_dict() for i in infos]))
+        print(json.dumps([{**i.to_dict(), "pinned": i.step in pinned} for i in infos]))
         return 0
     if not infos:
         print(f"run {args.run!r} has no complete checkpoints under {root}", file=sys.stderr)
         return 0
-    print(f"{'STEP':>12}  {'TIME':<19}  {'SIZE':>10}  {'TENSORS':>7}  FORMAT")
+    print(f"{'STEP':>12}  {'TIME':<19}  {'SIZE':>10}  {'TENSORS':>7}  {'FORMAT':<6}  PINNED")
     for i in infos:
-        print(f"{i.step:>12}  {_time(i.time):<19}  {_size(i.nbytes):>10}  {i.ntensors:>7}  {i.format}")
+        print(f"{i.step:>12}  {_time(i.time):<19}  {_size(i.nbytes):>10}  {i.ntensors:>7}  {i.format:<6}  "
+              f"{'pinned' if i.step in pinned else ''}".rstrip())
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    root = _root(args)
+    now = time.time()
+    rows = []
+    for run_dir in sorted(index.run_dirs(root)):
+        infos = reader.list_checkpoints(run_dir.name, root=root)
+        if infos:
+            newest = infos[-1]
+            rows.append({"run": run_dir.name, "step": newest.step, "checkpoints": len(infos),
+                         "bytes": sum(i.nbytes for i in infos), "time": newest.time})
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print(f"no run under {root} has a complete checkpoint", file=sys.stderr)
+        return 0
+    width = max(3, *(len(r["run"]) for r in rows))
+    print(f"{'RUN':<{width}}  {'NEWEST STEP':>12}  {'CHECKPOINTS':>11}  {'SIZE':>10}  AGE")
+    for r in rows:
+        print(f"{r['run']:<{width}}  {r['step']:>12}  {r['checkpoints']:>11}  {_size(r['bytes']):>10}  "
+              f"{_duration(now - r['time'])}")
     return 0
 
 
@@ -228,34 +303,51 @@ def _show(args: argparse.Namespace) -> int:
     info = CheckpointInfo.from_manifests(str(path), manifests)
     if args.json:
         out = info.to_dict()
+        out["pinned"] = bool(retention.pinned_steps(path.parent, [info.step]))
         out["ranks"] = [
             {"rank": m.rank, "tensors": {n: t.to_dict() for n, t in m.tensors.items()}} for m in manifests
         ]
         print(json.dumps(out))
         return 0
-    print(_describe(info))
+    print(_describe(info) + ("  (pinned)" if retention.pinned_steps(path.parent, [info.step]) else ""))
     for m in manifests:
         if len(manifests) > 1:
             print(f"rank {m.rank}:")
-        for name, t in m.tensors.items():
-            shape = "x".join(map(str, t.shape)) or "scalar"
-            print(f"  {name}  {t.dtype}[{shape}]  {_size(t.nbytes)}  {t.file}")
+        rows = [(name, f"{t.dtype}[{'x'.join(map(str, t.shape)) or 'scalar'}]", _size(t.nbytes), t.file)
+                for name, t in m.tensors.items()]
+        widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+        for name, kind, size, file in rows:
+            print(f"  {name:<{widths[0]}}  {kind:<{widths[1]}}  {size:>{widths[2]}}  {file}")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
     from .export import export
 
-    out = export(args.run, args.step, args.output, root=_root(args), rank=args.rank)
+    root = _root(args)
+    _, manifests = reader.find(args.run, args.step, root)  # the step and share it names, for the report
+    world = manifests[0].world_size
+    if args.rank is None and world > 1 and not os.environ.get("RANK", "").isdigit():
+        raise ValueError(f"step {manifests[0].step} of run {args.run!r} has {world} ranks; export one "
+                         f"rank's share with --rank R (0 to {world - 1}), or set RANK")
+    manifest = reader.pick_rank(manifests, args.rank)
+    out = export(args.run, manifest.step, args.output, root=root, rank=manifest.rank, progress=not args.json)
     if args.json:
-        print(json.dumps({"path": str(out), "bytes": out.stat().st_size}))
+        print(json.dumps({"path": str(out), "bytes": out.stat().st_size, "step": manifest.step,
+                          "rank": manifest.rank}))
     else:
-        print(f"exported run {args.run} step {args.step if args.step is not None else '(newest)'} to {out}")
+        share = f" (rank {manifest.rank}'s share)" if manifest.world_size > 1 else ""
+        print(f"exported run {args.run} step {manifest.step}{share} to {out} ({_size(out.stat().st_size)})")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    path, problems = reader.verify(args.run, args.step, root=_root(args))
+    from .progress import bytes_bar
+
+    path, manifests = reader.find(args.run, args.step, _root(args))
+    total = sum(m.nbytes for m in manifests)
+    with bytes_bar(total, f"verify step {manifests[0].step}", enabled=not args.json) as progress:
+        problems = reader.check(path, manifests, progress)
     if args.json:
         print(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))
     elif problems:
@@ -294,8 +386,10 @@ def _pin(args: argparse.Namespace) -> int:
     if args.step is None:
         raise ValueError(f"{'pin' if args.pin else 'unpin'} needs a STEP")
     path, _ = reader.find(args.run, args.step, _root(args))
-    retention.set_pin(path, args.pin)
-    print(f"{'pinned' if args.pin else 'unpinned'} {path}")
+    if retention.set_pin(path, args.pin):
+        print(f"{'pinned' if args.pin else 'unpinned'} {path}")
+    else:
+        print(f"{path} was {'already pinned' if args.pin else 'not pinned'}; nothing changed")
     return 0
 
 
@@ -307,24 +401,3 @@ def _describe(info: CheckpointInfo) -> str:
 
 def _time(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-
-
-def _duration(seconds: float) -> str:
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h {s % 3600 // 60:02d}m"
-    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-

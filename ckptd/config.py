@@ -5,8 +5,11 @@ or a bad value is a ``ConfigError`` naming the key and the file. Relative paths
 resolve against the config file's folder (or the current directory when no file
 is used), so the shipped ``config.toml`` works unchanged from a checkout.
 
-Which file: an explicit path, else ``$CKPTD_CONFIG``, else none (built-in defaults,
-which equal the shipped file's values).
+Which file (``discover``; every entry point uses this one rule): an explicit path
+(``-c``), else ``$CKPTD_CONFIG`` (``none``: the defaults, searching nothing), else ``./config.toml`` when present, else the
+user's ``$XDG_CONFIG_HOME/ckptd/config.toml`` (``~/.config/...``), else
+``/etc/ckptd/config.toml``, else none: the built-in defaults, which equal the
+shipped file's values.
 """
 
 from __future__ import annotations
@@ -117,7 +120,11 @@ class DaemonConfig:
 @dataclass(frozen=True, kw_only=True)
 class ProducerConfig:
     timeout: float = _opt(10.0, _positive(parse_duration))
-    staging_size: int = _opt(2**30, _positive(parse_size))
+    # None ("auto"): start small and grow to fit the largest checkpoint, within
+    # staging_limit (ckptd.producer.sizing); a size: exactly that, allocated at start
+    staging_size: int | None = _opt(None, lambda v: _auto(v, _positive(parse_size)))
+    staging_limit: int | None = _opt(None, lambda v: _auto(v, _positive(parse_size)))  # None: from RAM
+    on_no_daemon: str = _opt("warn", _choice("warn", "raise"))
     on_full: str = _opt("block", _choice("block", "raise"))
     emit_timeout: float = _opt(300.0, _positive(parse_duration))
     heartbeat: float = _opt(2.0, _positive(parse_duration))
@@ -125,6 +132,13 @@ class ProducerConfig:
     gpu_snapshot: str = _opt("host", _choice("host", "device"))
     curve_server_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's public NAME.key file
     curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: this producer's NAME.key_secret file
+
+
+def _auto(value: object, parse: Callable[[object], Any]) -> Any:
+    """``"auto"`` -> None (ckptd decides), anything else through ``parse``."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return parse(value)
 
 
 def _nice(value: object) -> int:
@@ -236,6 +250,7 @@ class Config:
     index: IndexConfig = IndexConfig()
     hdf5: Hdf5Config = Hdf5Config()
     path: Path | None = None  # the file these values came from, if any
+    origin: str = "built-in defaults"  # how that file was found (config.discover)
 
     @property
     def base_dir(self) -> Path:
@@ -278,13 +293,55 @@ def build(cls: type, values: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {exc}") from None
 
 
+SYSTEM_CONFIG = Path("/etc/ckptd/config.toml")
+
+
+def user_config() -> Path:
+    """``$XDG_CONFIG_HOME/ckptd/config.toml``, where ``ckptd install-systemd --user`` writes."""
+    base = os.environ.get("XDG_CONFIG_HOME")
+    if not base:
+        try:
+            base = Path.home() / ".config"
+        except RuntimeError:  # no home folder to be found (a bare service environment)
+            base = Path("/nonexistent")
+    return Path(base) / "ckptd" / "config.toml"
+
+
+def discover(path: str | os.PathLike[str] | None = None) -> tuple[Path | None, str]:
+    """The config file the discovery rule picks, and why (for the start-up log line).
+
+    An explicit ``path`` or ``$CKPTD_CONFIG`` must exist (``load`` says so when it does
+    not); the places searched after them are used only when a file is there."""
+    if path is not None:
+        return Path(path).expanduser().absolute(), "given with -c"
+    env = os.environ.get("CKPTD_CONFIG")
+    if env == "none":  # a job (or a test) that wants the defaults whatever files lie about
+        return None, "CKPTD_CONFIG=none: built-in defaults"
+    if env:
+        return Path(env).expanduser().absolute(), "named by $CKPTD_CONFIG"
+    for candidate, why in ((Path.cwd() / "config.toml", "found in the current folder"),
+                           (user_config(), "the user's config"),
+                           (SYSTEM_CONFIG, "the system config")):
+        try:
+            if candidate.is_file():
+                return candidate.absolute(), why
+        except OSError:  # an unreadable home folder, say: not there for us
+            continue
+    return None, "no config file found (-c, $CKPTD_CONFIG, ./config.toml, " \
+                 f"{user_config()}, {SYSTEM_CONFIG}): built-in defaults"
+
+
+def describe(cfg: Config) -> str:
+    """One line for the start-up log: which file the values came from."""
+    return f"config {cfg.path} ({cfg.origin})" if cfg.path else f"config: {cfg.origin}"
+
+
 def load(path: str | os.PathLike[str] | None = None) -> Config:
-    """Load ``path``, else ``$CKPTD_CONFIG``, else the built-in defaults."""
-    if path is None:
-        path = os.environ.get("CKPTD_CONFIG") or None
-    if path is None:
-        return Config()
-    file = Path(path).expanduser().absolute()
+    """Load ``path``, else the file the discovery rule finds (module docstring), else
+    the built-in defaults. ``Config.path`` and ``Config.origin`` say which."""
+    file, origin = discover(path)
+    if file is None:
+        return Config(origin=origin)
     try:
         with open(file, "rb") as fh:
             data = tomllib.load(fh)
@@ -303,7 +360,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
                 + ", ".join(f"[{t}]" for t in _TABLES)
             )
         tables[name] = build(cls, table, f"[{name}] of {file}")
-    return Config(path=file, **tables)
+    return Config(path=file, origin=origin, **tables)
 
 
 def resolve_path(value: str, base: Path) -> Path:

@@ -26,14 +26,18 @@ from . import dtypes, reader, state as state_mod
 from .config import Hdf5Config
 from .durable import replacing
 from .manifest import Manifest
+from .progress import bytes_bar
 
 SUFFIXES = (".safetensors", ".h5", ".pt")
 
 
 def export(run: str, step: int | None, out: str | os.PathLike[str], *,
-           root: str | os.PathLike[str] | None = None, rank: int | None = None) -> Path:
+           root: str | os.PathLike[str] | None = None, rank: int | None = None,
+           progress: bool = False) -> Path:
     """Write checkpoint ``step`` of ``run`` (None: the newest) to ``out``; the suffix
-    of ``out`` picks the format. Returns the path written."""
+    of ``out`` picks the format. Returns the path written. ``progress``: a bar on a
+    terminal while the tensors are read. The file's mode is what the umask gives a
+    new file (0644 under the usual 022), whatever the format's library would make."""
     out = Path(out)
     write = _WRITERS.get(out.suffix.lower())
     if write is None:
@@ -48,10 +52,24 @@ def export(run: str, step: int | None, out: str | os.PathLike[str], *,
     reader.check_structure(path, manifest)  # every format carries the structure
     if write is _pt:  # refuse before reading gigabytes
         _check_pt(manifest)
-    tensors = reader.read_tensors(path, manifest.tensors, verify=True)
+    with bytes_bar(manifest.nbytes, f"export step {manifest.step}", enabled=progress) as advance:
+        tensors = reader.read_tensors(path, manifest.tensors, verify=True, progress=advance)
     with replacing(out) as tmp:
         write(tmp, manifest, tensors)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors makes 0600, h5py and torch.save 0644
     return out
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it (os.umask would, for a moment, for every thread)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _about(manifest: Manifest) -> str:
@@ -109,6 +127,9 @@ def _pt(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None:
 
 def _check_pt(manifest: Manifest) -> None:
     arrays = sorted(n for n, t in manifest.tensors.items() if t.numpy)
+    if '"npscalar"' in json.dumps(manifest.state):
+        raise ValueError("the state holds numpy scalars, which torch.load(weights_only=True) refuses to load; "
+                         "export to .safetensors or .h5, or store them as Python numbers (.item())")
     if arrays:
         raise ValueError(
             f"the state holds numpy arrays ({', '.join(map(repr, arrays[:3]))}{' ...' if len(arrays) > 3 else ''}), "

@@ -25,6 +25,8 @@ import struct
 import time
 from dataclasses import dataclass
 
+from . import unixsock
+
 log = logging.getLogger("ckptd.daemon")
 TOKEN_BYTES = 16
 SUFFIX = ".shm"
@@ -78,12 +80,14 @@ class Listener:
 
     def __init__(self, ipc_path: str) -> None:
         self.path = socket_path(ipc_path)
+        unixsock.refuse_if_served(self.path, socket.SOCK_SEQPACKET, "staging handoffs")
         try:
             os.unlink(self.path)  # a crashed daemon's socket: nobody listens on it
         except FileNotFoundError:
             pass
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(self.path)
+        self._bound = unixsock.BoundSocket.of(self.path)
         os.chmod(self.path, 0o660)  # as the ZeroMQ socket: its folder decides who may connect
         self._sock.listen(64)
         self._sock.setblocking(False)
@@ -170,10 +174,7 @@ class Listener:
             conn.close()
         self.connections.clear()
         self._sock.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._bound.remove()
 
 
 def _check(token: bytes, fds: list[int], flags: int) -> str | None:

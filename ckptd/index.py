@@ -346,18 +346,39 @@ class Index:
             self._dirty.add(key)
             self._wake.notify_all()
 
+    def _check_known(self) -> None:
+        """Mark every step (and run) the index lists whose folder is gone.
+
+        A polling observer compares snapshots, so a folder made and moved away
+        between two polls (the daemon's own commit, then a person's ``mv``) shows
+        no difference, and no event: only this check notices that it went. A stat
+        per listed step is far less than the observer's own recursive snapshot."""
+        with self._lock:
+            known = [(run, step, info.path) for run, steps in self._runs.items() for step, info in steps.items()]
+        gone = {(run, step) for run, step, path in known if not os.path.isdir(path)}
+        if gone:
+            with self._wake:
+                self._dirty |= gone
+
     def _loop(self) -> None:
         next_rescan = time.monotonic() + self.config.rescan_interval
+        next_check = time.monotonic() + self.config.poll_interval
         while True:
             with self._wake:
                 while not (self._stop or self._dirty or self._rescan_wanted):
-                    timeout = next_rescan - time.monotonic()
-                    if timeout <= 0:
+                    now = time.monotonic()
+                    if now >= next_rescan:
                         self._rescan_wanted = True
                         break
-                    self._wake.wait(timeout)
+                    if self.observer_kind == "polling" and now >= next_check:
+                        break
+                    wake_at = min(next_rescan, next_check) if self.observer_kind == "polling" else next_rescan
+                    self._wake.wait(wake_at - now)
                 if self._stop:
                     return
+            if self.observer_kind == "polling" and time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.config.poll_interval
+                self._check_known()
             time.sleep(0.02)  # let a burst of events (a folder being written) coalesce
             with self._wake:
                 dirty, self._dirty = self._dirty, set()

@@ -365,7 +365,10 @@ def _short(value: Any, limit: int = 60) -> str:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One complete checkpoint (all ranks of a step), as ``latest`` and ``list`` report it."""
+    """One checkpoint, as ``latest`` and ``list`` report it: all ranks of a complete
+    step. A commit handle of a multi-rank step that other ranks have not completed
+    yet reports only its own rank's share: then ``rank`` says whose (else None), and
+    ``nbytes``/``ntensors`` count that share alone."""
 
     run: str
     step: int
@@ -375,6 +378,8 @@ class CheckpointInfo:
     ntensors: int
     format: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    rank: int | None = None  # None: the whole step; an int: only that rank's share
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -385,17 +390,22 @@ class CheckpointInfo:
             run=str(d["run"]), step=int(d["step"]), path=str(d["path"]),
             time=float(d["time"]), nbytes=int(d["nbytes"]), ntensors=int(d["ntensors"]),
             format=str(d["format"]), metadata=dict(d.get("metadata") or {}),
+            world_size=int(d.get("world_size", 1)),
+            rank=None if d.get("rank") is None else int(d["rank"]),
         )
 
     @classmethod
     def from_manifests(cls, path: str, manifests: list[Manifest]) -> "CheckpointInfo":
+        """The info of every rank's manifest of a step, or of one rank's share alone."""
         first = manifests[0]
+        whole = len(manifests) == first.world_size
         return cls(
             run=first.run, step=first.step, path=path,
             time=max(m.time for m in manifests),
             nbytes=sum(m.nbytes for m in manifests),
             ntensors=sum(len(m.tensors) for m in manifests),
             format=first.format, metadata=first.metadata,
+            world_size=first.world_size, rank=None if whole else first.rank,
         )
 
 

@@ -23,7 +23,7 @@ import logging
 import os
 from contextlib import closing
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from . import dtypes, index, layout, state as state_mod
 from .config import default_root
@@ -211,15 +211,19 @@ def _unflatten(path: Path, manifest: Manifest, values: dict[str, Any]) -> Any:
                                 f"{exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}") from None
 
 
-def read_tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool) -> dict[str, Any]:
+def read_tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
+                 progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Read ``records`` (of one rank's manifest) from the step folder; the first problem
-    is raised as CheckpointCorrupt naming the file and the tensor."""
+    is raised as CheckpointCorrupt naming the file and the tensor. ``progress`` is
+    called with each tensor's bytes once it is read."""
     out: dict[str, Any] = {}
     with closing(_tensors(step_path, records, verify=verify)) as it:
         for name, tensor, error in it:
             if error is not None:
                 raise error
             out[name] = tensor
+            if progress is not None:
+                progress(records[name].nbytes)
     return out
 
 
@@ -230,14 +234,19 @@ def verify(run: str, step: int | None = None, *, root: str | os.PathLike[str] | 
     return path, check(path, manifests)
 
 
-def check(step_path: Path, manifests: list[Manifest]) -> list[str]:
+def check(step_path: Path, manifests: list[Manifest], progress: Callable[[int], None] | None = None) -> list[str]:
     """Every problem of a step whose manifests were read: each tensor's bytes against
-    its checksum and its file's own header, and each saved structure."""
+    its checksum and its file's own header, and each saved structure. ``progress`` is
+    called with each tensor's bytes once it is checked."""
     problems = []
     for manifest in manifests:
         try:
             with closing(_tensors(step_path, manifest.tensors, verify=True)) as it:
-                problems += [f"rank {manifest.rank}: {error}" for _, _, error in it if error is not None]
+                for name, _, error in it:
+                    if error is not None:
+                        problems.append(f"rank {manifest.rank}: {error}")
+                    if progress is not None:
+                        progress(manifest.tensors[name].nbytes)
             check_structure(step_path, manifest)
             share_records(step_path, manifests, manifest)
         except CheckpointCorrupt as exc:

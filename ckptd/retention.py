@@ -101,16 +101,20 @@ def pinned_steps(run_dir: Path, steps: list[int]) -> set[int]:
     return {s for s in steps if (run_dir / layout.step_dir_name(s) / PIN_FILE).exists()}
 
 
-def set_pin(step_dir: Path, pinned: bool) -> None:
+def set_pin(step_dir: Path, pinned: bool) -> bool:
+    """Pin or unpin a step folder; False when it already was as asked (nothing changed)."""
     path = step_dir / PIN_FILE
     if pinned:
+        if path.is_file():
+            return False
         atomic_write(path, b"pinned by `ckptd pin`; `ckptd unpin` releases it\n")
-    else:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            return
-        fsync_dir(step_dir)
+        return True
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    fsync_dir(step_dir)
+    return True
 
 
 def run_policy(base: RetentionConfig, run_dir: Path) -> RetentionConfig:

@@ -14,6 +14,7 @@ Loading copies the intersection of a stored piece and a target piece
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -30,11 +31,10 @@ class DTensorPiece:
 
 
 def is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(value, DTensor)
+    # Without importing torch.distributed.tensor (tens of MiB, for every plain save): a
+    # DTensor exists only once its module has been imported.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def describe_dtensor(name: str, value: Any, cache: dict[Any, Any] | None = None) -> DTensorPiece:

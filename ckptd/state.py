@@ -10,6 +10,7 @@ plain JSON with tagged nodes, so loading never executes anything:
     {"tensor": name}   {"ndarray": name}
     {"float": "nan" | "inf" | "-inf"}   {"bytes": base64}
     {"dtype": "float32"}   {"device": "cuda:0"}   {"size": [2, 3]}
+    {"npscalar": "float32", "data": base64}   a numpy scalar, its exact bytes
     null, true/false, integers, finite floats and strings stand for themselves.
 """
 
@@ -64,6 +65,8 @@ def _encode(value: Any, path: tuple[Any, ...], tensors: dict[str, Any]) -> Any:
     import numpy as np
     import torch
 
+    if isinstance(value, np.generic) and not isinstance(value, (np.str_, np.bytes_)):
+        return _encode_scalar(value, path)  # before float: np.float64 is a float
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -94,6 +97,17 @@ def _encode(value: Any, path: tuple[Any, ...], tensors: dict[str, Any]) -> Any:
         "cannot store without pickling; store tensors, numpy arrays, containers "
         "(dict, list, tuple) and plain values (None, bool, int, float, str, bytes)"
     )
+
+
+def _encode_scalar(value: Any, path: tuple[Any, ...]) -> Any:
+    """A numpy scalar (``np.float32(0.5)``, common in metrics) as its dtype and its
+    exact bytes, so it loads back as the same type with the same bits."""
+    d = dtypes.BY_NUMPY.get(value.dtype.name)
+    if d is None or value.dtype.hasobject:
+        raise TypeError(f"{_where(path)} is a numpy {value.dtype} scalar, which ckptd cannot store; "
+                        "convert it with .item()")
+    native = value.astype(value.dtype.newbyteorder("="))
+    return {"npscalar": value.dtype.name, "data": base64.b64encode(native.tobytes()).decode("ascii")}
 
 
 def _encode_dict(value: dict, path: tuple[Any, ...], tensors: dict[str, Any]) -> Any:
@@ -150,6 +164,14 @@ def _decode(node: Any, lookup: Callable[[str], Any]) -> Any:
         return [_decode(v, lookup) for v in node["list"]]
     if "tuple" in node:
         return tuple(_decode(v, lookup) for v in node["tuple"])
+    if "npscalar" in node:
+        import numpy as np
+
+        dtype = dtypes.BY_NUMPY.get(node["npscalar"])
+        data = base64.b64decode(node["data"])
+        if dtype is None or len(data) != np.dtype(node["npscalar"]).itemsize:
+            raise ValueError(f"a numpy scalar node holds {len(data)} bytes of dtype {node['npscalar']!r}")
+        return np.frombuffer(data, dtype=node["npscalar"])[0]
     if "float" in node:
         return float(node["float"])
     if "bytes" in node:

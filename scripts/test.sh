@@ -8,6 +8,7 @@ bash scripts/setup.sh
 # as root on a fresh machine). Where it is present this does nothing.
 if ! command -v systemd-analyze >/dev/null || [ ! -x /lib/systemd/systemd ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "scripts/test.sh: installing Debian's systemd (for tests/test_systemd.py)" >&2
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null
     else
         echo "scripts/test.sh: tests/test_systemd.py needs systemd (systemd-analyze, /lib/systemd/systemd); install it" >&2
@@ -17,9 +18,11 @@ fi
 # present this does nothing.
 if ! command -v h5dump >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "scripts/test.sh: installing Debian's hdf5-tools (h5dump, for tests/test_hdf5.py)" >&2
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq hdf5-tools >/dev/null
     else
         echo "scripts/test.sh: tests/test_hdf5.py needs h5dump; install Debian's hdf5-tools" >&2
     fi
 fi
+echo "scripts/test.sh: running the test suite" >&2
 exec .venv/bin/python -m pytest -q "$@"

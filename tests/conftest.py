@@ -126,8 +126,10 @@ def daemon(make_daemon) -> Daemon:
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Tests never read the developer's own config or environment."""
-    for var in ("CKPTD_CONFIG", "CKPTD_ENDPOINT", "CKPTD_RUN", "CKPTD_ROOT", "RANK", "WORLD_SIZE"):
+    for var in ("CKPTD_ENDPOINT", "CKPTD_RUN", "CKPTD_ROOT", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
+    # the built-in defaults, whatever ~/.config/ckptd or /etc/ckptd hold on this machine
+    monkeypatch.setenv("CKPTD_CONFIG", "none")
     monkeypatch.chdir(tmp_path)
 
 

@@ -23,8 +23,9 @@ def test_public_surface_is_pinned() -> None:
     assert issubclass(ckptd.CheckpointNotFound, LookupError)
     assert issubclass(ckptd.CheckpointCorrupt, ckptd.CheckpointError)
     assert list(inspect.signature(ckptd.load).parameters)[:6] == ["run", "step", "root", "names", "map_location", "verify"]
+    # DESIGN §9's fields first, in order; then what tells a rank's share from the whole step
     assert [f for f in ckptd.CheckpointInfo.__dataclass_fields__] == [
-        "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata"]
+        "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata", "world_size", "rank"]
 
 
 def test_python_dash_m_is_the_cli() -> None:

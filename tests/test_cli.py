@@ -33,7 +33,9 @@ def test_latest_and_list(two_steps) -> None:
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["step"] == 200 and info["ntensors"] == 1 and info["nbytes"] == 16 and info["format"] == "chunk"
-    assert set(info) == {"run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata"}
+    assert set(info) == {"run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata",
+                         "world_size", "rank"}
+    assert info["rank"] is None and info["world_size"] == 1  # the whole step, not one rank's share
     r = cli("list", "t", "--root", root, "--json")
     assert [i["step"] for i in json.loads(r.stdout)] == [100, 200]
     assert json.loads(r.stdout)[0]["metadata"] == {"loss": 0.5}

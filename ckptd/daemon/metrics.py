@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, Iterator
 
 from ..config import split_host_port
@@ -34,6 +34,9 @@ ERROR_KINDS = ("protocol", "step", "commit")  # a bad message; a step failed bef
 MAX_RUNS = 1000  # runs whose last commit is remembered (the most recent ones)
 
 
+RECENT = 20  # commits that `ckptd status` figures its recent throughput from
+
+
 class Figures:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the scrape thread reads while the main loop writes
@@ -45,6 +48,7 @@ class Figures:
         self._latency_sum = 0.0
         self._runs: OrderedDict[str, dict[str, Any]] = OrderedDict()  # oldest commit first
         self.last_commit: dict[str, Any] | None = None
+        self._recent: deque[tuple[int, float]] = deque(maxlen=RECENT)  # (bytes, seconds) of the last commits
 
     def committed(self, run: str, step: int, rank: int, nbytes: int, seconds: float) -> None:
         now = time.time()
@@ -59,6 +63,7 @@ class Figures:
             if len(self._runs) > MAX_RUNS:
                 self._runs.popitem(last=False)
             self.last_commit = last
+            self._recent.append((nbytes, seconds))
 
     def error(self, kind: str) -> None:
         with self._lock:
@@ -80,6 +85,9 @@ class Figures:
                             "sum": self._latency_sum, "count": total},
                 "runs": {run: dict(v) for run, v in self._runs.items()},
                 "last_commit": dict(self.last_commit) if self.last_commit else None,
+                # the last commits' bytes over their time from first byte to durable
+                "recent": {"commits": len(self._recent), "bytes": sum(b for b, _ in self._recent),
+                           "seconds": sum(t for _, t in self._recent)},
             }
 
 

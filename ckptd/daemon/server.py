@@ -18,13 +18,14 @@ import mmap
 import os
 import queue
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from .. import __version__, handoff, layout, state as state_mod, wire
+from .. import __version__, handoff, layout, state as state_mod, units, unixsock, wire
 from ..config import FORMATS, Config, ConfigError, load as load_config
 from ..curve import CurveServer
 from ..errors import CheckpointError, ProtocolError
@@ -72,6 +73,7 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self._wake = WakePipe()  # I/O threads and signals wake the loop through it
         self._lock_fd = -1
+        self._ipc: unixsock.BoundSocket | None = None  # the ipc:// socket file, once bound
         self.ctx: zmq.Context | None = None
         self.router: zmq.Socket | None = None
         self.writer: Writer | None = None
@@ -126,6 +128,12 @@ class Daemon:
                 )
             # Who may connect is decided by this folder's permissions (DESIGN §6).
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # libzmq replaces a socket file at this path: never one a live daemon serves
+            if unixsock.in_use(str(path), socket.SOCK_STREAM):
+                raise CheckpointError(
+                    f"another process (a ckptd daemon of another root?) already serves {self.endpoint}; "
+                    "stop it, or give this daemon another [daemon] endpoint"
+                )
         self.curve.secure(self.ctx, self.router)  # tcp://: CurveZMQ and the producers' allowlist
         try:
             self.router.bind(self.endpoint)
@@ -135,6 +143,7 @@ class Daemon:
             # The socket admits the daemon's user and group whatever the umask (a
             # service's is 0027); its folder then decides who may reach it.
             path = self.endpoint[len("ipc://"):]
+            self._ipc = unixsock.BoundSocket.of(path)  # ours to remove at exit, and only ours
             os.chmod(path, 0o660)
             if len(handoff.socket_path(path).encode()) <= IPC_PATH_MAX:
                 self.handoffs = handoff.Listener(path)
@@ -163,11 +172,9 @@ class Daemon:
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
-        if self.endpoint.startswith("ipc://"):
-            try:
-                os.unlink(self.endpoint[len("ipc://"):])
-            except OSError:
-                pass
+        if self._ipc is not None:
+            self._ipc.remove()
+            self._ipc = None
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -358,7 +365,7 @@ class Daemon:
             ],
             "commits": snap["commits"], "bytes_written": snap["bytes_written"], "errors": snap["errors"],
             "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
-            "last_commit": snap["last_commit"],
+            "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
             "runs": snap["runs"],
         }
 
@@ -721,10 +728,9 @@ class Daemon:
                 if r.kind == "committed":
                     assert r.info is not None
                     secs = max(time.monotonic() - share.started, 1e-9)
-                    log.info(
-                        "committed run=%s step=%d rank=%d bytes=%d tensors=%d seconds=%.3f GB/s=%.2f",
-                        share.run, share.step, share.rank, nbytes, len(share.records), secs, nbytes / secs / 1e9,
-                    )
+                    log.info("committed run=%s step=%d rank=%d bytes=%d tensors=%d seconds=%.3f rate=%s",
+                             share.run, share.step, share.rank, nbytes, len(share.records), secs,
+                             units.rate(nbytes, secs))
                     self.figures.committed(share.run, share.step, share.rank, nbytes, secs)
                     self._send(identity, "committed", seq=seq, step=share.step, info=r.info.to_dict())
                 else:
@@ -771,6 +777,9 @@ class Daemon:
                 if open_step.share.error is None:
                     self._send(sess.identity, "error", seq=None, step=step,
                                message=f"the daemon stopped before step {step} was committed")
+            # so that the producer says "stopped" at once, not "no answer" a timeout later
+            self._send(sess.identity, "error", seq=None, step=None, code=wire.STOPPING,
+                       message=f"the ckptd daemon (pid {os.getpid()}) stopped")
             self._end_session(sess, "was disconnected: the daemon is stopping")
         assert self.writer is not None
         self.writer.close()  # runs every queued job, commits included

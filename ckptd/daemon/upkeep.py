@@ -38,7 +38,7 @@ class Upkeep:
         """Scan the root (fixing stale pointers), then follow it."""
         self._reaper.start()
         self.index.start()
-        log.info("index: %d run(s) scanned in %.3f s, %s observer",
+        logging.getLogger("ckptd.index").info("index: %d run(s) scanned in %.3f s, %s observer",
                  len(self.index.runs()), self.index.last_scan_s, self.index.observer_kind)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from .client import CommitHandle, Producer
 
 __all__ = [
     "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "flush",
-    "latest", "save",
+    "latest", "save", "stats",
 ]
 
 _default: Producer | None = None
@@ -70,6 +70,11 @@ def flush(timeout: float | None = None) -> None:
 
 def latest(run: str | None = None) -> CheckpointInfo | None:
     return _get().latest(run)
+
+
+def stats() -> dict[str, Any]:
+    """The default producer's figures (``Producer.stats``)."""
+    return _get().stats()
 
 
 def abort(step: int) -> None:

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,13 +26,13 @@ from typing import Any, Iterator
 
 from .. import config as config_mod
 from .. import curve
-from .. import dtypes, handoff, wire
+from .. import dtypes, handoff, unixsock, wire
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, Shard, check_json
 from ..names import check_name, check_rank, check_run, check_step
 from ..sharding import hand_shard, is_dtensor
 from ..state import flatten
-from . import sharded
+from . import sharded, sizing
 from .staging import Arena, Region
 from .transport import Transport
 
@@ -79,6 +80,7 @@ class _Step:
 
     names: set[str] = field(default_factory=set)
     replicas: dict[str, int] = field(default_factory=dict)  # tensors of the step another rank writes
+    room: int = 0  # staging bytes its tensors take at once (sizing.room_for)
     handle: CommitHandle | None = None  # set once commit() was called
     error: str | None = None  # the daemon failed it before commit()
 
@@ -109,6 +111,7 @@ class Producer:
         **options: Any,
     ) -> None:
         cfg = config_mod.load()
+        log.info("ckptd producer (pid %d): %s", os.getpid(), config_mod.describe(cfg))
         merged = {**dataclasses.asdict(cfg.producer), **options}
         self.options: config_mod.ProducerConfig = config_mod.build(
             config_mod.ProducerConfig, merged, "Producer options"
@@ -119,6 +122,8 @@ class Producer:
             config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint else cfg.endpoint
         )
         self._curve_keys = curve.client_keys(self.endpoint, cfg, options)  # tcp:// only; files checked now
+        # the config that starts a daemon at this endpoint, for "start one with ..." hints
+        self._serve_config = cfg.path if cfg.path is not None and self.endpoint == cfg.endpoint else None
         run = run if run is not None else os.environ.get("CKPTD_RUN") or None
         self.run = check_run(run) if run is not None else None
         rank = rank if rank is not None else int(os.environ.get("RANK", 0))
@@ -150,15 +155,32 @@ class Producer:
         self._max_frame = 0
         self._shm = False  # this connection's tensors travel through the shared arena
         self._closed = False
+        self._blocked_before = 0.0  # blocked_seconds of arenas that grown ones replaced
         self._arena: Arena | None = None
         self._arena_error: BaseException | None = None
+        # staging_size = "auto": start small, grow to fit (sizing); else exactly what was asked
+        self._growth: sizing.Growth | None = None
+        size = self.options.staging_size
+        if size is None:
+            self._growth = sizing.Growth(self.options.staging_limit or sizing.default_limit())
+            size = min(sizing.INITIAL, self._growth.limit)
         # Allocate and pre-fault staging in the background now, so the first
         # checkpoint does not pay for page faults (mmap releases the GIL).
-        self._arena_ready = threading.Thread(target=self._make_arena, name="ckptd-staging", daemon=True)
+        self._arena_ready = threading.Thread(target=self._make_arena, args=(size,), name="ckptd-staging",
+                                             daemon=True)
         self._arena_ready.start()
         self._cuda: Any = None
         ref = weakref.ref(self)
         atexit.register(lambda: (p := ref()) is not None and p._close_at_exit())
+        # Find the daemon now, not at the first checkpoint hours in (on_no_daemon).
+        self._connector: threading.Thread | None = None
+        if self.run is not None:
+            if self.options.on_no_daemon == "raise":
+                with self._emit_lock:
+                    self._ensure_connected()
+            else:
+                self._connector = threading.Thread(target=self._connect_early, name="ckptd-connect", daemon=True)
+                self._connector.start()
 
     # -- public API -------------------------------------------------------------------------
     def emit(self, name: str, tensor: Any, *, step: int | None = None,
@@ -187,6 +209,7 @@ class Producer:
         else:
             item = self._describe(name, tensor)
         with self._emit_lock:
+            self._grow_between_steps()
             self._claim(step, name)
             try:
                 self._stage(step, name, item)
@@ -196,6 +219,10 @@ class Producer:
                     if st is not None:
                         st.names.discard(name)
                 raise
+            with self._lock:
+                st = self._steps.get(step)
+                if st is not None:
+                    st.room += sizing.room_for([item.nbytes])
 
     def commit(self, step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
         """Close ``step``: the daemon makes it durable, then the handle resolves."""
@@ -220,6 +247,7 @@ class Producer:
         state_json = json.dumps(structure, ensure_ascii=False, allow_nan=False)
         try:
             with self._emit_lock:
+                self._grow_between_steps()
                 for name, writer in planned.replicas.items():
                     self._claim(step, name, replica_of=writer)
                 for name, item in items.items():
@@ -228,6 +256,10 @@ class Producer:
         except BaseException:
             self.abort(step)
             raise
+        with self._lock:
+            st = self._steps.get(step)
+            if st is not None:  # _commit asks sizing for room to fit it next time
+                st.room = sizing.room_for([i.nbytes for i in items.values()])
         return self._commit(step, metadata, meta_json, state_json)
 
     @contextmanager
@@ -294,6 +326,8 @@ class Producer:
         """Wait for outstanding commits, then disconnect and free staging memory."""
         if self._closed:
             return
+        if self._connector is not None:
+            self._connector.join()
         try:
             if self._transport is not None and self._transport.lost is None:
                 self.flush()
@@ -305,19 +339,24 @@ class Producer:
                     transport.send(wire.encode("bye"))
                 transport.close()
             self._arena_ready.join()
+            if self._growth is not None:
+                self._growth.close()
             if self._arena is not None:
                 self._unpin()
                 self._arena.close()
 
     def stats(self) -> dict[str, Any]:
         """How this producer is doing: ``transport`` ("shm" or "inline", None before the
-        first connection), ``staging_bytes`` (the arena's size), ``blocked_seconds``
-        (total time ``emit`` waited for staging space, i.e. for the daemon)."""
+        first connection), ``staging_bytes`` (the arena's size now), ``staging_limit``
+        (what it may grow to: its fixed size unless ``staging_size = "auto"``),
+        ``blocked_seconds`` (total time ``emit`` waited for staging space, i.e. for the
+        daemon, since the producer was made)."""
         arena = self._arena
         return {
             "transport": None if self._transport is None else ("shm" if self._shm else "inline"),
             "staging_bytes": arena.capacity if arena is not None else 0,
-            "blocked_seconds": arena.blocked_s if arena is not None else 0.0,
+            "staging_limit": self._growth.limit if self._growth is not None else self.options.staging_size,
+            "blocked_seconds": self._blocked_before + (arena.blocked_s if arena is not None else 0.0),
         }
 
     def __enter__(self) -> "Producer":
@@ -544,6 +583,8 @@ class Producer:
                 raise ValueError(f"step {step} was already committed by this producer")
             st.handle = handle
             error = st.error
+            room = st.room
+        self._want_staging(room)
         if error is not None:  # the daemon failed this step already: do not commit it
             self._finish(step, handle, error=error)
             if self._transport is not None and self._transport.lost is None:
@@ -577,11 +618,70 @@ class Producer:
             raise ValueError("no run id: pass run= to configure() / Producer(), or set CKPTD_RUN")
         return self.run
 
-    def _make_arena(self) -> None:
+    def _make_arena(self, size: int) -> None:
         try:
-            self._arena = Arena(self.options.staging_size)
+            self._arena = Arena(size)
         except BaseException as exc:  # reported at first use
             self._arena_error = exc
+
+    def _want_staging(self, room: int) -> None:
+        """A checkpoint takes ``room`` bytes of staging: with "auto", grow to fit it."""
+        if self._growth is not None and self._arena is not None:
+            self._growth.want(room, self._arena.capacity)
+
+    def _grow_between_steps(self) -> None:
+        """Swap in a grown arena (sizing) while no step is in flight; under _emit_lock.
+
+        The daemon maps an arena for the life of a connection, so the new one comes
+        with a new connection: a bye, then the next send says hello with it."""
+        if self._growth is None:
+            return
+        with self._lock:
+            if self._steps:  # bytes of those steps may still be in the old arena
+                return
+        arena = self._growth.take()
+        if arena is None:
+            return
+        self._arena_ready.join()
+        old, self._arena = self._arena, arena
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            if transport.lost is None:
+                transport.send(wire.encode("bye"))
+            transport.close()
+        self._unpin()
+        self._set_views()
+        if old is not None:
+            self._blocked_before += old.blocked_s
+            old.close()
+
+    def _set_views(self) -> None:
+        """Typed views of the whole arena, which every copy into staging goes through."""
+        import numpy as np
+
+        assert self._arena is not None
+        self._arena_t = self._arena.tensor()
+        self._arena_np = np.frombuffer(self._arena._mm, dtype=np.uint8)
+
+    def _connect_early(self) -> None:
+        """At start, in the background: connect, or warn that no daemon answers."""
+        try:
+            with self._emit_lock:
+                if not self._closed:
+                    self._ensure_connected()
+        except CheckpointError as exc:
+            message = (f"ckptd: {exc}. Until that is mended, checkpoints of run {self.run!r} fail "
+                       "(set [producer] on_no_daemon = \"raise\" to fail at start instead)")
+            log.warning("%s", message)
+            warnings.warn(message, RuntimeWarning, stacklevel=1)
+        except Exception:  # never let the thread die silently
+            log.exception("ckptd producer: connecting to the daemon failed")
+
+    def _start_hint(self) -> str:
+        if self._serve_config is not None:
+            return f"start one with `ckptd serve -c {self._serve_config}`, or point CKPTD_ENDPOINT at a running one"
+        return (f"start one whose [daemon] endpoint is {self.endpoint} (`ckptd serve -c CONFIG`), "
+                "or point CKPTD_ENDPOINT at a running one")
 
     def _ensure_connected(self) -> None:
         if self._closed:
@@ -592,17 +692,17 @@ class Producer:
         self._arena_ready.join()
         if self._arena is None:
             raise CheckpointError(
-                f"cannot allocate {self.options.staging_size} bytes of staging memory: {self._arena_error}; "
-                "lower [producer] staging_size"
+                f"cannot allocate staging memory: {self._arena_error}; lower [producer] staging_size"
             )
         if not hasattr(self, "_arena_t"):
-            import numpy as np
-
-            self._arena_t = self._arena.tensor()
-            self._arena_np = np.frombuffer(self._arena._mm, dtype=np.uint8)
+            self._set_views()
         old, self._transport = self._transport, None
         if old is not None:
             old.close()
+            if old.stopped and self.endpoint.startswith("ipc://") \
+                    and not unixsock.in_use(self.endpoint[len("ipc://"):]):
+                # it said it stopped, and nobody took its place: say so now, not a timeout later
+                raise CheckpointError(f"{old.lost}, and no daemon listens there now; {self._start_hint()}")
         self._arena.reset()  # whatever the old connection carried is gone with it
         self._welcome = threading.Event()
         self._hello_error = None
@@ -618,14 +718,14 @@ class Producer:
             transport.close()
             if self._hello_error:
                 raise CheckpointError(f"the daemon at {self.endpoint} refused this producer: {self._hello_error}")
-            if transport.refused:
-                raise CheckpointError(transport.refused)
-            hint = "start one with `ckptd serve -c config.toml`, or point CKPTD_ENDPOINT at a running one"
+            if transport.refused or transport.stopped:
+                raise CheckpointError(transport.lost)
+            hint = self._start_hint()
             if self._curve_keys is not None:  # a CurveZMQ refusal looks like silence from here
                 hint += ("; or the daemon refused this producer's CurveZMQ key, or curve_server_key is not "
                          "the daemon's public key (the daemon's log, or `ckptd status -c CONFIG`, says which)")
             raise CheckpointError(
-                f"no ckptd daemon answered at {self.endpoint} within {self.options.timeout:.0f} s; {hint}")
+                f"no ckptd daemon answered at {self.endpoint} within {self.options.timeout:g} s; {hint}")
         if token and not self._shm and self.options.transport == "shm":
             transport.close()
             raise CheckpointError(
@@ -742,8 +842,8 @@ class Producer:
     def _close_at_exit(self) -> None:
         try:
             self.close()
-        except Exception as exc:  # at exit there is no caller left to raise to
-            log.error("ckptd producer at exit: %s", exc)
+        except Exception as exc:  # at exit there is no caller left to raise to: warn, never silently
+            warnings.warn(f"ckptd producer at exit: {exc}", RuntimeWarning, stacklevel=1)
 
 
 def _metadata_json(metadata: Any) -> str:

@@ -51,6 +51,8 @@ class Transport:
         self._stop = False
         self.lost: str | None = None
         self.refused: str | None = None  # why the daemon refused this producer's CurveZMQ key
+        self.stopped = False  # the daemon said it stopped (or is stopping): self.lost says so
+        self._welcomed = False
         self._ctx = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="ckptd-sender", daemon=True)
         self._thread.start()
@@ -158,6 +160,14 @@ class Transport:
                 f"the ckptd daemon at {self.endpoint} no longer knows this producer "
                 "(it was restarted); steps in flight were lost"
             )
+            self._on_lost(self.lost)
+            return True
+        if header["op"] == "welcome":
+            self._welcomed = True
+        elif header["op"] == "error" and header["code"] == wire.STOPPING and self._welcomed:
+            # (before the welcome, STOPPING refuses the hello itself: on_reply reports that)
+            self.stopped = True
+            self.lost = f"the ckptd daemon at {self.endpoint} stopped ({header['message']})"
             self._on_lost(self.lost)
             return True
         self._on_reply(header)

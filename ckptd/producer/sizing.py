@@ -1,0 +1,143 @@
+"""How large a producer's staging arena is when ``staging_size = "auto"``.
+
+A fixed arena of one checkpoint's size, pre-faulted at start, costs its full size
+in every process from the first second, whatever the model: eight ranks of a
+26 KB model paid 8 GiB before their first checkpoint. With ``"auto"`` the arena
+starts at ``INITIAL`` bytes and grows to fit the largest checkpoint seen:
+
+- the producer learns a checkpoint's size before copying it (``save`` knows all
+  its tensors; for ``emit`` the size is known at ``commit``) and asks
+  ``Growth.want`` for room; the new arena is allocated and pre-faulted on a
+  background thread (``mmap`` with ``MAP_POPULATE`` releases the GIL), never in
+  ``emit``;
+- the producer swaps it in between checkpoints, when nothing is in flight
+  (``Growth.take``), so that checkpoint's bytes block at memcpy speed from the
+  next checkpoint on; until then a larger checkpoint streams through the smaller
+  arena, as with a small ``staging_size`` set by hand;
+- it never grows past ``limit``: a share of the machine's memory (or of the
+  cgroup's limit) divided among the ranks on this node (``LOCAL_WORLD_SIZE``),
+  unless ``staging_limit`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from .staging import ALIGN, PAGE, Arena
+
+log = logging.getLogger("ckptd.producer")
+
+INITIAL = 32 * 2**20  # small checkpoints never need more; see the module docstring
+HEADROOM = 1.25  # a checkpoint that grew once will likely grow a little again
+GRAIN = 64 * 2**20  # sizes are rounded up to this, so small changes in size reuse the arena
+MEMORY_SHARE = 0.25  # of the machine's (or cgroup's) memory, for all the node's ranks together
+
+
+def machine_memory() -> int:
+    """Physical memory, or the cgroup's limit where one is set and smaller."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def default_limit() -> int:
+    """The largest arena ``"auto"`` grows to: ``MEMORY_SHARE`` of memory per local rank."""
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(INITIAL, _round_up(int(machine_memory() * MEMORY_SHARE / local_ranks), PAGE))
+
+
+def room_for(sizes: list[int]) -> int:
+    """Arena bytes that hold tensors of ``sizes`` at once, alignment included."""
+    return sum(_round_up(n, PAGE if n >= 2**20 else ALIGN) + PAGE for n in sizes)
+
+
+class Growth:
+    """Grows an arena in the background to fit what ``want`` asks for, up to ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ready: Arena | None = None
+        self._target = 0  # the size being made or made
+        self._making = False  # a thread is making self._target (or will, in its loop)
+        self._capped_warned = False
+
+    def want(self, need: int, have: int) -> None:
+        """A checkpoint needs ``need`` bytes of staging and the arena has ``have``:
+        start making a larger one unless one that fits is made or being made."""
+        if need <= have:
+            return
+        target = min(self.limit, _round_up(int(need * HEADROOM), GRAIN))
+        if need > self.limit and not self._capped_warned:
+            self._capped_warned = True
+            log.warning(
+                "a checkpoint needs %s of staging, more than the %s that staging may grow to on "
+                "this node; emit waits for the daemon to drain it (set [producer] staging_limit, "
+                "or staging_size, to allow more)", _mib(need), _mib(self.limit))
+        with self._lock:
+            if target <= max(have, self._target):
+                return
+            self._target = target
+            if self._making:
+                return  # the thread makes this larger size next
+            self._making = True
+            self._thread = threading.Thread(target=self._make, args=(have,), name="ckptd-staging", daemon=True)
+            self._thread.start()
+
+    def take(self) -> Arena | None:
+        """The larger arena, once it is ready (the caller owns it then), else None."""
+        with self._lock:
+            arena, self._ready = self._ready, None
+        return arena
+
+    def close(self) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        arena = self.take()
+        if arena is not None:
+            arena.close()
+
+    def _make(self, have: int) -> None:
+        while True:
+            with self._lock:
+                size = self._target
+            try:
+                arena = Arena(size)
+            except (OSError, ValueError) as exc:
+                log.warning("could not grow staging from %s to %s: %s; checkpoints keep streaming through "
+                            "the smaller arena", _mib(have), _mib(size), exc)
+                with self._lock:
+                    self._making = False
+                return
+            log.info("staging grew from %s to %s (limit %s); in use from the next checkpoint",
+                     _mib(have), _mib(size), _mib(self.limit))
+            with self._lock:
+                old, self._ready = self._ready, arena
+                again = self._target > size  # asked for more while this one was made
+                self._making = again
+            if old is not None:
+                old.close()
+            if not again:
+                return
+
+
+def _round_up(n: int, grain: int) -> int:
+    return -(-n // grain) * grain
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"

@@ -1,0 +1,64 @@
+"""Unix socket files a daemon binds: refuse one that is alive, remove only its own.
+
+Binding an ``ipc://`` path replaces whatever socket file is there (libzmq unlinks
+it first), so a second daemon pointed at a running daemon's endpoint would cut
+that daemon off from every producer. Before binding, ``claim`` connects to the
+path: an answer means somebody serves there, and the bind is refused; a refused
+connection means a dead daemon's leftover, which may go. After binding, the file's
+inode is remembered, and ``remove`` unlinks the path only while it is still that
+file: a process never removes a socket it did not create.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BoundSocket:
+    """A socket file this process made: removed only while it is still the same file."""
+
+    path: str
+    ident: tuple[int, int]  # (st_dev, st_ino) right after the bind
+
+    @classmethod
+    def of(cls, path: str) -> "BoundSocket":
+        st = os.stat(path)
+        return cls(path, (st.st_dev, st.st_ino))
+
+    def remove(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self.ident:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def in_use(path: str, kind: int = socket.SOCK_STREAM) -> bool:
+    """True if a process accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False  # nothing there, or a socket file nobody listens on
+        except socket.timeout:
+            return True  # a listener whose backlog is full is still a listener
+        except OSError as exc:
+            if exc.errno in (errno.ENOTSOCK, errno.EPROTOTYPE):
+                return False  # not a socket of that kind: bind fails with its own error
+            raise
+        return True
+
+
+def refuse_if_served(path: str, kind: int, what: str) -> None:
+    """Raise ``OSError(EADDRINUSE)`` naming ``what`` if somebody serves at ``path``."""
+    if in_use(path, kind):
+        raise OSError(errno.EADDRINUSE, f"another process already serves {what} at {path}")
