@@ -53,7 +53,7 @@ class _Target:
 
 
 def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None,
-              verify: bool = False, strict: bool = True) -> CheckpointInfo:
+              verify: bool = False, strict: bool = True, remote: str | None = None) -> CheckpointInfo:
     """Fill the tensors and DTensors of ``state`` in place from ``step`` of ``run``
     (None: the newest complete step), resharding from whatever layout it was saved
     in; plain values in ``state``'s dicts and lists are replaced by the saved ones.
@@ -61,8 +61,12 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     A tensor or plain value of ``state`` the checkpoint lacks is a
     ``CheckpointNotFound`` naming it, unless ``strict=False`` (then it is left as it
     is); a global shape or dtype that differs is a ``ValueError`` naming the tensor.
+    ``remote`` (as for ``ckptd.load``): a step complete only in the remote tier is
+    read from there: the shares of the ranks whose pieces overlap this process's
+    targets, and only those, are fetched into the local root first (checksums
+    checked), then read as a local step is.
     """
-    path, manifests = reader.find(run, step, root)
+    path, manifests, store = reader.find_in_tiers(run, step, root, remote)
     rank = _own_rank(manifests[0].world_size)
     pieces = _pieces(manifests)
     saved = _saved_structure(path, manifests, rank)
@@ -81,6 +85,13 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
             f"step {manifests[0].step} of run {run!r} has no " + ", ".join(map(repr, missing[:5]))
             + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
             + "; pass strict=False to load what it has and leave the rest as it is")
+    if store is not None:  # complete only in the bucket: fetch what this process reads
+        from .config import default_root
+        from .remote import fetch
+
+        needed = {p.rank for t in plans for p, _ in _choose(t, pieces[t.name], rank)}
+        for r in sorted(needed):
+            fetch.fetch_share(store, run, manifests[0].step, r, default_root(root))
     _fill(path, plans, pieces, rank, verify)
     return CheckpointInfo.from_manifests(str(path), manifests)
 

@@ -191,7 +191,7 @@ def load(
     if mmap and map_location not in (None, "cpu"):
         raise ValueError(f"load(mmap=True) maps the files into CPU memory; map_location={map_location!r} "
                          "would copy every byte at once: load without mmap=True")
-    path, manifests, store = _find_in_tiers(run, step, root, remote)
+    path, manifests, store = find_in_tiers(run, step, root, remote)
     if rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit():
         if out is not None or mmap:
             raise ValueError(f"load(out=/mmap=True) reads one rank's share, and step {manifests[0].step} has "
@@ -235,7 +235,7 @@ def load(
     return _unflatten(path, manifest, values) if rebuild else values
 
 
-def _find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None,
+def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None,
                    remote: str | None) -> tuple[Path, list[Manifest], Any]:
     """The step's folder and manifests: locally if it is complete there, else from the
     remote tier (then also its store; the folder is where it would be locally)."""

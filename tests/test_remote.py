@@ -109,3 +109,36 @@ def test_wrong_credentials_are_a_clear_error(s3, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with pytest.raises(RemoteAuthError, match="refused the credentials.*AWS_ACCESS_KEY_ID"):
         ckptd.latest("x", root=tmp_path, remote=URL)
+
+
+def test_load_into_on_an_empty_disk_fetches_only_the_shares_it_reads(s3, make_daemon, monkeypatch, tmp_path) -> None:
+    """A sharded step complete only in the bucket: load_into fetches the shares whose
+    pieces overlap its targets, and no other."""
+    d = _remote_daemon(make_daemon, monkeypatch)
+    whole = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    own = {0: ("a", torch.full((3,), 7.0)), 1: ("b", torch.full((5,), 9.0))}  # a tensor only each rank has
+    producers = [d.producer("sh", rank=r, world_size=2) for r in (0, 1)]
+    try:
+        for r, p in enumerate(producers):  # rows 0-1 by rank 0, rows 2-3 by rank 1
+            p.emit("w", whole[2 * r:2 * r + 2].clone(), step=3, global_shape=[4, 6], offset=[2 * r, 0])
+            p.emit(*own[r], step=3)
+        for h in [p.commit(3) for p in producers]:
+            h.wait(30)
+        producers[0].wait_complete(3, timeout=60)
+    finally:
+        for p in producers:
+            p.close()
+    fresh = tmp_path / "fresh-node"
+    fresh.mkdir()
+    target = torch.zeros(4, 6)
+    info = ckptd.load_into({"w": target}, "sh", root=fresh, remote=URL)
+    assert info.step == 3 and torch.equal(target, whole)  # pieces of both ranks
+    manifests = sorted(p.name for p in (fresh / "sh" / "step-000000000003").glob("manifest-r*.json"))
+    assert manifests == ["manifest-r00000.json", "manifest-r00001.json"]
+    other = tmp_path / "another-node"
+    other.mkdir()
+    b = torch.zeros(5)
+    ckptd.load_into({"b": b}, "sh", 3, root=other, remote=URL)  # only rank 1 wrote it
+    assert torch.equal(b, own[1][1])
+    assert sorted(p.name for p in (other / "sh" / "step-000000000003").iterdir()
+                  if p.name.startswith("manifest")) == ["manifest-r00001.json"]
