@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 
 import seaweed  # noqa: E402
-from daemons import DaemonProcess, isolated_env  # noqa: E402
+from daemons import DaemonProcess  # noqa: E402
 
 MB = 1e6
 BUCKET = "bench"

@@ -203,9 +203,9 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  {run:<{width}}  last step {r['step']}, {_duration(now - r['time'])} ago")
     r = s.get("remote")
     if r:
-        rate = f", {r['bytes_uploaded'] / r['upload_seconds'] / 1e6:.1f} MB/s" if r["upload_seconds"] else ""
+        speed = f", {rate(r['bytes_uploaded'], r['upload_seconds'])}" if r["upload_seconds"] else ""
         print(f"remote:       {r['url']}: {r['shares_uploaded']} share(s) uploaded ({_size(r['bytes_uploaded'])}"
-              f"{rate}); {r['pending_shares']} pending ({_size(r['pending_bytes'])}), lag "
+              f"{speed}); {r['pending_shares']} pending ({_size(r['pending_bytes'])}), lag "
               f"{_duration(r['lag_seconds'])}; {r['failures']} failure(s)"
               + (f"; last error: {r['last_error']}" if r["failures"] and r["last_error"] else ""))
     print(f"metrics:      {s['metrics'] or 'off'}")

@@ -27,7 +27,7 @@ from . import layout, manifestcache
 from .config import IndexConfig
 from .durable import atomic_write
 from .errors import CheckpointCorrupt
-from .manifest import CheckpointInfo, Manifest
+from .manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
 from .names import RUN_ID_PATTERN
 
 log = logging.getLogger("ckptd.index")
