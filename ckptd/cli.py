@@ -344,18 +344,20 @@ def _show(args: argparse.Namespace) -> int:
         from .remote import tiers
 
         info, manifests = tiers.find(_remote_store(args), check_run(args.run), args.step)
+        pinned = False  # pins are marks in a local root (`ckptd pin`)
     else:
         path, manifests = reader.find(args.run, args.step, _root(args))
         info = CheckpointInfo.from_manifests(str(path), manifests)
+        pinned = bool(retention.pinned_steps(path.parent, [info.step]))
     if args.json:
         out = info.to_dict()
-        out["pinned"] = bool(retention.pinned_steps(path.parent, [info.step]))
+        out["pinned"] = pinned
         out["ranks"] = [
             {"rank": m.rank, "tensors": {n: t.to_dict() for n, t in m.tensors.items()}} for m in manifests
         ]
         print(json.dumps(out))
         return 0
-    print(_describe(info) + ("  (pinned)" if retention.pinned_steps(path.parent, [info.step]) else ""))
+    print(_describe(info) + ("  (pinned)" if pinned else ""))
     for m in manifests:
         if len(manifests) > 1:
             print(f"rank {m.rank}:")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (real daemons, sockets and files; a few minutes).
+# Set up, then run the whole test suite (real daemons, torchrun, SeaweedFS, the frameworks;
+# about 10 minutes on 2 cores). Arguments go to pytest: -m "not slow" skips the multi-process jobs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

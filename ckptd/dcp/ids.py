@@ -33,3 +33,12 @@ def world_size() -> int:
         return dist.get_world_size()
     env = os.environ.get("WORLD_SIZE", "")
     return int(env) if env.isdigit() else 1
+
+
+def is_checkpoint_id(checkpoint_id: Any) -> bool:
+    """Whether DCP's ``checkpoint_id`` names a step (``validate_checkpoint_id``)."""
+    try:
+        step_of(checkpoint_id)
+    except ValueError:
+        return False
+    return True

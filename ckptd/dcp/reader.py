@@ -19,7 +19,7 @@ from ..errors import CheckpointCorrupt
 from ..load_into import _fill, _Piece, _Target  # its reader: byte ranges straight into targets
 from ..manifest import CheckpointInfo, Manifest
 from ..sharding import Box
-from .ids import rank as _rank, step_of as _step_of
+from .ids import is_checkpoint_id, rank as _rank, step_of as _step_of
 from .metadata import METADATA_KEY, decode_metadata, synthesize_metadata
 
 
@@ -104,11 +104,7 @@ class StorageReader(_Reader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        try:
-            _step_of(checkpoint_id)
-        except ValueError:
-            return False
-        return True
+        return is_checkpoint_id(checkpoint_id)
 
     def _stored(self, index: MetadataIndex) -> tuple[int, str | None]:
         where = self.storage_data.get(index)

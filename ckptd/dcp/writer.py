@@ -18,7 +18,7 @@ from torch.futures import Future
 
 from .. import config as config_mod, state as state_mod
 from ..attempt import current as current_attempt
-from .ids import rank as _rank, step_of as _step_of, world_size as _world_size
+from .ids import is_checkpoint_id, rank as _rank, step_of as _step_of, world_size as _world_size
 from .metadata import METADATA_KEY, encode_metadata
 
 
@@ -154,11 +154,7 @@ class StorageWriter(_Writer):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        try:
-            _step_of(checkpoint_id)
-        except ValueError:
-            return False
-        return True
+        return is_checkpoint_id(checkpoint_id)
 
     def _get_producer(self) -> Any:
         if self._producer is None:
