@@ -186,23 +186,19 @@ class ReadTarget:
     def read_files(self, files: list[Path]) -> float:
         t0 = time.perf_counter()
         for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                n = os.fstat(fd).st_size
-                done = 0
-                while done < n:
-                    got = os.preadv(fd, [self.view[done:n]], done)
-                    if got <= 0:
-                        break
-                    done += got
-            finally:
-                os.close(fd)
+            self._read(f, 0, None)
         return time.perf_counter() - t0
 
     def read_range(self, f: Path, offset: int, n: int) -> float:
         t0 = time.perf_counter()
+        self._read(f, offset, n)
+        return time.perf_counter() - t0
+
+    def _read(self, f: Path, offset: int, n: int | None) -> None:
+        """Bytes [offset, offset + n) of ``f`` (n None: the whole file) into the buffer."""
         fd = os.open(f, os.O_RDONLY)
         try:
+            n = os.fstat(fd).st_size if n is None else n
             done = 0
             while done < n:
                 got = os.preadv(fd, [self.view[done:n]], offset + done)
@@ -211,7 +207,6 @@ class ReadTarget:
                 done += got
         finally:
             os.close(fd)
-        return time.perf_counter() - t0
 
 
 def read_bytes() -> int:
