@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.completion import wait_complete
 import ckptd.export
 import ckptd.reader
 
@@ -60,7 +61,9 @@ def test_replicated_state_is_written_once_and_loads_on_every_rank(daemon) -> Non
     producers = [daemon.producer(rank=r, world_size=2) for r in (0, 1)]
     try:
         handles = [p.save(state, 5, replicated=True) for p in producers]
-        info = [h.wait(30) for h in handles][-1]
+        for h in handles:
+            h.wait(30)  # each rank's own share is durable; the step is complete once both are
+        info = wait_complete("t", 5, timeout=30, root=daemon.root, remote="")
     finally:
         for p in producers:
             p.close()

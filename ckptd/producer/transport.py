@@ -25,6 +25,9 @@ from ..errors import ProtocolError
 log = logging.getLogger("ckptd.producer")
 
 
+CLOSE_LINGER_MS = 1000  # how long a clean close waits for queued messages to leave
+
+
 class Transport:
     def __init__(
         self,
@@ -135,7 +138,10 @@ class Transport:
             self._on_lost(self.lost)
         finally:
             handshake.close()
-            sock.close(0)
+            # A clean close lets what was shipped (the bye) leave the socket's queue;
+            # LINGER 0 would drop it, and the daemon would count this producer until
+            # its session timed out. A lost connection has nobody to deliver to.
+            sock.close(linger=CLOSE_LINGER_MS if self.lost is None else 0)
 
     def _ship(self, sock: zmq.Socket, outbox: list[tuple[bytes, Any, Any]]) -> list[tuple[bytes, Any, Any]]:
         for i, (header, payload, event) in enumerate(outbox):
