@@ -23,7 +23,13 @@ goal:
    preallocated memory; ``load(out=...)`` (into the tensors of an allocated state)
    and ``load(mmap=True)`` (tensors mapped from the chunk files, then every byte
    read once); ``load(names=[one])`` cold against a plain read of the same byte
-   range, in bytes read from the disk (``/proc/self/io``) and in time.
+   range, in bytes read from the disk (``/proc/self/io``) and in time;
+5. what changed: a LoRA-style state (the large state as a frozen base, plus an
+   adapter of ``--adapter``, 5%, of the bytes that changes every step) saved with
+   ``frozen=["base.*"]`` and saved plain (the daemon recognises the unchanged
+   base), against the same state saved whole by a daemon with
+   ``reuse_unchanged = false``: bytes the daemon wrote (``/proc/PID/io``) per byte
+   of the state, and durable time against the whole save's.
 
 The producer is this process (its stall is what is measured); the daemons are
 real ``ckptd serve`` subprocesses (benchmarks/daemons.py), each with its own
@@ -254,12 +260,24 @@ def start(lab: Lab) -> None:
     args = lab.args
     staging = max(nbytes_of(s) for s in lab.states.values()) + 4096 * (args.small + args.tensors + 2)
     disk = lab.base / "disk"
-    keys = {"nice": 19} | dict(args.daemon_set)
+    fields = {f.name for f in dataclasses.fields(__import__("ckptd.config").config.DaemonConfig)}
+    reuse_ok = "reuse_unchanged" in fields
+    # parts 1-4 measure the write path: the same tensors every round must be written
+    # every round, not recognised as unchanged (part 5 measures that, on its own daemons)
+    keys = {"nice": 19} | ({"reuse_unchanged": False} if reuse_ok else {}) | dict(args.daemon_set)
     lab.daemons["disk"] = DaemonProcess(disk, None, name="chunk", keys=keys | {"format": "chunk"},
                                         tables={"retention": {"keep_last": 1}})
+    lab.daemons["lora_full"] = DaemonProcess(disk, None, name="lora-full", keys=keys | {"format": "chunk"},
+                                             tables={"retention": {"keep_last": 1}})
+    if reuse_ok:
+        lab.daemons["lora"] = DaemonProcess(disk, None, name="lora", keys=keys | {"reuse_unchanged": True},
+                                            tables={"retention": {"keep_last": 1}})
+    else:
+        lab.notes.append("part 5: this ckptd has no [daemon] reuse_unchanged nor save(frozen=): every byte "
+                         "is written at every step")
     lab.daemons["h5"] = DaemonProcess(disk, None, name="hdf5", keys=keys | {"format": "hdf5"},
                                       tables={"retention": {"keep_last": 1}})
-    threads_ok = "writer_threads" in {f.name for f in dataclasses.fields(__import__("ckptd.config").config.DaemonConfig)}
+    threads_ok = "writer_threads" in fields
     if args.ramdisk is not None:
         ram = Path(tempfile.mkdtemp(prefix="ckptd-limits-ram-", dir=args.ramdisk))
         lab.ram = ram
@@ -275,7 +293,8 @@ def start(lab: Lab) -> None:
     for d in lab.daemons.values():
         d.wait_ready()
     for key, d in lab.daemons.items():
-        lab.producers[key] = producer_for(d, staging)
+        # the LoRA-style state is the large one plus its adapter
+        lab.producers[key] = producer_for(d, int(staging * (1.1 + args.adapter)) if key.startswith("lora") else staging)
 
 
 def one_round(lab: Lab, record: bool) -> None:
@@ -345,6 +364,57 @@ def one_round(lab: Lab, record: bool) -> None:
             rec(f"{key}.x_raw", ram_write / durable)
     # -- part 4: resume ----------------------------------------------------------------
     measure_loads(lab, rec)
+    # -- part 5: a checkpoint costs what changed ------------------------------------------
+    measure_frozen(lab, rec)
+
+
+def lora_state(lab: Lab) -> dict[str, Any]:
+    """The large state as a frozen base, and an adapter of ``--adapter`` of the bytes
+    (default 5%) that changes at every step."""
+    base = lab.states["large"]
+    adapter_bytes = int(nbytes_of(base) * lab.args.adapter / (1 - lab.args.adapter))
+    n = 16
+    return {"base": base,
+            "lora": {f"l{i}": torch.rand(max(1, adapter_bytes // (4 * n))) for i in range(n)}}
+
+
+def daemon_written(d: DaemonProcess) -> int:
+    """Bytes the daemon process has sent to storage (``/proc/PID/io`` write_bytes)."""
+    for line in Path(f"/proc/{d.pid}/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    raise RuntimeError("no write_bytes in /proc/PID/io")
+
+
+def measure_frozen(lab: Lab, rec: Callable[[str, float | None], None]) -> None:
+    """A LoRA-style save: durable time and bytes written against the same state saved
+    whole (a daemon with reuse off, no ``frozen=``), in the same round."""
+    t = lab.args.timeout
+    state = lora_state(lab)
+    total = nbytes_of(state["base"]) + nbytes_of(state["lora"])
+    runs = [("full", lab.daemons["lora_full"], lab.producers["lora_full"], None)]
+    if "lora" in lab.daemons:
+        runs += [("frozen", lab.daemons["lora"], lab.producers["lora"], ["base.*"]),
+                 ("recognised", lab.daemons["lora"], lab.producers["lora"], None)]
+    for kind, d, p, frozen in runs:
+        os.sync()
+        before = daemon_written(d)
+        step = lab.next_step()
+        kwargs = {"frozen": frozen} if frozen else {}
+        t0 = time.perf_counter()
+        handle = p.save(state, step, **kwargs)
+        blocked = time.perf_counter() - t0
+        handle.wait(t)
+        durable = time.perf_counter() - t0
+        written = daemon_written(d) - before
+        rec(f"lora.{kind}.durable", durable)
+        rec(f"lora.{kind}.blocked", blocked)
+        rec(f"lora.{kind}.written_mb", written / 1e6)
+        rec(f"lora.{kind}.x_bytes", written / total)
+    rec("lora.total_mb", total / 1e6)
+    if "lora.full.durable" in lab.samples and "lora" in lab.daemons:
+        for kind in ("frozen", "recognised"):
+            rec(f"lora.{kind}.x_full", lab.samples[f"lora.{kind}.durable"][-1] / lab.samples["lora.full.durable"][-1])
 
 
 def measure_loads(lab: Lab, rec: Callable[[str, float | None], None]) -> None:
@@ -437,6 +507,14 @@ GOALS: list[tuple[str, str, str, float, str]] = [
     ("load(mmap=True)+read all cold, x raw", "load_mmap.cold.x_read", "load_mmap.cold read.cold", 0.95, ">="),
     ("load(names=[1]) cold, bytes / plain read", "select.x_bytes", "select.read_mb select.raw_mb", 1.05, "<="),
     ("load(names=[1]) cold, time / plain read", "select.x_time", "select.time select.raw_time", 1.05, "<="),
+    ("5% changes, frozen=: bytes written / state", "lora.frozen.x_bytes", "lora.frozen.written_mb lora.total_mb",
+     0.06, "<="),
+    ("5% changes, frozen=: durable / whole save", "lora.frozen.x_full", "lora.frozen.durable lora.full.durable",
+     0.10, "<="),
+    ("5% changes, recognised: bytes / state", "lora.recognised.x_bytes",
+     "lora.recognised.written_mb lora.total_mb", 0.06, "<="),
+    ("5% changes, recognised: durable / whole", "lora.recognised.x_full",
+     "lora.recognised.durable lora.full.durable", 0.10, "<="),
 ]
 
 
@@ -504,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--daemon-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another [daemon] key for every daemon (JSON value), repeatable")
     ap.add_argument("--block", default="64MiB", help="write size of the raw writes")
+    ap.add_argument("--adapter", type=float, default=0.05,
+                    help="part 5: the share of a LoRA-style state's bytes that changes per step (default 0.05)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--json", type=Path, default=None, help="write every sample and the table here")
     args = ap.parse_args(argv)

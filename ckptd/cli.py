@@ -181,7 +181,9 @@ def _status(args: argparse.Namespace) -> int:
           f"{s['commits_in_progress']} commit(s) in progress")
     lat = s["commit_seconds"]
     mean = f", {lat['sum'] / lat['count']:.2f} s on average" if lat["count"] else ""
-    print(f"commits:      {s['commits']} ({_size(s['bytes_written'])}){mean}")
+    reused = s.get("bytes_reused") or 0
+    shared = f"; {_size(reused)} unchanged, not written again" if reused else ""
+    print(f"commits:      {s['commits']} ({_size(s['bytes_written'])}{shared}){mean}")
     recent = s.get("recent_commits")
     if recent and recent["commits"]:
         print(f"throughput:   {rate(recent['bytes'], recent['seconds'])} over the last {recent['commits']} "

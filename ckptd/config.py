@@ -120,6 +120,9 @@ class DaemonConfig:
     write_rate: int = _opt(0, parse_size)  # bytes/s cap on data writes; 0 = none
     writer_threads: int = _opt(0, lambda v: _threads(v))  # chunk files written at once; 0 = a quarter of the cores, 1..4
     shared_runs: bool = _opt(False, lambda v: _bool(v))  # False: a run is written only by its creator
+    # a tensor unchanged since this rank's previous step (same name, dtype, shape, checksum)
+    # is not written again: the new step links the stored copy (ckptd.daemon.reuse)
+    reuse_unchanged: bool = _opt(True, lambda v: _bool(v))
     curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's NAME.key_secret file
     curve_clients: str = _opt("", lambda v: _path(v))  # tcp:// only: folder of admitted producers' NAME.key files
 

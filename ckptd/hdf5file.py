@@ -141,6 +141,17 @@ class H5Writer:
             raise _os_error(f"cannot create dataset {key!r} in {self.shown}", exc) from None
         return entry
 
+    def link_external(self, key: str, file: str) -> None:
+        """Make dataset ``key`` of ``file`` (an HDF5 file in the same folder, linked there
+        from an earlier step: daemon.reuse) visible in this one as an external link, so
+        that plain h5py, opening this file, sees every tensor of the share. HDF5 looks
+        for a relative target beside the file that links to it."""
+        try:
+            self._file.id.links.create_external(key.encode("utf-8"), file.encode("utf-8"),
+                                                ("/" + key).encode("utf-8"), lcpl=self._lcpl)
+        except _H5PY_ERRORS as exc:
+            raise _os_error(f"cannot link dataset {key!r} of {file} into {self.shown}", exc) from None
+
     def write(self, ds: Slot, buffers: Sequence[Any]) -> None:
         """Write the next bytes of ``ds`` (``buffers`` in order)."""
         n = sum(len(memoryview(b).cast("B")) for b in buffers)

@@ -37,6 +37,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # small tensors in one region of the shared arena: items are [name, dtype, shape,
     # nbytes, numpy, offset] (``batch_pieces``); shared memory only
     "tensors": {"seq": "int", "step": "int", "items": "batch"},
+    # tensors unchanged since step ``base`` (``save(frozen=...)``), sent without their
+    # bytes: items are [name, dtype, shape, numpy, shard or None] (``SAME_ITEM``)
+    "same": {"seq": "int", "step": "int", "base": "int", "items": "same"},
     "commit": {"seq": "int", "step": "int", "ntensors": "int", "state": "json",
                "metadata": "json", "replicas": "map?"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
@@ -77,6 +80,10 @@ def batch_pieces(header: dict[str, Any]) -> list[dict[str, Any]]:
             for name, dtype, shape, nbytes, numpy, offset in header["items"]]
 
 
+# one tensor of a ``same`` message, a list in this order
+SAME_ITEM = ("name", "dtype", "shape", "numpy", "shard")
+
+
 def _is_uint(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
 
@@ -89,6 +96,13 @@ def _is_batch(v: Any) -> bool:
     return isinstance(v, list) and all(
         isinstance(it, list) and len(it) == len(BATCH_ITEM) and isinstance(it[0], str) and isinstance(it[1], str)
         and _is_shape(it[2]) and _is_uint(it[3]) and isinstance(it[4], bool) and _is_uint(it[5])
+        for it in v)
+
+
+def _is_same(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(it, list) and len(it) == len(SAME_ITEM) and isinstance(it[0], str) and isinstance(it[1], str)
+        and _is_shape(it[2]) and isinstance(it[3], bool) and (it[4] is None or isinstance(it[4], dict))
         for it in v)
 
 
@@ -150,6 +164,7 @@ def _check_field(op: str, header: dict[str, Any], key: str, kind: str) -> None:
     ok = {
         "int": _is_uint,
         "batch": _is_batch,
+        "same": _is_same,
         "str": lambda v: isinstance(v, str),
         "bin": lambda v: isinstance(v, bytes),
         "bool": lambda v: isinstance(v, bool),

@@ -37,6 +37,11 @@ VALUES = {
     "batch": st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6), st.lists(st.integers(0, 2**63 - 1), max_size=4),
                                 st.integers(0, 2**63 - 1), st.booleans(), st.integers(0, 2**63 - 1)).map(list),
                       max_size=3),
+    # a ``same`` message's items: [name, dtype, shape, numpy, shard map or None]
+    "same": st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6), st.lists(st.integers(0, 2**63 - 1), max_size=4),
+                               st.booleans(), st.none() | st.dictionaries(st.text(max_size=3), st.integers(0, 9),
+                                                                          max_size=2)).map(list),
+                     max_size=3),
 }
 JUNK = st.one_of(
     st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=5),
@@ -63,6 +68,11 @@ def conforms(kind: str, v: object) -> bool:
         return type(v) is list and all(
             type(it) is list and len(it) == 6 and type(it[0]) is str and type(it[1]) is str
             and conforms("shape", it[2]) and conforms("int", it[3]) and type(it[4]) is bool and conforms("int", it[5])
+            for it in v)
+    if kind == "same":
+        return type(v) is list and all(
+            type(it) is list and len(it) == 5 and type(it[0]) is str and type(it[1]) is str
+            and conforms("shape", it[2]) and type(it[3]) is bool and (it[4] is None or type(it[4]) is dict)
             for it in v)
     raise AssertionError(f"the schema has a field kind {kind!r} this test does not know: teach it")
 

@@ -120,6 +120,30 @@ class OpenStep:
             partial.stream = self.writer.open_stream(self.share, partial.entry)
         return partial
 
+    def add_same(self, h: dict[str, Any]) -> None:
+        """Tensors of this step that the producer declared unchanged since step
+        ``base`` (``save(frozen=...)``): no bytes, only what they are; the writer refers
+        to that step's stored copies (daemon.reuse)."""
+        base = h["base"]
+        if base >= self.share.step:
+            raise StepError(f"frozen tensors of step {self.share.step} refer to step {base}, which is not earlier")
+        entries = []
+        for name, dtype_name, shape, numpy, shard in h["items"]:
+            try:
+                check_name(name)
+                dtype = dtypes.lookup(dtype_name)
+                parsed = None if shard is None else Shard.parse(shard, shape)
+            except (ValueError, TypeError) as exc:
+                raise StepError(f"frozen tensor {name!r}: {exc}") from None
+            if name in self.names:
+                raise StepError(f"tensor name {name!r} appears twice in step {self.share.step}")
+            self.names.add(name)
+            self.complete += 1
+            entries.append(Entry(name, dtype, shape, math.prod(shape) * dtype.itemsize, [], numpy=numpy,
+                                 shard=parsed))
+        if entries:
+            self.writer.link_same(self.share, base, entries)
+
     def _finish_tensor(self, partial: Partial) -> None:
         self.partial = None
         self.complete += 1

@@ -43,6 +43,7 @@ class Figures:
         self.started = time.time()
         self.commits = 0
         self.bytes_written = 0
+        self.bytes_reused = 0
         self.errors = dict.fromkeys(ERROR_KINDS, 0)
         self._buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one is +Inf
         self._latency_sum = 0.0
@@ -50,12 +51,16 @@ class Figures:
         self.last_commit: dict[str, Any] | None = None
         self._recent: deque[tuple[int, float]] = deque(maxlen=RECENT)  # (bytes, seconds) of the last commits
 
-    def committed(self, run: str, step: int, rank: int, nbytes: int, seconds: float) -> None:
+    def committed(self, run: str, step: int, rank: int, nbytes: int, seconds: float, reused: int = 0) -> None:
+        """A share committed: ``nbytes`` of tensor data written, ``reused`` referring to
+        an earlier step's stored copy (daemon.reuse)."""
         now = time.time()
-        last = {"run": run, "step": step, "rank": rank, "time": now, "bytes": nbytes, "seconds": seconds}
+        last = {"run": run, "step": step, "rank": rank, "time": now, "bytes": nbytes, "seconds": seconds,
+                "reused": reused}
         with self._lock:
             self.commits += 1
             self.bytes_written += nbytes
+            self.bytes_reused += reused
             self._buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
             self._latency_sum += seconds
             self._runs.pop(run, None)
@@ -80,6 +85,7 @@ class Figures:
                 "started": self.started,
                 "commits": self.commits,
                 "bytes_written": self.bytes_written,
+                "bytes_reused": self.bytes_reused,
                 "errors": dict(self.errors),
                 "latency": {"buckets": list(LATENCY_BUCKETS), "cumulative": cumulative,
                             "sum": self._latency_sum, "count": total},
@@ -106,6 +112,9 @@ class _Collector:
                                   value=snap["commits"])
         yield CounterMetricFamily("ckptd_bytes_written", "Tensor bytes of the checkpoints committed.",
                                   value=snap["bytes_written"])
+        yield CounterMetricFamily("ckptd_bytes_reused", "Tensor bytes of the checkpoints committed that were "
+                                  "not written again: they refer to an earlier step's stored copy.",
+                                  value=snap["bytes_reused"])
         lat = snap["latency"]
         buckets = [(_le(b), c) for b, c in zip(lat["buckets"], lat["cumulative"])]
         buckets.append(("+Inf", lat["count"]))

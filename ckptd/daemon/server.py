@@ -104,7 +104,8 @@ class Daemon:
         self.upkeep.start()
         self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
                              hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate,
-                             threads=writer_threads(self.cfg.writer_threads))
+                             threads=writer_threads(self.cfg.writer_threads),
+                             reuse_unchanged=self.cfg.reuse_unchanged)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
@@ -376,7 +377,7 @@ class Daemon:
                  "open_steps": sorted(k for k, st in s.steps.items() if st.share.error is None)}
                 for s in self.sessions.values()
             ],
-            "commits": snap["commits"], "bytes_written": snap["bytes_written"], "errors": snap["errors"],
+            "commits": snap["commits"], "bytes_written": snap["bytes_written"], "bytes_reused": snap["bytes_reused"], "errors": snap["errors"],
             "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
             "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
             "runs": snap["runs"],
@@ -486,6 +487,8 @@ class Daemon:
             elif op == "tensors":
                 assert sess is not None
                 self._on_tensors(sess, header)
+            elif op == "same":
+                self._on_same(sess, header)
             elif op == "commit":
                 self._on_commit(sess, header)
             elif op == "abort":
@@ -645,6 +648,16 @@ class Daemon:
             for st in sess.steps.values():
                 st.flush()
 
+    def _on_same(self, sess: Session, h: dict[str, Any]) -> None:
+        """Tensors declared unchanged since an earlier step (``save(frozen=...)``)."""
+        open_step = self._open_step(sess, h["step"], h["seq"])
+        if open_step.share.error is not None:
+            return
+        try:
+            open_step.add_same(h)
+        except StepError as exc:
+            self._fail_step(sess, open_step, str(exc), h["seq"])
+
     @staticmethod
     def _shared_piece(sess: Session, h: dict[str, Any]) -> memoryview:
         """The piece's bytes in the producer's arena, checked against the arena's bounds."""
@@ -781,10 +794,11 @@ class Daemon:
                 if r.kind == "committed":
                     assert r.info is not None
                     secs = max(time.monotonic() - share.started, 1e-9)
-                    log.info("committed run=%s step=%d rank=%d bytes=%d tensors=%d seconds=%.3f rate=%s",
-                             share.run, share.step, share.rank, nbytes, len(share.records), secs,
-                             units.rate(nbytes, secs))
-                    self.figures.committed(share.run, share.step, share.rank, nbytes, secs)
+                    nbytes -= share.recognised  # received, but stored already (daemon.reuse)
+                    log.info("committed run=%s step=%d rank=%d bytes=%d reused=%d tensors=%d seconds=%.3f "
+                             "rate=%s", share.run, share.step, share.rank, nbytes, share.reused,
+                             len(share.records), secs, units.rate(nbytes, secs))
+                    self.figures.committed(share.run, share.step, share.rank, nbytes, secs, share.reused)
                     self._send(identity, "committed", seq=seq, step=share.step, info=r.info.to_dict())
                 else:
                     self.figures.error("commit")

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import chunkfile, layout, manifestcache
+from . import reuse
 from ..chunkfile import Entry
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
@@ -70,6 +71,12 @@ class Share:
     attempt: str | None = None  # the job's attempt that writes it (ckptd.attempt)
     replicas: dict[str, int] = field(default_factory=dict)  # tensors of its state another rank wrote
     inflight: list[Future] = field(default_factory=list)  # its chunk files in the writer pool
+    base: Any = None  # the earlier share it refers to (reuse.Base), once looked for
+    base_sought: bool = False
+    reused: int = 0  # bytes of its tensors that refer to an earlier step's copy (reuse)
+    recognised: int = 0  # of which, bytes the daemon received and did not write
+    _names: threading.Lock = field(default_factory=threading.Lock)  # file names, records
+    _seeking: threading.Lock = field(default_factory=threading.Lock)  # the base, looked for once
 
     @property
     def dir(self) -> Path:
@@ -84,14 +91,22 @@ class Share:
         return str(self.dir / name)
 
     def close_dir(self) -> None:
+        self.close_base()
         if self.dir_fd >= 0:
             os.close(self.dir_fd)
             self.dir_fd = -1
 
-    def new_file(self) -> str:
-        name = layout.chunk_name(self.rank, self.next_file)
-        self.next_file += 1
-        return name
+    def new_file(self, *, h5: bool = False) -> str:
+        """A new data-file name of this share: a chunk file, or (``h5``) an HDF5 file
+        linked from an earlier step (reuse). The main thread names chunk files; the
+        I/O threads name linked files."""
+        with self._names:
+            seq, self.next_file = self.next_file, self.next_file + 1
+        return layout.h5_link_name(self.rank, seq) if h5 else layout.chunk_name(self.rank, seq)
+
+    def close_base(self) -> None:
+        if self.base is not None:
+            self.base.close()
 
 
 @dataclass
@@ -122,8 +137,9 @@ class Writer:
     def __init__(self, notify: Callable[[Result], None], *, fsync: bool = True,
                  after_commit: Callable[[Share, bool], None] = lambda share, complete: None,
                  hdf5: Hdf5Config = Hdf5Config(), direct_io: bool = True, write_rate: int = 0,
-                 threads: int = 1) -> None:
+                 threads: int = 1, reuse_unchanged: bool = True) -> None:
         self._notify = notify
+        self._reuse = reuse_unchanged  # recognise tensors unchanged since the base step (reuse)
         self._after_commit = after_commit  # (share, step now complete), on the syncer thread
         self._fsync = fsync
         self._hdf5 = hdf5
@@ -165,6 +181,11 @@ class Writer:
             self._h5jobs.put((self._do_h5_stream_piece, (stream, piece, last, held, seqs)))
         else:
             self._jobs.put((self._do_stream_piece, (stream, piece, last, held, seqs)))
+
+    def link_same(self, share: Share, base_step: int, items: list[Entry]) -> None:
+        """Tensors the producer declared unchanged since ``base_step`` (``frozen=``):
+        refer to that step's stored copies (reuse), on the thread that writes the share."""
+        (self._h5jobs if share.format == "hdf5" else self._jobs).put((self._do_same, (share, base_step, items)))
 
     def commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
         # via the share's writer queue, so it follows every write of this share
@@ -291,6 +312,14 @@ class Writer:
     def _write_chunk(self, share: Share, name: str, entries: list[Entry], *, listed: bool = False) -> int | None:
         """Write one chunk file; its descriptor, to fsync and close, or None (failed).
         ``listed``: the file is in ``share.files`` already (the pool's case)."""
+        digests: dict[str, str] = {}
+        try:
+            entries = self._recognise(share, entries, digests)
+        except OSError as exc:
+            self._fail(share, f"linking unchanged tensors into {share.dir}", exc)
+            return None
+        if not entries:  # every tensor of it is stored already
+            return None
         head = chunkfile.header(entries)
         records = {}
         out = None
@@ -304,7 +333,8 @@ class Writer:
             offset = len(head)
             for e in entries:
                 # hash each tensor just before writing it, while its bytes are in cache
-                records[e.name] = _record(e, name, e.name, offset, checksum(e.buffers))
+                digest = digests.get(e.name) or checksum(e.buffers)
+                records[e.name] = _record(e, name, e.name, offset, digest)
                 out.write(e.buffers)
                 offset += e.nbytes
             fd = out.finish()
@@ -315,6 +345,73 @@ class Writer:
             return None
         share.records.update(records)
         return fd
+
+    # -- reuse: tensors stored already, in the base step ---------------------------------
+    def _base(self, share: Share, at: int | None = None) -> Any:
+        """The share's base (reuse.Base): found once, on first need."""
+        with share._seeking:
+            if not share.base_sought:
+                share.base_sought = True
+                self._ensure_dir(share)
+                share.base = reuse.Base.find(share.root, share.run, share.rank, share.step, share.world_size,
+                                             share.format, at=at)
+            return share.base
+
+    def _recognise(self, share: Share, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
+        """Refer to the base's copy of each entry unchanged since it; return the others,
+        with the checksums computed on the way in ``digests``."""
+        if not self._reuse:
+            return entries
+        base = self._base(share)
+        if base is None:
+            return entries
+        left = []
+        for e in entries:
+            old = base.match(e)
+            if old is not None:
+                digest = digests[e.name] = checksum(e.buffers)
+                if digest == old.checksum:
+                    self._refer(share, base, e.name, old, received=True)
+                    continue
+            left.append(e)
+        return left
+
+    def _refer(self, share: Share, base: Any, name: str, old: TensorRecord, received: bool = False) -> None:
+        record = base.link(share, old)
+        if share.format == "hdf5":  # plain h5py sees it in r<rank>.h5 too, through an external link
+            self._h5_file(share).link_external(record.key, record.file)
+        with share._names:
+            share.records[name] = record
+            share.reused += record.nbytes
+            share.recognised += record.nbytes if received else 0
+
+    def _do_same(self, share: Share, base_step: int, items: list[Entry]) -> None:
+        if share.error is not None:
+            return
+        own = None  # a base of their own, where the share's (recognition's) is another step
+        try:
+            base = self._base(share, at=base_step)
+            if base is None or base.step != base_step:
+                base = own = reuse.Base.find(share.root, share.run, share.rank, share.step, share.world_size,
+                                             share.format, at=base_step)
+            if base is None:
+                raise _NotThere(f"step {base_step}, where the producer last committed them, holds no share "
+                                f"of rank {share.rank} in {share.format} format (deleted?)")
+            for e in items:
+                old = base.match(e)
+                if old is None:
+                    raise _NotThere(f"tensor {e.name!r} ({e.dtype.name}{e.shape}) is not in step {base_step} "
+                                    "as the same kind of tensor")
+                self._refer(share, base, e.name, old)
+        except _NotThere as exc:
+            share.error = (f"frozen tensors cannot refer to their stored copy: {exc}; the producer sends "
+                           "them again with its next save")
+            log.error("run=%s step=%d rank=%d failed: %s", share.run, share.step, share.rank, share.error)
+        except OSError as exc:
+            self._fail(share, f"linking frozen tensors into {share.dir}", exc)
+        finally:
+            if own is not None:
+                own.close()
 
     def _do_stream_open(self, stream: Stream) -> None:
         if stream.share.error is not None:
@@ -377,9 +474,11 @@ class Writer:
         try:
             if share.error is None:
                 h5 = self._h5_file(share)
-                for e in entries:
+                digests: dict[str, str] = {}
+                for e in self._recognise(share, entries, digests):
                     dataset = h5.add(e.name, e.dtype, e.shape)
-                    digest = checksum(e.buffers)  # just before writing: the bytes are in cache
+                    # just before writing: the bytes are in cache
+                    digest = digests.get(e.name) or checksum(e.buffers)
                     h5.write(dataset, e.buffers)
                     self._throttled(e.nbytes)
                     self._h5_record(share, e, dataset, digest)
@@ -554,6 +653,10 @@ class Writer:
             except OSError:
                 pass
         os.close(run_fd)
+
+
+class _NotThere(Exception):
+    """A tensor declared unchanged has no stored copy to refer to."""
 
 
 def _record(e: Entry, file: str, key: str, offset: int | None, digest: str) -> TensorRecord:

@@ -60,8 +60,8 @@ def checkpoint(step: int, metadata: dict[str, Any] | None = None) -> AbstractCon
 
 
 def save(state: Any, step: int, *, metadata: dict[str, Any] | None = None,
-         replicated: Any = None) -> CommitHandle:
-    return _get().save(state, step, metadata=metadata, replicated=replicated)
+         replicated: Any = None, frozen: Any = None) -> CommitHandle:
+    return _get().save(state, step, metadata=metadata, replicated=replicated, frozen=frozen)
 
 
 def flush(timeout: float | None = None) -> None:

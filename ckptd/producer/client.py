@@ -33,7 +33,7 @@ from ..manifest import CheckpointInfo, Shard, check_json
 from ..names import check_name, check_rank, check_run, check_step
 from ..sharding import hand_shard, is_dtensor
 from ..state import flatten
-from . import sharded, sizing
+from . import frozen as frozen_mod, sharded, sizing
 from .batch import Batcher
 from .staging import Arena, Region
 from .transport import Transport
@@ -86,6 +86,11 @@ class _Step:
     handle: CommitHandle | None = None  # set once commit() was called
     error: str | None = None  # the daemon failed it before commit()
     opened: bool = False  # a tensor of it went out alone: the daemon knows the step is open
+
+
+def _same_item(t: "_Tensor") -> tuple:
+    """What a ``same`` item says of a tensor (wire.SAME_ITEM, after the name)."""
+    return (t.dtype.name, list(t.shape), t.is_numpy, None if t.shard is None else t.shard.to_dict())
 
 
 @dataclass(slots=True, eq=False)
@@ -166,6 +171,7 @@ class Producer:
         self._batcher: Batcher | None = None  # small tensors' open batch (shared memory only)
         self._batches = False  # the daemon takes batches (its welcome says so)
         self._closed = False
+        self._frozen = frozen_mod.Frozen()  # save(frozen=...): what the daemon stores already
         self._blocked_before = 0.0  # blocked_seconds of arenas that grown ones replaced
         self._arena: Arena | None = None
         self._arena_error: BaseException | None = None
@@ -251,13 +257,19 @@ class Producer:
         return self._commit(step, metadata, None, state_json)
 
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None,
-             replicated: Any = None) -> CommitHandle:
+             replicated: Any = None, frozen: Any = None) -> CommitHandle:
         """Snapshot a nested state (``{"model": sd, "optim": osd, ...}``) as ``step`` and commit it.
 
         DTensors are stored as this rank's pieces. ``replicated``: True (every plain
         tensor is the same on every rank) or fnmatch globs of tensor names; each such
-        tensor, and each DTensor piece several ranks hold, is written by one rank."""
+        tensor, and each DTensor piece several ranks hold, is written by one rank.
+        ``frozen``: True or fnmatch globs of tensors that do not change between saves
+        (a frozen base model): once a step holding them is committed, later saves
+        neither copy nor send them, and the new step refers to the stored copy. A
+        torch tensor whose in-place version counter moved is copied again all the
+        same (``ckptd.producer.frozen``)."""
         check_step(step)
+        pattern = frozen_mod.globs(frozen)
         with _no_cyclic_gc():
             structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
@@ -274,6 +286,8 @@ class Producer:
                     for name, writer in planned.replicas.items():
                         self._claim(step, name, replica_of=writer)
                     self._claim(step, *items)
+                    if pattern is not None:
+                        self._send_same(step, items, pattern)
                     for name, item in items.items():
                         self._stage(step, name, item)
             except BaseException:
@@ -658,8 +672,24 @@ class Producer:
                    replicas=st.replicas or None)
         return handle
 
+    def _send_same(self, step: int, items: dict[str, _Tensor], pattern: Any) -> None:
+        """Describe the frozen tensors the daemon stores already (``same``) and take them
+        out of ``items``, which are staged after: before any tensor, so the message opens
+        the step and the daemon links them first (under _emit_lock)."""
+        base, same = self._frozen.split(step, items, pattern, _same_item)
+        if not same:
+            return
+        self._ensure_connected()
+        self._send_batch()
+        self._send("same", step=step, base=base, items=same)
+        with self._lock:
+            st = self._steps.get(step)
+            if st is not None:
+                st.opened = True
+
     def _finish(self, step: int, handle: CommitHandle, info: CheckpointInfo | None = None,
                 error: str | None = None) -> None:
+        self._frozen.done(step, error is None)
         with self._lock:
             st = self._steps.get(step)
             if st is not None and st.handle is handle:
@@ -754,6 +784,7 @@ class Producer:
         if not hasattr(self, "_arena_t"):
             self._set_views()
         old, self._transport = self._transport, None
+        self._frozen.forget()  # the daemon there may keep another root
         if self._batcher is not None:
             self._batcher.drop()  # its region went with the old connection
             self._batcher = None

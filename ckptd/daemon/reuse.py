@@ -1,0 +1,166 @@
+"""Tensors a step shares with an earlier one: a checkpoint costs what changed.
+
+A frozen base model under LoRA, frozen embeddings, buffers that never change:
+their bytes are the same at every step. The writer does not write them again.
+It finds the *base* of a share (the newest earlier step of the run in which this
+rank committed a share of the same world size and format), and where a tensor
+there has the same name, dtype, shape, placement and checksum, the new record
+refers to the stored bytes instead.
+
+The stored copy is reached through a **hard link**: the base's data file is
+linked into the new step folder under a new data-file name of this rank
+(``r<rank>-<seq>.safetensors``, or ``r<rank>-<seq>.h5`` beside the share's own
+HDF5 file), and the new record names that file with the base's offset, key and
+checksum. So every step folder holds every byte its manifests name, and
+nothing else changes: readers, ``verify``, ``export``, the uploader and
+``safetensors.safe_open`` see ordinary files; deleting the base step (retention,
+``ckptd delete``, an earlier attempt replaced) removes only its names, never data
+that a kept step refers to; a crash before the new manifest leaves a link that no
+manifest names, which start-up removes like any orphan, and the base untouched.
+Where the filesystem refuses hard links, the file is copied in the kernel
+(``copy_file_range``, a reflink on XFS and Btrfs) instead: correct, not cheaper.
+
+Two ways in:
+- the daemon **recognises** unchanged tensors of a chunk by checksum (``[daemon]
+  reuse_unchanged``); a tensor large enough to be streamed into a file of its own
+  is written as it arrives, before its checksum is known, so only ``frozen=``
+  saves its write;
+- the producer **declares** them (``save(..., frozen=[globs])``): it sends their
+  descriptions without their bytes, naming the step it last committed them in
+  (``same`` message), and the writer links them from there or fails the step.
+
+A checksum is 64 bits of xxh3: two different tensors of the same name, dtype and
+shape in consecutive steps collide with probability 2**-64.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .. import layout, manifestcache
+from ..chunkfile import Entry
+from ..errors import CheckpointCorrupt
+from ..manifest import Manifest, TensorRecord
+
+log = logging.getLogger("ckptd.writer")
+
+
+class Base:
+    """This rank's committed share of an earlier step, which a new share refers to."""
+
+    def __init__(self, step: int, path: Path, dir_fd: int, manifest: Manifest) -> None:
+        self.step = step
+        self.path = path
+        self.manifest = manifest
+        self._dir_fd = dir_fd
+        self._links: dict[str, str] = {}  # base file -> its name in the new step folder
+        self._lock = threading.Lock()  # pool threads link files of the same share
+
+    @classmethod
+    def find(cls, root: Path, run: str, rank: int, step: int, world_size: int, fmt: str,
+             at: int | None = None) -> "Base | None":
+        """The newest step before ``step`` (or exactly step ``at``) holding this rank's
+        committed share of the same world size and format; None if there is none."""
+        run_dir = root / run
+        if at is not None:
+            candidates = [at]
+        else:
+            try:
+                names = os.listdir(run_dir)
+            except OSError:
+                return None
+            candidates = sorted((s for n in names if (s := layout.parse_step_dir(n)) is not None and s < step),
+                                reverse=True)
+        for s in candidates:
+            path = layout.step_dir(root, run, s)
+            try:
+                fd = layout.open_step_dir(path)
+            except OSError:
+                continue
+            try:
+                manifest = manifestcache.read(layout.manifest_name(rank), fd, str(path / layout.manifest_name(rank)))
+            except (OSError, CheckpointCorrupt):  # no share of this rank there (or a damaged one)
+                os.close(fd)
+                continue
+            if manifest.world_size != world_size or manifest.format != fmt:
+                os.close(fd)
+                return None  # the job changed shape or format: nothing older is its base either
+            return cls(s, path, fd, manifest)
+        return None
+
+    def close(self) -> None:
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+    def record(self, name: str, dtype: str, shape: list[int], numpy: bool, shard: Any) -> TensorRecord | None:
+        """The base's record of tensor ``name`` if it is the same kind of tensor, else None."""
+        r = self.manifest.tensors.get(name)
+        if r is None or r.dtype != dtype or r.shape != shape or r.numpy != numpy:
+            return None
+        if (r.shard is None) != (shard is None) or (shard is not None and r.shard.to_dict() != shard.to_dict()):
+            return None
+        return r
+
+    def match(self, e: Entry) -> TensorRecord | None:
+        return self.record(e.name, e.dtype.name, e.shape, e.numpy, e.shard)
+
+    def link(self, share: Any, record: TensorRecord) -> TensorRecord:
+        """``record`` of the base, as a record of ``share``: its data file linked (once
+        per share) into the share's folder. Raises OSError naming what failed."""
+        with self._lock:
+            name = self._links.get(record.file)
+            if name is None:
+                name = share.new_file(h5=record.file.endswith(".h5"))
+                self._place(record.file, share, name)
+                share.files.append(name)
+                self._links[record.file] = name
+        return replace(record, file=name)
+
+    @property
+    def linked(self) -> bool:
+        return bool(self._links)
+
+    def _place(self, file: str, share: Any, name: str) -> None:
+        want = self.manifest.files.get(file)
+        try:
+            os.link(file, name, src_dir_fd=self._dir_fd, dst_dir_fd=share.dir_fd, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV, errno.ENOSYS):
+                raise OSError(exc.errno, f"linking {self.path / file} into {share.dir}: {exc.strerror}") from None
+            log.info("cannot hard-link %s (%s): copying it", self.path / file, exc.strerror)
+            self._copy(file, share, name)
+        st = os.stat(name, dir_fd=share.dir_fd, follow_symlinks=False)
+        why = None
+        if not stat.S_ISREG(st.st_mode):  # a symlink planted in the base: linked as itself, never followed
+            why = "is not a regular file"
+        elif want is not None and st.st_size != want:  # truncated since its commit: never refer to it
+            why = f"is {st.st_size} bytes, not the {want} its manifest records"
+        if why is not None:
+            os.unlink(name, dir_fd=share.dir_fd)
+            raise OSError(errno.EIO, f"{self.path / file} {why}")
+
+    def _copy(self, file: str, share: Any, name: str) -> None:
+        src = layout.open_regular(file, dir_fd=self._dir_fd)
+        try:
+            dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                          dir_fd=share.dir_fd)
+            try:
+                left = os.fstat(src).st_size
+                while left > 0:
+                    n = os.copy_file_range(src, dst, left)
+                    if n == 0:
+                        break
+                    left -= n
+                os.fsync(dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)

@@ -1,0 +1,103 @@
+"""``save(..., frozen=[globs])``: tensors the producer need not copy again.
+
+A frozen base model under LoRA, frozen embeddings: the user declares them, and
+from the second checkpoint on their bytes are neither copied into staging nor
+sent. The ``same`` message describes them, naming the step this producer last
+committed them in; the daemon links that step's stored copy into the new step
+(``ckptd.daemon.reuse``) or fails the step, and the next save sends them again.
+
+A declaration alone is trusted only as far as torch lets it be checked: a torch
+tensor whose storage address or in-place version counter (``tensor._version``,
+which every in-place op bumps, under ``no_grad`` too, and which ``detach()`` and
+``state_dict()`` share) moved since that step is copied again, so a tensor that
+was declared frozen by mistake still reaches the checkpoint as it is. Writes that
+bypass the counter (through ``.data``, a numpy view or DLPack) are not seen, nor
+are numpy arrays' writes: for those the declaration is the promise.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    item: tuple  # what the daemon checks against the stored record: dtype, shape, numpy, shard
+    at: tuple  # where and in which version the bytes were: (data_ptr, _version), or () for numpy
+
+
+def globs(frozen: Any) -> re.Pattern[str] | None:
+    """``frozen=`` as one compiled pattern (True: every tensor), or None for none.
+    A glob that is not a string is a TypeError naming it."""
+    if frozen is None or frozen is False:
+        return None
+    if frozen is True:
+        return re.compile(r".*", re.DOTALL)
+    if isinstance(frozen, str):
+        frozen = [frozen]
+    if not isinstance(frozen, Sequence) or not all(isinstance(g, str) for g in frozen):
+        raise TypeError(f"frozen must be True or a list of fnmatch globs of tensor names, not {frozen!r}")
+    return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in frozen)) if frozen else None
+
+
+def _where(source: Any) -> tuple:
+    version = getattr(source, "_version", None)
+    if version is None:  # a numpy array: nothing to check
+        return ()
+    return (source.data_ptr(), version)
+
+
+class Frozen:
+    """Which declared-frozen tensors the daemon already stores, and since which step.
+
+    ``split`` at each save; ``done`` when the daemon answers a commit. Only a step
+    the daemon acknowledged becomes a base: until then a save sends everything."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # done() comes from the sender thread
+        self._base: int | None = None
+        self._stored: dict[str, _Stored] = {}
+        self._pending: dict[int, dict[str, _Stored]] = {}
+
+    def split(self, step: int, items: dict[str, Any], pattern: re.Pattern[str] | None,
+              describe: Any) -> tuple[int | None, list[list[Any]]]:
+        """Take the tensors of ``items`` stored unchanged since the base out of it; return
+        the base step and their ``same`` items (``describe(item)`` -> dtype, shape, numpy,
+        shard). Those matching ``pattern`` are remembered for step ``step``."""
+        if pattern is None:
+            return None, []
+        with self._lock:
+            base, stored = self._base, self._stored
+        same: list[list[Any]] = []
+        pending = {}
+        for name, t in items.items():
+            if not pattern.fullmatch(name):
+                continue
+            now = _Stored(describe(t), _where(t.source))
+            pending[name] = now
+            if base is not None and stored.get(name) == now:
+                same.append([name, *now.item])
+        for entry in same:
+            del items[entry[0]]
+        with self._lock:
+            self._pending[step] = pending
+        return (base if same else None), same
+
+    def done(self, step: int, ok: bool) -> None:
+        """The daemon committed ``step`` (``ok``) or failed it."""
+        with self._lock:
+            pending = self._pending.pop(step, None)
+            if ok and pending is not None:
+                self._base, self._stored = step, pending
+            elif not ok or step > (self._base or -1):
+                # failed, or a newer step without them: the next save sends them all again
+                self._base, self._stored = None, {}
+
+    def forget(self) -> None:
+        """A new connection (another daemon, maybe another root): send everything again."""
+        with self._lock:
+            self._base, self._stored, self._pending = None, {}, {}

@@ -1,0 +1,282 @@
+"""A checkpoint costs what changed (issue 15, part 5): frozen and unchanged tensors
+are not written again; the new step hard-links the stored copy (ckptd.daemon.reuse).
+
+Real daemons, real files: what is checked is what a user sees (bit-exact loads,
+verify, export, safetensors and h5py reading the files) and what the disk holds
+(which files share an inode, what the daemon says it wrote)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd import CheckpointError, cli
+
+from test_metrics import scrape, status
+
+
+def lora_state(step: int, base: dict[str, torch.Tensor]) -> dict:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {"model": {**base, "lora.a": torch.randn(4096, generator=g), "lora.b": torch.randn(64, 64, generator=g)},
+            "optim": {"lr": 0.1 * step}, "step": step}
+
+
+def make_base(n: int = 6, numel: int = 2**18) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {f"base.layer{i}.weight": torch.randn(numel, generator=g) for i in range(n)}
+
+
+def record(root: Path, step: int, name: str, rank: int = 0) -> dict:
+    manifest = json.loads((root / "t" / f"step-{step:012d}" / f"manifest-r{rank:05d}.json").read_text())
+    return manifest["tensors"][name]
+
+
+def inode(root: Path, step: int, name: str, rank: int = 0) -> int:
+    return os.stat(root / "t" / f"step-{step:012d}" / record(root, step, name, rank)["file"]).st_ino
+
+
+def assert_loads(root: Path, step: int, expected: dict) -> None:
+    out = ckptd.load("t", step=step, root=root, verify=True)
+    for k, v in expected["model"].items():
+        assert torch.equal(out["model"][k], v), (step, k)
+    assert out["optim"] == expected["optim"] and out["step"] == expected["step"]
+
+
+def test_frozen_base_is_linked_not_copied_and_every_step_loads(make_daemon) -> None:
+    d = make_daemon(metrics="127.0.0.1:0")
+    base = make_base()
+    base_bytes = sum(t.nbytes for t in base.values())
+    states = {}
+    with d.producer() as p:
+        for step in (1, 2, 3):
+            states[step] = lora_state(step, base)
+            p.save(states[step], step, frozen=["model.base.*"]).wait(30)
+    for step in (1, 2, 3):
+        assert_loads(d.root, step, states[step])
+    for name in base:
+        # one copy on disk: the later steps' files are links to step 1's
+        assert inode(d.root, 1, f"model.{name}") == inode(d.root, 2, f"model.{name}") \
+            == inode(d.root, 3, f"model.{name}")
+    assert inode(d.root, 1, "model.lora.a") != inode(d.root, 2, "model.lora.a")
+    figures = status(d)
+    assert figures["bytes_reused"] == 2 * base_bytes
+    lora_bytes = 4096 * 4 + 64 * 64 * 4
+    assert figures["bytes_written"] == base_bytes + 3 * lora_bytes
+    assert scrape(figures["metrics"])[("ckptd_bytes_reused_total", ())] == 2 * base_bytes
+    # the step's info still counts every tensor it holds
+    assert ckptd.latest("t", root=d.root).nbytes == base_bytes + lora_bytes
+    _, problems = ckptd.reader.verify("t", root=d.root)
+    assert problems == []
+
+
+def test_frozen_tensors_are_not_even_sent(make_daemon) -> None:
+    """The producer sends descriptions, not bytes: the daemon receives only the adapter."""
+    d = make_daemon()
+    base = make_base(numel=2**20)  # 4 MiB each: streamed tensors, which recognition cannot skip
+    with d.producer() as p:
+        p.save(lora_state(1, base), 1, frozen=["model.base.*"]).wait(30)
+        before = status(d)["bytes_written"]
+        p.save(lora_state(2, base), 2, frozen=["model.base.*"]).wait(30)
+        after = status(d)
+    assert after["bytes_written"] - before == 4096 * 4 + 64 * 64 * 4
+    assert after["bytes_reused"] == sum(t.nbytes for t in base.values())
+    assert_loads(d.root, 2, lora_state(2, base))
+
+
+def test_unchanged_tensors_are_recognised_without_a_declaration(make_daemon) -> None:
+    d = make_daemon(chunk_size="64MiB")
+    base = make_base(n=4, numel=2**16)
+    with d.producer() as p:
+        for step in (1, 2):
+            p.save(lora_state(step, base), step).wait(30)
+    name = "model.base.layer0.weight"
+    assert inode(d.root, 1, name) == inode(d.root, 2, name)
+    # a changed tensor in the same chunk is written anew, bit-exact
+    assert_loads(d.root, 2, lora_state(2, base))
+    assert_loads(d.root, 1, lora_state(1, base))
+    assert record(d.root, 2, "model.lora.a")["file"] != record(d.root, 2, name)["file"]
+
+
+def test_reuse_unchanged_off_writes_everything(make_daemon) -> None:
+    d = make_daemon(chunk_size="64MiB", reuse_unchanged=False)
+    base = make_base(n=2, numel=2**16)
+    with d.producer() as p:
+        for step in (1, 2):
+            p.save(lora_state(step, base), step).wait(30)
+    assert inode(d.root, 1, "model.base.layer0.weight") != inode(d.root, 2, "model.base.layer0.weight")
+    assert status(d)["bytes_reused"] == 0
+
+
+def test_a_frozen_tensor_changed_in_place_still_reaches_the_checkpoint(daemon) -> None:
+    """frozen= is trusted only as far as torch's version counter allows."""
+    base = make_base(n=2, numel=2**16)
+    with daemon.producer() as p:
+        p.save(lora_state(1, base), 1, frozen=["model.base.*"]).wait(30)
+        with torch.no_grad():
+            base["base.layer1.weight"].mul_(2)  # declared frozen by mistake: an optimizer step
+        s2 = lora_state(2, base)
+        p.save(s2, 2, frozen=["model.base.*"]).wait(30)
+        # a state_dict()-style detached view shares the counter, and is seen unchanged
+        s3 = lora_state(3, {k: v.detach() for k, v in base.items()})
+        p.save(s3, 3, frozen=["model.base.*"]).wait(30)
+    assert_loads(daemon.root, 2, s2)
+    assert_loads(daemon.root, 3, s3)
+    assert inode(daemon.root, 1, "model.base.layer1.weight") != inode(daemon.root, 2, "model.base.layer1.weight")
+    assert inode(daemon.root, 1, "model.base.layer0.weight") == inode(daemon.root, 2, "model.base.layer0.weight")
+    assert inode(daemon.root, 2, "model.base.layer1.weight") == inode(daemon.root, 3, "model.base.layer1.weight")
+
+
+def test_retention_deletes_the_base_and_keeps_what_newer_steps_use(make_daemon) -> None:
+    d = make_daemon()
+    base = make_base()
+    with d.producer(retention={"keep_last": 1}) as p:
+        for step in range(1, 6):
+            p.save(lora_state(step, base), step, frozen=["model.base.*"]).wait(30)
+    steps = [i.step for i in ckptd.list_checkpoints("t", root=d.root)]
+    assert steps == [5]
+    assert not (d.root / "t" / "step-000000000001").exists()  # the step whose files held the base
+    assert_loads(d.root, 5, lora_state(5, base))
+    _, problems = ckptd.reader.verify("t", root=d.root)
+    assert problems == []
+    st = os.stat(d.root / "t" / "step-000000000005" / record(d.root, 5, "model.base.layer0.weight")["file"])
+    assert st.st_nlink == 1  # the last name of the data; nothing else keeps it
+
+
+def test_a_base_step_gone_fails_that_save_clearly_and_the_next_one_sends_again(daemon) -> None:
+    base = make_base(n=2, numel=2**16)
+    with daemon.producer() as p:
+        p.save(lora_state(1, base), 1, frozen=["model.base.*"]).wait(30)
+        shutil.rmtree(daemon.root / "t" / "step-000000000001")  # a user removes it by hand
+        with pytest.raises(CheckpointError, match=r"frozen tensors cannot refer to their stored copy.*step 1"):
+            p.save(lora_state(2, base), 2, frozen=["model.base.*"]).wait(30)
+        p.save(lora_state(3, base), 3, frozen=["model.base.*"]).wait(30)  # sent whole again
+        p.save(lora_state(4, base), 4, frozen=["model.base.*"]).wait(30)  # and linked from 3
+    assert [i.step for i in ckptd.list_checkpoints("t", root=daemon.root)] == [3, 4]
+    assert_loads(daemon.root, 4, lora_state(4, base))
+    assert inode(daemon.root, 3, "model.base.layer0.weight") == inode(daemon.root, 4, "model.base.layer0.weight")
+
+
+def test_linked_chunk_files_stay_plain_safetensors_and_export(daemon, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    base = make_base(n=2, numel=2**16)
+    with daemon.producer() as p:
+        for step in (1, 2):
+            p.save(lora_state(step, base), step, frozen=["model.base.*"]).wait(30)
+    rec = record(daemon.root, 2, "model.base.layer1.weight")
+    with safe_open(str(daemon.root / "t" / "step-000000000002" / rec["file"]), "pt") as f:
+        assert torch.equal(f.get_tensor("model.base.layer1.weight"), base["base.layer1.weight"])
+    out = tmp_path / "x.safetensors"
+    assert cli.main(["export", "t", "2", "-o", str(out), "--root", str(daemon.root)]) == 0
+    from safetensors.torch import load_file
+
+    exported = load_file(str(out))
+    assert torch.equal(exported["model.base.layer0.weight"], base["base.layer0.weight"])
+    assert torch.equal(exported["model.lora.a"], lora_state(2, base)["model"]["lora.a"])
+
+
+def test_hdf5_steps_link_the_earlier_file_and_plain_h5py_sees_every_tensor(make_daemon) -> None:
+    import h5py
+
+    d = make_daemon(format="hdf5", chunk_size="64MiB")
+    base = make_base(n=3, numel=2**16)
+    with d.producer() as p:
+        p.save(lora_state(1, base), 1, frozen=["model.base.layer0.*"]).wait(30)
+        p.save(lora_state(2, base), 2, frozen=["model.base.layer0.*"]).wait(30)  # 1 and 2 unchanged: recognised
+    assert_loads(d.root, 2, lora_state(2, base))
+    step2 = d.root / "t" / "step-000000000002"
+    rec = record(d.root, 2, "model.base.layer2.weight")
+    assert rec["file"] != "r00000.h5" and rec["file"].endswith(".h5")
+    assert inode(d.root, 1, "model.base.layer2.weight") == inode(d.root, 2, "model.base.layer2.weight")
+    with h5py.File(step2 / "r00000.h5", "r") as f:  # one file shows the whole share, as before
+        for name, t in base.items():
+            ds = f[f"model.{name}"]
+            assert torch.equal(torch.from_numpy(ds[...]), t)
+        assert torch.equal(torch.from_numpy(f["model.lora.a"][...]), lora_state(2, base)["model"]["lora.a"])
+    _, problems = ckptd.reader.verify("t", root=d.root)
+    assert problems == []
+
+
+def test_sharded_ranks_each_link_their_own_share(daemon) -> None:
+    base = make_base(n=2, numel=2**16)
+    producers = [daemon.producer(rank=r, world_size=2) for r in (0, 1)]
+    try:
+        for step in (1, 2):
+            handles = [p.save(lora_state(step, base), step, frozen=["model.base.*"], replicated=True)
+                       for p in producers]
+            for h in handles:
+                h.wait(30)
+    finally:
+        for p in producers:
+            p.close()
+    for rank in (0, 1):
+        out = ckptd.load("t", step=2, root=daemon.root, rank=rank, verify=True)
+        for k, v in base.items():
+            assert torch.equal(out["model"][k], v)
+    writers = {}
+    for rank in (0, 1):
+        m = json.loads((daemon.root / "t" / "step-000000000002" / f"manifest-r{rank:05d}.json").read_text())
+        for name in m["tensors"]:
+            writers[name] = rank
+    for name in base:
+        r = writers[f"model.{name}"]
+        assert inode(daemon.root, 1, f"model.{name}", r) == inode(daemon.root, 2, f"model.{name}", r)
+
+
+KILLER = textwrap.dedent("""
+    import sys, torch
+    from ckptd import Producer, CheckpointError
+    endpoint, first = sys.argv[1], int(sys.argv[2])
+    g = torch.Generator().manual_seed(7)
+    base = {f"base.{i}": torch.randn(2**18, generator=g) for i in range(8)}
+    p = Producer(endpoint, "t", staging_size="64MiB", timeout=2, heartbeat=0.2, retention={"keep_last": 1})
+    for step in range(first, first + 1000):
+        state = {"base": base, "lora": torch.full((1000,), float(step))}
+        try:
+            p.save(state, step, frozen=["base.*"]).wait(10)
+        except CheckpointError:
+            break
+        print(step, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_kill_9_during_linked_writes_and_retention_leaves_every_listed_step_loadable(make_daemon,
+                                                                                     tmp_path: Path) -> None:
+    """keep_last=1 prunes the base of each step right after the next one commits:
+    kill -9 at random instants of that, again and again."""
+    d = make_daemon()
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    g = torch.Generator().manual_seed(7)
+    base = {f"base.{i}": torch.randn(2**18, generator=g) for i in range(8)}
+    rng = random.Random(15)
+    first = 1
+    for _ in range(6):
+        child = subprocess.Popen([sys.executable, str(script), d.endpoint, str(first)], stdout=subprocess.PIPE,
+                                 text=True)
+        assert child.stdout is not None
+        assert child.stdout.readline()  # one step committed in this round
+        time.sleep(rng.uniform(0.0, 0.6))
+        d.kill()
+        child.wait(30)
+        d.start()  # start-up removes what the crash left
+        infos = ckptd.list_checkpoints("t", root=d.root)
+        assert infos, "the newest complete step is never deleted"
+        for info in infos:
+            out = ckptd.load("t", step=info.step, root=d.root, verify=True)
+            assert all(torch.equal(out["base"][k], v) for k, v in base.items())
+            assert torch.equal(out["lora"], torch.full((1000,), float(info.step)))
+        first = infos[-1].step + 1
+    assert first > 6
