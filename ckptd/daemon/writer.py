@@ -4,8 +4,12 @@
         ^       \\-jobs--> ckptd-hdf5 (HDF5 files) --fds, commits--/      |
         +------- results (bytes freed, failures, commits) --------------+
 
-The writers checksum and write (to the page cache); the syncer fsyncs and, last,
-writes the manifest. The queues are FIFO, so a commit runs only after every write
+The writers write (O_DIRECT, or to the page cache); the syncer fsyncs and, last,
+writes the manifest. A chunk of small tensors is checksummed as soon as the main
+loop hands it over, on ``ckptd-hash``, so that its checksums are computed while
+the writer writes the chunk before it (and are known before the chunk is written,
+which recognising unchanged tensors needs: ckptd.daemon.reuse); a streamed tensor
+is checksummed piece by piece as it is written. The queues are FIFO, so a commit runs only after every write
 of its step has been fsynced, and writing chunk k+1 overlaps the fsync of chunk k.
 With ``[daemon] writer_threads`` > 1, ckptd-writer hands each whole chunk file to a
 pool (``ckptd-writer-N``) that checksums, writes and fsyncs it, and queues the
@@ -146,6 +150,7 @@ class Writer:
         self._direct = direct_io
         self._bounces = threading.local()  # each writing thread's bounce buffer, for O_DIRECT writes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-writer") if threads > 1 else None
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckptd-hash")
         self._throttle = Throttle(write_rate) if write_rate else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._h5jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -162,10 +167,13 @@ class Writer:
     def write_chunk(self, share: Share, entries: list[Entry], held: int, seqs: list[int]) -> None:
         """Write ``entries``; ``held`` bytes of them are the daemon's own memory, ``seqs``
         name the shared-memory pieces among them. Both are reported freed after."""
+        # Checksummed ahead, on ckptd-hash, while the writer writes the chunk before it:
+        # the checksum of one chunk overlaps the write of another (both release the GIL).
+        ahead = self._hasher.submit(_checksums, list(entries)) if share.error is None else None
         if share.format == "hdf5":
-            self._h5jobs.put((self._do_h5_batch, (share, entries, held, seqs)))
+            self._h5jobs.put((self._do_h5_batch, (share, entries, held, seqs, ahead)))
         else:
-            self._jobs.put((self._do_chunk, (share, share.new_file(), entries, held, seqs)))
+            self._jobs.put((self._do_chunk, (share, share.new_file(), entries, held, seqs, ahead)))
 
     def open_stream(self, share: Share, entry: Entry) -> Stream:
         if share.format == "hdf5":
@@ -217,6 +225,7 @@ class Writer:
             thread.join()
         if self._pool is not None:
             self._pool.shutdown()  # idle by now: the syncer has awaited every job
+        self._hasher.shutdown()
 
     # -- the threads ---------------------------------------------------------------
     def _loop(self, jobs: queue.SimpleQueue) -> None:
@@ -264,7 +273,8 @@ class Writer:
             bounce = self._bounces.buffer = Bounce()
         return bounce
 
-    def _do_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int]) -> None:
+    def _do_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int],
+                  ahead: Future | None = None) -> None:
         if self._pool is not None and share.error is None:
             try:
                 self._ensure_dir(share)  # here, once: the pool's threads only make files in it
@@ -272,27 +282,30 @@ class Writer:
             except OSError as exc:
                 self._fail(share, f"writing {share.dir / name}", exc)
             else:
-                future = self._pool.submit(self._pooled_chunk, share, name, entries, held, seqs)
+                future = self._pool.submit(self._pooled_chunk, share, name, entries, held, seqs, ahead)
                 share.inflight.append(future)
                 self._syncs.put((self._await, (share, future)))
                 return
         try:
             if share.error is None:
-                fd = self._write_chunk(share, name, entries)
+                fd = self._write_chunk(share, name, entries, ahead=ahead)
                 if fd is not None:
                     self._syncs.put((self._do_sync, (share, name, fd)))
         finally:
+            _settled(ahead)  # ckptd-hash is done with the buffers too
             entries.clear()  # drop the received buffers before reporting them freed
             self._report_freed(share, held, seqs)
 
-    def _pooled_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int]) -> None:
+    def _pooled_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int],
+                      ahead: Future | None) -> None:
         """On a pool thread: the whole chunk file, fsync included (after its buffers are
         reported free: the producer may reuse them while the disk syncs)."""
         fd = None
         try:
             if share.error is None:
-                fd = self._write_chunk(share, name, entries, listed=True)
+                fd = self._write_chunk(share, name, entries, listed=True, ahead=ahead)
         finally:
+            _settled(ahead)
             entries.clear()
             self._report_freed(share, held, seqs)
         if fd is not None:
@@ -309,10 +322,12 @@ class Writer:
         finally:
             share.inflight.remove(future)
 
-    def _write_chunk(self, share: Share, name: str, entries: list[Entry], *, listed: bool = False) -> int | None:
+    def _write_chunk(self, share: Share, name: str, entries: list[Entry], *, listed: bool = False,
+                     ahead: Future | None = None) -> int | None:
         """Write one chunk file; its descriptor, to fsync and close, or None (failed).
-        ``listed``: the file is in ``share.files`` already (the pool's case)."""
-        digests: dict[str, str] = {}
+        ``listed``: the file is in ``share.files`` already (the pool's case); ``ahead``:
+        the entries' checksums, being computed on ckptd-hash."""
+        digests: dict[str, str] = dict(ahead.result()) if ahead is not None else {}
         try:
             entries = self._recognise(share, entries, digests)
         except OSError as exc:
@@ -332,7 +347,6 @@ class Writer:
             out.write([head])
             offset = len(head)
             for e in entries:
-                # hash each tensor just before writing it, while its bytes are in cache
                 digest = digests.get(e.name) or checksum(e.buffers)
                 records[e.name] = _record(e, name, e.name, offset, digest)
                 out.write(e.buffers)
@@ -369,7 +383,8 @@ class Writer:
         for e in entries:
             old = base.match(e)
             if old is not None:
-                digest = digests[e.name] = checksum(e.buffers)
+                digest = digests.get(e.name) or checksum(e.buffers)
+                digests[e.name] = digest
                 if digest == old.checksum:
                     self._refer(share, base, e.name, old, received=True)
                     continue
@@ -470,14 +485,14 @@ class Writer:
     def _h5_record(self, share: Share, e: Entry, dataset: Any, digest: str) -> None:
         share.records[e.name] = _record(e, layout.h5_name(share.rank), dataset.key, dataset.offset, digest)
 
-    def _do_h5_batch(self, share: Share, entries: list[Entry], held: int, seqs: list[int]) -> None:
+    def _do_h5_batch(self, share: Share, entries: list[Entry], held: int, seqs: list[int],
+                     ahead: Future | None = None) -> None:
         try:
             if share.error is None:
                 h5 = self._h5_file(share)
-                digests: dict[str, str] = {}
+                digests: dict[str, str] = dict(ahead.result()) if ahead is not None else {}
                 for e in self._recognise(share, entries, digests):
                     dataset = h5.add(e.name, e.dtype, e.shape)
-                    # just before writing: the bytes are in cache
                     digest = digests.get(e.name) or checksum(e.buffers)
                     h5.write(dataset, e.buffers)
                     self._throttled(e.nbytes)
@@ -485,6 +500,7 @@ class Writer:
         except OSError as exc:
             self._fail(share, f"writing {share.dir / layout.h5_name(share.rank)}", exc)
         finally:
+            _settled(ahead)
             entries.clear()  # drop the received buffers before reporting them freed
             self._report_freed(share, held, seqs)
 
@@ -653,6 +669,17 @@ class Writer:
             except OSError:
                 pass
         os.close(run_fd)
+
+
+def _checksums(entries: list[Entry]) -> dict[str, str]:
+    """On ckptd-hash: each entry's checksum."""
+    return {e.name: checksum(e.buffers) for e in entries}
+
+
+def _settled(ahead: Future | None) -> None:
+    """Wait until ``ahead`` has finished with the buffers it reads (its outcome aside)."""
+    if ahead is not None:
+        ahead.exception()
 
 
 class _NotThere(Exception):
