@@ -206,8 +206,9 @@ def _status(args: argparse.Namespace) -> int:
     r = s.get("remote")
     if r:
         speed = f", {rate(r['bytes_uploaded'], r['upload_seconds'])}" if r["upload_seconds"] else ""
+        copied = f", {_size(r['bytes_copied'])} copied in the bucket" if r.get("bytes_copied") else ""
         print(f"remote:       {r['url']}: {r['shares_uploaded']} share(s) uploaded ({_size(r['bytes_uploaded'])}"
-              f"{speed}); {r['pending_shares']} pending ({_size(r['pending_bytes'])}), lag "
+              f"{speed}{copied}); {r['pending_shares']} pending ({_size(r['pending_bytes'])}), lag "
               f"{_duration(r['lag_seconds'])}; {r['failures']} failure(s)"
               + (f"; last error: {r['last_error']}" if r["failures"] and r["last_error"] else ""))
     print(f"metrics:      {s['metrics'] or 'off'}")

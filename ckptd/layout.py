@@ -18,9 +18,11 @@ from pathlib import Path
 STEP_DIR = re.compile(r"step-(\d{12})")
 MANIFEST = re.compile(r"manifest-r(\d{5})\.json")
 CHUNK = re.compile(r"r(\d{5})-(\d{6})\.safetensors")
-# format = "hdf5": one file per rank and step, r<rank>.h5; r<rank>-<seq>.h5 are earlier
-# steps' HDF5 files linked into this one for the tensors it shares with them (daemon.reuse)
-H5 = re.compile(r"r(\d{5})(?:-\d{6})?\.h5")
+# format = "hdf5": one file per rank and step, r<rank>.h5; r<rank>-<step>.h5 is the
+# r<rank>.h5 written at that earlier step, linked into this folder for the tensors this
+# step shares with it (daemon.reuse): one name for one file in every folder, so that the
+# external links an r<rank>.h5 holds to it resolve the same wherever it is linked
+H5 = re.compile(r"r(\d{5})(?:-\d{12})?\.h5")
 WRITING = re.compile(r"r(\d{5})\.writing")  # "this host is writing rank N here"
 
 
@@ -40,9 +42,9 @@ def h5_name(rank: int) -> str:
     return f"r{rank:05d}.h5"
 
 
-def h5_link_name(rank: int, seq: int) -> str:
-    """An earlier step's HDF5 file, linked into this step folder (daemon.reuse)."""
-    return f"r{rank:05d}-{seq:06d}.h5"
+def h5_link_name(rank: int, step: int) -> str:
+    """The r<rank>.h5 written at ``step``, linked into a later step folder (daemon.reuse)."""
+    return f"r{rank:05d}-{step:012d}.h5"
 
 
 def is_data_file(name: str) -> bool:

@@ -321,7 +321,7 @@ class _Parser:
         # Only the names ckptd writes: no "..", no "/", no absolute path, this rank's own
         if not isinstance(file, str) or not layout.is_data_file(file):
             raise self.fail(f"{what}file {_short(file)} is not a ckptd data file name "
-                            "(r<rank>-<seq>.safetensors, r<rank>.h5 or r<rank>-<seq>.h5, inside the step folder)")
+                            "(r<rank>-<seq>.safetensors, r<rank>.h5 or r<rank>-<step>.h5, inside the step folder)")
         if layout.file_rank(file) != rank:
             raise self.fail(f"{what}file {file!r} belongs to another rank than this manifest's ({rank})")
         if (fmt == "hdf5") != bool(layout.H5.fullmatch(file)):

@@ -28,7 +28,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from . import dtypes, index, layout, state as state_mod
+from . import devicecopy, dtypes, index, layout, state as state_mod
 from .config import default_root
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
@@ -226,7 +226,15 @@ def load(
         tensors = fetch.read_tensors(store, manifest, wanted_records)  # checksums always checked
     else:
         into = destinations(out, records, manifest.step) if out is not None else None
-        tensors = read_tensors(path, wanted_records, verify=verify, into=into, mapped=mmap)
+        if into is None and devicecopy.is_cuda(map_location):
+            # onto the GPU as each tensor is read, through pinned buffers (ckptd.devicecopy)
+            copier = devicecopy.DeviceCopier(map_location)
+            tensors = read_tensors(path, wanted_records, verify=verify,  # numpy arrays stay on the host
+                                   convert=lambda n, t: t if records[n].numpy else copier.to_device(t))
+            copier.finish()
+            map_location = None
+        else:
+            tensors = read_tensors(path, wanted_records, verify=verify, into=into, mapped=mmap)
     if map_location not in (None, "cpu"):
         tensors = {n: t.to(map_location) for n, t in tensors.items()}
     values = {  # (an out= numpy array is one already)
@@ -305,18 +313,20 @@ def _unflatten(path: Path, manifest: Manifest, values: dict[str, Any]) -> Any:
 
 def read_tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
                  into: dict[str, Any] | None = None, mapped: bool = False,
-                 progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                 progress: Callable[[int], None] | None = None,
+                 convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
     """Read ``records`` (of one rank's manifest) from the step folder; the first problem
     is raised as CheckpointCorrupt naming the file and the tensor. ``into``: tensors
     (flat, by name) to read into instead of fresh memory (``destinations``);
     ``mapped``: map the files instead of reading them (``load(mmap=True)``).
-    ``progress`` is called with each tensor's bytes once it is read."""
+    ``progress`` is called with each tensor's bytes once it is read; ``convert``
+    (``devicecopy``) turns each tensor as it is read, before the next is kept."""
     out: dict[str, Any] = {}
     with closing(_tensors(step_path, records, verify=verify, into=into, mapped=mapped)) as it:
         for name, tensor, error in it:
             if error is not None:
                 raise error
-            out[name] = tensor
+            out[name] = tensor if convert is None else convert(name, tensor)
             if progress is not None:
                 progress(records[name].nbytes)
     return out

@@ -293,3 +293,22 @@ def test_a_replaced_manifest_is_read_again_not_from_the_cache(tmp_path: Path) ->
             assert manifestcache.read(path.name, dir_fd, str(path)) is manifestcache.read(path.name, dir_fd, str(path))
     finally:
         os.close(dir_fd)
+
+
+def test_load_to_cuda_goes_through_pinned_buffers_or_says_there_is_no_device(daemon, monkeypatch) -> None:
+    """Here (no GPU) the clear error; on a machine with one, the path itself, small
+    buffers so that a tensor crosses several of them (benchmarks/cuda_check.py measures it)."""
+    from ckptd import devicecopy
+
+    state = {"w": torch.randn(3000), "b": torch.tensor([True, False]), "z": torch.zeros(0), "c": torch.randn(5, dtype=torch.complex64)}
+    with daemon.producer() as p:
+        p.save(state, 1).wait(30)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"map_location='cuda'.*torch.cuda.is_available\(\) is False"):
+            ckptd.load("t", root=daemon.root, map_location="cuda")
+        assert torch.equal(ckptd.load("t", root=daemon.root, map_location="cpu")["w"], state["w"])
+        return
+    monkeypatch.setattr(devicecopy, "SLOT", 4096)
+    out = ckptd.load("t", root=daemon.root, map_location="cuda", verify=True)
+    for k, v in state.items():
+        assert out[k].device.type == "cuda" and torch.equal(out[k].cpu(), v)

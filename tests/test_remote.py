@@ -141,3 +141,30 @@ def test_load_into_on_an_empty_disk_fetches_only_the_shares_it_reads(s3, make_da
     assert torch.equal(b, own[1][1])
     assert sorted(p.name for p in (other / "sh" / "step-000000000003").iterdir()
                   if p.name.startswith("manifest")) == ["manifest-r00001.json"]
+
+
+def test_a_frozen_base_is_copied_inside_the_bucket_not_uploaded_again(s3, make_daemon, monkeypatch,
+                                                                      tmp_path) -> None:
+    """Steps that hard-link the base's files (daemon.reuse) upload only what changed;
+    the bucket still holds each step whole, which an empty disk loads bit-exact."""
+    d = _remote_daemon(make_daemon, monkeypatch, URL + "-frozen", chunk_size="1MiB")
+    g = torch.Generator().manual_seed(3)
+    base = {f"layer{i}": torch.randn(2**18, generator=g) for i in range(4)}  # 4 MiB
+    states = {}
+    with d.producer("f") as p:
+        for step in (1, 2, 3):
+            states[step] = {"base": base, "lora": torch.full((256,), float(step)), "step": step}
+            p.save(states[step], step, frozen=["base.*"]).wait(30)
+            p.wait_complete(step, timeout=60)
+    remote = json.loads(subprocess.run([sys.executable, "-m", "ckptd", "status", "-c", str(d.config), "--json"],
+                                       capture_output=True, text=True, timeout=60).stdout)["remote"]
+    base_bytes = sum(t.nbytes for t in base.values())
+    assert remote["shares_uploaded"] == 3 and remote["failures"] == 0
+    assert remote["bytes_copied"] >= 2 * base_bytes  # steps 2 and 3: copied in the bucket
+    assert remote["bytes_uploaded"] < 1.5 * base_bytes  # the base once, then the adapters
+    empty = tmp_path / "fresh-node"
+    empty.mkdir()
+    for step in (1, 2, 3):
+        out = ckptd.load("f", step, root=empty, remote=URL + "-frozen", verify=True)
+        assert all(torch.equal(out["base"][k], v) for k, v in base.items())
+        assert torch.equal(out["lora"], states[step]["lora"]) and out["step"] == step

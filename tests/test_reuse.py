@@ -192,18 +192,19 @@ def test_hdf5_steps_link_the_earlier_file_and_plain_h5py_sees_every_tensor(make_
     d = make_daemon(format="hdf5", chunk_size="64MiB")
     base = make_base(n=3, numel=2**16)
     with d.producer() as p:
-        p.save(lora_state(1, base), 1, frozen=["model.base.layer0.*"]).wait(30)
-        p.save(lora_state(2, base), 2, frozen=["model.base.layer0.*"]).wait(30)  # 1 and 2 unchanged: recognised
-    assert_loads(d.root, 2, lora_state(2, base))
-    step2 = d.root / "t" / "step-000000000002"
-    rec = record(d.root, 2, "model.base.layer2.weight")
-    assert rec["file"] != "r00000.h5" and rec["file"].endswith(".h5")
-    assert inode(d.root, 1, "model.base.layer2.weight") == inode(d.root, 2, "model.base.layer2.weight")
-    with h5py.File(step2 / "r00000.h5", "r") as f:  # one file shows the whole share, as before
-        for name, t in base.items():
-            ds = f[f"model.{name}"]
-            assert torch.equal(torch.from_numpy(ds[...]), t)
-        assert torch.equal(torch.from_numpy(f["model.lora.a"][...]), lora_state(2, base)["model"]["lora.a"])
+        for step in (1, 2, 3):  # layer0 declared; layers 1 and 2 unchanged, recognised
+            p.save(lora_state(step, base), step, frozen=["model.base.layer0.*"]).wait(30)
+    for step in (1, 2, 3):
+        assert_loads(d.root, step, lora_state(step, base))
+    # the HDF5 file written at step 1 has one name in every folder that links it
+    for step in (2, 3):
+        assert record(d.root, step, "model.base.layer2.weight")["file"] == "r00000-000000000001.h5"
+        assert inode(d.root, 1, "model.base.layer2.weight") == inode(d.root, step, "model.base.layer2.weight")
+        with h5py.File(d.root / "t" / f"step-{step:012d}" / "r00000.h5", "r") as f:  # the whole share, as before
+            for name, t in base.items():
+                assert torch.equal(torch.from_numpy(f[f"model.{name}"][...]), t)
+            want = lora_state(step, base)["model"]["lora.a"]
+            assert torch.equal(torch.from_numpy(f["model.lora.a"][...]), want)
     _, problems = ckptd.reader.verify("t", root=d.root)
     assert problems == []
 

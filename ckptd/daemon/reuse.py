@@ -9,8 +9,8 @@ refers to the stored bytes instead.
 
 The stored copy is reached through a **hard link**: the base's data file is
 linked into the new step folder under a new data-file name of this rank
-(``r<rank>-<seq>.safetensors``, or ``r<rank>-<seq>.h5`` beside the share's own
-HDF5 file), and the new record names that file with the base's offset, key and
+(``r<rank>-<seq>.safetensors``; an HDF5 file as ``r<rank>-<step>.h5``, named for the
+step that wrote it, beside the share's own ``r<rank>.h5``), and the new record names that file with the base's offset, key and
 checksum. So every step folder holds every byte its manifests name, and
 nothing else changes: readers, ``verify``, ``export``, the uploader and
 ``safetensors.safe_open`` see ordinary files; deleting the base step (retention,
@@ -118,9 +118,14 @@ class Base:
         with self._lock:
             name = self._links.get(record.file)
             if name is None:
-                name = share.new_file(h5=record.file.endswith(".h5"))
-                self._place(record.file, share, name)
-                share.files.append(name)
+                if record.file == layout.h5_name(share.rank):  # named for the step that wrote it
+                    name = layout.h5_link_name(share.rank, self.step)
+                elif layout.H5.fullmatch(record.file):  # linked there already: the same name here
+                    name = record.file
+                else:
+                    name = share.new_file()
+                if self._place(record.file, share, name):
+                    share.files.append(name)
                 self._links[record.file] = name
         return replace(record, file=name)
 
@@ -128,10 +133,18 @@ class Base:
     def linked(self) -> bool:
         return bool(self._links)
 
-    def _place(self, file: str, share: Any, name: str) -> None:
+    def _place(self, file: str, share: Any, name: str) -> bool:
+        """Link (or copy) ``file`` as ``name``; False if it was there already (the same
+        HDF5 file, linked for another base of the same share)."""
         want = self.manifest.files.get(file)
         try:
             os.link(file, name, src_dir_fd=self._dir_fd, dst_dir_fd=share.dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            src = os.stat(file, dir_fd=self._dir_fd, follow_symlinks=False)
+            dst = os.stat(name, dir_fd=share.dir_fd, follow_symlinks=False)
+            if (src.st_dev, src.st_ino) != (dst.st_dev, dst.st_ino):
+                raise OSError(errno.EEXIST, f"{share.dir / name} exists and is not {self.path / file}") from None
+            return False
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV, errno.ENOSYS):
                 raise OSError(exc.errno, f"linking {self.path / file} into {share.dir}: {exc.strerror}") from None
@@ -146,6 +159,7 @@ class Base:
         if why is not None:
             os.unlink(name, dir_fd=share.dir_fd)
             raise OSError(errno.EIO, f"{self.path / file} {why}")
+        return True
 
     def _copy(self, file: str, share: Any, name: str) -> None:
         src = layout.open_regular(file, dir_fd=self._dir_fd)

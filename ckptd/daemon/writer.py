@@ -100,13 +100,12 @@ class Share:
             os.close(self.dir_fd)
             self.dir_fd = -1
 
-    def new_file(self, *, h5: bool = False) -> str:
-        """A new data-file name of this share: a chunk file, or (``h5``) an HDF5 file
-        linked from an earlier step (reuse). The main thread names chunk files; the
-        I/O threads name linked files."""
+    def new_file(self) -> str:
+        """A new chunk-file name of this share. The main thread names the chunk files it
+        hands over; the I/O threads name those they link from an earlier step (reuse)."""
         with self._names:
             seq, self.next_file = self.next_file, self.next_file + 1
-        return layout.h5_link_name(self.rank, seq) if h5 else layout.chunk_name(self.rank, seq)
+        return layout.chunk_name(self.rank, seq)
 
     def close_base(self) -> None:
         if self.base is not None:

@@ -87,6 +87,16 @@ class Store:
         except Exception as exc:
             raise self._error("uploading", key, exc) from None
 
+    def copy(self, src: str, dst: str) -> None:
+        """Copy object ``src`` to ``dst`` inside the bucket (S3 CopyObject: no bytes pass
+        through this host). A missing ``src`` is a FileNotFoundError."""
+        try:
+            self._ob.copy(self._store, src, dst)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise self._error("copying to", dst, exc) from None
+
     def tag_of(self, key: str) -> str | None:
         """The ``tag`` an object was uploaded with (None: none, or no such object)."""
         try:

@@ -65,6 +65,10 @@ class Uploader:
         self.shares_uploaded = 0
         self.bytes_uploaded = 0
         self.bytes_skipped = 0  # already in the bucket (a resumed upload)
+        self.bytes_copied = 0  # copied inside the bucket: a file linked from an earlier step
+        # (st_dev, st_ino, size, mtime) of each data file uploaded -> its key: a later step's
+        # file that is the same inode (hard-linked by daemon.reuse) is copied there, not uploaded
+        self._uploaded: OrderedDict[tuple[int, ...], str] = OrderedDict()
         self.upload_seconds = 0.0
         self.failures = 0
         self.last_error = ""
@@ -121,7 +125,8 @@ class Uploader:
             "pending_shares": len(pending), "pending_bytes": sum(b for _, b in pending),
             "lag_seconds": max((now - t for t, _ in pending), default=0.0),
             "shares_uploaded": self.shares_uploaded, "bytes_uploaded": self.bytes_uploaded,
-            "bytes_skipped": self.bytes_skipped, "upload_seconds": self.upload_seconds,
+            "bytes_skipped": self.bytes_skipped, "bytes_copied": self.bytes_copied,
+            "upload_seconds": self.upload_seconds,
             "failures": self.failures, "last_error": self.last_error, "last_upload": self.last_upload,
         }
 
@@ -214,7 +219,7 @@ class Uploader:
             if name in objects and not self._replace_remote_share(run, step, rank, data, objects):
                 return
             tag = xxhash.xxh3_64_hexdigest(data)  # this share's identity, kept on each of its objects
-            sent = skipped = 0
+            sent = skipped = copied = 0
             for file in sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()}):
                 fd = layout.open_regular(file, dir_fd=dir_fd)
                 with os.fdopen(fd, "rb") as fh:
@@ -222,7 +227,12 @@ class Uploader:
                     if objects.get(file) == size and self.store.tag_of(prefix + file) == tag:
                         skipped += size  # this share's, uploaded before a restart: not again
                         continue
+                    same = _identity(os.fstat(fh.fileno()))
+                    if self._copy_uploaded(same, prefix + file):
+                        copied += size
+                        continue
                     self.store.put_file(prefix + file, self._parts(fh), tag)
+                    self._remember(same, prefix + file)
                 sent += size
                 self.bytes_uploaded += size
             if PIN_FILE in _names(path):
@@ -239,13 +249,35 @@ class Uploader:
         secs = time.monotonic() - t0
         self.shares_uploaded += 1
         self.bytes_skipped += skipped
+        self.bytes_copied += copied
         self.upload_seconds += secs
         self.last_upload = {"run": run, "step": step, "rank": rank, "bytes": sent, "seconds": secs,
                             "time": time.time(), "lag_seconds": time.time() - manifest.time}
-        log.info("uploaded run=%s step=%d rank=%d bytes=%d skipped=%d seconds=%.3f MB/s=%.1f lag=%.1fs to %s",
-                 run, step, rank, sent, skipped, secs, sent / max(secs, 1e-9) / 1e6,
+        log.info("uploaded run=%s step=%d rank=%d bytes=%d skipped=%d copied=%d seconds=%.3f MB/s=%.1f lag=%.1fs "
+                 "to %s", run, step, rank, sent, skipped, copied, secs, sent / max(secs, 1e-9) / 1e6,
                  self.last_upload["lag_seconds"], self.config.url)
         self._after_upload(run, step)
+
+    def _copy_uploaded(self, same: tuple[int, ...], key: str) -> bool:
+        """Copy the object uploaded from the same local file to ``key``, inside the bucket;
+        False if there is none (or it is gone: remote retention): then it is uploaded."""
+        src = self._uploaded.get(same)
+        if src is None or src == key:
+            return False
+        try:
+            self.store.copy(src, key)
+        except (FileNotFoundError, RemoteError) as exc:
+            log.info("cannot copy %s to %s in the bucket (%s); uploading it", src, key, exc)
+            del self._uploaded[same]
+            return False
+        self._remember(same, key)
+        return True
+
+    def _remember(self, same: tuple[int, ...], key: str) -> None:
+        self._uploaded[same] = key  # the newest copy: the one remote retention keeps longest
+        self._uploaded.move_to_end(same)
+        while len(self._uploaded) > MAX_REMEMBERED:
+            self._uploaded.popitem(last=False)
 
     def _replace_remote_share(self, run: str, step: int, rank: int, data: bytes, objects: dict[str, int]) -> bool:
         """The bucket already holds a manifest of this rank for this step: True if this share
@@ -287,6 +319,14 @@ class Uploader:
                                        busy=self.pending_steps(run))
         if self._on_remote_complete is not None:
             self._on_remote_complete(run, infos)
+
+
+MAX_REMEMBERED = 65536  # uploaded files remembered for copying (a few MB)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """A data file's identity: ckptd never rewrites one, and a hard link keeps all four."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _names(path: Path) -> list[str]:

@@ -1,0 +1,74 @@
+"""``load(..., map_location="cuda")``: tensors onto the GPU as they are read.
+
+``tensor.to("cuda")`` from ordinary (pageable) memory is synchronous: the driver
+copies through its own small pinned buffer and the CPU waits, so reading the next
+file never overlaps the copy, and the whole state sits in host memory first. Here
+each tensor, as the reader yields it, is copied into one of two pinned buffers
+(``SLOT`` bytes each; a larger tensor goes through them in pieces) and from there
+to the device with ``non_blocking=True`` on a stream of its own; a buffer is
+reused only once its event says its copy is done. So the host-to-device copy of
+one piece overlaps the read of the next, host memory holds one tensor and two
+buffers, and ``finish`` waits for the last copy before ``load`` returns.
+
+This path needs a CUDA device; the development machines have none, so
+``benchmarks/cuda_check.py`` is where it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SLOT = 64 * 2**20  # bytes of each pinned buffer
+
+
+def is_cuda(map_location: Any) -> bool:
+    import torch
+
+    try:
+        return torch.device(map_location).type == "cuda"
+    except (TypeError, RuntimeError):
+        return False
+
+
+class DeviceCopier:
+    """Host tensors to ``device`` through two pinned buffers, copies overlapped."""
+
+    def __init__(self, device: Any, slot: int | None = None) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"map_location={device!r}, but this torch has no usable CUDA device "
+                             "(torch.cuda.is_available() is False): load to the CPU instead")
+        self._torch = torch
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(self.device)
+        self._slots = [torch.empty(slot or SLOT, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._events: list[Any] = [None, None]
+        self._next = 0
+
+    def to_device(self, t: Any) -> Any:
+        """A device copy of CPU tensor ``t`` (its copy may still be in flight: ``finish``)."""
+        torch = self._torch
+        dst = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        if t.numel() == 0:
+            return dst
+        src = t.contiguous().reshape(-1).view(torch.uint8)  # every dtype views as its bytes
+        out = dst.reshape(-1).view(torch.uint8)
+        slot_bytes = self._slots[0].numel()
+        for start in range(0, src.numel(), slot_bytes):
+            n = min(slot_bytes, src.numel() - start)
+            i = self._next
+            self._next ^= 1
+            if self._events[i] is not None:
+                self._events[i].synchronize()  # its previous copy has left the buffer
+            slot = self._slots[i][:n]
+            slot.copy_(src[start:start + n])
+            with torch.cuda.stream(self._stream):
+                out[start:start + n].copy_(slot, non_blocking=True)
+                self._events[i] = torch.cuda.Event()
+                self._events[i].record(self._stream)
+        return dst
+
+    def finish(self) -> None:
+        """Wait until every copy has landed: the tensors are ready on any stream."""
+        self._stream.synchronize()
