@@ -281,3 +281,17 @@ def test_kill_9_during_linked_writes_and_retention_leaves_every_listed_step_load
             assert torch.equal(out["lora"], torch.full((1000,), float(info.step)))
         first = infos[-1].step + 1
     assert first > 6
+
+
+def test_a_base_file_gone_is_written_again_not_a_failed_step(make_daemon) -> None:
+    """Recognition links what the base still holds; a file missing there (removed by
+    hand, a disk error) means the bytes the daemon has are written after all."""
+    d = make_daemon(chunk_size="64MiB")
+    base = make_base(n=2, numel=2**16)
+    with d.producer() as p:
+        p.save(lora_state(1, base), 1).wait(30)
+        step1 = d.root / "t" / "step-000000000001"
+        (step1 / record(d.root, 1, "model.base.layer0.weight")["file"]).unlink()
+        p.save(lora_state(2, base), 2).wait(30)
+    assert_loads(d.root, 2, lora_state(2, base))
+    assert "writing 'model.base.layer0.weight' again" in d.log_text()

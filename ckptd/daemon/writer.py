@@ -371,8 +371,8 @@ class Writer:
             return share.base
 
     def _recognise(self, share: Share, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
-        """Refer to the base's copy of each entry unchanged since it; return the others,
-        with the checksums computed on the way in ``digests``."""
+        """Refer to the base's copy of each entry unchanged since it; return the others
+        (to write), with the checksums computed on the way in ``digests``."""
         if not self._reuse:
             return entries
         base = self._base(share)
@@ -385,8 +385,12 @@ class Writer:
                 digest = digests.get(e.name) or checksum(e.buffers)
                 digests[e.name] = digest
                 if digest == old.checksum:
-                    self._refer(share, base, e.name, old, received=True)
-                    continue
+                    try:
+                        self._refer(share, base, e.name, old, received=True)
+                        continue
+                    except OSError as exc:  # the base went away meanwhile: the bytes are here
+                        log.warning("run=%s step=%d rank=%d: writing %r again: %s", share.run, share.step,
+                                    share.rank, e.name, exc)
             left.append(e)
         return left
 
