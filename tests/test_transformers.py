@@ -112,3 +112,34 @@ def test_load_best_model_at_end_is_refused_clearly(tmp_path: Path) -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
     with pytest.raises(ValueError, match="does not support load_best_model_at_end"):
         Trainer(model=model, args=args, eval_dataset=hf_train.Tokens(), callbacks=[CkptdCallback(run="x")])
+
+
+def test_frozen_parameters_are_written_once(daemon, tmp_path: Path, monkeypatch) -> None:
+    """A model whose first block does not train (as under LoRA): its parameters are
+    declared frozen, copied and written once, and every step still loads them."""
+    monkeypatch.setenv("CKPTD_RUN", "frozen")
+    monkeypatch.setenv("CKPTD_ENDPOINT", daemon.endpoint)
+    monkeypatch.setenv("CKPTD_ROOT", str(daemon.root))
+    trainer, callback = hf_train.build(str(tmp_path / "out"), "ckptd", None, width=64, staging="64MiB")
+    frozen = [n for n, p in trainer.model.named_parameters() if n.startswith("transformer.h.0.")]
+    for n, p in trainer.model.named_parameters():
+        p.requires_grad_(not n.startswith("transformer.h.0."))
+    trainer.args.max_steps = 2
+    trainer.args.save_steps = 1
+    trainer.train()
+    callback.flush(60)
+    steps = [i.step for i in ckptd.list_checkpoints("frozen", root=daemon.root)]
+    assert steps == [1, 2]
+    manifests = [json.loads((daemon.root / "frozen" / f"step-{s:012d}" / "manifest-r00000.json").read_text())
+                 for s in steps]
+    for name in frozen:
+        files = [daemon.root / "frozen" / f"step-{s:012d}" / m["tensors"][f"model.{name}"]["file"]
+                 for s, m in zip(steps, manifests)]
+        assert os.stat(files[0]).st_ino == os.stat(files[1]).st_ino, name  # one copy on disk
+    state = ckptd.load("frozen", root=daemon.root, verify=True)
+    live = trainer.model.state_dict()
+    for name in frozen:
+        assert torch.equal(state["model"][name], live[name])
+    trained = "transformer.h.1.mlp.c_fc.weight"
+    assert not torch.equal(ckptd.load("frozen", 1, root=daemon.root)["model"][trained], state["model"][trained])
+    callback.close()

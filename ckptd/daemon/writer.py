@@ -81,6 +81,8 @@ class Share:
     recognised: int = 0  # of which, bytes the daemon received and did not write
     _names: threading.Lock = field(default_factory=threading.Lock)  # file names, records
     _seeking: threading.Lock = field(default_factory=threading.Lock)  # the base, looked for once
+    settled: threading.Event = field(default_factory=threading.Event)  # committed or failed, for good
+    before: "Share | None" = None  # this rank's share committing when this one's first chunk came
 
     @property
     def dir(self) -> Path:
@@ -143,6 +145,7 @@ class Writer:
                  threads: int = 1, reuse_unchanged: bool = True) -> None:
         self._notify = notify
         self._reuse = reuse_unchanged  # recognise tensors unchanged since the base step (reuse)
+        self._committing: dict[tuple[str, int], Share] = {}  # (run, rank) -> its share committed last
         self._after_commit = after_commit  # (share, step now complete), on the syncer thread
         self._fsync = fsync
         self._hdf5 = hdf5
@@ -169,6 +172,9 @@ class Writer:
         # Checksummed ahead, on ckptd-hash, while the writer writes the chunk before it:
         # the checksum of one chunk overlaps the write of another (both release the GIL).
         ahead = self._hasher.submit(_checksums, list(entries)) if share.error is None else None
+        if share.before is None:
+            before = self._committing.get((share.run, share.rank))
+            share.before = before if before is not share else None
         if share.format == "hdf5":
             self._h5jobs.put((self._do_h5_batch, (share, entries, held, seqs, ahead)))
         else:
@@ -195,6 +201,7 @@ class Writer:
         (self._h5jobs if share.format == "hdf5" else self._jobs).put((self._do_same, (share, base_step, items)))
 
     def commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
+        self._committing[(share.run, share.rank)] = share  # a base for the next step (_base)
         # via the share's writer queue, so it follows every write of this share
         self._after_writes(share, (self._syncs.put, ((self._do_commit, (share, state, metadata, token)),)))
 
@@ -361,10 +368,17 @@ class Writer:
 
     # -- reuse: tensors stored already, in the base step ---------------------------------
     def _base(self, share: Share, at: int | None = None) -> Any:
-        """The share's base (reuse.Base): found once, on first need."""
+        """The share's base (reuse.Base): found once, on first need. A step saved right
+        after the one before may arrive while that one commits: its base is that step,
+        so wait for the commit (it is queued on the syncer already, ahead of this)."""
         with share._seeking:
             if not share.base_sought:
                 share.base_sought = True
+                before, share.before = share.before, None  # (no chain of shares kept alive)
+                if before is not None and before.step < share.step \
+                        and not before.settled.wait(SETTLE_TIMEOUT_S):
+                    log.warning("run=%s step=%d rank=%d: step %d is still committing after %.0f s; not waiting "
+                                "to refer to it", share.run, share.step, share.rank, before.step, SETTLE_TIMEOUT_S)
                 self._ensure_dir(share)
                 share.base = reuse.Base.find(share.root, share.run, share.rank, share.step, share.world_size,
                                              share.format, at=at)
@@ -563,6 +577,10 @@ class Writer:
             os.close(fd)
 
     def _do_commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
+        share.before = None
+        key = (share.run, share.rank)
+        if self._committing.get(key) is share:  # settled below: nobody need wait for it
+            del self._committing[key]
         if share.error is None:
             try:
                 info = self._write_manifest(share, state, metadata)
@@ -573,9 +591,11 @@ class Writer:
                 share.error = share.error or f"internal error while committing: {type(exc).__name__}: {exc}"
             else:
                 share.close_dir()
+                share.settled.set()
                 self._notify(Result("committed", share, info=info, token=token))
                 return
         self._remove_files(share)
+        share.settled.set()
         self._notify(Result("commit_failed", share, message=share.error or "", token=token))
 
     def _write_manifest(self, share: Share, state: Any, metadata: dict) -> CheckpointInfo:
@@ -672,6 +692,9 @@ class Writer:
             except OSError:
                 pass
         os.close(run_fd)
+
+
+SETTLE_TIMEOUT_S = 60.0  # the longest a share's first write waits for the step before to commit
 
 
 def _checksums(entries: list[Entry]) -> dict[str, str]:

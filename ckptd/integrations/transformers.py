@@ -145,7 +145,11 @@ class CkptdCallback(TrainerCallback):
             share["trainer_state"] = json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
         if not args.save_only_model:
             share["rng"] = rng.capture()
-        self.producer.save(share, trainer.state.global_step)
+        # Parameters that do not train (a frozen base under LoRA/PEFT) are copied and written
+        # once; later steps refer to the stored copy (ckptd.producer.frozen, daemon.reuse).
+        frozen = [f"model.{n}" for n, p in trainer.model.named_parameters() if not p.requires_grad] \
+            if "model" in share else None
+        self.producer.save(share, trainer.state.global_step, frozen=frozen or None)
         self.save_seconds.append(time.perf_counter() - started)
 
     # -- resuming --------------------------------------------------------------------------

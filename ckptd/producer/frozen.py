@@ -21,7 +21,7 @@ import fnmatch
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,18 +30,28 @@ class _Stored:
     at: tuple  # where and in which version the bytes were: (data_ptr, _version), or () for numpy
 
 
-def globs(frozen: Any) -> re.Pattern[str] | None:
-    """``frozen=`` as one compiled pattern (True: every tensor), or None for none.
-    A glob that is not a string is a TypeError naming it."""
+def globs(frozen: Any) -> Callable[[str], bool] | None:
+    """``frozen=`` as a test of a tensor name (True: every tensor), or None for none.
+    Plain names (no ``*?[``, as an integration lists a model's frozen parameters) are
+    a set lookup; the globs among them one compiled pattern. A glob that is not a
+    string is a TypeError naming it."""
     if frozen is None or frozen is False:
         return None
     if frozen is True:
-        return re.compile(r".*", re.DOTALL)
+        return lambda name: True
     if isinstance(frozen, str):
         frozen = [frozen]
-    if not isinstance(frozen, Sequence) or not all(isinstance(g, str) for g in frozen):
+    if not isinstance(frozen, (list, tuple, set, frozenset)) or not all(isinstance(g, str) for g in frozen):
         raise TypeError(f"frozen must be True or a list of fnmatch globs of tensor names, not {frozen!r}")
-    return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in frozen)) if frozen else None
+    exact = {g for g in frozen if not _WILD.search(g)}
+    wild = [g for g in frozen if _WILD.search(g)]
+    if not wild:
+        return exact.__contains__ if exact else None
+    pattern = re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in wild))
+    return lambda name: name in exact or pattern.fullmatch(name) is not None
+
+
+_WILD = re.compile(r"[*?\[]")
 
 
 def _where(source: Any) -> tuple:
@@ -63,19 +73,19 @@ class Frozen:
         self._stored: dict[str, _Stored] = {}
         self._pending: dict[int, dict[str, _Stored]] = {}
 
-    def split(self, step: int, items: dict[str, Any], pattern: re.Pattern[str] | None,
+    def split(self, step: int, items: dict[str, Any], matches: Callable[[str], bool] | None,
               describe: Any) -> tuple[int | None, list[list[Any]]]:
         """Take the tensors of ``items`` stored unchanged since the base out of it; return
         the base step and their ``same`` items (``describe(item)`` -> dtype, shape, numpy,
-        shard). Those matching ``pattern`` are remembered for step ``step``."""
-        if pattern is None:
+        shard). Those that ``matches`` are remembered for step ``step``."""
+        if matches is None:
             return None, []
         with self._lock:
             base, stored = self._base, self._stored
         same: list[list[Any]] = []
         pending = {}
         for name, t in items.items():
-            if not pattern.fullmatch(name):
+            if not matches(name):
                 continue
             now = _Stored(describe(t), _where(t.source))
             pending[name] = now
