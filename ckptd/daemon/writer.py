@@ -146,6 +146,7 @@ class Writer:
         self._notify = notify
         self._reuse = reuse_unchanged  # recognise tensors unchanged since the base step (reuse)
         self._committing: dict[tuple[str, int], Share] = {}  # (run, rank) -> its share committed last
+        self._committing_lock = threading.Lock()  # the main loop sets, the syncer clears
         self._after_commit = after_commit  # (share, step now complete), on the syncer thread
         self._fsync = fsync
         self._hdf5 = hdf5
@@ -201,7 +202,8 @@ class Writer:
         (self._h5jobs if share.format == "hdf5" else self._jobs).put((self._do_same, (share, base_step, items)))
 
     def commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
-        self._committing[(share.run, share.rank)] = share  # a base for the next step (_base)
+        with self._committing_lock:
+            self._committing[(share.run, share.rank)] = share  # a base for the next step (_base)
         # via the share's writer queue, so it follows every write of this share
         self._after_writes(share, (self._syncs.put, ((self._do_commit, (share, state, metadata, token)),)))
 
@@ -579,8 +581,9 @@ class Writer:
     def _do_commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
         share.before = None
         key = (share.run, share.rank)
-        if self._committing.get(key) is share:  # settled below: nobody need wait for it
-            del self._committing[key]
+        with self._committing_lock:
+            if self._committing.get(key) is share:  # settled below: nobody need wait for it
+                del self._committing[key]
         if share.error is None:
             try:
                 info = self._write_manifest(share, state, metadata)
