@@ -359,6 +359,7 @@ class Producer:
             return
         plan = Plan.build(state, structure, tensors, self._arena.capacity, room)
         if plan is not None:
+            plan.prepare(self._arena, self._arena_t)
             self._plans = [*self._plans[-(PLANS_KEPT - 1):], plan]
 
     @contextmanager

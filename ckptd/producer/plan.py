@@ -91,6 +91,7 @@ class Plan:
     region_bytes: int
     room: int  # sizing.room_for(nbytes): what the general save would report
     json_parts: list[str]  # the structure's JSON around its plain values
+    uses: int = 0  # saves it served (Producer.stats-like figure, for tests and debugging)
     _placed: OrderedDict[tuple[int, int], _Placed] = field(default_factory=OrderedDict)
 
     # -- making one -----------------------------------------------------------------------
@@ -173,7 +174,14 @@ class Plan:
         except BaseException:
             arena.release(region)
             raise
+        self.uses += 1
         return placed.messages
+
+    def prepare(self, arena: Arena, arena_t: Any) -> None:
+        """Make the views and messages for a region at the arena's start, where the next
+        save lands once the daemon has drained staging, so that it is not the one that
+        pays for making them (the general save that built the plan pays, once)."""
+        self._place(arena, arena_t, 0)
 
     def forget_views(self) -> None:
         """Drop the views into the arena (it is being replaced: they would keep it mapped)."""
