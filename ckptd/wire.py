@@ -66,6 +66,22 @@ def encode(op: str, **fields: Any) -> bytes:
     return msgpack.packb({"op": op, **fields}, use_bin_type=True)
 
 
+def pack_fields(**fields: Any) -> tuple[bytes, int]:
+    """Some of a header's fields packed ahead of time, for ``encode_packed``: ``(bytes, count)``."""
+    return b"".join(msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in fields.items()), len(fields)
+
+
+def encode_packed(op: str, packed: tuple[bytes, int], **fields: Any) -> bytes:
+    """``encode(op, **fields, **rest)`` where ``packed`` is ``pack_fields(**rest)``: a message
+    that repeats with only ``seq`` and ``step`` changed (a cached save plan's, describing
+    thousands of tensors) packs the rest once, not on every save. The bytes are the same
+    msgpack map that ``encode`` makes; the daemon cannot tell them apart."""
+    body, count = packed
+    head = msgpack.Packer().pack_map_header(1 + len(fields) + count)
+    return b"".join((head, msgpack.packb("op"), msgpack.packb(op),
+                     *(msgpack.packb(k) + msgpack.packb(v) for k, v in fields.items()), body))
+
+
 # one tensor of a ``tensors`` message, a list in this order: its bytes are
 # ``[offset, offset + nbytes)`` of the arena
 BATCH_ITEM = ("name", "dtype", "shape", "nbytes", "numpy", "offset")

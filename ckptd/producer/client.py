@@ -35,10 +35,13 @@ from ..sharding import hand_shard, is_dtensor
 from ..state import flatten
 from . import frozen as frozen_mod, sharded, sizing
 from .batch import Batcher
+from .plan import Plan
 from .staging import Arena, Region
 from .transport import Transport
 
 log = logging.getLogger("ckptd.producer")
+
+PLANS_KEPT = 4  # state layouts whose save plans a producer keeps (plan.py)
 
 
 class CommitHandle:
@@ -170,6 +173,9 @@ class Producer:
         self._shm = False  # this connection's tensors travel through the shared arena
         self._batcher: Batcher | None = None  # small tensors' open batch (shared memory only)
         self._batches = False  # the daemon takes batches (its welcome says so)
+        # the layouts of the last few states saved, newest last, for their next saves (plan.py);
+        # a few, since a loop may save more than one state (a model, and its optimizer apart)
+        self._plans: list[Plan] = []
         self._closed = False
         self._frozen = frozen_mod.Frozen()  # save(frozen=...): what the daemon stores already
         self._blocked_before = 0.0  # blocked_seconds of arenas that grown ones replaced
@@ -271,6 +277,9 @@ class Producer:
         check_step(step)
         pattern = frozen_mod.globs(frozen)
         with _no_cyclic_gc():
+            by_plan = self._save_by_plan(state, step, metadata, replicated)
+            if by_plan is not None:
+                return by_plan
             structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
             items = {name: dataclasses.replace(self._describe(name, t), shard=shard)
@@ -293,11 +302,79 @@ class Producer:
             except BaseException:
                 self.abort(step)
                 raise
+            room = sizing.room_for([i.nbytes for i in items.values()])
+            self._keep_plan(state, structure, tensors, planned, items, replicated, room)
         with self._lock:
             st = self._steps.get(step)
             if st is not None:  # _commit asks sizing for room to fit it next time
-                st.room = sizing.room_for([i.nbytes for i in items.values()])
+                st.room = room
         return self._commit(step, metadata, meta_json, state_json)
+
+    def _save_by_plan(self, state: Any, step: int, metadata: Any, replicated: Any) -> CommitHandle | None:
+        """``save`` by the cached plan of the last state saved (plan.py), or None (nothing
+        done) where it does not serve this one; then ``save`` goes the general way."""
+        if not self._plans or (replicated and self.world_size > 1):
+            return None
+        for plan in reversed(self._plans):
+            got = plan.collect(state)
+            if got is not None:
+                break
+        else:
+            return None
+        tensors, state_json = got
+        meta_json = _metadata_json(metadata)
+        try:
+            with self._emit_lock:
+                self._grow_between_steps()
+                self._ensure_connected()
+                arena = self._arena
+                if self._batcher is None or plan not in self._plans or arena is None:
+                    return None  # inline now, or a new connection; the general way, which plans anew
+                self._batcher.flush()  # regions go out in the order they were taken
+                region = plan.take(arena)
+                if region is None:
+                    return None  # staging is busy: the general way streams through it
+                messages = plan.copy(region, tensors, arena, self._arena_t)
+                if messages is None:  # a tensor changed: the general way, which plans anew
+                    self._plans.remove(plan)
+                    return None
+                try:
+                    self._claim(step, *plan.names)
+                except BaseException:
+                    arena.release(region)
+                    raise
+                with self._lock:
+                    st = self._steps[step]
+                    st.opened = True
+                    st.room = plan.room
+                self._send_planned(step, region, messages)
+                self._plans.remove(plan)
+                self._plans.append(plan)  # the newest used
+        except BaseException:
+            self.abort(step)
+            raise
+        return self._commit(step, metadata, meta_json, state_json)
+
+    def _send_planned(self, step: int, region: Region, messages: list[tuple[str, Any]]) -> None:
+        """Queue a plan's messages in order; its one region goes back with the last's ack."""
+        assert self._transport is not None
+        with self._lock:  # consecutive numbers, queued in their order
+            first = self._seq + 1
+            self._seq += len(messages)
+            region.seq = self._seq
+            for i, (op, packed) in enumerate(messages):
+                self._transport.send(wire.encode_packed(op, packed, seq=first + i, step=step), wake=False)
+
+    def _keep_plan(self, state: Any, structure: Any, tensors: dict[str, Any], planned: Any,
+                   items: dict[str, _Tensor], replicated: Any, room: int) -> None:
+        """After a general save: the plan for the next save of the same layout, where one serves."""
+        if self._batcher is None or self._arena is None or planned.replicas or (replicated and self.world_size > 1) \
+                or len(items) != len(tensors) or any(i.shard is not None or i.is_numpy or i.is_cuda for i in items.values()):
+            return
+        plan = Plan.build(state, structure, tensors, self._arena.capacity, room)
+        if plan is not None:
+            plan.prepare(self._arena, self._arena_t)
+            self._plans = [*self._plans[-(PLANS_KEPT - 1):], plan]
 
     @contextmanager
     def checkpoint(self, step: int, metadata: dict[str, Any] | None = None) -> Iterator[CommitHandle]:
@@ -475,29 +552,35 @@ class Producer:
                 st = self._steps[step] = _Step()
             if st.handle is not None:
                 raise ValueError(f"step {step} was already committed by this producer")
-            for name in names:
-                if name in st.names or name in st.replicas:
-                    raise ValueError(f"tensor name {name!r} was already emitted in step {step}")
-                if replica_of is None:
-                    st.names.add(name)
-                else:
-                    st.replicas[name] = replica_of
+            if len(names) == 1:
+                clash = names[0] in st.names or names[0] in st.replicas
+            else:  # a save's thousands of names, checked in C
+                clash = not st.names.isdisjoint(names) or not st.replicas.keys().isdisjoint(names)
+            if clash:
+                name = next(n for n in names if n in st.names or n in st.replicas)
+                raise ValueError(f"tensor name {name!r} was already emitted in step {step}")
+            if replica_of is None:
+                st.names.update(names)
+            else:
+                st.replicas.update(dict.fromkeys(names, replica_of))
 
     def _stage(self, step: int, name: str, item: _Tensor) -> None:
         self._ensure_connected()
         arena = self._arena
         assert arena is not None
-        if self._batcher is not None:
-            # A step's first tensor goes out alone, so that the daemon knows the step is
-            # open at once (a SIGTERM then waits for its commit, DESIGN §6); later small
-            # ones wait in a batch. (A batch item has no shard field: pieces go alone.)
-            st = self._steps.get(step)
-            if st is not None and st.opened and item.shard is None and self._batcher.wants(item):
+        # A step's first tensor goes out alone and wakes the sender, so that the daemon
+        # knows the step is open at once (a SIGTERM then waits for its commit, DESIGN §6);
+        # later ones leave the sender asleep until the commit (Transport.send), and small
+        # ones wait in a batch. (A batch item has no shard field: pieces go alone.)
+        st = self._steps.get(step)
+        wake = st is None or not st.opened
+        if st is not None:
+            if not wake and self._batcher is not None and item.shard is None and self._batcher.wants(item):
                 self._batcher.take(step, name, item)
                 return
+            st.opened = True
+        if self._batcher is not None:
             self._batcher.flush()  # regions go out in the order they were taken
-            if st is not None:
-                st.opened = True
         header = dict(step=step, name=name, dtype=item.dtype.name, shape=item.shape,
                       nbytes=item.nbytes, numpy=item.is_numpy)
         if item.shard is not None:
@@ -514,7 +597,7 @@ class Producer:
                 except BaseException:
                     arena.release(region)
                     raise
-            self._send_tensor(header, 0, region, event)
+            self._send_tensor(header, 0, region, event, wake)
             return
         # Larger than staging or the daemon's frame limit: travel in pieces. emit
         # still returns only when every byte is copied, so the snapshot holds.
@@ -528,7 +611,8 @@ class Producer:
             except BaseException:
                 arena.release(region)
                 raise
-            self._send_tensor(header, start, region, event)
+            self._send_tensor(header, start, region, event, wake)
+            wake = False
 
     def _alloc(self, nbytes: int, name: str) -> Region | None:
         if nbytes == 0:
@@ -536,8 +620,13 @@ class Producer:
         assert self._arena is not None
         return self._arena.alloc(
             nbytes, timeout=self.options.emit_timeout, block=self.options.on_full == "block",
-            what=f"tensor {name!r} ({nbytes} bytes)",
+            what=f"tensor {name!r} ({nbytes} bytes)", on_wait=self._kick,
         )
+
+    def _kick(self) -> None:
+        """Ship what was queued without waking the sender (staging waits for its acks)."""
+        if self._transport is not None:
+            self._transport.kick()
 
     def _copy_whole(self, region: Region, item: _Tensor) -> Any:
         """Copy a tensor into its region as its own dtype and shape (strided views included)."""
@@ -576,7 +665,8 @@ class Producer:
         dst.copy_(flat[start:start + n])
         return None
 
-    def _send_tensor(self, header: dict[str, Any], start: int, region: Region | None, event: Any) -> None:
+    def _send_tensor(self, header: dict[str, Any], start: int, region: Region | None, event: Any,
+                     wake: bool = True) -> None:
         assert self._arena is not None and self._transport is not None
         with self._lock:
             self._seq += 1
@@ -585,10 +675,10 @@ class Producer:
                 region.seq = seq
         if self._shm and region is not None:  # the daemon reads the bytes where they are
             msg = wire.encode("tensor", seq=seq, start=start, offset=region.start, length=region.nbytes, **header)
-            self._transport.send(msg, None, event)
+            self._transport.send(msg, None, event, wake=wake)
             return
         payload = self._arena.view(region) if region is not None else b""
-        self._transport.send(wire.encode("tensor", seq=seq, start=start, **header), payload, event)
+        self._transport.send(wire.encode("tensor", seq=seq, start=start, **header), payload, event, wake=wake)
 
     # -- CUDA: pinned staging, side stream, events (DESIGN §2) ---------------------------------
     def _copy_from_cuda(self, dst: Any, src: Any) -> Any:
@@ -738,6 +828,8 @@ class Producer:
             transport.close()
         self._unpin()
         self._set_views()
+        for plan in self._plans:
+            plan.forget_views()  # they would keep the old arena mapped
         if old is not None:
             self._blocked_before += old.blocked_s
             old.close()
@@ -837,7 +929,7 @@ class Producer:
         with self._lock:
             self._seq += 1
             region.seq = seq = self._seq
-        self._transport.send(wire.encode("tensors", seq=seq, step=step, items=items))
+        self._transport.send(wire.encode("tensors", seq=seq, step=step, items=items), wake=False)
 
     def _offer_arena(self) -> bytes | None:
         """Hand the staging arena to the daemon, if this connection uses shared memory;

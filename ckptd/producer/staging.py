@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import CheckpointError
 
@@ -64,8 +64,12 @@ class Arena:
     def view(self, region: Region) -> memoryview:
         return memoryview(self._mm)[region.start:region.start + region.nbytes]
 
-    def alloc(self, nbytes: int, *, timeout: float, block: bool, what: str) -> Region:
-        """Take ``nbytes`` (at most ``capacity``), waiting up to ``timeout`` s for space."""
+    def alloc(self, nbytes: int, *, timeout: float, block: bool, what: str,
+              on_wait: Callable[[], None] | None = None) -> Region:
+        """Take ``nbytes`` (at most ``capacity``), waiting up to ``timeout`` s for space.
+        ``on_wait`` runs once before the first wait: space comes back only when the
+        daemon acknowledges what was sent, so messages queued without waking the
+        sender must leave now."""
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes cannot fit an arena of {self.capacity}")
         align = PAGE if nbytes >= LARGE else ALIGN
@@ -85,6 +89,8 @@ class Arena:
                         f"staging memory is full ({self.capacity} bytes in flight to the daemon) "
                         f"while staging {what}; raise [producer] staging_size, or set on_full = \"block\""
                     )
+                if deadline is None and on_wait is not None:
+                    on_wait()
                 now = time.monotonic()
                 deadline = deadline or now + timeout
                 if now >= deadline:
@@ -94,6 +100,20 @@ class Arena:
                     )
                 self._cond.wait(deadline - now)
                 self.blocked_s += time.monotonic() - now
+
+    def try_alloc(self, nbytes: int) -> Region | None:
+        """Take ``nbytes``, page-aligned, if they are free now; never waits (a cached save
+        plan takes one region for all its tensors, or goes the general way)."""
+        with self._cond:
+            if self._broken:
+                raise CheckpointError(self._broken)
+            start = self._fit(nbytes, PAGE) if nbytes <= self.capacity else None
+            if start is None:
+                return None
+            region = Region(start, nbytes)
+            self._live.append(region)
+            self._head = start + nbytes
+            return region
 
     def _fit(self, need: int, align: int) -> int | None:
         if not self._live:

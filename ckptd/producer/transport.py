@@ -60,9 +60,20 @@ class Transport:
         self._thread = threading.Thread(target=self._run, name="ckptd-sender", daemon=True)
         self._thread.start()
 
-    def send(self, header: bytes, payload: Any = None, event: Any = None) -> None:
-        """Queue one message; ``event`` (a CUDA event) must complete before it ships."""
+    def send(self, header: bytes, payload: Any = None, event: Any = None, *, wake: bool = True) -> None:
+        """Queue one message; ``event`` (a CUDA event) must complete before it ships.
+
+        ``wake=False`` leaves the sender asleep: it ships the message at the next
+        woken send or ``kick``, or within ``heartbeat / 2`` s on its own. A save's
+        tensors go that way, so that neither the sender's wake-ups (each one takes
+        the GIL from the training thread) nor the daemon's reading and hashing
+        compete with the copy on the training node's cores; the commit wakes it."""
         self._queue.put((header, payload, event))
+        if wake and self._idle:
+            self._wake.wake()
+
+    def kick(self) -> None:
+        """Ship what ``send(wake=False)`` queued, now."""
         if self._idle:
             self._wake.wake()
 

@@ -1,0 +1,337 @@
+"""A cached plan for saving a state whose layout repeats (``Producer.save``).
+
+Training saves the same state every N steps: the same keys, dtypes and shapes,
+new values. At 10,000 small tensors (an optimizer's state) the per-tensor Python
+work of the general path (flatten, check each name and tensor, take a place in a
+batch, describe it for the wire) cost 5-7x the memcpy itself. A plan keeps what
+that work produced the last time:
+
+- the state's layout: container types, their keys, which leaves are tensors. The
+  walk that collects this save's tensors in order also proves that their names
+  are unchanged; plain values (an epoch, a learning rate) are encoded anew;
+- every tensor's class, dtype and shape, compared a chunk of tensors at a time
+  with one C-level ``map`` just before that chunk is copied;
+- one region of the staging arena for all its tensors, each at a fixed offset;
+  the destination views into the arena and the packed wire messages that name
+  them are made once per region start and reused (after the daemon drained the
+  arena, a save starts at the same place as the last one).
+
+A save that matches copies every tensor with one ``torch._foreach_copy_`` (a C++
+loop) and queues a few messages. Anything else (a key added, a numpy array, a
+DTensor, a CUDA tensor, a tensor larger than a quarter of staging, no room in
+staging right now, the inline transport) goes the general way; a state that
+went the general way and may repeat gets a fresh plan. The snapshot contract is
+the general path's: every byte is copied before ``save`` returns.
+
+Order of calls (``Producer.save``): ``Plan.collect``, then under ``_emit_lock``
+``Plan.take`` and ``Plan.copy`` (None from any: go the general way; nothing was
+sent or kept), claim the names, send the messages ``copy`` returned, commit. After a general save,
+``Plan.build`` makes the plan for the next one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import operator
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import dtypes, wire
+from ..state import _encode
+from .batch import BATCH_BYTES, BATCH_ITEMS, SMALL
+from .staging import ALIGN, LARGE, PAGE, Arena, Region
+
+# layout node tags: a tensor leaf; a plain value; a dict or a list/tuple of nodes; a dict
+# or list/tuple whose values are all tensors (walked without visiting each leaf)
+_TENSOR, _PLAIN, _DICT, _SEQ, _TDICT, _TSEQ = range(6)
+_SIGNATURE = operator.attrgetter("__class__", "dtype", "shape")
+_CHUNK = 256  # tensors checked, then copied, at a time: their metadata is still in cache for the copy
+_VIEWS_KEPT = 2  # region starts whose views a plan keeps (each: one view per tensor)
+
+
+@functools.cache
+def _plain_types() -> frozenset[type]:
+    import torch
+
+    return frozenset((torch.Tensor, torch.nn.Parameter))
+
+
+@functools.cache
+def _arrays() -> tuple[type, ...]:
+    import numpy as np
+    import torch
+
+    return (torch.Tensor, np.ndarray)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)  # as Producer.save dumps the structure
+
+
+@dataclass(eq=False)
+class _Placed:
+    """The arena views and packed messages of a plan at one region start."""
+
+    views: list[Any]
+    messages: list[tuple[str, tuple[bytes, int]]]  # (op, wire.pack_fields(...)) but seq and step
+
+
+@dataclass(eq=False)
+class Plan:
+    """What a general save of one state layout produced; see the module docstring."""
+
+    layout: Any
+    names: list[str]
+    signatures: list[tuple[type, Any, Any]]  # (class, torch dtype, torch.Size) of each tensor
+    nbytes: list[int]
+    offsets: list[int]  # within the plan's region
+    region_bytes: int
+    room: int  # sizing.room_for(nbytes): what the general save would report
+    json_parts: list[str]  # the structure's JSON around its plain values
+    uses: int = 0  # saves it served (Producer.stats-like figure, for tests and debugging)
+    _placed: OrderedDict[tuple[int, int], _Placed] = field(default_factory=OrderedDict)
+
+    # -- making one -----------------------------------------------------------------------
+    @classmethod
+    def build(cls, state: Any, structure: Any, tensors: dict[str, Any], capacity: int,
+              room: int) -> "Plan | None":
+        """The plan of a state that a general save just staged whole (every tensor a plain
+        CPU torch tensor this rank writes), or None where a plan cannot serve it."""
+        plain = _plain_types()
+        values = list(tensors.values())
+        if not values or not set(map(type, values)) <= plain or any(t.is_cuda for t in values):
+            return None
+        slot = f"ckptd-slot-{uuid.uuid4().hex}"  # stands for each plain value in the JSON text
+        layout = _layout(state, structure, (), plain)
+        if layout is None:
+            return None
+        parts = _json(_template(structure, slot)).split(_json(slot))
+        if len(parts) != _count_slots(layout) + 1:
+            return None  # a key or value spells the placeholder: no template, no plan
+        sizes = [t.nbytes for t in values]
+        if max(sizes) > capacity // 4:  # such a tensor travels in pieces (Producer._stage)
+            return None
+        offsets, end = [], 0
+        for n in sizes:
+            align = PAGE if n >= LARGE else ALIGN  # the general path's alignment, for O_DIRECT
+            end = -(-end // align) * align
+            offsets.append(end)
+            end += n
+        region_bytes = max(PAGE, -(-end // PAGE) * PAGE)
+        if region_bytes > capacity:
+            return None
+        return cls(layout=layout, names=list(tensors), signatures=list(map(_SIGNATURE, values)), nbytes=sizes,
+                   offsets=offsets, region_bytes=region_bytes, room=room, json_parts=parts)
+
+    # -- using it ---------------------------------------------------------------------------
+    def collect(self, state: Any) -> tuple[list[Any], str] | None:
+        """This save's tensors in the plan's order and its structure's JSON text, or None
+        when ``state`` does not have the plan's layout and names (``copy`` checks the
+        tensors themselves)."""
+        tensors: list[Any] = []
+        plains: list[str] = []
+        try:
+            if not _collect(state, self.layout, tensors, plains) or len(tensors) != len(self.names):
+                return None
+        except (TypeError, ValueError):
+            return None  # a plain value ckptd cannot store: the general way says why
+        parts = self.json_parts
+        text = parts[0] + "".join(p + q for p, q in zip(plains, parts[1:])) if plains else parts[0]
+        return tensors, text
+
+    def take(self, arena: Arena) -> Region | None:
+        """The plan's region of staging if it is free now, else None (nothing was taken)."""
+        return arena.try_alloc(self.region_bytes)
+
+    def copy(self, region: Region, tensors: list[Any], arena: Arena,
+             arena_t: Any) -> list[tuple[str, tuple[bytes, int]]] | None:
+        """Copy ``tensors`` (from ``collect``) into ``region``; return the messages that
+        describe them (``(op, wire.pack_fields(...))``, all but ``seq`` and ``step``), to be
+        sent in order with the region carried by the last. None: a tensor's class, dtype
+        or shape is not the plan's (nothing is sent; the region was given back).
+
+        Each chunk of tensors is checked, then copied: checking all first cost a quarter
+        of the copy at 10,000 tensors, their metadata fetched from memory twice."""
+        import torch
+
+        placed = self._place(arena, arena_t, region.start)
+        views, signatures = placed.views, self.signatures
+        try:
+            with torch.no_grad():  # a Parameter's copy is not recorded for autograd
+                for i in range(0, len(tensors), _CHUNK):
+                    chunk = tensors[i:i + _CHUNK]
+                    if list(map(_SIGNATURE, chunk)) != signatures[i:i + _CHUNK]:
+                        arena.release(region)
+                        return None
+                    torch._foreach_copy_(views[i:i + _CHUNK], chunk)
+        except (AttributeError, RuntimeError, NotImplementedError):  # not a tensor; no sizes (sparse,
+            # nested), no data (meta): the general way says why
+            arena.release(region)
+            return None
+        except BaseException:
+            arena.release(region)
+            raise
+        self.uses += 1
+        return placed.messages
+
+    def prepare(self, arena: Arena, arena_t: Any) -> None:
+        """Make the views and messages for a region at the arena's start, where the next
+        save lands once the daemon has drained staging, so that it is not the one that
+        pays for making them (the general save that built the plan pays, once)."""
+        self._place(arena, arena_t, 0)
+
+    def forget_views(self) -> None:
+        """Drop the views into the arena (it is being replaced: they would keep it mapped)."""
+        self._placed.clear()
+
+    def _place(self, arena: Arena, arena_t: Any, start: int) -> _Placed:
+        key = (id(arena), start)
+        placed = self._placed.get(key)
+        if placed is not None:
+            self._placed.move_to_end(key)
+            return placed
+        views = []
+        for (_, dtype, shape), n, off in zip(self.signatures, self.nbytes, self.offsets):
+            at = start + off
+            views.append(arena_t[at:at + n].view(dtype).view(shape))
+        placed = _Placed(views, self._messages(start))
+        self._placed[key] = placed
+        while len(self._placed) > _VIEWS_KEPT:
+            self._placed.popitem(last=False)
+        return placed
+
+    def _messages(self, start: int) -> list[tuple[str, tuple[bytes, int]]]:
+        """The wire messages for the region at ``start``: a small tensor rides in a batch
+        (``tensors``, as ``Batcher`` sends them), a larger one alone (``tensor``)."""
+        out: list[tuple[str, tuple[bytes, int]]] = []
+        items: list[list[Any]] = []
+        first = 0  # the batch's first byte, within the region
+        for name, (_, dtype, shape), n, off in zip(self.names, self.signatures, self.nbytes, self.offsets):
+            d, shape = dtypes.by_torch(dtype).name, list(shape)
+            if n > SMALL:
+                out.append(("tensor", wire.pack_fields(name=name, dtype=d, shape=shape, nbytes=n, numpy=False,
+                                                       start=0, offset=start + off, length=n)))
+                continue
+            if items and (len(items) >= BATCH_ITEMS or off + n - first > BATCH_BYTES):
+                out.append(("tensors", wire.pack_fields(items=items)))
+                items = []
+            if not items:
+                first = off
+            items.append([name, d, shape, n, False, start + off])  # wire.BATCH_ITEM
+        if items:
+            out.append(("tensors", wire.pack_fields(items=items)))
+        return out
+
+
+# -- the layout: walked once to build it, then once per save to check and collect --------------
+def _layout(value: Any, node: Any, path: tuple[Any, ...], plain: frozenset[type]) -> Any:
+    """The layout node of ``value``, whose ``flatten`` structure is ``node``; None where a
+    plan cannot stand for it (a numpy array)."""
+    if isinstance(node, dict):
+        if "tensor" in node:
+            return (_TENSOR,) if type(value) in plain else None
+        if "ndarray" in node:
+            return None  # numpy arrays go the general way (np.copyto, is_numpy on the wire)
+        if "dict" in node and type(value) in (dict, OrderedDict):
+            keys = tuple(value)
+            key_types = None if all(type(k) is str for k in keys) else tuple(map(type, keys))
+            meta = "meta" in node
+            children = [_layout(v, n, path + (k,), plain) for v, (k, n) in zip(value.values(), node["dict"])]
+            if any(c is None for c in children):
+                return None
+            if children and all(c[0] == _TENSOR for c in children):
+                return (_TDICT, type(value), keys, key_types, meta, path)
+            return (_DICT, type(value), keys, key_types, meta, path, tuple(children))
+        for tag in ("list", "tuple"):
+            if tag in node and type(value) in (list, tuple):
+                children = [_layout(v, n, path + (i,), plain) for i, (v, n) in enumerate(zip(value, node[tag]))]
+                if any(c is None for c in children):
+                    return None
+                if children and all(c[0] == _TENSOR for c in children):
+                    return (_TSEQ, type(value), len(value))
+                return (_SEQ, type(value), len(value), tuple(children))
+    return (_PLAIN, path)
+
+
+def _template(node: Any, slot: str) -> Any:
+    """``node`` (a ``flatten`` structure) with ``slot`` in place of each plain value and
+    of each dict's ``meta``: its JSON text, split at the slots, is the plan's template."""
+    if isinstance(node, dict):
+        if "tensor" in node or "ndarray" in node:
+            return node
+        if "dict" in node:
+            out = {"dict": [[k, _template(v, slot)] for k, v in node["dict"]], "ordered": node["ordered"]}
+            if "meta" in node:
+                out["meta"] = slot
+            return out
+        for tag in ("list", "tuple"):
+            if tag in node:
+                return {tag: [_template(v, slot) for v in node[tag]]}
+    return slot
+
+
+def _count_slots(layout: Any) -> int:
+    tag = layout[0]
+    if tag == _PLAIN:
+        return 1
+    if tag == _TDICT:
+        return int(layout[4])
+    if tag == _DICT:
+        return int(layout[4]) + sum(_count_slots(c) for c in layout[6])
+    if tag == _SEQ:
+        return sum(_count_slots(c) for c in layout[3])
+    return 0
+
+
+_CONTAINERS = (dict, OrderedDict, list, tuple)
+
+
+def _collect(value: Any, layout: Any, tensors: list[Any], plains: list[str]) -> bool:
+    """Append ``value``'s tensors to ``tensors`` and its plain values' JSON to ``plains``,
+    in ``flatten``'s order; False where ``value`` does not have ``layout``."""
+    tag = layout[0]
+    if tag == _TENSOR:
+        tensors.append(value)  # its type is checked with all the others
+        return True
+    if tag == _PLAIN:
+        if type(value) in _CONTAINERS or isinstance(value, _arrays()):
+            return False  # was a plain value, is now a container, tensor or array
+        plains.append(_json(_encode(value, layout[1], {})))
+        return True
+    if tag == _TDICT or tag == _DICT:
+        if type(value) is not layout[1] or tuple(value) != layout[2] \
+                or (layout[3] is not None and tuple(map(type, value)) != layout[3]):
+            return False
+        if tag == _TDICT:
+            tensors.extend(value.values())
+        else:
+            for v, child in zip(value.values(), layout[6]):
+                if child[0] == _TENSOR:
+                    tensors.append(v)
+                elif not _collect(v, child, tensors, plains):
+                    return False
+        return _collect_meta(value, layout[4], layout[5], plains)
+    if type(value) is not layout[1] or len(value) != layout[2]:
+        return False
+    if tag == _TSEQ:
+        tensors.extend(value)
+        return True
+    return all(_collect(v, child, tensors, plains) for v, child in zip(value, layout[3]))
+
+
+def _collect_meta(value: Any, had_meta: bool, path: tuple[Any, ...], plains: list[str]) -> bool:
+    """A state_dict's ``_metadata`` (module versions), encoded as ``state._encode_dict`` does."""
+    meta = getattr(value, "_metadata", None) if type(value) is OrderedDict else None
+    if not had_meta:
+        return not isinstance(meta, dict)
+    if not isinstance(meta, dict):
+        return False
+    try:
+        plains.append(_json(_encode(meta, path + ("_metadata",), {})))
+    except TypeError:
+        return False
+    return True
+
