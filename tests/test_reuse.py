@@ -295,3 +295,16 @@ def test_a_base_file_gone_is_written_again_not_a_failed_step(make_daemon) -> Non
         p.save(lora_state(2, base), 2).wait(30)
     assert_loads(d.root, 2, lora_state(2, base))
     assert "writing 'model.base.layer0.weight' again" in d.log_text()
+
+
+def test_frozen_saves_and_planned_saves_of_the_same_state_mix(daemon) -> None:
+    """A state saved again goes through a cached plan (producer/plan.py) that copies
+    every tensor; with frozen= it goes the general way, and back."""
+    base = make_base(n=3, numel=2**10)
+    with daemon.producer() as p:
+        for step, frozen in ((1, None), (2, None), (3, ["model.base.*"]), (4, ["model.base.*"]), (5, None),
+                             (6, None)):
+            p.save(lora_state(step, base), step, frozen=frozen).wait(30)
+    for step in range(1, 7):
+        assert_loads(daemon.root, step, lora_state(step, base))
+    assert inode(daemon.root, 3, "model.base.layer0.weight") == inode(daemon.root, 4, "model.base.layer0.weight")

@@ -277,7 +277,8 @@ class Producer:
         check_step(step)
         pattern = frozen_mod.globs(frozen)
         with _no_cyclic_gc():
-            by_plan = self._save_by_plan(state, step, metadata, replicated)
+            # a plan copies every tensor; frozen= ones go the general way, which leaves them out
+            by_plan = self._save_by_plan(state, step, metadata, replicated) if pattern is None else None
             if by_plan is not None:
                 return by_plan
             structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
@@ -303,7 +304,8 @@ class Producer:
                 self.abort(step)
                 raise
             room = sizing.room_for([i.nbytes for i in items.values()])
-            self._keep_plan(state, structure, tensors, planned, items, replicated, room)
+            if pattern is None:  # (items lacks the frozen tensors it did not send)
+                self._keep_plan(state, structure, tensors, planned, items, replicated, room)
         with self._lock:
             st = self._steps.get(step)
             if st is not None:  # _commit asks sizing for room to fit it next time
