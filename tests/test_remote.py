@@ -147,7 +147,7 @@ def test_a_frozen_base_is_copied_inside_the_bucket_not_uploaded_again(s3, make_d
                                                                       tmp_path) -> None:
     """Steps that hard-link the base's files (daemon.reuse) upload only what changed;
     the bucket still holds each step whole, which an empty disk loads bit-exact."""
-    d = _remote_daemon(make_daemon, monkeypatch, URL + "-frozen", chunk_size="1MiB")
+    d = _remote_daemon(make_daemon, monkeypatch, URL + "-frozen", chunk_size="1MiB", metrics="127.0.0.1:0")
     g = torch.Generator().manual_seed(3)
     base = {f"layer{i}": torch.randn(2**18, generator=g) for i in range(4)}  # 4 MiB
     states = {}
@@ -162,6 +162,9 @@ def test_a_frozen_base_is_copied_inside_the_bucket_not_uploaded_again(s3, make_d
     assert remote["shares_uploaded"] == 3 and remote["failures"] == 0
     assert remote["bytes_copied"] >= 2 * base_bytes  # steps 2 and 3: copied in the bucket
     assert remote["bytes_uploaded"] < 1.5 * base_bytes  # the base once, then the adapters
+    from test_metrics import scrape, status
+
+    assert scrape(status(d)["metrics"])[("ckptd_remote_copied_bytes_total", ())] == remote["bytes_copied"]
     empty = tmp_path / "fresh-node"
     empty.mkdir()
     for step in (1, 2, 3):

@@ -308,3 +308,16 @@ def test_frozen_saves_and_planned_saves_of_the_same_state_mix(daemon) -> None:
     for step in range(1, 7):
         assert_loads(daemon.root, step, lora_state(step, base))
     assert inode(daemon.root, 3, "model.base.layer0.weight") == inode(daemon.root, 4, "model.base.layer0.weight")
+
+
+def test_a_bad_frozen_argument_is_a_type_error_and_nothing_is_lost(daemon) -> None:
+    base = make_base(n=1, numel=2**10)
+    with daemon.producer() as p:
+        p.save(lora_state(1, base), 1, frozen=["model.base.*"]).wait(30)
+        for bad in (5, [b"model.base.*"], {"model.base.*": True}):
+            with pytest.raises(TypeError, match=r"frozen must be True or a list of fnmatch globs"):
+                p.save(lora_state(2, base), 2, frozen=bad)
+        p.save(lora_state(2, base), 2, frozen="model.base.*").wait(30)  # one glob as a string
+    assert [i.step for i in ckptd.list_checkpoints("t", root=daemon.root)] == [1, 2]
+    assert_loads(daemon.root, 1, lora_state(1, base))
+    assert_loads(daemon.root, 2, lora_state(2, base))

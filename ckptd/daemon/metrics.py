@@ -170,6 +170,9 @@ def _remote_families(r: dict[str, Any]) -> Iterator[Any]:
                               value=r["shares_uploaded"])
     yield CounterMetricFamily("ckptd_remote_uploaded_bytes", "File bytes uploaded to the remote tier.",
                               value=r["bytes_uploaded"])
+    yield CounterMetricFamily("ckptd_remote_copied_bytes", "File bytes copied inside the bucket instead of "
+                              "uploaded: files an earlier step's upload holds already (daemon/reuse.py).",
+                              value=r.get("bytes_copied", 0))
     yield CounterMetricFamily("ckptd_remote_upload_seconds", "Seconds spent uploading (bytes / seconds: "
                               "throughput).", value=r["upload_seconds"])
     yield CounterMetricFamily("ckptd_remote_failures", "Upload attempts that failed (each is retried).",

@@ -97,7 +97,8 @@ class Share:
         return str(self.dir / name)
 
     def close_dir(self) -> None:
-        self.close_base()
+        if self.base is not None:
+            self.base.close()
         if self.dir_fd >= 0:
             os.close(self.dir_fd)
             self.dir_fd = -1
@@ -108,10 +109,6 @@ class Share:
         with self._names:
             seq, self.next_file = self.next_file, self.next_file + 1
         return layout.chunk_name(self.rank, seq)
-
-    def close_base(self) -> None:
-        if self.base is not None:
-            self.base.close()
 
 
 @dataclass
@@ -172,7 +169,8 @@ class Writer:
         name the shared-memory pieces among them. Both are reported freed after."""
         # Checksummed ahead, on ckptd-hash, while the writer writes the chunk before it:
         # the checksum of one chunk overlaps the write of another (both release the GIL).
-        ahead = self._hasher.submit(_checksums, list(entries)) if share.error is None else None
+        # (entries is cleared only once the job is done: _settled)
+        ahead = self._hasher.submit(_checksums, entries) if share.error is None else None
         if share.before is None:
             before = self._committing.get((share.run, share.rank))
             share.before = before if before is not share else None
@@ -334,8 +332,10 @@ class Writer:
                      ahead: Future | None = None) -> int | None:
         """Write one chunk file; its descriptor, to fsync and close, or None (failed).
         ``listed``: the file is in ``share.files`` already (the pool's case); ``ahead``:
-        the entries' checksums, being computed on ckptd-hash."""
-        digests: dict[str, str] = dict(ahead.result()) if ahead is not None else {}
+        the entries' checksums, being computed on ckptd-hash (a share that had failed
+        when its chunk came has none, and is not written)."""
+        assert ahead is not None
+        digests = ahead.result()
         try:
             entries = self._recognise(share, entries, digests)
         except OSError as exc:
@@ -355,8 +355,7 @@ class Writer:
             out.write([head])
             offset = len(head)
             for e in entries:
-                digest = digests.get(e.name) or checksum(e.buffers)
-                records[e.name] = _record(e, name, e.name, offset, digest)
+                records[e.name] = _record(e, name, e.name, offset, digests[e.name])
                 out.write(e.buffers)
                 offset += e.nbytes
             fd = out.finish()
@@ -387,8 +386,8 @@ class Writer:
             return share.base
 
     def _recognise(self, share: Share, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
-        """Refer to the base's copy of each entry unchanged since it; return the others
-        (to write), with the checksums computed on the way in ``digests``."""
+        """Refer to the base's copy of each entry unchanged since it (``digests``: their
+        checksums); return the others, to write."""
         if not self._reuse:
             return entries
         base = self._base(share)
@@ -397,16 +396,13 @@ class Writer:
         left = []
         for e in entries:
             old = base.match(e)
-            if old is not None:
-                digest = digests.get(e.name) or checksum(e.buffers)
-                digests[e.name] = digest
-                if digest == old.checksum:
-                    try:
-                        self._refer(share, base, e.name, old, received=True)
-                        continue
-                    except OSError as exc:  # the base went away meanwhile: the bytes are here
-                        log.warning("run=%s step=%d rank=%d: writing %r again: %s", share.run, share.step,
-                                    share.rank, e.name, exc)
+            if old is not None and digests[e.name] == old.checksum:
+                try:
+                    self._refer(share, base, e.name, old, received=True)
+                    continue
+                except OSError as exc:  # the base went away meanwhile: the bytes are here
+                    log.warning("run=%s step=%d rank=%d: writing %r again: %s", share.run, share.step,
+                                share.rank, e.name, exc)
             left.append(e)
         return left
 
@@ -509,13 +505,13 @@ class Writer:
         try:
             if share.error is None:
                 h5 = self._h5_file(share)
-                digests: dict[str, str] = dict(ahead.result()) if ahead is not None else {}
+                assert ahead is not None  # (a share failed when its chunk came is not written)
+                digests = ahead.result()
                 for e in self._recognise(share, entries, digests):
                     dataset = h5.add(e.name, e.dtype, e.shape)
-                    digest = digests.get(e.name) or checksum(e.buffers)
                     h5.write(dataset, e.buffers)
                     self._throttled(e.nbytes)
-                    self._h5_record(share, e, dataset, digest)
+                    self._h5_record(share, e, dataset, digests[e.name])
         except OSError as exc:
             self._fail(share, f"writing {share.dir / layout.h5_name(share.rank)}", exc)
         finally:
