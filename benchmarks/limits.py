@@ -320,7 +320,6 @@ def one_round(lab: Lab, record: bool) -> None:
             rec(f"{api}.{kind}.cpu", CPU["blocked"])
             rec(f"{api}.{kind}.cpu_x_memcpy", CPU["blocked"] / max(floor_cpu, 1e-6))
     large = states["large"]
-    nbytes = nbytes_of(large)
     # -- part 2: durable against O_DIRECT, and the RAM disk ------------------------------
     data = lab.direct_buf
     os.sync()

@@ -5,7 +5,6 @@ Real daemons, real files; speed is measured by benchmarks/limits.py, never here.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 
 import numpy as np
 import pytest

@@ -129,10 +129,6 @@ class Base:
                 self._links[record.file] = name
         return replace(record, file=name)
 
-    @property
-    def linked(self) -> bool:
-        return bool(self._links)
-
     def _place(self, file: str, share: Any, name: str) -> bool:
         """Link (or copy) ``file`` as ``name``; False if it was there already (the same
         HDF5 file, linked for another base of the same share)."""
