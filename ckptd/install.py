@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from .durable import replacing
+
 SOURCE = Path(__file__).resolve().parent.parent / "systemd"
 SYSTEM_UNIT = Path("/etc/systemd/system/ckptd.service")
 SYSTEM_DROPIN = Path("/etc/systemd/system/ckptd.service.d/ckptd-python.conf")
@@ -182,8 +184,7 @@ def _outside_sandbox(config_path: Path) -> list[str]:
 
 def _write(path: Path, text: str, done: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:  # the one durable path: fsync, rename, fsync the folder
+        tmp.write_text(text)
+        os.chmod(tmp, 0o644)  # whatever the umask: systemd reads units as any user
     done.append(f"wrote {path}")

@@ -15,13 +15,12 @@ last, orphans removed at start-up) hold for the copy too.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from .. import dtypes, layout
-from ..durable import atomic_write
+from ..durable import atomic_write, replacing
 from ..errors import CheckpointCorrupt
 from ..manifest import Checksum, Manifest, TensorRecord, checksum
 from . import catalog
@@ -87,11 +86,13 @@ def fetch_share(store: Store, run: str, step: int, rank: int, root: Path) -> Man
         want = manifest.files.get(file)
         if path.is_file() and not path.is_symlink() and want is not None and path.stat().st_size == want:
             continue
-        tmp = step_dir / f".{file}~fetch-{os.getpid()}.tmp"
-        tmp.unlink(missing_ok=True)
-        store.download(catalog.key(run, step, file), tmp)
-        _check_file(tmp, file, manifest)
-        os.replace(tmp, path)
+        # the manifest written below vouches for this file: it goes through the one
+        # durable path (fsync, rename, fsync the folder) so that a power loss cannot
+        # leave a complete step whose data never reached the disk
+        with replacing(path) as tmp:
+            tmp.unlink(missing_ok=True)  # named for this host and pid: a crashed earlier self's
+            store.download(catalog.key(run, step, file), tmp)
+            _check_file(tmp, file, manifest)
     atomic_write(step_dir / layout.manifest_name(rank), manifest.to_json())
     return manifest
 
@@ -111,6 +112,5 @@ def _check_file(path: Path, file: str, manifest: Manifest) -> None:
                 c.update(piece)
                 left -= len(piece)
             if left or c.text() != rec.checksum:
-                path.unlink(missing_ok=True)
                 raise CheckpointCorrupt(f"{file} of run {manifest.run!r} step {manifest.step} from the remote tier: "
                                         f"tensor {name!r} does not match its checksum")
