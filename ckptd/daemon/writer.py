@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import chunkfile, layout, manifestcache
-from . import reuse
+from . import failpoints, reuse
 from ..chunkfile import Entry
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
@@ -239,8 +239,16 @@ class Writer:
             fn, args = job
             try:
                 fn(*args)
-            except Exception:  # a bug here must not kill the daemon's I/O
-                log.exception("internal error in %s", threading.current_thread().name)
+            except Exception as exc:  # a bug here must not kill the daemon's I/O ...
+                thread = threading.current_thread().name
+                log.exception("internal error in %s", thread)
+                # ... nor let the share commit without what the job was writing: its
+                # commit, queued behind this job, fails naming the error
+                share = next((a if isinstance(a, Share) else a.share for a in args
+                              if isinstance(a, (Share, Stream))), None)
+                if share is not None and share.error is None:
+                    share.error = (f"internal error in the daemon's {thread} thread: {type(exc).__name__}: {exc} "
+                                   "(its log has the traceback)")
 
     def _report_freed(self, share: Share, held: int, seqs: list[int]) -> None:
         """Received bytes are let go of: written, or dropped because the share failed."""
@@ -343,6 +351,7 @@ class Writer:
             return None
         if not entries:  # every tensor of it is stored already
             return None
+        failpoints.hit("writer.chunk")
         head = chunkfile.header(entries)
         records = {}
         out = None
@@ -504,6 +513,7 @@ class Writer:
                      ahead: Future | None = None) -> None:
         try:
             if share.error is None:
+                failpoints.hit("writer.hdf5")
                 h5 = self._h5_file(share)
                 assert ahead is not None  # (a share failed when its chunk came is not written)
                 digests = ahead.result()

@@ -421,6 +421,9 @@ class Producer:
         for h in handles:
             if not h._event.wait(timeout):
                 raise CheckpointError(f"commit of step {h.step} was not acknowledged within {timeout} s")
+        self._raise_unseen_failures()
+
+    def _raise_unseen_failures(self) -> None:
         with self._lock:
             failures, self._failures = self._failures, []
         unseen = [h._error for h in failures if not h.observed]
@@ -451,7 +454,9 @@ class Producer:
         return CheckpointInfo.from_dict(reply["info"]) if reply["info"] else None
 
     def close(self) -> None:
-        """Wait for outstanding commits, then disconnect and free staging memory."""
+        """Wait for outstanding commits, then disconnect and free staging memory; raise
+        CheckpointError, as ``flush`` does, naming every failed commit not raised yet
+        (also when the daemon was lost: a step is committed, or the caller is told)."""
         if self._closed:
             return
         if self._connector is not None:
@@ -459,6 +464,8 @@ class Producer:
         try:
             if self._transport is not None and self._transport.lost is None:
                 self.flush()
+            else:
+                self._raise_unseen_failures()
         finally:
             self._closed = True
             transport, self._transport = self._transport, None

@@ -1,0 +1,43 @@
+"""Failpoints: faults a test switches on in a real daemon, by name, from outside.
+
+``CKPTD_FAILPOINTS="writer.chunk"`` makes every pass through that point raise
+``Failpoint``; ``"writer.chunk@3"`` only the third and later passes. Several points
+are separated by commas. The daemon reads the variable once, at import; with it unset
+(always, outside the test suite) ``hit`` is one dict lookup that finds nothing.
+
+They exist for what a kill -9 or a full disk cannot produce: an unexpected exception
+on a daemon thread (a bug), whose step must fail, named, rather than commit without
+the tensors that the failed job was writing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_ARMED: dict[str, int] = {}  # point -> the first pass that raises (1-based)
+_passes: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+class Failpoint(RuntimeError):
+    """Raised at an armed failpoint."""
+
+
+def _arm(spec: str) -> None:
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, first = item.partition("@")
+        _ARMED[name] = int(first) if first else 1
+
+
+def hit(point: str) -> None:
+    """Raise ``Failpoint`` if ``point`` is armed and its pass has come."""
+    if point not in _ARMED:
+        return
+    with _lock:
+        n = _passes[point] = _passes.get(point, 0) + 1
+    if n >= _ARMED[point]:
+        raise Failpoint(f"failpoint {point} (pass {n}), armed by CKPTD_FAILPOINTS")
+
+
+_arm(os.environ.get("CKPTD_FAILPOINTS", ""))
