@@ -35,12 +35,17 @@ SPLIT_BYTES = 32 << 20  # a direct read larger than this is shared out between t
 
 @dataclass(frozen=True)
 class Piece:
-    """One stored piece: a record of one rank's manifest, and its block."""
+    """One stored piece: a record of one rank's manifest (kept there under ``key``), and
+    its block of the whole tensor."""
 
     rank: int
-    name: str
+    key: str
     rec: TensorRecord
     box: Box
+
+    @classmethod
+    def of(cls, rank: int, key: str, rec: TensorRecord) -> "Piece":
+        return cls(rank, key, rec, Box(tuple(rec.offsets), tuple(rec.shape)))
 
 
 @dataclass
@@ -85,7 +90,7 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     """
     path, manifests, store = reader.find_in_tiers(run, step, root, remote)
     rank = _own_rank(manifests[0].world_size)
-    pieces = _pieces(manifests)
+    pieces = pieces_of(manifests)
     saved = _saved_structure(path, manifests, rank)
     targets: dict[str, Any] = {}
     missing: list[str] = []
@@ -120,7 +125,7 @@ def load_whole(path: Path, manifests: list[Manifest], *, names: Iterable[str] | 
     several ranks stored whole (not sharded) is taken from the lowest of them."""
     import torch
 
-    pieces = _pieces(manifests)
+    pieces = pieces_of(manifests)
     wanted = list(pieces) if names is None else list(names)
     absent = [n for n in wanted if n not in pieces]
     if absent:
@@ -161,11 +166,13 @@ def _own_rank(world: int) -> int:
     return int(env) if env.isdigit() else 0
 
 
-def _pieces(manifests: list[Manifest]) -> dict[str, list[Piece]]:
+def pieces_of(manifests: list[Manifest]) -> dict[str, list[Piece]]:
+    """Every stored piece, by the name of its tensor (a rank may hold several pieces of
+    one: its later ones are kept under other keys, docs/format.md)."""
     out: dict[str, list[Piece]] = {}
     for m in manifests:
-        for name, rec in m.tensors.items():
-            out.setdefault(name, []).append(Piece(m.rank, name, rec, Box(tuple(rec.offsets), tuple(rec.shape))))
+        for key, rec in m.tensors.items():
+            out.setdefault(rec.tensor_name(key), []).append(Piece.of(m.rank, key, rec))
     return out
 
 
@@ -334,7 +341,7 @@ def _tasks(work: list[tuple[Target, Piece, Box]], files: _Files, verify: bool) -
     by_piece: dict[tuple[int, str], list[tuple[Target, Box]]] = {}
     for target, piece, box in work:
         if verify or piece.rec.offset is None:  # read whole: checked, or HDF5 without one place
-            by_piece.setdefault((piece.rank, piece.name), []).append((target, box))
+            by_piece.setdefault((piece.rank, piece.key), []).append((target, box))
             if piece.rec.offset is not None:
                 files.fd(piece.rec.file)  # opened here, not by several threads at once
             continue
@@ -350,7 +357,7 @@ def _tasks(work: list[tuple[Target, Piece, Box]], files: _Files, verify: bool) -
                 tasks.append(_direct(files, fd, piece, start + part, dst[t_start + part:t_start + part + n]))
         else:
             tasks.append(_span(files, fd, piece, box, target, start, length))
-    pieces = {(p.rank, p.name): p for _, p, _ in work}
+    pieces = {(p.rank, p.key): p for _, p, _ in work}
     for key, wanted in by_piece.items():
         tasks.append(_whole(files, pieces[key], wanted, verify))
     return tasks
@@ -365,7 +372,7 @@ def _flat_bytes(target: Target) -> memoryview:
 
 
 def _direct(files: _Files, fd: int, piece: Piece, start: int, dst: memoryview) -> Any:
-    return lambda: reader.read_range(fd, files.path / piece.rec.file, piece.name, piece.rec, start, dst)
+    return lambda: reader.read_range(fd, files.path / piece.rec.file, piece.key, piece.rec, start, dst)
 
 
 def _span(files: _Files, fd: int, piece: Piece, box: Box, target: Target, start: int, length: int) -> Any:
@@ -373,7 +380,7 @@ def _span(files: _Files, fd: int, piece: Piece, box: Box, target: Target, start:
         import torch
 
         raw = torch.empty(length, dtype=torch.uint8)
-        reader.read_range(fd, files.path / piece.rec.file, piece.name, piece.rec, start, memoryview(raw.numpy()))
+        reader.read_range(fd, files.path / piece.rec.file, piece.key, piece.rec, start, memoryview(raw.numpy()))
         _copy_out(raw, piece, box, target)
     return run
 
@@ -384,15 +391,15 @@ def _whole(files: _Files, piece: Piece, wanted: list[tuple[Target, Box]], verify
 
         rec = piece.rec
         if rec.offset is None:
-            raw = reader.read_tensors(files.path, {piece.name: rec}, verify=verify)[piece.name]
+            raw = reader.read_tensors(files.path, {piece.key: rec}, verify=verify)[piece.key]
             raw = raw.reshape(-1).view(torch.uint8)
         else:
             raw = torch.empty(rec.nbytes, dtype=torch.uint8)
             if rec.nbytes:
-                reader.read_range(files.fd(rec.file), files.path / rec.file, piece.name, rec, 0,
+                reader.read_range(files.fd(rec.file), files.path / rec.file, piece.key, rec, 0,
                                   memoryview(raw.numpy()))
             if verify and checksum([memoryview(raw.numpy())] if rec.nbytes else []) != rec.checksum:
-                raise CheckpointCorrupt(f"{files.path / rec.file}: tensor {piece.name!r}: does not match "
+                raise CheckpointCorrupt(f"{files.path / rec.file}: tensor {piece.key!r}: does not match "
                                         "its checksum")
         itemsize = dtypes.lookup(rec.dtype).itemsize
         for target, box in wanted:

@@ -88,7 +88,7 @@ class StorageReader(_Reader):
             dest = planner.resolve_tensor(req).detach()
             origin = [o + s for o, s in zip(rec.offsets, req.storage_offsets)]
             key = f"{name}\0{i}"  # one target per read item, each from its one stored piece
-            pieces[key] = [Piece(rank, name, rec, Box(tuple(rec.offsets), tuple(rec.shape)))]
+            pieces[key] = [Piece.of(rank, name, rec)]
             # DCP's planner hands a tensor of the caller's dtype: fill casts into it, as
             # DCP's FileSystemReader does (its read_data ends in target.copy_(stored))
             targets.append(Target.of(key, dest, Box(tuple(origin), tuple(req.lengths))))
