@@ -2,13 +2,14 @@
 whatever layout (world size, sharding) it was saved in; and ``load`` of a whole
 multi-rank checkpoint, every sharded tensor assembled to its global shape.
 
-Every stored piece of a tensor, from every rank's manifest, is a block of the
-whole tensor (``sharding.Box``). For each target (a plain tensor: the whole
-block; a DTensor: its local shard's block) only the stored pieces that overlap it
-are read, and of each only the bytes that hold the overlap: straight into the
-target's memory where the overlap is one contiguous run in both, otherwise the
-smallest contiguous span of the piece that holds it, copied out with one strided
-copy. Reads run on a small thread pool (``preadv`` and torch's copies release the
+Every stored piece of a tensor, from every rank's manifest (a rank may hold several,
+docs/format.md), is a block of the whole tensor (``sharding.Box``). For each target
+(a plain tensor: the whole block; a DTensor: its local shard's block) only the stored
+pieces that overlap it are read, and of each only the bytes that hold the overlap:
+straight into the target's memory where the overlap is one contiguous run in both and
+the dtypes agree, otherwise the smallest contiguous span of the piece that holds it,
+copied out with one strided ``copy_`` (which converts the dtype: ``ckptd.dcp`` casts
+as DCP does; ``load_into`` itself refuses another dtype before reading). Reads run on a small thread pool (``preadv`` and torch's copies release the
 GIL), files opened once each, large runs split so that several threads share one
 big piece.
 
