@@ -2,13 +2,14 @@
 whatever layout (world size, sharding) it was saved in; and ``load`` of a whole
 multi-rank checkpoint, every sharded tensor assembled to its global shape.
 
-Every stored piece of a tensor, from every rank's manifest, is a block of the
-whole tensor (``sharding.Box``). For each target (a plain tensor: the whole
-block; a DTensor: its local shard's block) only the stored pieces that overlap it
-are read, and of each only the bytes that hold the overlap: straight into the
-target's memory where the overlap is one contiguous run in both, otherwise the
-smallest contiguous span of the piece that holds it, copied out with one strided
-copy. Reads run on a small thread pool (``preadv`` and torch's copies release the
+Every stored piece of a tensor, from every rank's manifest (a rank may hold several,
+docs/format.md), is a block of the whole tensor (``sharding.Box``). For each target
+(a plain tensor: the whole block; a DTensor: its local shard's block) only the stored
+pieces that overlap it are read, and of each only the bytes that hold the overlap:
+straight into the target's memory where the overlap is one contiguous run in both and
+the dtypes agree, otherwise the smallest contiguous span of the piece that holds it,
+copied out with one strided ``copy_`` (which converts the dtype: ``ckptd.dcp`` casts
+as DCP does; ``load_into`` itself refuses another dtype before reading). Reads run on a small thread pool (``preadv`` and torch's copies release the
 GIL), files opened once each, large runs split so that several threads share one
 big piece.
 
@@ -34,22 +35,44 @@ SPLIT_BYTES = 32 << 20  # a direct read larger than this is shared out between t
 
 
 @dataclass(frozen=True)
-class _Piece:
-    """One stored piece: a record of one rank's manifest, and its block."""
+class Piece:
+    """One stored piece: a record of one rank's manifest (kept there under ``key``), and
+    its block of the whole tensor."""
 
     rank: int
-    name: str
+    key: str
     rec: TensorRecord
     box: Box
 
+    @classmethod
+    def of(cls, rank: int, key: str, rec: TensorRecord) -> "Piece":
+        return cls(rank, key, rec, Box(tuple(rec.offsets), tuple(rec.shape)))
+
 
 @dataclass
-class _Target:
+class Target:
+    """A tensor to fill, and the block of the whole tensor it holds. Made by ``of``.
+
+    ``fill`` never puts stored bytes of one dtype into memory of another: it reads
+    straight into ``buf`` only where the dtypes agree, and otherwise copies the stored
+    values in with ``copy_``, which converts them (as DCP's own reader does)."""
+
     name: str
     buf: Any  # contiguous CPU tensor the reads fill
     box: Box
     final: Any = None  # the caller's tensor, when ``buf`` is a stand-in copied into it at the end
     direct: Any = field(default=None, repr=False)  # ``buf`` as a flat uint8 memoryview
+
+    @classmethod
+    def of(cls, name: str, dest: Any, box: Box) -> "Target":
+        """The target that fills tensor ``dest`` (of ``box``'s sizes): ``dest`` itself when
+        it is a contiguous CPU tensor, else a stand-in copied into it at the end."""
+        import torch
+
+        dest = dest.detach()
+        if dest.device.type == "cpu" and dest.is_contiguous():
+            return cls(name, dest, box)
+        return cls(name, torch.empty(dest.shape, dtype=dest.dtype), box, final=dest)
 
 
 def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None,
@@ -68,7 +91,7 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     """
     path, manifests, store = reader.find_in_tiers(run, step, root, remote)
     rank = _own_rank(manifests[0].world_size)
-    pieces = _pieces(manifests)
+    pieces = pieces_of(manifests)
     saved = _saved_structure(path, manifests, rank)
     targets: dict[str, Any] = {}
     missing: list[str] = []
@@ -92,7 +115,7 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
         needed = {p.rank for t in plans for p, _ in _choose(t, pieces[t.name], rank)}
         for r in sorted(needed):
             fetch.fetch_share(store, run, manifests[0].step, r, default_root(root))
-    _fill(path, plans, pieces, rank, verify)
+    fill(path, plans, pieces, rank, verify)
     return CheckpointInfo.from_manifests(str(path), manifests)
 
 
@@ -103,7 +126,7 @@ def load_whole(path: Path, manifests: list[Manifest], *, names: Iterable[str] | 
     several ranks stored whole (not sharded) is taken from the lowest of them."""
     import torch
 
-    pieces = _pieces(manifests)
+    pieces = pieces_of(manifests)
     wanted = list(pieces) if names is None else list(names)
     absent = [n for n in wanted if n not in pieces]
     if absent:
@@ -115,7 +138,7 @@ def load_whole(path: Path, manifests: list[Manifest], *, names: Iterable[str] | 
         rec = pieces[name][0].rec
         out[name] = torch.empty(rec.global_shape, dtype=dtypes.torch_dtype(rec.dtype))
         plans.append(_target(name, out[name], pieces[name]))
-    _fill(path, plans, pieces, 0, verify)
+    fill(path, plans, pieces, 0, verify)
     if map_location not in (None, "cpu"):
         out = {n: t.to(map_location) for n, t in out.items()}
     out = {n: (t.numpy() if pieces[n][0].rec.numpy else t) for n, t in out.items()}
@@ -144,11 +167,13 @@ def _own_rank(world: int) -> int:
     return int(env) if env.isdigit() else 0
 
 
-def _pieces(manifests: list[Manifest]) -> dict[str, list[_Piece]]:
-    out: dict[str, list[_Piece]] = {}
+def pieces_of(manifests: list[Manifest]) -> dict[str, list[Piece]]:
+    """Every stored piece, by the name of its tensor (a rank may hold several pieces of
+    one: its later ones are kept under other keys, docs/format.md)."""
+    out: dict[str, list[Piece]] = {}
     for m in manifests:
-        for name, rec in m.tensors.items():
-            out.setdefault(name, []).append(_Piece(m.rank, name, rec, Box(tuple(rec.offsets), tuple(rec.shape))))
+        for key, rec in m.tensors.items():
+            out.setdefault(rec.tensor_name(key), []).append(Piece.of(m.rank, key, rec))
     return out
 
 
@@ -202,7 +227,7 @@ def _walk(target: Any, saved: Any, path: tuple[Any, ...], targets: dict[str, Any
                 target[key] = old
 
 
-def _target(name: str, value: Any, stored: list[_Piece], placed: dict[Any, Any] | None = None) -> _Target:
+def _target(name: str, value: Any, stored: list[Piece], placed: dict[Any, Any] | None = None) -> Target:
     """Where ``value`` (a tensor, DTensor or array to fill) wants its bytes, checked
     against what is stored."""
     import numpy as np
@@ -224,20 +249,17 @@ def _target(name: str, value: Any, stored: list[_Piece], placed: dict[Any, Any] 
     if rec.dtype != want:
         raise ValueError(f"tensor {name!r} is {want} here, but {rec.dtype} in the checkpoint; "
                          "make the target that dtype (or load it and convert)")
-    local = local.detach()
-    if local.device.type == "cpu" and local.is_contiguous():
-        return _Target(name, local, box)
-    return _Target(name, torch.empty(local.shape, dtype=local.dtype), box, final=local)
+    return Target.of(name, local, box)
 
 
 # -- reading ----------------------------------------------------------------------------------
-def _choose(target: _Target, stored: list[_Piece], rank: int) -> list[tuple[_Piece, Box]]:
+def _choose(target: Target, stored: list[Piece], rank: int) -> list[tuple[Piece, Box]]:
     """The stored pieces to read for ``target``, each with the block it gives."""
     whole = [p for p in stored if p.rec.shard is None]
     if whole:  # held whole (per rank, or replicated): one copy, this rank's if it has one
         candidates = [min(whole, key=lambda p: (p.rank != rank, p.rank))]
     else:  # the same block stored twice (replicated shards saved by emit) is read once
-        seen: dict[Box, _Piece] = {}
+        seen: dict[Box, Piece] = {}
         for p in sorted(stored, key=lambda p: p.rank):
             seen.setdefault(p.box, p)
         candidates = list(seen.values())
@@ -267,8 +289,8 @@ def _choose(target: _Target, stored: list[_Piece], rank: int) -> list[tuple[_Pie
     return out
 
 
-def _fill(path: Path, targets: list[_Target], pieces: dict[str, list[_Piece]], rank: int, verify: bool) -> None:
-    work: list[tuple[_Target, _Piece, Box]] = []
+def fill(path: Path, targets: list[Target], pieces: dict[str, list[Piece]], rank: int, verify: bool) -> None:
+    work: list[tuple[Target, Piece, Box]] = []
     for t in targets:
         work += [(t, p, box) for p, box in _choose(t, pieces[t.name], rank)]
     try:
@@ -314,13 +336,13 @@ class _Files:
         self.fds.clear()
 
 
-def _tasks(work: list[tuple[_Target, _Piece, Box]], files: _Files, verify: bool) -> list[Any]:
+def _tasks(work: list[tuple[Target, Piece, Box]], files: _Files, verify: bool) -> list[Any]:
     """Closures that each do one read (and copy); independent, to run in any order."""
     tasks: list[Any] = []
-    by_piece: dict[tuple[int, str], list[tuple[_Target, Box]]] = {}
+    by_piece: dict[tuple[int, str], list[tuple[Target, Box]]] = {}
     for target, piece, box in work:
         if verify or piece.rec.offset is None:  # read whole: checked, or HDF5 without one place
-            by_piece.setdefault((piece.rank, piece.name), []).append((target, box))
+            by_piece.setdefault((piece.rank, piece.key), []).append((target, box))
             if piece.rec.offset is not None:
                 files.fd(piece.rec.file)  # opened here, not by several threads at once
             continue
@@ -328,20 +350,21 @@ def _tasks(work: list[tuple[_Target, _Piece, Box]], files: _Files, verify: bool)
         itemsize = dtypes.lookup(piece.rec.dtype).itemsize
         start, length, rows = byte_span(box, piece.box, itemsize)
         t_start, _, t_rows = byte_span(box, target.box, itemsize)
-        if rows == 1 and t_rows == 1:  # one run in both: straight into the target
+        same = target.buf.dtype == dtypes.torch_dtype(piece.rec.dtype)
+        if rows == 1 and t_rows == 1 and same:  # one run in both, one dtype: straight into the target
             dst = _flat_bytes(target)
             for part in range(0, length, SPLIT_BYTES):
                 n = min(SPLIT_BYTES, length - part)
                 tasks.append(_direct(files, fd, piece, start + part, dst[t_start + part:t_start + part + n]))
         else:
             tasks.append(_span(files, fd, piece, box, target, start, length))
-    pieces = {(p.rank, p.name): p for _, p, _ in work}
+    pieces = {(p.rank, p.key): p for _, p, _ in work}
     for key, wanted in by_piece.items():
         tasks.append(_whole(files, pieces[key], wanted, verify))
     return tasks
 
 
-def _flat_bytes(target: _Target) -> memoryview:
+def _flat_bytes(target: Target) -> memoryview:
     if target.direct is None:
         import torch
 
@@ -349,35 +372,35 @@ def _flat_bytes(target: _Target) -> memoryview:
     return target.direct
 
 
-def _direct(files: _Files, fd: int, piece: _Piece, start: int, dst: memoryview) -> Any:
-    return lambda: reader.read_range(fd, files.path / piece.rec.file, piece.name, piece.rec, start, dst)
+def _direct(files: _Files, fd: int, piece: Piece, start: int, dst: memoryview) -> Any:
+    return lambda: reader.read_range(fd, files.path / piece.rec.file, piece.key, piece.rec, start, dst)
 
 
-def _span(files: _Files, fd: int, piece: _Piece, box: Box, target: _Target, start: int, length: int) -> Any:
+def _span(files: _Files, fd: int, piece: Piece, box: Box, target: Target, start: int, length: int) -> Any:
     def run() -> None:
         import torch
 
         raw = torch.empty(length, dtype=torch.uint8)
-        reader.read_range(fd, files.path / piece.rec.file, piece.name, piece.rec, start, memoryview(raw.numpy()))
+        reader.read_range(fd, files.path / piece.rec.file, piece.key, piece.rec, start, memoryview(raw.numpy()))
         _copy_out(raw, piece, box, target)
     return run
 
 
-def _whole(files: _Files, piece: _Piece, wanted: list[tuple[_Target, Box]], verify: bool) -> Any:
+def _whole(files: _Files, piece: Piece, wanted: list[tuple[Target, Box]], verify: bool) -> Any:
     def run() -> None:
         import torch
 
         rec = piece.rec
         if rec.offset is None:
-            raw = reader.read_tensors(files.path, {piece.name: rec}, verify=verify)[piece.name]
+            raw = reader.read_tensors(files.path, {piece.key: rec}, verify=verify)[piece.key]
             raw = raw.reshape(-1).view(torch.uint8)
         else:
             raw = torch.empty(rec.nbytes, dtype=torch.uint8)
             if rec.nbytes:
-                reader.read_range(files.fd(rec.file), files.path / rec.file, piece.name, rec, 0,
+                reader.read_range(files.fd(rec.file), files.path / rec.file, piece.key, rec, 0,
                                   memoryview(raw.numpy()))
             if verify and checksum([memoryview(raw.numpy())] if rec.nbytes else []) != rec.checksum:
-                raise CheckpointCorrupt(f"{files.path / rec.file}: tensor {piece.name!r}: does not match "
+                raise CheckpointCorrupt(f"{files.path / rec.file}: tensor {piece.key!r}: does not match "
                                         "its checksum")
         itemsize = dtypes.lookup(rec.dtype).itemsize
         for target, box in wanted:
@@ -386,12 +409,12 @@ def _whole(files: _Files, piece: _Piece, wanted: list[tuple[_Target, Box]], veri
     return run
 
 
-def _copy_out(raw: Any, piece: _Piece, box: Box, target: _Target) -> None:
+def _copy_out(raw: Any, piece: Piece, box: Box, target: Target) -> None:
     """Copy ``box`` out of ``raw``, the bytes of ``piece``'s storage from ``box``'s first
-    element on, into the target."""
+    element on, into the target; ``copy_`` converts the stored dtype to the target's."""
     import torch
 
-    dtype = target.buf.dtype
+    dtype = dtypes.torch_dtype(piece.rec.dtype)
     strides = [1] * len(piece.box.sizes)
     for d in range(len(strides) - 2, -1, -1):
         strides[d] = strides[d + 1] * piece.box.sizes[d + 1]

@@ -21,7 +21,8 @@ from .errors import CheckpointCorrupt
 
 FORMAT_VERSION = 1  # a manifest without sharded or replicated tensors
 SHARDED_FORMAT_VERSION = 2  # one whose records carry "shard" or that lists "replicas"
-READABLE_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION)
+PIECES_FORMAT_VERSION = 3  # one with several pieces of a tensor: a record's "shard" names its "tensor"
+READABLE_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION, PIECES_FORMAT_VERSION)
 CHECKSUM_ALGORITHM = "xxh3_64"
 # Commit metadata keys that ckptd's own layers write (ckptd.dcp: DCP's Metadata); they stay
 # in the manifest and are left out of CheckpointInfo.metadata, which is the user's.
@@ -53,15 +54,21 @@ def checksum(buffers: Iterable[Any]) -> str:
 @dataclass(frozen=True)
 class Shard:
     """Where a stored piece sits in its whole tensor (docs/format.md): the record's
-    ``shape`` is the piece's own; ``placements`` and ``mesh_shape`` are for people."""
+    ``shape`` is the piece's own; ``placements`` and ``mesh_shape`` are for people.
+    ``tensor``: the name of the tensor the piece belongs to, where the record is kept
+    under another key (a rank's second and later pieces of one tensor,
+    ``sharding.piece_name``); None: the record's key is the tensor's name."""
 
     global_shape: list[int]
     offsets: list[int]
     placements: list[str] | None = None
     mesh_shape: list[int] | None = None
+    tensor: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"global_shape": self.global_shape, "offsets": self.offsets}
+        if self.tensor is not None:
+            d["tensor"] = self.tensor
         if self.placements is not None:
             d["placements"] = self.placements
         if self.mesh_shape is not None:
@@ -74,7 +81,7 @@ class Shard:
         saying what is wrong."""
         if not isinstance(d, dict):
             raise ValueError(f"shard must be an object, not {type(d).__name__}")
-        extra = set(d) - {"global_shape", "offsets", "placements", "mesh_shape"}
+        extra = set(d) - {"global_shape", "offsets", "placements", "mesh_shape", "tensor"}
         if extra:
             raise ValueError(f"shard has unknown fields {sorted(extra)}")
         global_shape = _sizes(d.get("global_shape"), "shard global_shape")
@@ -93,7 +100,13 @@ class Shard:
         mesh_shape = d.get("mesh_shape")
         if mesh_shape is not None:
             mesh_shape = _sizes(mesh_shape, "shard mesh_shape")
-        return cls(global_shape, offsets, placements, mesh_shape)
+        tensor = d.get("tensor")
+        if tensor is not None:
+            try:
+                names.check_name(tensor)
+            except ValueError as exc:
+                raise ValueError(f"shard tensor: {exc}") from None
+        return cls(global_shape, offsets, placements, mesh_shape, tensor)
 
 
 def _sizes(value: Any, what: str) -> list[int]:
@@ -124,6 +137,11 @@ class TensorRecord:
     @property
     def offsets(self) -> list[int]:
         return self.shard.offsets if self.shard is not None else [0] * len(self.shape)
+
+    def tensor_name(self, key: str) -> str:
+        """The name of the tensor this record (kept under ``key`` in its manifest) holds
+        all or a piece of."""
+        return self.shard.tensor if self.shard is not None and self.shard.tensor is not None else key
 
     def to_dict(self) -> dict[str, Any]:
         # not asdict(): it deep-copies every field, a cost seen at 10,000 records
@@ -177,8 +195,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         sharded = self.replicas or any(t.shard is not None for t in self.tensors.values())
+        pieces = any(t.shard is not None and t.shard.tensor is not None for t in self.tensors.values())
         d = {
-            "format_version": SHARDED_FORMAT_VERSION if sharded else self.format_version,
+            "format_version": PIECES_FORMAT_VERSION if pieces else SHARDED_FORMAT_VERSION if sharded
+            else self.format_version,
             "format": self.format,
             "run": self.run, "step": self.step, "rank": self.rank,
             "world_size": self.world_size, "time": self.time, "metadata": self.metadata,
@@ -296,6 +316,11 @@ class _Parser:
             raise self.fail(f"attempt {_short(attempt)} is not a string of 1 to 1024 characters")
         tensors = self.typed(d, "tensors", dict)
         records = {name: self.tensor(name, t, rank, fmt) for name, t in tensors.items()}
+        for name, rec in records.items():
+            if rec.tensor_name(name) != name and version < PIECES_FORMAT_VERSION:
+                raise self.fail(f"tensor {name!r}: its shard names tensor {rec.tensor_name(name)!r}, which "
+                                f"format_version {version} does not have (a manifest with it is version "
+                                f"{PIECES_FORMAT_VERSION})")
         self.no_overlaps(records)
         replicas = self.replicas(d.get("replicas") or {}, rank, world, records)
         return Manifest(run=run, step=step, rank=rank, world_size=world, time=when,

@@ -192,7 +192,12 @@ def load(
         raise ValueError(f"load(mmap=True) maps the files into CPU memory; map_location={map_location!r} "
                          "would copy every byte at once: load without mmap=True")
     path, manifests, store = find_in_tiers(run, step, root, remote)
-    if rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit():
+    whole = rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit()
+    # one rank's share is the whole state, its tensors held in several pieces assembled
+    whole = whole or (manifests[0].world_size == 1 and rank in (None, 0) and out is None and not mmap
+                      and store is None
+                      and any(rec.tensor_name(k) != k for k, rec in manifests[0].tensors.items()))
+    if whole:
         if out is not None or mmap:
             raise ValueError(f"load(out=/mmap=True) reads one rank's share, and step {manifests[0].step} has "
                              f"{manifests[0].world_size} ranks: pass rank=, or fill your tensors of the whole "
@@ -214,6 +219,13 @@ def load(
             + ", ".join(map(repr, missing[:5])) + (" ..." if len(missing) > 5 else "")
         )
     rebuild = names is None and manifest.state is not None
+    # a tensor this rank stored in several pieces has no one record to hand back for its name
+    split = sorted({rec.tensor_name(k) for k, rec in records.items() if rec.tensor_name(k) != k}
+                   & ({n for n in wanted if n in records} if not rebuild else set(records)))
+    if split:
+        raise ValueError(f"rank {manifest.rank} stored tensor {split[0]!r} of step {manifest.step} in several pieces "
+                         "(docs/format.md); load the whole state with ckptd.load(run, step) without rank= (and "
+                         "without $RANK), or fill your own tensors with ckptd.load_into")
     if rebuild:  # a malformed structure fails now, before gigabytes are read
         check_structure(path, manifest)
     wanted_records = {n: records[n] for n in wanted}

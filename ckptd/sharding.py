@@ -4,7 +4,9 @@ one, and which bytes of a stored piece a target needs.
 A *piece* is a block of a tensor: its global offsets and its own sizes, per
 dimension (DCP's ``ChunkStorageMetadata`` is the same idea). A DTensor's local
 shard is one piece (``describe_dtensor``); a hand-sharded tensor names its piece
-with ``global_shape=`` and ``offset=``. A piece held whole by several ranks (a
+with ``global_shape=`` and ``offset=``, and a rank may hold several pieces of one
+tensor (a DCP ShardedTensor's chunks): the first is kept under the tensor's name,
+later ones under ``piece_name``. A piece held whole by several ranks (a
 Replicate placement, or a tensor saved ``replicated=``) is written once, by a rank
 ``assign_writers`` picks the same way on every rank, without communicating.
 Loading copies the intersection of a stored piece and a target piece
@@ -99,6 +101,13 @@ def hand_shard(name: str, shape: Sequence[int], global_shape: Any, offset: Any) 
         return Shard.parse({"global_shape": g, "offsets": o}, list(shape))
     except ValueError as exc:
         raise ValueError(f"emit({name!r}, ...): {exc}") from None
+
+
+def piece_name(name: str, offsets: Sequence[int]) -> str:
+    """The key a rank keeps its second and later pieces of tensor ``name`` under, in its
+    manifest and its chunk file (``name@4,0`` for the piece at offsets [4, 0]); the
+    record's ``shard.tensor`` says whose piece it is (docs/format.md)."""
+    return f"{name}@{','.join(str(int(o)) for o in offsets)}"
 
 
 def assign_writers(items: Iterable[tuple[str, int, tuple[int, ...]]]) -> dict[str, int]:

@@ -7,9 +7,10 @@ writers), ``reader``, ``metadata`` (DCP's ``Metadata`` as JSON, or synthesized),
 ``latest``, ``list``, ``export``, the CLI, ``ckptd.load_into`` all work on it):
 
 - ``write_data`` (every rank) emits each tensor write item into the producer's
-  staging under its DCP name (``model.0.weight``), a DTensor's shard with its global
-  shape and offsets (the manifests' ``shard`` records, docs/format.md), and returns
-  once the bytes are copied. Non-tensor values (DCP's BYTE_IO items, which DCP would
+  staging under its DCP name (``model.0.weight``), a DTensor's shard or a
+  ShardedTensor's chunk with its global shape and offsets (the manifests' ``shard``
+  records, docs/format.md; a rank's later chunks of one tensor under keys of their
+  own), and returns once the bytes are copied. Non-tensor values (DCP's BYTE_IO items, which DCP would
   ``torch.save``) are not pickled: they are kept as plain values in the rank's saved
   structure (``ckptd.state``), and a value ckptd cannot store without pickling is a
   ``TypeError`` naming it. Ranks other than the coordinator commit at the end of
@@ -22,7 +23,8 @@ writers), ``reader``, ``metadata`` (DCP's ``Metadata`` as JSON, or synthesized),
 - ``StorageReader(run, step=None)`` reads the stored metadata, or, for a step saved
   by ``producer.save``/``emit``, synthesizes it from the manifests' records
   (``synthesize_metadata``); ``read_data`` reads only the byte ranges each read
-  item needs, straight into the planner's tensors (``ckptd.load_into``'s reader), and
+  item needs into the planner's tensors (``ckptd.load_into``'s reader), converting
+  them to each target's dtype as DCP's own reader does (docs/dcp.md), and
   hands BYTE_IO items the saved plain value, re-serialized here with ``torch.save``
   (DCP's load planner unpickles it; it only ever sees bytes ckptd made from JSON).
 

@@ -97,11 +97,12 @@ def synthesize_metadata(manifests: list[Manifest], rank: int) -> Metadata:
     storage: dict[MetadataIndex, tuple[int, str | None]] = {}
     order = sorted(manifests, key=lambda m: (m.rank != rank, m.rank))
     for m in order:
-        for name, rec in m.tensors.items():
+        for key, rec in m.tensors.items():
+            name = rec.tensor_name(key)  # a rank's later pieces of a tensor are kept under other keys
             index = MetadataIndex(name, rec.offsets)
             if index in storage:
                 continue
-            storage[index] = (m.rank, name)
+            storage[index] = (m.rank, key)
             md = sdm.get(name)
             if md is None:
                 md = sdm[name] = TensorStorageMetadata(TensorProperties(dtype=dtypes.torch_dtype(rec.dtype)),

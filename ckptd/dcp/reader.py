@@ -16,7 +16,7 @@ from torch.futures import Future
 
 from .. import reader, state as state_mod
 from ..errors import CheckpointCorrupt
-from ..load_into import _fill, _Piece, _Target  # its reader: byte ranges straight into targets
+from ..load_into import Piece, Target, fill  # ckptd.load_into's reader: byte ranges into targets
 from ..manifest import CheckpointInfo, Manifest
 from ..sharding import Box
 from .ids import is_checkpoint_id, rank as _rank, step_of as _step_of
@@ -88,14 +88,12 @@ class StorageReader(_Reader):
             dest = planner.resolve_tensor(req).detach()
             origin = [o + s for o, s in zip(rec.offsets, req.storage_offsets)]
             key = f"{name}\0{i}"  # one target per read item, each from its one stored piece
-            pieces[key] = [_Piece(rank, name, rec, Box(tuple(rec.offsets), tuple(rec.shape)))]
-            box = Box(tuple(origin), tuple(req.lengths))
-            if dest.device.type == "cpu" and dest.is_contiguous():
-                targets.append(_Target(key, dest, box))
-            else:
-                targets.append(_Target(key, torch.empty(dest.shape, dtype=dest.dtype), box, final=dest))
+            pieces[key] = [Piece.of(rank, name, rec)]
+            # DCP's planner hands a tensor of the caller's dtype: fill casts into it, as
+            # DCP's FileSystemReader does (its read_data ends in target.copy_(stored))
+            targets.append(Target.of(key, dest, Box(tuple(origin), tuple(req.lengths))))
             commits.append((req, dest))
-        _fill(self._path, targets, pieces, _rank(), self.verify)
+        fill(self._path, targets, pieces, _rank(), self.verify)
         for req, dest in commits:
             planner.commit_tensor(req, dest)
         future: Future[None] = Future()

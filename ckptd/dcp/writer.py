@@ -56,6 +56,7 @@ class StorageWriter(_Writer):
         self._structure: Any = None
         self._staged_structure: Any = None  # AsyncStorageWriter: the structure as it was staged
         self._emitted: set[str] = set()
+        self._keys: dict[Any, str] = {}  # DCP's MetadataIndex of each item emitted -> its record's name
 
     def __getstate__(self) -> dict[str, Any]:
         if not self._own_producer:
@@ -69,7 +70,7 @@ class StorageWriter(_Writer):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.step = _step_of(checkpoint_id)
-        self._structure, self._emitted = None, set()
+        self._structure, self._emitted, self._keys = None, set(), {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
@@ -97,9 +98,8 @@ class StorageWriter(_Writer):
                 if item.type == WriteItemType.BYTE_IO:  # a plain value: kept in the structure
                     results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=(self.rank, None)))
                     continue
-                nbytes = self._write_item(producer, item, planner)
-                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=(self.rank,
-                                                                                                 item.index.fqn)))
+                nbytes, key = self._write_item(producer, item, planner)
+                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=(self.rank, key)))
             self._structure = self._staged_structure or _structure_of(planner)
             if not self.is_coordinator:
                 handle = producer.commit(self.step, structure=_prune(self._structure, self._emitted))
@@ -112,20 +112,20 @@ class StorageWriter(_Writer):
         future.set_result(results)
         return future
 
-    def _write_item(self, producer: Any, item: Any, planner: SavePlanner) -> int:
-        """Emit one tensor write item (a whole tensor, or a DTensor's local shard); its bytes."""
+    def _write_item(self, producer: Any, item: Any, planner: SavePlanner) -> tuple[int, str]:
+        """Emit one tensor write item (a whole tensor, a DTensor's local shard, or one of
+        the chunks a ShardedTensor has on this rank); its bytes, and the name of its
+        record (a rank's later chunks of one tensor have their own, ``sharding.piece_name``)."""
         fqn = item.index.fqn
-        if fqn in self._emitted:
-            raise ValueError(f"ckptd.dcp: tensor {fqn!r} has more than one chunk on rank {self.rank}; "
-                             "ckptd stores one piece of a tensor per rank (a DTensor's local shard)")
         tensor = planner.resolve_data(item)
         chunk, size = item.tensor_data.chunk, list(item.tensor_data.size)
         if item.type == WriteItemType.TENSOR and list(chunk.sizes) == size:
-            producer.emit(fqn, tensor, step=self.step)
+            key = producer.emit(fqn, tensor, step=self.step)
         else:
-            producer.emit(fqn, tensor, step=self.step, global_shape=size, offset=list(chunk.offsets))
+            key = producer.emit(fqn, tensor, step=self.step, global_shape=size, offset=list(chunk.offsets))
         self._emitted.add(fqn)
-        return tensor.numel() * tensor.element_size()
+        self._keys[item.index] = key
+        return tensor.numel() * tensor.element_size(), key
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator: rank 0's share, with DCP's metadata as JSON, is committed last."""
@@ -192,7 +192,7 @@ class AsyncStorageWriter(StorageWriter):
         planner.set_up_planner(state_dict)
         self.rank = _rank()
         producer = self._get_producer()
-        self._emitted, self._staged_structure = set(), None
+        self._emitted, self._keys, self._staged_structure = set(), {}, None
         try:
             for item in planner.create_local_plan().items:
                 if item.type != WriteItemType.BYTE_IO:
@@ -209,13 +209,15 @@ class AsyncStorageWriter(StorageWriter):
                              "give it as AsyncStorageWriter(step=N), not as checkpoint_id")
         self._structure = None  # what stage() emitted stays
 
-    def _write_item(self, producer: Any, item: Any, planner: SavePlanner) -> int:
+    def _write_item(self, producer: Any, item: Any, planner: SavePlanner) -> tuple[int, str]:
         if self._staged_structure is None:  # staging now
             return super()._write_item(producer, item, planner)
-        if item.index.fqn not in self._emitted:
-            raise ValueError(f"ckptd.dcp.AsyncStorageWriter: DCP's plan writes {item.index.fqn!r}, which was not "
-                             "staged (a custom planner?); use ckptd.dcp.StorageWriter")
-        return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+        key = self._keys.get(item.index)
+        if key is None:
+            raise ValueError(f"ckptd.dcp.AsyncStorageWriter: DCP's plan writes {item.index.fqn!r} at offsets "
+                             f"{list(item.index.offset or [])}, which was not staged (a custom planner?); "
+                             "use ckptd.dcp.StorageWriter")
+        return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize, key
 
     def synchronize_staging(self) -> None:
         pass

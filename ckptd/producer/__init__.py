@@ -47,8 +47,8 @@ def _get() -> Producer:
 
 
 def emit(name: str, tensor: Any, *, step: int | None = None,
-         global_shape: Any = None, offset: Any = None) -> None:
-    _get().emit(name, tensor, step=step, global_shape=global_shape, offset=offset)
+         global_shape: Any = None, offset: Any = None) -> str:
+    return _get().emit(name, tensor, step=step, global_shape=global_shape, offset=offset)
 
 
 def commit(step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:

@@ -31,7 +31,7 @@ from ..attempt import current as current_attempt
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, Shard, check_json
 from ..names import check_name, check_rank, check_run, check_step
-from ..sharding import hand_shard, is_dtensor
+from ..sharding import Box, hand_shard, intersect, is_dtensor, piece_name
 from ..state import flatten
 from . import frozen as frozen_mod, sharded, sizing
 from .batch import Batcher
@@ -84,6 +84,7 @@ class _Step:
     """What this producer knows of a step it is emitting or committing."""
 
     names: set[str] = field(default_factory=set)
+    pieces: dict[str, list[Box]] = field(default_factory=dict)  # hand-placed pieces emitted, by tensor
     room: int = 0  # staging bytes its tensors take at once (sizing.room_for)
     replicas: dict[str, int] = field(default_factory=dict)  # tensors of the step another rank writes
     handle: CommitHandle | None = None  # set once commit() was called
@@ -207,13 +208,17 @@ class Producer:
 
     # -- public API -------------------------------------------------------------------------
     def emit(self, name: str, tensor: Any, *, step: int | None = None,
-             global_shape: Any = None, offset: Any = None) -> None:
+             global_shape: Any = None, offset: Any = None) -> str:
         """Snapshot ``tensor`` as ``name`` of ``step`` and return; it is written in the background.
 
         ``global_shape=`` and ``offset=`` (per dimension) say that ``tensor`` is the
         piece at ``offset`` of a tensor of ``global_shape`` that several ranks hold
-        pieces of (each rank emits its own under the same name). A DTensor is stored
-        as its local piece; one replicated over ranks is written by one of them."""
+        pieces of (each rank emits its own under the same name; a rank may emit
+        several pieces of one tensor, which must not overlap). A DTensor is stored
+        as its local piece; one replicated over ranks is written by one of them.
+
+        Returns the name the tensor is stored under: ``name``, except for a rank's
+        second and later pieces of one tensor (``sharding.piece_name``, docs/format.md)."""
         step = self._resolve_step(step)
         check_name(name)
         if global_shape is not None or offset is not None:
@@ -226,13 +231,15 @@ class Producer:
             if name in planned.replicas:  # another rank of its mesh writes this replicated piece
                 with self._emit_lock:
                     self._claim(step, name, replica_of=planned.replicas[name])
-                return
+                return name
             source, shard = planned.stage[name]
             item = dataclasses.replace(self._describe(name, source), shard=shard)
         else:
             item = self._describe(name, tensor)
         with self._emit_lock:
             self._grow_between_steps()
+            if global_shape is not None:
+                name, item = self._place_piece(step, name, item)
             self._claim(step, name)
             try:
                 self._stage(step, name, item)
@@ -246,6 +253,30 @@ class Producer:
                 st = self._steps.get(step)
                 if st is not None:
                     st.room += sizing.room_for([item.nbytes])
+                    if global_shape is not None and item.shard is not None:
+                        st.pieces.setdefault(item.shard.tensor or name, []).append(
+                            Box(tuple(item.shard.offsets), tuple(item.shape)))
+        return name
+
+    def _place_piece(self, step: int, name: str, item: _Tensor) -> tuple[str, _Tensor]:
+        """Where a hand-placed piece of tensor ``name`` is kept: under ``name`` if it is
+        this rank's first piece of it in ``step``, else under ``piece_name``, its shard
+        naming the tensor (docs/format.md). ValueError if it overlaps one emitted before."""
+        assert item.shard is not None
+        box = Box(tuple(item.shard.offsets), tuple(item.shape))
+        with self._lock:
+            st = self._steps.get(step)
+            earlier = list(st.pieces.get(name, ())) if st is not None else []
+        for other in earlier:
+            both = intersect(box, other)
+            if both is not None and both.numel:
+                raise ValueError(f"emit({name!r}, ...): the piece at offsets {list(box.offsets)} of shape "
+                                 f"{list(box.sizes)} overlaps the piece at offsets {list(other.offsets)} of shape "
+                                 f"{list(other.sizes)} emitted before in step {step}; emit each block once")
+        if not earlier:
+            return name, item
+        return piece_name(name, box.offsets), dataclasses.replace(
+            item, shard=dataclasses.replace(item.shard, tensor=name))
 
     def commit(self, step: int, *, metadata: dict[str, Any] | None = None, structure: Any = None,
                replicas: dict[str, int] | None = None) -> CommitHandle:
