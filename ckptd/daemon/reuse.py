@@ -265,8 +265,7 @@ def place(share: Any, refs: list[Ref], fsync: bool, written: Callable[[int], Non
     linked = copied = 0
     for group in by_file.values():
         first = group[0]
-        whole = all(r.record.key == r.name for r in group) and \
-            first.base.keys(first.record.file) == {r.name for r in group}
+        whole = first.base.keys(first.record.file) == {r.record.key for r in group}
         if whole:
             name = first.base.link_file(share, first.record.file)
             for r in group:
@@ -283,8 +282,8 @@ def _copy(share: Any, group: list[Ref], fsync: bool, written: Callable[[int], No
     share, which holds only them, in the order they had there."""
     group = sorted(group, key=lambda r: r.record.offset or 0)
     first = group[0]
-    head = chunkfile.header([Entry(r.name, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes, [])
-                             for r in group])
+    head = chunkfile.header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes,
+                                   []) for r in group])
     src = layout.open_regular(first.record.file, dir_fd=first.base._dir_fd)
     try:
         st = os.fstat(src)
@@ -303,7 +302,7 @@ def _copy(share: Any, group: list[Ref], fsync: bool, written: Callable[[int], No
                 assert r.record.offset is not None  # (a chunk file's tensors all have one)
                 written(r.record.nbytes)
                 _copy_range(src, dst, r.record.offset, at, r.record.nbytes)
-                records[r.name] = replace(r.record, file=name, key=r.name, offset=at)
+                records[r.name] = replace(r.record, file=name, offset=at)
                 at += r.record.nbytes
             if fsync:
                 os.fsync(dst)
