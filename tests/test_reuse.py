@@ -254,34 +254,47 @@ def test_sharded_ranks_each_link_their_own_share(daemon) -> None:
 KILLER = textwrap.dedent("""
     import sys, torch
     from ckptd import Producer, CheckpointError
-    endpoint, first = sys.argv[1], int(sys.argv[2])
+    endpoint, first, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     g = torch.Generator().manual_seed(7)
     base = {f"base.{i}": torch.randn(2**18, generator=g) for i in range(8)}
     p = Producer(endpoint, "t", staging_size="64MiB", timeout=2, heartbeat=0.2, retention={"keep_last": 1})
     for step in range(first, first + 1000):
-        state = {"base": base, "lora": torch.full((1000,), float(step))}
+        if mode == "frozen":
+            state = {"base": base, "lora": torch.full((1000,), float(step))}
+            kwargs = {"frozen": ["base.*"]}
+        else:  # one base tensor changes at each step: its chunk's others are copied
+            state = {"base": {k: v + changed(int(k[5:]), step) for k, v in base.items()},
+                     "lora": torch.full((1000,), float(step))}
+            kwargs = {}
         try:
-            p.save(state, step, frozen=["base.*"]).wait(10)
+            p.save(state, step, **kwargs).wait(10)
         except CheckpointError:
             break
         print(step, flush=True)
 """)
 
 
+def changed(i: int, step: int) -> float:
+    """The last step, up to ``step``, at which base tensor ``i`` of KILLER's "recognised" run changed."""
+    return 0.0 if step < i else float(step - (step - i) % 8)
+
+
 @pytest.mark.slow
-def test_kill_9_during_linked_writes_and_retention_leaves_every_listed_step_loadable(make_daemon,
-                                                                                     tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["frozen", "recognised"])
+def test_kill_9_during_linked_writes_and_retention_leaves_every_listed_step_loadable(make_daemon, tmp_path: Path,
+                                                                                     mode: str) -> None:
     """keep_last=1 prunes the base of each step right after the next one commits:
-    kill -9 at random instants of that, again and again."""
+    kill -9 at random instants of that, again and again; with frozen= (files linked) and
+    with a base that changes a tensor at each step (its chunk's other tensors copied)."""
     d = make_daemon()
     script = tmp_path / "killer.py"
-    script.write_text(KILLER)
+    script.write_text(KILLER.replace("import sys, torch", "import sys, torch\n" + _source(changed), 1))
     g = torch.Generator().manual_seed(7)
     base = {f"base.{i}": torch.randn(2**18, generator=g) for i in range(8)}
     rng = random.Random(15)
     first = 1
     for _ in range(6):
-        child = subprocess.Popen([sys.executable, str(script), d.endpoint, str(first)], stdout=subprocess.PIPE,
+        child = subprocess.Popen([sys.executable, str(script), d.endpoint, str(first), mode], stdout=subprocess.PIPE,
                                  text=True)
         assert child.stdout is not None
         assert child.stdout.readline()  # one step committed in this round
@@ -293,10 +306,20 @@ def test_kill_9_during_linked_writes_and_retention_leaves_every_listed_step_load
         assert infos, "the newest complete step is never deleted"
         for info in infos:
             out = ckptd.load("t", step=info.step, root=d.root, verify=True)
-            assert all(torch.equal(out["base"][k], v) for k, v in base.items())
+            for k, v in base.items():
+                want = v if mode == "frozen" else v + changed(int(k[5:]), info.step)
+                assert torch.equal(out["base"][k], want), (info.step, k)
             assert torch.equal(out["lora"], torch.full((1000,), float(info.step)))
+            saved = {f"base.{k}": t for k, t in out["base"].items()} | {"lora": out["lora"]}
+            assert_chunk_files_hold_exactly_the_step(d.root, info.step, saved)
         first = infos[-1].step + 1
     assert first > 6
+
+
+def _source(fn: object) -> str:
+    import inspect
+
+    return inspect.getsource(fn)  # type: ignore[arg-type]
 
 
 def test_a_base_file_gone_is_written_again_not_a_failed_step(make_daemon) -> None:

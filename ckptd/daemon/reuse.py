@@ -274,6 +274,8 @@ def place(share: Any, refs: list[Ref], fsync: bool, written: Callable[[int], Non
         else:
             records.update(_copy(share, group, fsync, written))
             copied += sum(r.record.nbytes for r in group)
+    log.debug("run=%s step=%d rank=%d: %d bytes unchanged linked, %d copied into files of the step",
+              share.run, share.step, share.rank, linked, copied)
     return records, linked, copied
 
 
