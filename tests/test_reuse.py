@@ -492,7 +492,8 @@ def test_hdf5_entry_file_shows_exactly_each_step(make_daemon) -> None:
             assert raw(out["model"][k[len("model."):]]) == raw(v), (step, k)
 
 
-def test_frozen_tensors_interleaved_with_adapters_fill_files_of_their_own(make_daemon) -> None:
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_frozen_tensors_interleaved_with_adapters_fill_files_of_their_own(make_daemon, transport: str) -> None:
     """A state_dict() has each frozen weight beside its adapters; frozen= sends the frozen
     ones first, in chunks of their own (batched small ones too), so that every later
     step links those files whole and writes only the adapters."""
@@ -501,7 +502,7 @@ def test_frozen_tensors_interleaved_with_adapters_fill_files_of_their_own(make_d
     base = {f"layer{i}.{kind}": torch.randn(n, generator=g)
             for i in range(5) for kind, n in (("weight", 2**16), ("norm", 2**10))}  # 256 KiB, 4 KiB
     saved, adapter_bytes = {}, 0
-    with d.producer() as p:
+    with d.producer(transport=transport) as p:
         for step in (1, 2, 3):
             gs = torch.Generator().manual_seed(step)
             model = {}
