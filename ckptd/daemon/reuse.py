@@ -18,9 +18,9 @@ at its commit (``place``), before the manifest:
   with the base's offsets, keys and checksums;
 - the unchanged tensors of a base file that also holds others (changed in this
   step, or not in it) are **copied** in the kernel (``copy_file_range``: a
-  reflink where the filesystem shares blocks) into a new chunk file of this step,
-  one per base file, which holds only them: the next step that leaves them
-  unchanged links it whole. Declared frozen tensors come in chunk files of their
+  reflink where the filesystem shares blocks) into new chunk files of this step,
+  of up to ``chunk_size``, which hold only such tensors: the next step that leaves
+  them unchanged links them whole. Declared frozen tensors come in chunk files of their
   own (``save(frozen=)`` sends them first, marked ``frozen``), so under LoRA every
   file of the frozen base is linked.
 
@@ -255,66 +255,78 @@ class Ref:
 def place(share: Any, refs: list[Ref], fsync: bool, written: Callable[[int], None]) -> tuple[
         dict[str, TensorRecord], int, int]:
     """Put the stored copies ``refs`` into the share's folder: each base file whose every
-    tensor is among them is linked, the others' tensors are copied into new chunk files of
-    the share. Return their records, the bytes linked and the bytes copied (``written(n)``
+    tensor is among them is linked; the tensors of the others are copied into new chunk
+    files of the share (each of at most ``share.chunk_size`` bytes, save one tensor
+    larger). Return their records, the bytes linked and the bytes copied (``written(n)``
     is told of each copy first: the write throttle). Raises OSError naming what failed."""
     by_file: dict[tuple[int, int], list[Ref]] = {}
     for ref in refs:
         by_file.setdefault(ref.ident, []).append(ref)
     records: dict[str, TensorRecord] = {}
     linked = copied = 0
+    batch: list[list[Ref]] = []  # whole groups, each a base file's tensors in its order
+    size = 0
     for group in by_file.values():
         first = group[0]
-        whole = first.base.keys(first.record.file) == {r.record.key for r in group}
-        if whole:
+        if first.base.keys(first.record.file) == {r.record.key for r in group}:
             name = first.base.link_file(share, first.record.file)
             for r in group:
                 records[r.name] = replace(r.record, file=name)
                 linked += r.record.nbytes
-        else:
-            records.update(_copy(share, group, fsync, written))
-            copied += sum(r.record.nbytes for r in group)
+            continue
+        group.sort(key=lambda r: r.record.offset or 0)
+        nbytes = sum(r.record.nbytes for r in group)
+        if batch and size + nbytes > share.chunk_size:
+            records.update(_copy(share, batch, fsync, written))
+            batch, size = [], 0
+        batch.append(group)
+        size += nbytes
+        copied += nbytes
+    if batch:
+        records.update(_copy(share, batch, fsync, written))
     log.debug("run=%s step=%d rank=%d: %d bytes unchanged linked, %d copied into files of the step",
               share.run, share.step, share.rank, linked, copied)
     return records, linked, copied
 
 
-def _copy(share: Any, group: list[Ref], fsync: bool, written: Callable[[int], None]) -> dict[str, TensorRecord]:
-    """The tensors of ``group`` (all in one base file) copied into a new chunk file of the
-    share, which holds only them, in the order they had there."""
-    group = sorted(group, key=lambda r: r.record.offset or 0)
-    first = group[0]
+def _copy(share: Any, groups: list[list[Ref]], fsync: bool, written: Callable[[int], None]) -> dict[
+        str, TensorRecord]:
+    """The tensors of ``groups`` (each group's in one base file) copied into a new chunk
+    file of the share, which holds only them."""
+    refs = [r for group in groups for r in group]
     head = chunkfile.header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes,
-                                   []) for r in group])
-    src = layout.open_regular(first.record.file, dir_fd=first.base._dir_fd)
+                                   []) for r in refs])
+    name = share.new_file()
+    share.files.append(name)  # before it exists: a failed step removes it
+    dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                  dir_fd=share.dir_fd)
+    records = {}
     try:
-        st = os.fstat(src)
-        if (st.st_dev, st.st_ino) != first.ident:
-            raise OSError(errno.ESTALE, f"{first.base.path / first.record.file} was replaced while step "
-                                        f"{share.step} was written")
-        name = share.new_file()
-        share.files.append(name)  # before it exists: a failed step removes it
-        dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                      dir_fd=share.dir_fd)
-        records = {}
-        try:
-            write_all(dst, head)
-            at = len(head)
-            for r in group:
-                assert r.record.offset is not None  # (a chunk file's tensors all have one)
-                written(r.record.nbytes)
-                _copy_range(src, dst, r.record.offset, at, r.record.nbytes)
-                records[r.name] = replace(r.record, file=name, offset=at)
-                at += r.record.nbytes
-            if fsync:
-                os.fsync(dst)
-        except OSError as exc:
-            raise OSError(exc.errno, f"copying unchanged tensors of {first.base.path / first.record.file} into "
-                                     f"{share.dir / name}: {exc.strerror or exc}") from None
-        finally:
-            os.close(dst)
+        write_all(dst, head)
+        at = len(head)
+        for group in groups:
+            first = group[0]
+            src = layout.open_regular(first.record.file, dir_fd=first.base._dir_fd)
+            try:
+                st = os.fstat(src)
+                if (st.st_dev, st.st_ino) != first.ident:
+                    raise OSError(errno.ESTALE, f"{first.base.path / first.record.file} was replaced while step "
+                                                f"{share.step} was written")
+                for r in group:
+                    assert r.record.offset is not None  # (a chunk file's tensors all have one)
+                    written(r.record.nbytes)
+                    _copy_range(src, dst, r.record.offset, at, r.record.nbytes)
+                    records[r.name] = replace(r.record, file=name, offset=at)
+                    at += r.record.nbytes
+            except OSError as exc:
+                raise OSError(exc.errno, f"copying unchanged tensors of {first.base.path / first.record.file} "
+                                         f"into {share.dir / name}: {exc.strerror or exc}") from None
+            finally:
+                os.close(src)
+        if fsync:
+            os.fsync(dst)
     finally:
-        os.close(src)
+        os.close(dst)
     return records
 
 

@@ -586,7 +586,7 @@ class Daemon:
         assert self.writer is not None
         open_step = sess.steps[step] = OpenStep(
             Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format, owner=sess.identity,
-                  attempt=sess.attempt),
+                  attempt=sess.attempt, chunk_size=self.cfg.chunk_size),
             self.writer, sess.chunk_size)
         try:
             check_step(step)

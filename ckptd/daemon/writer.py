@@ -69,6 +69,7 @@ class Share:
     started: float = field(default_factory=time.monotonic)
     dir_ready: bool = False
     format: str = "chunk"  # "hdf5": one r<rank>.h5, written on the ckptd-hdf5 thread
+    chunk_size: int = 64 * 2**20  # ``[daemon] chunk_size``: the most a file of copied tensors holds (reuse)
     h5: Any = None  # that file while it is open (an hdf5file.H5Writer)
     owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
     dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
