@@ -33,10 +33,11 @@ SCHEMAS: dict[str, dict[str, str]] = {
               "attempt": "str?"},
     "tensor": {"seq": "int", "step": "int", "name": "str", "dtype": "str", "shape": "shape",
                "nbytes": "int", "start": "int", "numpy": "bool", "offset": "int?", "length": "int?",
-               "shard": "map?"},
+               "shard": "map?", "frozen": "bool?"},
     # small tensors in one region of the shared arena: items are [name, dtype, shape,
-    # nbytes, numpy, offset] (``batch_pieces``); shared memory only
-    "tensors": {"seq": "int", "step": "int", "items": "batch"},
+    # nbytes, numpy, offset] (``batch_pieces``); shared memory only. ``frozen`` (on
+    # ``tensor`` too): declared frozen, kept in chunk files of their own (daemon.reuse)
+    "tensors": {"seq": "int", "step": "int", "items": "batch", "frozen": "bool?"},
     # tensors unchanged since step ``base`` (``save(frozen=...)``), sent without their
     # bytes: items are [name, dtype, shape, numpy, shard or None] (``SAME_ITEM``)
     "same": {"seq": "int", "step": "int", "base": "int", "items": "same"},
@@ -90,9 +91,9 @@ BATCH_ITEM = ("name", "dtype", "shape", "nbytes", "numpy", "offset")
 def batch_pieces(header: dict[str, Any]) -> list[dict[str, Any]]:
     """A decoded ``tensors`` message's items as ``tensor`` headers (each one whole piece,
     whole tensors only: a piece of a sharded tensor travels alone, with its ``shard``)."""
-    step = header["step"]
+    step, frozen = header["step"], header["frozen"]
     return [{"step": step, "name": name, "dtype": dtype, "shape": shape, "nbytes": nbytes, "start": 0,
-             "numpy": numpy, "offset": offset, "length": nbytes, "shard": None}
+             "numpy": numpy, "offset": offset, "length": nbytes, "shard": None, "frozen": frozen}
             for name, dtype, shape, nbytes, numpy, offset in header["items"]]
 
 

@@ -37,6 +37,7 @@ class Partial:
     stream: Stream | None = None  # set for a tensor large enough for a file of its own
     held: int = 0  # bytes of its pieces in the daemon's memory (not in shared memory)
     seqs: list[int] = field(default_factory=list)  # its pieces in shared memory
+    frozen: bool = False  # declared frozen (save(frozen=...)): never in a chunk with other tensors
 
 
 @dataclass(eq=False)
@@ -51,6 +52,7 @@ class OpenStep:
     chunk_bytes: int = 0
     chunk_held: int = 0
     chunk_seqs: list[int] = field(default_factory=list)
+    chunk_frozen: bool = False  # the chunk holds declared-frozen tensors (only those)
     received_bytes: int = 0
 
     @property
@@ -110,7 +112,7 @@ class OpenStep:
         except ValueError as exc:
             raise StepError(f"tensor {name!r}: {exc}") from None
         partial = self.partial = Partial(Entry(name, dtype, h["shape"], h["nbytes"], [], numpy=h["numpy"],
-                                               shard=shard))
+                                               shard=shard), frozen=bool(h["frozen"]))
         self.names.add(name)
         # A tensor that comes in pieces (``first`` is not all of it) is written as it
         # arrives too: pieces held until the last one came filled memory_budget, and the
@@ -148,6 +150,12 @@ class OpenStep:
         self.partial = None
         self.complete += 1
         if partial.stream is None:
+            if partial.frozen != self.chunk_frozen:
+                # Frozen tensors fill chunk files of their own, which a later step that
+                # declares them unchanged links whole (daemon.reuse: a file is linked
+                # only if every tensor in it is unchanged).
+                self.flush()
+                self.chunk_frozen = partial.frozen
             self.chunk.append(partial.entry)
             self.chunk_bytes += partial.entry.nbytes
             self.chunk_held += partial.held

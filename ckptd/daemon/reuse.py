@@ -7,18 +7,36 @@ rank committed a share of the same world size and format), and where a tensor
 there has the same name, dtype, shape, placement and checksum, the new record
 refers to the stored bytes instead.
 
-The stored copy is reached through a **hard link**: the base's data file is
-linked into the new step folder under a new data-file name of this rank
-(``r<rank>-<seq>.safetensors``; an HDF5 file as ``r<rank>-<step>.h5``, named for the
-step that wrote it, beside the share's own ``r<rank>.h5``), and the new record names that file with the base's offset, key and
-checksum. So every step folder holds every byte its manifests name, and
-nothing else changes: readers, ``verify``, ``export``, the uploader and
-``safetensors.safe_open`` see ordinary files; deleting the base step (retention,
-``ckptd delete``, an earlier attempt replaced) removes only its names, never data
-that a kept step refers to; a crash before the new manifest leaves a link that no
+Every data file of a step folder holds only tensors of that step, with that
+step's values: ``safetensors`` opened on the folder's files sees exactly the step.
+So a chunk file is placed once the step's whole set of unchanged tensors is known,
+at its commit (``place``), before the manifest:
+
+- a base chunk file whose every tensor is unchanged in this step, under the same
+  name, is **hard-linked** into the new step folder under a new data-file name of
+  this rank (``r<rank>-<seq>.safetensors``), and the new records name that file
+  with the base's offsets, keys and checksums;
+- the unchanged tensors of a base file that also holds others (changed in this
+  step, or not in it) are **copied** in the kernel (``copy_file_range``: a
+  reflink where the filesystem shares blocks) into new chunk files of this step,
+  of up to ``chunk_size``, which hold only such tensors: the next step that leaves
+  them unchanged links them whole. Declared frozen tensors come in chunk files of their
+  own (``save(frozen=)`` sends them first, marked ``frozen``), so under LoRA every
+  file of the frozen base is linked.
+
+HDF5 steps link the base's whole file (``r<rank>-<step>.h5``, named for the step
+that wrote it, beside the share's own ``r<rank>.h5``) as soon as a tensor is
+recognised, and ``r<rank>.h5`` shows exactly the step through HDF5 external links
+to the datasets of this step: that file is what HDF5 tools open.
+
+So every step folder holds every byte its manifests name, and nothing else
+changes: readers, ``verify``, ``export``, the uploader and ``safetensors.safe_open``
+see ordinary files; deleting the base step (retention, ``ckptd delete``, an
+earlier attempt replaced) removes only its names, never data that a kept step
+refers to; a crash before the new manifest leaves links and copies that no
 manifest names, which start-up removes like any orphan, and the base untouched.
 Where the filesystem refuses hard links, the file is copied in the kernel
-(``copy_file_range``, a reflink on XFS and Btrfs) instead: correct, not cheaper.
+instead: correct, not cheaper.
 
 Two ways in:
 - the daemon **recognises** unchanged tensors of a chunk by checksum (``[daemon]
@@ -27,7 +45,7 @@ Two ways in:
   saves its write;
 - the producer **declares** them (``save(..., frozen=[globs])``): it sends their
   descriptions without their bytes, naming the step it last committed them in
-  (``same`` message), and the writer links them from there or fails the step.
+  (``same`` message), and the writer refers to that step's copy or fails the step.
 
 A checksum is 64 bits of xxh3: two different tensors of the same name, dtype and
 shape in consecutive steps collide with probability 2**-64.
@@ -36,16 +54,18 @@ shape in consecutive steps collide with probability 2**-64.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from .. import layout, manifestcache
+from .. import chunkfile, dtypes, layout, manifestcache
 from ..chunkfile import Entry
+from ..durable import write_all
 from ..errors import CheckpointCorrupt
 from ..manifest import Manifest, TensorRecord
 
@@ -61,6 +81,7 @@ class Base:
         self.manifest = manifest
         self._dir_fd = dir_fd
         self._links: dict[str, str] = {}  # base file -> its name in the new step folder
+        self._idents: dict[str, tuple[int, int]] = {}  # base file -> (device, inode), checked
         self._lock = threading.Lock()  # pool threads link files of the same share
 
     @classmethod
@@ -115,19 +136,61 @@ class Base:
     def link(self, share: Any, record: TensorRecord) -> TensorRecord:
         """``record`` of the base, as a record of ``share``: its data file linked (once
         per share) into the share's folder. Raises OSError naming what failed."""
+        return replace(record, file=self.link_file(share, record.file))
+
+    def link_file(self, share: Any, file: str) -> str:
+        """The name of the base's data file ``file`` in the share's folder, linked there
+        (once per share). Raises OSError naming what failed."""
         with self._lock:
-            name = self._links.get(record.file)
+            name = self._links.get(file)
             if name is None:
-                if record.file == layout.h5_name(share.rank):  # named for the step that wrote it
+                if file == layout.h5_name(share.rank):  # named for the step that wrote it
                     name = layout.h5_link_name(share.rank, self.step)
-                elif layout.H5.fullmatch(record.file):  # linked there already: the same name here
-                    name = record.file
+                elif layout.H5.fullmatch(file):  # linked there already: the same name here
+                    name = file
                 else:
                     name = share.new_file()
-                if self._place(record.file, share, name):
+                if self._place(file, share, name):
                     share.files.append(name)
-                self._links[record.file] = name
-        return replace(record, file=name)
+                self._links[file] = name
+        return name
+
+    def check(self, file: str) -> tuple[int, int]:
+        """The identity (device, inode) of the base's data file ``file``, which is there
+        as its manifest recorded it; else an OSError that says why."""
+        with self._lock:
+            ident = self._idents.get(file)
+            if ident is None:
+                try:
+                    st = os.stat(file, dir_fd=self._dir_fd, follow_symlinks=False)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"{self.path / file}: {exc.strerror}") from None
+                want = self.manifest.files.get(file)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(errno.EIO, f"{self.path / file} is not a regular file")
+                if want is not None and st.st_size != want:
+                    raise OSError(errno.EIO, f"{self.path / file} is {st.st_size} bytes, not the {want} its "
+                                             "manifest records")
+                ident = self._idents[file] = (st.st_dev, st.st_ino)
+        return ident
+
+    def keys(self, file: str) -> set[str]:
+        """The tensor keys the chunk file ``file`` holds, as its own header lists them."""
+        fd = layout.open_regular(file, dir_fd=self._dir_fd)
+        try:
+            size = int.from_bytes(os.pread(fd, 8, 0), "little")
+            body = os.pread(fd, size, 8) if size <= _MAX_HEADER else b""
+        finally:
+            os.close(fd)
+        try:
+            if len(body) != size:
+                raise ValueError("truncated")
+            keys = json.loads(body)
+            if not isinstance(keys, dict):
+                raise ValueError("not a map")
+        except ValueError as exc:
+            raise OSError(errno.EIO, f"{self.path / file} has no readable safetensors header ({exc})") from None
+        return set(keys) - {"__metadata__"}
 
     def _place(self, file: str, share: Any, name: str) -> bool:
         """Link (or copy) ``file`` as ``name``; False if it was there already (the same
@@ -174,3 +237,112 @@ class Base:
                 os.close(dst)
         finally:
             os.close(src)
+
+
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header
+
+
+@dataclass(eq=False)
+class Ref:
+    """A tensor of a chunk-format share that refers to a stored copy: placed at commit."""
+
+    name: str
+    base: Base
+    record: TensorRecord  # the base's
+    ident: tuple[int, int]  # (device, inode) of the base's file that holds it (Base.check)
+
+
+def place(share: Any, refs: list[Ref], fsync: bool, written: Callable[[int], None]) -> tuple[
+        dict[str, TensorRecord], int, int]:
+    """Put the stored copies ``refs`` into the share's folder: each base file whose every
+    tensor is among them is linked; the tensors of the others are copied into new chunk
+    files of the share (each of at most ``share.chunk_size`` bytes, save one tensor
+    larger). Return their records, the bytes linked and the bytes copied (``written(n)``
+    is told of each copy first: the write throttle). Raises OSError naming what failed."""
+    by_file: dict[tuple[int, int], list[Ref]] = {}
+    for ref in refs:
+        by_file.setdefault(ref.ident, []).append(ref)
+    records: dict[str, TensorRecord] = {}
+    linked = copied = 0
+    batch: list[list[Ref]] = []  # whole groups, each a base file's tensors in its order
+    size = 0
+    for group in by_file.values():
+        first = group[0]
+        if first.base.keys(first.record.file) == {r.record.key for r in group}:
+            name = first.base.link_file(share, first.record.file)
+            for r in group:
+                records[r.name] = replace(r.record, file=name)
+                linked += r.record.nbytes
+            continue
+        group.sort(key=lambda r: r.record.offset or 0)
+        nbytes = sum(r.record.nbytes for r in group)
+        if batch and size + nbytes > share.chunk_size:
+            records.update(_copy(share, batch, fsync, written))
+            batch, size = [], 0
+        batch.append(group)
+        size += nbytes
+        copied += nbytes
+    if batch:
+        records.update(_copy(share, batch, fsync, written))
+    log.debug("run=%s step=%d rank=%d: %d bytes unchanged linked, %d copied into files of the step",
+              share.run, share.step, share.rank, linked, copied)
+    return records, linked, copied
+
+
+def _copy(share: Any, groups: list[list[Ref]], fsync: bool, written: Callable[[int], None]) -> dict[
+        str, TensorRecord]:
+    """The tensors of ``groups`` (each group's in one base file) copied into a new chunk
+    file of the share, which holds only them."""
+    refs = [r for group in groups for r in group]
+    head = chunkfile.header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes,
+                                   []) for r in refs])
+    name = share.new_file()
+    share.files.append(name)  # before it exists: a failed step removes it
+    dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                  dir_fd=share.dir_fd)
+    records = {}
+    try:
+        write_all(dst, head)
+        at = len(head)
+        for group in groups:
+            first = group[0]
+            src = layout.open_regular(first.record.file, dir_fd=first.base._dir_fd)
+            try:
+                st = os.fstat(src)
+                if (st.st_dev, st.st_ino) != first.ident:
+                    raise OSError(errno.ESTALE, f"{first.base.path / first.record.file} was replaced while step "
+                                                f"{share.step} was written")
+                for r in group:
+                    assert r.record.offset is not None  # (a chunk file's tensors all have one)
+                    written(r.record.nbytes)
+                    _copy_range(src, dst, r.record.offset, at, r.record.nbytes)
+                    records[r.name] = replace(r.record, file=name, offset=at)
+                    at += r.record.nbytes
+            except OSError as exc:
+                raise OSError(exc.errno, f"copying unchanged tensors of {first.base.path / first.record.file} "
+                                         f"into {share.dir / name}: {exc.strerror or exc}") from None
+            finally:
+                os.close(src)
+        if fsync:
+            os.fsync(dst)
+    finally:
+        os.close(dst)
+    return records
+
+
+def _copy_range(src: int, dst: int, src_at: int, dst_at: int, n: int) -> None:
+    """Bytes ``[src_at, src_at + n)`` of ``src`` to ``dst_at`` of ``dst``, in the kernel
+    where it can (``copy_file_range``), else through a buffer."""
+    while n > 0:
+        try:
+            done = os.copy_file_range(src, dst, n, src_at, dst_at)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            done = 0
+        if done == 0:  # not in the kernel (or past the end: then pread says so)
+            data = os.pread(src, min(n, 8 * 2**20), src_at)
+            if not data:
+                raise OSError(errno.EIO, f"the file ends {n} bytes early")
+            done = os.pwrite(dst, data, dst_at)
+        src_at, dst_at, n = src_at + done, dst_at + done, n - done

@@ -586,7 +586,7 @@ class Daemon:
         assert self.writer is not None
         open_step = sess.steps[step] = OpenStep(
             Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format, owner=sess.identity,
-                  attempt=sess.attempt),
+                  attempt=sess.attempt, chunk_size=self.cfg.chunk_size),
             self.writer, sess.chunk_size)
         try:
             check_step(step)
@@ -794,7 +794,8 @@ class Daemon:
                 if r.kind == "committed":
                     assert r.info is not None
                     secs = max(time.monotonic() - share.started, 1e-9)
-                    nbytes -= share.recognised  # received, but stored already (daemon.reuse)
+                    # received but stored already; and copied from an earlier step (daemon.reuse)
+                    nbytes += share.copied - share.recognised
                     log.info("committed run=%s step=%d rank=%d bytes=%d reused=%d tensors=%d seconds=%.3f "
                              "rate=%s", share.run, share.step, share.rank, nbytes, share.reused,
                              len(share.records), secs, units.rate(nbytes, secs))

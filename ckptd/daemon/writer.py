@@ -69,6 +69,7 @@ class Share:
     started: float = field(default_factory=time.monotonic)
     dir_ready: bool = False
     format: str = "chunk"  # "hdf5": one r<rank>.h5, written on the ckptd-hdf5 thread
+    chunk_size: int = 64 * 2**20  # ``[daemon] chunk_size``: the most a file of copied tensors holds (reuse)
     h5: Any = None  # that file while it is open (an hdf5file.H5Writer)
     owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
     dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
@@ -77,8 +78,11 @@ class Share:
     inflight: list[Future] = field(default_factory=list)  # its chunk files in the writer pool
     base: Any = None  # the earlier share it refers to (reuse.Base), once looked for
     base_sought: bool = False
+    bases: list = field(default_factory=list)  # other steps frozen= tensors refer to (reuse.Base)
+    refs: list = field(default_factory=list)  # its tensors stored already (reuse.Ref), placed at commit
     reused: int = 0  # bytes of its tensors that refer to an earlier step's copy (reuse)
-    recognised: int = 0  # of which, bytes the daemon received and did not write
+    recognised: int = 0  # bytes the daemon received and did not write from memory (reuse)
+    copied: int = 0  # bytes of stored copies copied into files of its own (reuse.place)
     _names: threading.Lock = field(default_factory=threading.Lock)  # file names, records
     _seeking: threading.Lock = field(default_factory=threading.Lock)  # the base, looked for once
     settled: threading.Event = field(default_factory=threading.Event)  # committed or failed, for good
@@ -97,8 +101,10 @@ class Share:
         return str(self.dir / name)
 
     def close_dir(self) -> None:
-        if self.base is not None:
-            self.base.close()
+        for base in (self.base, *self.bases):
+            if base is not None:
+                base.close()
+        self.bases.clear()
         if self.dir_fd >= 0:
             os.close(self.dir_fd)
             self.dir_fd = -1
@@ -416,13 +422,31 @@ class Writer:
         return left
 
     def _refer(self, share: Share, base: Any, name: str, old: TensorRecord, received: bool = False) -> None:
-        record = base.link(share, old)
-        if share.format == "hdf5":  # plain h5py sees it in r<rank>.h5 too, through an external link
-            self._h5_file(share).link_external(record.key, record.file)
+        """Tensor ``name`` is ``old``, stored in ``base``. HDF5: link the base's file now,
+        and show the tensor in r<rank>.h5 through an external link. Chunk files: once the
+        step's every unchanged tensor is known, at its commit (reuse.place), each base
+        file is linked or its tensors copied; the file is checked to be there now."""
+        if share.format == "hdf5":
+            record = base.link(share, old)
+            self._h5_file(share).link_external(record.key, record.file)  # plain h5py sees it there
+            with share._names:
+                share.records[name] = record
+                share.reused += record.nbytes
+                share.recognised += record.nbytes if received else 0
+            return
+        ref = reuse.Ref(name, base, old, base.check(old.file))
         with share._names:
-            share.records[name] = record
-            share.reused += record.nbytes
-            share.recognised += record.nbytes if received else 0
+            share.refs.append(ref)
+            share.recognised += old.nbytes if received else 0
+
+    def _place_refs(self, share: Share) -> None:
+        """On the syncer, before the manifest: the share's stored copies, linked or copied
+        into its folder (reuse.place)."""
+        refs, share.refs = share.refs, []
+        records, linked, copied = reuse.place(share, refs, self._fsync, self._throttled)
+        share.records.update(records)
+        share.reused += linked
+        share.copied += copied
 
     def _do_same(self, share: Share, base_step: int, items: list[Entry]) -> None:
         if share.error is not None:
@@ -436,6 +460,9 @@ class Writer:
             if base is None:
                 raise _NotThere(f"step {base_step}, where the producer last committed them, holds no share "
                                 f"of rank {share.rank} in {share.format} format (deleted?)")
+            if own is not None:  # its tensors refer to it until the commit
+                share.bases.append(own)
+                own = None
             for e in items:
                 old = base.match(e)
                 if old is None:
@@ -590,6 +617,11 @@ class Writer:
         with self._committing_lock:
             if self._committing.get(key) is share:  # settled below: nobody need wait for it
                 del self._committing[key]
+        if share.error is None and share.refs:
+            try:
+                self._place_refs(share)
+            except OSError as exc:
+                self._fail(share, f"placing unchanged tensors in {share.dir}", exc)
         if share.error is None:
             try:
                 info = self._write_manifest(share, state, metadata)

@@ -25,12 +25,12 @@ BATCH_ITEMS = 4096  # tensors per batch: bounds one header's size and decode tim
 
 class Batcher:
     """The open batch of one connection. ``alloc(nbytes, what)`` takes a region of the
-    arena (blocking as ``emit`` does), ``send(step, region, items)`` numbers and queues
+    arena (blocking as ``emit`` does), ``send(step, region, items, frozen)`` numbers and queues
     the message, ``copy(region, item)`` copies a tensor the fast path cannot (strided,
     lazily conjugated, numpy) into a region; ``base`` is the arena's address."""
 
     def __init__(self, capacity: int, base: int, alloc: Callable[[int, str], Region],
-                 send: Callable[[int, Region, list[list[Any]]], None], copy: Callable[[Region, Any], Any]) -> None:
+                 send: Callable[[int, Region, list[list[Any]], bool], None], copy: Callable[[Region, Any], Any]) -> None:
         self.size = min(BATCH_BYTES, capacity // 8)
         self._base = base
         self._alloc, self._send, self._copy = alloc, send, copy
@@ -38,6 +38,7 @@ class Batcher:
         self._region: Region | None = None
         self._used = 0
         self._items: list[list[Any]] = []
+        self._frozen = False  # the open batch holds declared-frozen tensors (only those)
 
     def wants(self, item: Any) -> bool:
         """Whether ``item`` (a validated ``_Tensor``) goes into a batch."""
@@ -47,10 +48,10 @@ class Batcher:
         """Copy ``item`` into the open batch of ``step`` (opening one if need be)."""
         offset = -(-self._used // ALIGN) * ALIGN
         if (self._region is None or step != self._step or offset + item.nbytes > self._region.nbytes
-                or len(self._items) >= BATCH_ITEMS):
+                or len(self._items) >= BATCH_ITEMS or item.frozen != self._frozen):
             self.flush()
             self._region = self._alloc(self.size, f"a batch of small tensors (for {name!r})")
-            self._step, offset = step, 0
+            self._step, self._frozen, offset = step, item.frozen, 0
         region = self._region
         assert region is not None
         at = region.start + offset
@@ -70,7 +71,7 @@ class Batcher:
         if region is not None:
             items, self._items, self._used = self._items, [], 0
             assert self._step is not None
-            self._send(self._step, region, items)
+            self._send(self._step, region, items, self._frozen)
 
     def drop(self) -> None:
         """Forget the open batch: its connection, and the arena's regions, are gone."""

@@ -22,7 +22,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .. import config as config_mod
 from .. import curve
@@ -92,6 +92,17 @@ class _Step:
     opened: bool = False  # a tensor of it went out alone: the daemon knows the step is open
 
 
+def _frozen_first(items: dict[str, "_Tensor"], matches: Callable[[str], bool]) -> dict[str, "_Tensor"]:
+    """``items`` with the tensors ``frozen=`` names first, each marked: together they fill
+    chunk files of their own, which the next step links whole (docs/speed.md §5)."""
+    frozen = {}
+    for name, item in items.items():
+        if matches(name):
+            item.frozen = True
+            frozen[name] = item
+    return frozen | {n: i for n, i in items.items() if not i.frozen} if frozen else items
+
+
 def _same_item(t: "_Tensor") -> tuple:
     """What a ``same`` item says of a tensor (wire.SAME_ITEM, after the name)."""
     return (t.dtype.name, list(t.shape), t.is_numpy, None if t.shard is None else t.shard.to_dict())
@@ -109,6 +120,7 @@ class _Tensor:
     is_numpy: bool
     is_cuda: bool
     shard: Shard | None = None  # a piece of a larger tensor
+    frozen: bool = False  # save(frozen=...) names it: sent in chunks of frozen tensors only
 
 
 class Producer:
@@ -329,6 +341,7 @@ class Producer:
                     self._claim(step, *items)
                     if pattern is not None:
                         self._send_same(step, items, pattern)
+                        items = _frozen_first(items, pattern)
                     for name, item in items.items():
                         self._stage(step, name, item)
             except BaseException:
@@ -625,6 +638,8 @@ class Producer:
                       nbytes=item.nbytes, numpy=item.is_numpy)
         if item.shard is not None:
             header["shard"] = item.shard.to_dict()
+        if item.frozen:
+            header["frozen"] = True
         # In shared memory a large tensor goes in quarters of the arena, so that the
         # daemon writes one while the next is copied; inline, frames are capped too.
         piece = arena.capacity // 4 if self._shm else min(arena.capacity, self._max_frame)
@@ -964,12 +979,13 @@ class Producer:
         if self._batcher is not None:
             self._batcher.flush()
 
-    def _send_region(self, step: int, region: Region, items: list[Any]) -> None:
+    def _send_region(self, step: int, region: Region, items: list[Any], frozen: bool = False) -> None:
         assert self._transport is not None
         with self._lock:
             self._seq += 1
             region.seq = seq = self._seq
-        self._transport.send(wire.encode("tensors", seq=seq, step=step, items=items), wake=False)
+        fields = {"frozen": True} if frozen else {}
+        self._transport.send(wire.encode("tensors", seq=seq, step=step, items=items, **fields), wake=False)
 
     def _offer_arena(self) -> bytes | None:
         """Hand the staging arena to the daemon, if this connection uses shared memory;
