@@ -33,7 +33,9 @@ from .config import default_root
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from .names import check_run
+from .peer import tier as peer_tier
 from .remote import catalog, fetch, tiers
+from .remote.store import RemoteError
 
 log = logging.getLogger("ckptd.reader")
 
@@ -78,6 +80,16 @@ def latest(run: str, *, root: str | os.PathLike[str] | None = None,
     only), or None when it has none. See ``latest_local``."""
     store = None if verify else tiers.open_store(remote)
     local = latest_local(run, root=root, verify=verify)
+    peers = None if verify else peer_tier.open_tier()
+    if peers is not None:  # every rank's share here or with a peer (docs/tiers.md)
+        local = peers.latest(check_run(run), default_root(root)) or local  # counts the local shares too
+        if store is not None:
+            try:
+                return tiers.newest(local, catalog.latest(store, run))
+            except (OSError, RemoteError) as exc:  # the peers answer for it: docs/tiers.md
+                log.warning("the remote tier %s is unreachable (%s); newest step from the local root and "
+                            "the peers only", store.url, exc)
+                return local
     return tiers.newest(local, catalog.latest(store, run)) if store else local
 
 
@@ -248,6 +260,19 @@ def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | Non
     """The step's folder and manifests: locally if it is complete there, else from the
     remote tier (then also its store; the folder is where it would be locally)."""
     store = tiers.open_store(remote)
+    peers = peer_tier.open_tier()
+    if peers is not None:  # local disk, then peers' memory, then the remote tier: docs/tiers.md
+        base = default_root(root)
+        if step is None:
+            info = latest(run, root=root, remote=store.url if store else "")
+            if info is None:
+                raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {base}, with its peers"
+                                         + (f" nor in {store.url}" if store else ""))
+            step = info.step
+        if index.step_info(layout.step_dir(base, check_run(run), step)) is None:
+            peers.fill(run, step, base)
+            if index.step_info(layout.step_dir(base, run, step)) is not None:
+                store = None  # complete here now: read locally
     if store is not None:
         if step is None:
             info = latest(run, root=root, remote=store.url)
