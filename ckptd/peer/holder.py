@@ -13,13 +13,14 @@ steps held than the sender's ``keep_last``. A reservation that no part reaches f
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import layout
+from .. import dtypes, layout
 from ..errors import CheckpointCorrupt
 from ..manifest import Manifest, checksum
 
@@ -191,7 +192,12 @@ class Holder:
 
 def verify(m: Manifest, files: dict[str, Any], where: str) -> None:
     """Every tensor of ``m`` with a byte range against its checksum, in ``files``'
-    bytes; CheckpointCorrupt naming the first that does not match."""
+    bytes, and each chunk file's safetensors header against the manifest (the one
+    part of a file no checksum covers); CheckpointCorrupt naming the first that does
+    not match."""
+    for file, buf in files.items():
+        if layout.CHUNK.fullmatch(file):
+            _check_header(m, file, memoryview(buf), where)
     for name, t in m.tensors.items():
         if t.offset is None:
             raise CheckpointCorrupt(f"{where}: tensor {name!r} is a chunked (compressed) HDF5 dataset, "
@@ -200,3 +206,29 @@ def verify(m: Manifest, files: dict[str, Any], where: str) -> None:
         if checksum([view] if t.nbytes else []) != t.checksum:
             raise CheckpointCorrupt(f"{where}: run {m.run!r} step {m.step} rank {m.rank}: tensor {name!r} "
                                     "does not match its checksum")
+
+
+def _check_header(m: Manifest, file: str, buf: memoryview, where: str) -> None:
+    """The safetensors header of chunk file ``file`` says what the manifest says of
+    each of its tensors (as ``ckptd.reader`` checks a file on disk with verify=True)."""
+    def bad(what: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(f"{where}: {file}: {what}")
+
+    n = int.from_bytes(buf[:8], "little") if len(buf) >= 8 else -1
+    if not 0 <= n <= len(buf) - 8:
+        raise bad("its safetensors header length is damaged")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (ValueError, RecursionError):
+        raise bad("its safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise bad("its safetensors header is not a JSON object")
+    for name, t in m.tensors.items():
+        if t.file != file or t.offset is None or t.key == "__metadata__":
+            continue
+        info = dtypes.lookup(t.dtype)
+        begin = t.offset - 8 - n
+        want = {"dtype": info.st_code, "shape": info.stored_shape(t.shape), "data_offsets": [begin, begin + t.nbytes]}
+        entry = header.get(t.key)
+        if not isinstance(entry, dict) or {k: entry.get(k) for k in want} != want:
+            raise bad(f"its safetensors header does not describe tensor {name!r} as the manifest does")

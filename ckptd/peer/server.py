@@ -153,7 +153,7 @@ class PeerServer:
             except failpoints.Failpoint:  # a replica damaged in this holder's memory
                 data = bytearray(data)
                 if data:
-                    data[0] ^= 0xFF
+                    data[len(data) // 2] ^= 0xFF
             return data
         step_path = layout.step_dir(self.root, run, key[1])
         if index.read_share(step_path, key[2]) is None:
