@@ -203,8 +203,12 @@ def load(
     if mmap and map_location not in (None, "cpu"):
         raise ValueError(f"load(mmap=True) maps the files into CPU memory; map_location={map_location!r} "
                          "would copy every byte at once: load without mmap=True")
-    path, manifests, store = find_in_tiers(run, step, root, remote)
-    if rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit():
+    path, manifests, store = find_in_tiers(run, step, root, remote, fill=False)
+    whole = rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit()
+    if isinstance(store, peer_tier.PeerSource) and (whole or out is not None or mmap):
+        store.fill()  # these read local files: the peers' shares come into the root first
+        path, manifests, store = find_in_tiers(run, manifests[0].step, root, remote)
+    if whole:
         if out is not None or mmap:
             raise ValueError(f"load(out=/mmap=True) reads one rank's share, and step {manifests[0].step} has "
                              f"{manifests[0].world_size} ranks: pass rank=, or fill your tensors of the whole "
@@ -235,7 +239,10 @@ def load(
         if out is not None or mmap:
             raise ValueError(f"load(out=/mmap=True) reads local files, and rank {manifest.rank}'s share of step "
                              f"{manifest.step} is only in {store.url}: load without them, or fetch it first")
-        tensors = fetch.read_tensors(store, manifest, wanted_records)  # checksums always checked
+        if isinstance(store, peer_tier.PeerSource):  # from peers' memory, what this root lacks
+            tensors = store.read_tensors(wanted_records, lambda recs: read_tensors(path, recs, verify=verify))
+        else:
+            tensors = fetch.read_tensors(store, manifest, wanted_records)  # checksums always checked
     else:
         into = destinations(out, records, manifest.step) if out is not None else None
         if into is None and devicecopy.is_cuda(map_location):
@@ -256,9 +263,11 @@ def load(
 
 
 def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None,
-                   remote: str | None) -> tuple[Path, list[Manifest], Any]:
-    """The step's folder and manifests: locally if it is complete there, else from the
-    remote tier (then also its store; the folder is where it would be locally)."""
+                   remote: str | None, *, fill: bool = True) -> tuple[Path, list[Manifest], Any]:
+    """The step's folder and manifests: locally if it is complete there, else with the
+    peers, else from the remote tier (then also its store; the folder is where it
+    would be locally). With peers: ``fill`` fetches the shares this root lacks into
+    it; without, the third value is a ``PeerSource`` that reads them into memory."""
     store = tiers.open_store(remote)
     peers = peer_tier.open_tier()
     if peers is not None:  # local disk, then peers' memory, then the remote tier: docs/tiers.md
@@ -269,9 +278,14 @@ def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | Non
                 raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {base}, with its peers"
                                          + (f" nor in {store.url}" if store else ""))
             step = info.step
-        if index.step_info(layout.step_dir(base, check_run(run), step)) is None:
-            peers.fill(run, step, base)
-            if index.step_info(layout.step_dir(base, run, step)) is not None:
+        local_path = layout.step_dir(base, check_run(run), step)
+        if index.step_info(local_path) is None:
+            source = peers.source(run, step, base)
+            if source is not None and not fill:
+                return local_path, source.manifests, source
+            if source is not None:
+                source.fill()
+            if index.step_info(local_path) is not None:
                 store = None  # complete here now: read locally
     if store is not None:
         if step is None:

@@ -20,7 +20,7 @@ import os
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -28,8 +28,8 @@ from .. import index, layout
 from ..config import Config, ConfigError, load as load_config
 from ..curve import client_keys
 from ..durable import atomic_write, replacing, write_all
-from ..errors import CheckpointCorrupt, ProtocolError
-from ..manifest import CheckpointInfo, Manifest
+from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
+from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from . import wire
 from .holder import verify
 
@@ -140,11 +140,22 @@ class PeerTier:
         return CheckpointInfo.from_manifests(str(path), complete, tiers=tuple(t for t in ("local", TIER) if t in tiers))
 
     # -- fetching --------------------------------------------------------------------------
-    def fill(self, run: str, step: int, base: Path) -> int:
+    def source(self, run: str, step: int, base: Path) -> "PeerSource | None":
+        """The step as local root and peers together hold it, if every rank's share is there."""
+        path = layout.step_dir(base, run, step)
+        held = self.holdings(run)
+        info = self.step_info(run, step, path, held)
+        if info is None:
+            return None
+        manifests = [_read_share(path, r) or held[(step, r)][0][2] for r in range(info.world_size)]
+        return PeerSource(self, run, step, base, held, manifests)  # type: ignore[arg-type]
+
+    def fill(self, run: str, step: int, base: Path,
+             held: dict[tuple[int, int], list[tuple[str, str, Manifest]]] | None = None) -> int:
         """Fetch every share of ``step`` that the local root lacks and a peer has into
         the root; how many were fetched."""
         path = layout.step_dir(base, run, step)
-        held = self.holdings(run)
+        held = self.holdings(run) if held is None else held
         info = self.step_info(run, step, path, held)
         if info is None:
             return 0
@@ -184,35 +195,107 @@ class PeerTier:
                     os.close(fd)
         atomic_write(step_dir / layout.manifest_name(m.rank), m.to_json())
 
+    def read_records(self, endpoint: str, m: Manifest, records: dict[str, TensorRecord]) -> dict[str, Any]:
+        """Tensors of ``m``'s share read from ``endpoint`` straight into their own memory,
+        each checked against its checksum (CheckpointCorrupt if one does not match)."""
+        import torch
+
+        from ..reader import as_tensor
+
+        bufs = {}
+        ranges = []
+        for name, rec in records.items():
+            if rec.offset is None:
+                raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
+            bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
+            ranges.append((name, rec.file, rec.offset, memoryview(bufs[name].numpy())))
+        self._read_ranges(endpoint, m, ranges)
+        out = {}
+        for name, rec in records.items():
+            if checksum([memoryview(bufs[name].numpy())] if rec.nbytes else []) != rec.checksum:
+                raise CheckpointCorrupt(f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}: tensor "
+                                        f"{name!r} does not match its checksum")
+            out[name] = as_tensor(bufs[name], rec)
+        return out
+
+    def _read_ranges(self, endpoint: str, m: Manifest, ranges: list[tuple[str, str, int, memoryview]]) -> None:
+        """Fill each (name, file, offset, memory) from ``endpoint``, in ``frame``-sized
+        parts with ``window`` of them in flight."""
+        link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4)
+        try:
+            in_flight: deque[tuple[int, memoryview]] = deque()
+
+            def land() -> None:
+                rid, dst = in_flight.popleft()
+                _, payload = link.recv(rid, timeout=self.cfg.stall)
+                if payload is None or len(payload) != len(dst):
+                    raise ProtocolError(f"{endpoint}: a part of {0 if payload is None else len(payload)} bytes, "
+                                        f"not {len(dst)}")
+                dst[:] = payload.buffer
+
+            for _, file, offset, view in ranges:
+                for off in range(0, len(view), self.cfg.frame):
+                    if len(in_flight) >= self.cfg.window:
+                        land()
+                    dst = view[off:off + self.cfg.frame]
+                    req = {"op": "read", "run": m.run, "step": m.step, "rank": m.rank, "file": file,
+                           "offset": offset + off, "length": len(dst)}
+                    in_flight.append((link.send(req, timeout=self.cfg.stall), dst))
+            while in_flight:
+                land()
+        finally:
+            link.close()
+
     def read_files(self, endpoint: str, m: Manifest, sizes: dict[str, int]) -> dict[str, bytearray]:
         """The files of a share, read from ``endpoint`` in ``frame``-sized parts with
         ``window`` of them in flight."""
-        link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4)
-        try:
-            out = {f: bytearray(n) for f, n in sizes.items()}
-            in_flight: deque[tuple[int, str, int, int]] = deque()
+        out = {f: bytearray(n) for f, n in sizes.items()}
+        self._read_ranges(endpoint, m, [("", f, 0, memoryview(b)) for f, b in out.items()])
+        return out
 
-            def land() -> None:
-                rid, file, off, n = in_flight.popleft()
-                _, payload = link.recv(rid, timeout=self.cfg.stall)
-                if payload is None or len(payload) != n:
-                    raise ProtocolError(f"{endpoint}: {file} at {off}: {0 if payload is None else len(payload)} "
-                                        f"bytes, not {n}")
-                out[file][off:off + n] = payload.buffer
 
-            for file, size in sizes.items():
-                for off in range(0, size, self.cfg.frame):
-                    if len(in_flight) >= self.cfg.window:
-                        land()
-                    n = min(self.cfg.frame, size - off)
-                    req = {"op": "read", "run": m.run, "step": m.step, "rank": m.rank, "file": file,
-                           "offset": off, "length": n}
-                    in_flight.append((link.send(req, timeout=self.cfg.stall), file, off, n))
-            while in_flight:
-                land()
-            return out
-        finally:
-            link.close()
+class PeerSource:
+    """A step that the local root and the peers hold together: ``ckptd.load`` reads a
+    rank's tensors from here, straight into memory (no file written)."""
+
+    url = "the peers' memory"
+
+    def __init__(self, tier: PeerTier, run: str, step: int, base: Path,
+                 held: dict[tuple[int, int], list[tuple[str, str, Manifest]]], manifests: list[Manifest]) -> None:
+        self.tier, self.run, self.step, self.base = tier, run, step, base
+        self.held = held
+        self.manifests = manifests
+
+    def fill(self) -> int:
+        return self.tier.fill(self.run, self.step, self.base, self.held)
+
+    def read_tensors(self, records: dict[str, TensorRecord],
+                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]]) -> dict[str, Any]:
+        """``records`` (of one rank's share, its replicated tensors included): those of
+        shares in the local root through ``local``, the others from the first peer whose
+        bytes match every checksum."""
+        path = layout.step_dir(self.base, self.run, self.step)
+        by_writer: dict[int, dict[str, TensorRecord]] = {}
+        for name, rec in records.items():
+            by_writer.setdefault(layout.file_rank(rec.file), {})[name] = rec  # type: ignore[arg-type]
+        out: dict[str, Any] = {}
+        for writer, recs in by_writer.items():
+            if _read_share(path, writer) is not None:
+                out.update(local(recs))
+                continue
+            problems = []
+            for endpoint, where, m in self.held.get((self.step, writer), []):
+                try:
+                    out.update(self.tier.read_records(endpoint, m, recs))
+                    break
+                except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                    log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
+                                self.run, self.step, writer, endpoint, where, exc)
+                    problems.append(f"{endpoint}: {exc}")
+            else:
+                raise CheckpointNotFound(f"run {self.run!r} step {self.step} rank {writer}: no peer served a "
+                                         f"good copy ({'; '.join(problems) or 'none holds it now'})")
+        return out
 
 
 def _ranks(path: Path) -> list[int]:
