@@ -3,8 +3,9 @@
 1. floor: a plain pyzmq transfer of the share's bytes between two processes (PUSH
    to PULL, 4 MiB frames, into preallocated memory);
 2. peer: a fresh node (empty root, new daemon) gets a lost node's share back with
-   ``ckptd.load`` from the partner's memory: the fetch and check alone, and the whole
-   call (fetch, check, durable write into the root, load);
+   ``ckptd.load`` from the partner's memory: the fetch and check of the whole files
+   alone, and ``ckptd.load`` (list the peers, read each tensor into its own memory,
+   check it);
 3. bucket: the same ``ckptd.load`` from the object store (SeaweedFS on 127.0.0.1,
    nice 19, tests/seaweed.py) on an empty root;
 4. disk: ``ckptd.load`` from the node's own disk, cold (page cache dropped where this
@@ -97,7 +98,8 @@ def _state(nbytes: int, tensors: int) -> dict[str, torch.Tensor]:
 
 def _peer_daemon(work: Path, name: str, listen: str, peers: list[str], memory: str = "3GiB",
                  tables: dict | None = None) -> DaemonProcess:
-    d = DaemonProcess(work, None, name=name, tables={**(tables or {}),
+    # nice 0, the plain transfer's priority (the config's default, 19, yields to the trainer)
+    d = DaemonProcess(work, None, name=name, keys={"nice": 0}, tables={**(tables or {}),
                       "peer": {"listen": listen, "peers": peers, "memory": memory, "stall": "30s"}})
     d.start()
     return d
@@ -110,7 +112,7 @@ def measure_stall(work: Path, state: dict, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     la, lb = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
     holder = _peer_daemon(work, "stall-holder", lb, [la])
-    daemons = {"off": DaemonProcess(work, None, name="stall-off"), "on": _peer_daemon(work, "stall-on", la, [lb])}
+    daemons = {"off": DaemonProcess(work, None, name="stall-off", keys={"nice": 0}), "on": _peer_daemon(work, "stall-on", la, [lb])}
     daemons["off"].start()
     size = sum(t.nbytes for t in state.values())
     try:
@@ -190,7 +192,7 @@ def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[st
                 del data
                 shutil.rmtree(fresh.root / "bench", ignore_errors=True)
                 t0 = time.perf_counter()
-                ckptd.load("bench", 1)  # fills the root from the partner, then loads
+                ckptd.load("bench", 1, rank=0)  # from the partner's memory into this process's
                 res["peer_load"].append(time.perf_counter() - t0)
                 shutil.rmtree(fresh.root / "bench", ignore_errors=True)
                 empty = work / f"empty-{r}"
@@ -254,7 +256,7 @@ def report(r: dict[str, Any]) -> None:
     print(f"share: {r['bytes'] / 2**30:.2f} GiB of tensors ({r['file_bytes'] / 2**30:.2f} GiB of files); "
           f"medians of {r['repeats']}; one noisy shared machine")
     rows = [("plain pyzmq transfer (floor)", r["plain_transfer"]), ("peer memory: fetch + check", r["peer_fetch"]),
-            ("peer memory: ckptd.load (fetch, check, durable write, load)", r["peer_load"]),
+            ("peer memory: ckptd.load(rank=0) into memory", r["peer_load"]),
             ("object store: ckptd.load", r["bucket_load"]), (f"own disk, cold ({r['drop_caches']})", r["disk_cold"])]
     for name, s in rows:
         print(f"  {name:<62} {s:7.2f} s  {gb / s:6.2f} GB/s")
