@@ -291,6 +291,49 @@ class RemoteConfig:
         return bool(self.url)
 
 
+def _peer_endpoint(value: object) -> str:
+    """A ``tcp://HOST:PORT`` endpoint of the peer tier, or "" (listen: off)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string: write \"tcp://HOST:PORT\"")
+    if value:
+        if not value.startswith("tcp://"):
+            raise ValueError(f"{value!r} is not a tcp:// endpoint such as \"tcp://10.0.0.5:7701\"")
+        _, port = split_host_port(value[len("tcp://"):])
+        if port == 0:
+            raise ValueError(f"{value!r}: choose a port; 0 would pick one that no peer could know")
+    return value
+
+
+def _peer_list(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{value!r} is not a list of endpoints such as [\"tcp://10.0.0.6:7701\"]")
+    out = []
+    for item in value:
+        if not _peer_endpoint(item):
+            raise ValueError("an empty endpoint in the list")
+        out.append(item)
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """The peer tier (docs/tiers.md): this daemon replicates each share it commits into
+    the memory of ``replicas`` of ``peers``, and holds theirs within ``memory`` bytes."""
+
+    listen: str = _opt("", _peer_endpoint)  # "" = no peer tier
+    peers: tuple[str, ...] = _opt((), _peer_list)
+    replicas: int = _opt(1, _positive(lambda v: _count(v)))
+    memory: int = _opt(4 * 2**30, _positive(parse_size))  # bytes of replicas held
+    frame: int = _opt(4 * 2**20, _positive(parse_size))  # bytes per message of a transfer
+    window: int = _opt(8, _positive(lambda v: _count(v)))  # messages of a transfer in flight
+    stall: float = _opt(10.0, _positive(parse_duration))  # no answer this long: the peer is slow or dead
+    timeout: float = _opt(1.0, _positive(parse_duration))  # a reader's wait for a peer's list
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.listen)
+
+
 @dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = DaemonConfig()
@@ -299,6 +342,7 @@ class Config:
     index: IndexConfig = IndexConfig()
     hdf5: Hdf5Config = Hdf5Config()
     remote: RemoteConfig = RemoteConfig()
+    peer: PeerConfig = PeerConfig()
     path: Path | None = None  # the file these values came from, if any
     origin: str = "built-in defaults"  # how that file was found (config.discover)
 
@@ -320,7 +364,7 @@ class Config:
 
 _TABLES: dict[str, type] = {
     "daemon": DaemonConfig, "producer": ProducerConfig, "retention": RetentionConfig, "index": IndexConfig,
-    "hdf5": Hdf5Config, "remote": RemoteConfig,
+    "hdf5": Hdf5Config, "remote": RemoteConfig, "peer": PeerConfig,
 }
 
 

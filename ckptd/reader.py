@@ -33,7 +33,9 @@ from .config import default_root
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from .names import check_run
+from .peer import tier as peer_tier
 from .remote import catalog, fetch, tiers
+from .remote.store import RemoteError
 
 log = logging.getLogger("ckptd.reader")
 
@@ -78,6 +80,16 @@ def latest(run: str, *, root: str | os.PathLike[str] | None = None,
     only), or None when it has none. See ``latest_local``."""
     store = None if verify else tiers.open_store(remote)
     local = latest_local(run, root=root, verify=verify)
+    peers = None if verify else peer_tier.open_tier()
+    if peers is not None:  # every rank's share here or with a peer (docs/tiers.md)
+        local = peers.latest(check_run(run), default_root(root)) or local  # counts the local shares too
+        if store is not None:
+            try:
+                return tiers.newest(local, catalog.latest(store, run))
+            except (OSError, RemoteError) as exc:  # the peers answer for it: docs/tiers.md
+                log.warning("the remote tier %s is unreachable (%s); newest step from the local root and "
+                            "the peers only", store.url, exc)
+                return local
     return tiers.newest(local, catalog.latest(store, run)) if store else local
 
 
@@ -191,8 +203,11 @@ def load(
     if mmap and map_location not in (None, "cpu"):
         raise ValueError(f"load(mmap=True) maps the files into CPU memory; map_location={map_location!r} "
                          "would copy every byte at once: load without mmap=True")
-    path, manifests, store = find_in_tiers(run, step, root, remote)
+    path, manifests, store = find_in_tiers(run, step, root, remote, fill=False)
     whole = rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit()
+    if isinstance(store, peer_tier.PeerSource) and (whole or out is not None or mmap):
+        store.fill()  # these read local files: the peers' shares come into the root first
+        path, manifests, store = find_in_tiers(run, manifests[0].step, root, remote)
     # one rank's share is the whole state, its tensors held in several pieces assembled
     whole = whole or (manifests[0].world_size == 1 and rank in (None, 0) and out is None and not mmap
                       and store is None
@@ -235,7 +250,10 @@ def load(
         if out is not None or mmap:
             raise ValueError(f"load(out=/mmap=True) reads local files, and rank {manifest.rank}'s share of step "
                              f"{manifest.step} is only in {store.url}: load without them, or fetch it first")
-        tensors = fetch.read_tensors(store, manifest, wanted_records)  # checksums always checked
+        if isinstance(store, peer_tier.PeerSource):  # from peers' memory, what this root lacks
+            tensors = store.read_tensors(wanted_records, lambda recs: read_tensors(path, recs, verify=verify))
+        else:
+            tensors = fetch.read_tensors(store, manifest, wanted_records)  # checksums always checked
     else:
         into = destinations(out, records, manifest.step) if out is not None else None
         if into is None and devicecopy.is_cuda(map_location):
@@ -256,10 +274,30 @@ def load(
 
 
 def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None,
-                   remote: str | None) -> tuple[Path, list[Manifest], Any]:
-    """The step's folder and manifests: locally if it is complete there, else from the
-    remote tier (then also its store; the folder is where it would be locally)."""
+                   remote: str | None, *, fill: bool = True) -> tuple[Path, list[Manifest], Any]:
+    """The step's folder and manifests: locally if it is complete there, else with the
+    peers, else from the remote tier (then also its store; the folder is where it
+    would be locally). With peers: ``fill`` fetches the shares this root lacks into
+    it; without, the third value is a ``PeerSource`` that reads them into memory."""
     store = tiers.open_store(remote)
+    peers = peer_tier.open_tier()
+    if peers is not None:  # local disk, then peers' memory, then the remote tier: docs/tiers.md
+        base = default_root(root)
+        if step is None:
+            info = latest(run, root=root, remote=store.url if store else "")
+            if info is None:
+                raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {base}, with its peers"
+                                         + (f" nor in {store.url}" if store else ""))
+            step = info.step
+        local_path = layout.step_dir(base, check_run(run), step)
+        if index.step_info(local_path) is None:
+            source = peers.source(run, step, base)
+            if source is not None and not fill:
+                return local_path, source.manifests, source
+            if source is not None:
+                source.fill()
+            if index.step_info(local_path) is not None:
+                store = None  # complete here now: read locally
     if store is not None:
         if step is None:
             info = latest(run, root=root, remote=store.url)

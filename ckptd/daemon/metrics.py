@@ -154,6 +154,8 @@ class _Collector:
         yield step
         if live.get("remote"):
             yield from _remote_families(live["remote"])
+        if live.get("peer"):
+            yield from _peer_families(live["peer"])
 
 
 def _remote_families(r: dict[str, Any]) -> Iterator[Any]:
@@ -177,6 +179,23 @@ def _remote_families(r: dict[str, Any]) -> Iterator[Any]:
                               "throughput).", value=r["upload_seconds"])
     yield CounterMetricFamily("ckptd_remote_failures", "Upload attempts that failed (each is retried).",
                               value=r["failures"])
+
+
+def _peer_families(p: dict[str, Any]) -> Iterator[Any]:
+    """The peer tier (ckptd/peer/): replicas sent and held."""
+    yield GaugeMetricFamily("ckptd_peer_under_replicated", "Shares committed here with fewer replicas in "
+                            "peers' memory than [peer] replicas.", value=p["under_replicated"])
+    yield GaugeMetricFamily("ckptd_peer_held_bytes", "Bytes of other nodes' replicas held in memory.",
+                            value=p["held_bytes"])
+    yield GaugeMetricFamily("ckptd_peer_held_shares", "Other nodes' shares held in memory.", value=p["held_shares"])
+    yield CounterMetricFamily("ckptd_peer_replicated_bytes", "File bytes sent to partners' memory.",
+                              value=p["replicated_bytes"])
+    yield CounterMetricFamily("ckptd_peer_failures", "Transfers a partner did not take (slow, full, dead).",
+                              value=p["failures"])
+    yield CounterMetricFamily("ckptd_peer_evicted", "Replicas held that made room for newer ones.",
+                              value=p["evicted"])
+    yield CounterMetricFamily("ckptd_peer_rejected", "Replicas received whose bytes did not match their "
+                              "checksums (never held).", value=p["rejected"])
 
 
 def _le(bound: float) -> str:

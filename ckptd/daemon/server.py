@@ -360,7 +360,8 @@ class Daemon:
         """Figures of the moment, for the metrics thread: plain reads, no iteration."""
         return {"queued_bytes": self.queued, "memory_budget": self.cfg.memory_budget,
                 "producers": len(self.sessions), "commits_in_progress": len(self.committing),
-                "draining": self.stopping, "remote": self.upkeep.remote_figures() if self.upkeep else None}
+                "draining": self.stopping, "remote": self.upkeep.remote_figures() if self.upkeep else None,
+                "peer": self.upkeep.peer_figures() if self.upkeep else None}
 
     def _status_report(self) -> dict[str, Any]:
         """What `ckptd status` prints (the wire's ``report``)."""
@@ -382,6 +383,7 @@ class Daemon:
             "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
             "runs": snap["runs"],
             "remote": self.upkeep.remote_figures() if self.upkeep else None,  # the uploads, with [remote]
+            "peer": self.upkeep.peer_figures() if self.upkeep else None,  # replicas sent and held, with [peer]
         }
 
     def _read_batch(self, limit: int = 256) -> None:

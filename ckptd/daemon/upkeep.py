@@ -23,6 +23,7 @@ from ..config import Config, ConfigError, RetentionConfig
 from .. import index
 from ..index import Index, write_pointer
 from ..manifest import CheckpointInfo
+from ..peer.node import PeerNode
 from ..remote.uploader import Uploader
 from .writer import Share
 
@@ -40,6 +41,7 @@ class Upkeep:
         self._reaper = threading.Thread(target=self._reap, name="ckptd-reaper", daemon=True)
         self.uploader = (Uploader(self.root, config.remote, on_remote_complete=self._remote_complete)
                          if config.remote.enabled else None)
+        self.peer = PeerNode(config, self._keep_last) if config.peer.enabled else None  # docs/tiers.md
 
     def start(self) -> None:
         """Scan the root (fixing stale pointers), then follow it."""
@@ -50,8 +52,12 @@ class Upkeep:
         if self.uploader is not None:
             self.uploader.start()
             log.info("remote tier: %s (uploads after each commit)", self.uploader.config.url)
+        if self.peer is not None:
+            self.peer.start()
 
     def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
         if self.uploader is not None:
             self.uploader.close()
         self.index.close()
@@ -79,6 +85,8 @@ class Upkeep:
         if self.uploader is not None:
             self.uploader.enqueue(share.run, share.step, share.rank, time.time(),
                                   sum(r.nbytes for r in share.records.values()))
+        if self.peer is not None:
+            self.peer.committed(share.run, share.step, share.rank)
         if complete:  # whoever completes a step applies retention to its run
             self.prune(share.run)
 
@@ -89,6 +97,12 @@ class Upkeep:
 
     def remote_figures(self) -> dict[str, Any] | None:
         return self.uploader.figures() if self.uploader is not None else None
+
+    def peer_figures(self) -> dict[str, Any] | None:
+        return self.peer.figures() if self.peer is not None else None
+
+    def _keep_last(self, run: str) -> int:
+        return retention.run_policy(self.policy, self.root / run).keep_last
 
     def _remote_complete(self, run: str, infos: list[CheckpointInfo]) -> None:
         """On the uploader thread: a step became complete in the bucket. Where each node
@@ -114,6 +128,8 @@ class Upkeep:
         for t in trash:
             self.index.refresh_step(run, int(t.name.split("-")[2]))
             self._trash.put(t)
+        if trash and self.peer is not None:  # partners drop their replicas of these steps
+            self.peer.dropped(run, [int(t.name.split("-")[2]) for t in trash])
 
     def _latest_changed(self, run: str, info: CheckpointInfo | None) -> None:
         # readers that run no index follow this pointer (DESIGN §5)

@@ -474,12 +474,14 @@ class Producer:
         if unseen:
             raise CheckpointError("; ".join(e for e in unseen if e))
 
-    def wait_complete(self, step: int, timeout: float | None = None) -> CheckpointInfo:
+    def wait_complete(self, step: int, timeout: float | None = None, *, tier: str | None = None) -> CheckpointInfo:
         """Wait until every rank's share of ``step`` is durable in the remote tier (or,
-        with no ``[remote]``, on the shared root), as the storage itself shows it."""
+        with no ``[remote]``, on the shared root), as the storage itself shows it;
+        ``tier="peer"``: until every rank's share has a replica in a peer's memory."""
         from ..completion import wait_complete
 
-        return wait_complete(self._need_run(), check_step(step), timeout=timeout, world_size=self.world_size)
+        return wait_complete(self._need_run(), check_step(step), timeout=timeout, world_size=self.world_size,
+                             tier=tier)
 
     def latest(self, run: str | None = None) -> CheckpointInfo | None:
         """Ask the daemon for the newest complete checkpoint of ``run`` (default: this run)."""

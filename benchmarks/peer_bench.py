@@ -1,0 +1,274 @@
+"""The peer tier's recovery and stall (docs/tiers.md), one run on one machine:
+
+1. floor: a plain pyzmq transfer of the share's bytes between two processes (PUSH
+   to PULL, 4 MiB frames, into preallocated memory);
+2. peer: a fresh node (empty root, new daemon) gets a lost node's share back with
+   ``ckptd.load`` from the partner's memory: the fetch and check of the whole files
+   alone, and ``ckptd.load`` (list the peers, read each tensor into its own memory,
+   check it);
+3. bucket: the same ``ckptd.load`` from the object store (SeaweedFS on 127.0.0.1,
+   nice 19, tests/seaweed.py) on an empty root;
+4. disk: ``ckptd.load`` from the node's own disk, cold (page cache dropped where this
+   process may: ``/proc/sys/vm/drop_caches``, else posix_fadvise DONTNEED on the files);
+5. stall: ``producer.save``'s blocked time and time to durable (local commit) with
+   replication on against off; and with it on, time until the replica is held.
+
+    .venv/bin/python benchmarks/peer_bench.py [--gib 1] [--repeats 3] [--json out.json]
+
+Goals: recovery from peer memory >= 0.9x the plain transfer's throughput and >= 5x
+faster than from the object store; stall with replication <= 1.05x without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+
+import seaweed  # noqa: E402
+from daemons import DaemonProcess, free_tcp_port  # noqa: E402
+
+FRAME = 4 * 2**20
+BUCKET = "bench"
+
+SENDER = r"""
+import sys, zmq
+n, frame, ep = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+data = bytearray(n)
+for i in range(0, n, 4096): data[i] = i % 251
+ctx = zmq.Context()
+push = ctx.socket(zmq.PUSH)
+push.setsockopt(zmq.SNDHWM, 8); push.connect(ep)
+push.send(b"")  # ready: the clock starts when this arrives
+view = memoryview(data)
+for off in range(0, n, frame):
+    push.send(view[off:off + frame], copy=False)
+push.close(linger=-1); ctx.term()
+"""
+
+
+def plain_transfer(nbytes: int) -> float:
+    """Seconds for ``nbytes`` from another process into this one's memory over pyzmq."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 8)
+    pull.setsockopt(zmq.RCVTIMEO, 120_000)
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    pull.bind(ep)
+    child = subprocess.Popen([sys.executable, "-c", SENDER, str(nbytes), str(FRAME), ep])
+    try:
+        out = bytearray(nbytes)
+        pull.recv()
+        t0 = time.perf_counter()
+        off = 0
+        while off < nbytes:
+            frame = pull.recv(copy=False)
+            out[off:off + len(frame)] = frame.buffer
+            off += len(frame)
+        return time.perf_counter() - t0
+    finally:
+        try:
+            child.wait(60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        pull.close(0)
+        ctx.term()
+
+
+def _state(nbytes: int, tensors: int) -> dict[str, torch.Tensor]:
+    return {f"layer{i}.weight": torch.randn(nbytes // tensors // 4) for i in range(tensors)}
+
+
+def _peer_daemon(work: Path, name: str, listen: str, peers: list[str], memory: str = "3GiB",
+                 tables: dict | None = None) -> DaemonProcess:
+    # nice 0, the plain transfer's priority (the config's default, 19, yields to the trainer)
+    d = DaemonProcess(work, None, name=name, keys={"nice": 0}, tables={**(tables or {}),
+                      "peer": {"listen": listen, "peers": peers, "memory": memory, "stall": "30s"}})
+    d.start()
+    return d
+
+
+def measure_stall(work: Path, state: dict, repeats: int) -> dict[str, Any]:
+    """Blocked time in save, save -> durable, and (replicating) save -> replica held."""
+    from ckptd import Producer
+
+    out: dict[str, Any] = {}
+    la, lb = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
+    holder = _peer_daemon(work, "stall-holder", lb, [la])
+    daemons = {"off": DaemonProcess(work, None, name="stall-off", keys={"nice": 0}), "on": _peer_daemon(work, "stall-on", la, [lb])}
+    daemons["off"].start()
+    size = sum(t.nbytes for t in state.values())
+    try:
+        producers = {k: Producer(d.endpoint, "stall", staging_size=size + 2**26) for k, d in daemons.items()}
+        for p in producers.values():
+            p.save(state, 0).wait(600)  # warm the arenas
+        figures: dict[str, dict[str, list[float]]] = {k: {"blocked": [], "durable": [], "replica": []}
+                                                       for k in daemons}
+        for step in range(1, repeats + 1):
+            for k in ("off", "on"):  # alternated: drift on the shared machine falls on both
+                p = producers[k]
+                t0 = time.perf_counter()
+                h = p.save(state, step)
+                figures[k]["blocked"].append(time.perf_counter() - t0)
+                h.wait(600)
+                figures[k]["durable"].append(time.perf_counter() - t0)
+                if k == "on":
+                    os.environ["CKPTD_CONFIG"] = str(daemons["on"].config)
+                    p.wait_complete(step, timeout=600, tier="peer")
+                    figures[k]["replica"].append(time.perf_counter() - t0)
+                    os.environ.pop("CKPTD_CONFIG")
+        for p in producers.values():
+            p.close()
+        for k, f in figures.items():
+            out[k] = {name: statistics.median(v) for name, v in f.items() if v}
+        return out
+    finally:
+        for d in (*daemons.values(), holder):
+            d.close()
+
+
+def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[str, Any]:
+    import ckptd
+    from ckptd.config import load as load_config
+    from ckptd.peer.holder import verify
+    from ckptd.peer.tier import open_tier
+
+    la, lb, lc = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(3))
+    lost = _peer_daemon(work, "lost", la, [lb], tables={"remote": {"url": url}})
+    partner = _peer_daemon(work, "partner", lb, [la, lc])
+    size = sum(t.nbytes for t in state.values())
+    res: dict[str, Any] = {}
+    try:
+        os.environ["CKPTD_CONFIG"] = str(lost.config)
+        from ckptd import Producer
+
+        p = Producer(lost.endpoint, "bench", staging_size=size + 2**26)
+        p.save(state, 1).wait(600)
+        p.wait_complete(1, timeout=900, tier="peer")
+        p.wait_complete(1, timeout=900)  # in the bucket too
+        p.close()
+        files = sorted((lost.root / "bench" / "step-000000000001").glob("r*.safetensors"))
+        res["file_bytes"] = sum(f.stat().st_size for f in files)
+
+        # its own disk, cold
+        res["disk_cold"] = []
+        for _ in range(repeats):
+            res["drop_caches"] = _drop_caches(files)
+            t0 = time.perf_counter()
+            ckptd.load("bench", 1, root=lost.root, remote="")
+            res["disk_cold"].append(time.perf_counter() - t0)
+        lost.close()
+
+        fresh = _peer_daemon(work, "fresh", lc, [lb])  # the new node: empty root, its daemon started
+        os.environ["CKPTD_CONFIG"] = str(fresh.config)
+        try:
+            tier = open_tier(load_config(fresh.config))
+            held = tier.holdings("bench")
+            (endpoint, where, m), = held[(1, 0)]
+            sizes = dict(m.files)
+            res["peer_fetch"], res["peer_load"], res["bucket_load"] = [], [], []
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                data = tier.read_files(endpoint, m, sizes)
+                verify(m, data, "bench")
+                res["peer_fetch"].append(time.perf_counter() - t0)
+                del data
+                shutil.rmtree(fresh.root / "bench", ignore_errors=True)
+                t0 = time.perf_counter()
+                ckptd.load("bench", 1, rank=0)  # from the partner's memory into this process's
+                res["peer_load"].append(time.perf_counter() - t0)
+                shutil.rmtree(fresh.root / "bench", ignore_errors=True)
+                empty = work / f"empty-{r}"
+                empty.mkdir()
+                t0 = time.perf_counter()
+                ckptd.load("bench", 1, root=empty, remote=url)
+                res["bucket_load"].append(time.perf_counter() - t0)
+        finally:
+            fresh.close()
+    finally:
+        os.environ.pop("CKPTD_CONFIG", None)
+        lost.close()
+        partner.close()
+    return {k: statistics.median(v) if isinstance(v, list) else v for k, v in res.items()}
+
+
+def _drop_caches(files: list[Path]) -> str:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "posix_fadvise DONTNEED (drop_caches not permitted)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    nbytes = int(args.gib * 2**30)
+    work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
+    server = seaweed.SeaweedS3(work / "s3", nice=19).start()
+    os.environ.update(server.env())
+    seaweed.make_bucket(server, BUCKET)
+    try:
+        state = _state(nbytes, args.tensors)
+        r: dict[str, Any] = {"bytes": nbytes, "repeats": args.repeats}
+        r["plain_transfer"] = statistics.median(plain_transfer(nbytes) for _ in range(args.repeats))
+        r.update(measure_recovery(work, state, args.repeats, f"s3://{BUCKET}/peer"))
+        r["stall"] = measure_stall(work, state, args.repeats)
+    finally:
+        server.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+    report(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1))
+    return 0
+
+
+def report(r: dict[str, Any]) -> None:
+    gb = r["bytes"] / 1e9
+    print(f"share: {r['bytes'] / 2**30:.2f} GiB of tensors ({r['file_bytes'] / 2**30:.2f} GiB of files); "
+          f"medians of {r['repeats']}; one noisy shared machine")
+    rows = [("plain pyzmq transfer (floor)", r["plain_transfer"]), ("peer memory: fetch + check", r["peer_fetch"]),
+            ("peer memory: ckptd.load(rank=0) into memory", r["peer_load"]),
+            ("object store: ckptd.load", r["bucket_load"]), (f"own disk, cold ({r['drop_caches']})", r["disk_cold"])]
+    for name, s in rows:
+        print(f"  {name:<62} {s:7.2f} s  {gb / s:6.2f} GB/s")
+    print(f"peer fetch vs plain transfer throughput: {r['plain_transfer'] / r['peer_fetch']:.2f}x (goal >= 0.9)")
+    print(f"peer load vs plain transfer throughput:  {r['plain_transfer'] / r['peer_load']:.2f}x")
+    print(f"peer load vs object store: {r['bucket_load'] / r['peer_load']:.1f}x faster (goal >= 5)")
+    s = r["stall"]
+    print(f"save blocked: {s['off']['blocked'] * 1e3:.0f} ms without replication, {s['on']['blocked'] * 1e3:.0f} ms "
+          f"with: {s['on']['blocked'] / s['off']['blocked']:.2f}x (goal <= 1.05)")
+    print(f"save -> durable: {s['off']['durable']:.2f} s without, {s['on']['durable']:.2f} s with "
+          f"({s['on']['durable'] / s['off']['durable']:.2f}x); save -> replica held: {s['on']['replica']:.2f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

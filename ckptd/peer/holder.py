@@ -1,0 +1,234 @@
+"""The replicas this daemon holds for its peers, in memory, within a byte budget.
+
+A share is received into a reservation (``offer``, ``part``) and admitted only
+once every byte arrived and every tensor matched its checksum (``done``): nothing
+half-received is ever listed or served. Room is made by evicting the oldest
+replicas, older steps of the arriving share's run first, never a newer step of
+that run than the one arriving (which is then refused: ``full``). A replica goes
+when its sender's retention deletes its step (``drop``), and when its run has more
+steps held than the sender's ``keep_last``. A reservation that no part reaches for
+``stall`` seconds is given up (its sender gave up on us).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import dtypes, layout
+from ..errors import CheckpointCorrupt
+from ..manifest import Manifest, checksum
+
+log = logging.getLogger("ckptd.peer")
+
+Key = tuple[str, int, int]  # run, step, rank
+
+
+@dataclass(eq=False)
+class Replica:
+    manifest: Manifest
+    manifest_json: bytes
+    files: dict[str, bytearray]
+    received: dict[str, int] = field(default_factory=dict)  # file -> bytes arrived (parts never overlap)
+    touched: float = field(default_factory=time.monotonic)
+    arrival: int = 0
+
+    @property
+    def key(self) -> Key:
+        return self.manifest.run, self.manifest.step, self.manifest.rank
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.files.values())
+
+
+class Full(Exception):
+    """No room for a share within the budget."""
+
+
+class Holder:
+    def __init__(self, budget: int, stall: float) -> None:
+        self.budget = budget
+        self.stall = stall
+        self._lock = threading.Lock()
+        self._held: dict[Key, Replica] = {}
+        self._incoming: dict[int, Replica] = {}
+        self._xfers = itertools.count(1)
+        self._arrivals = itertools.count()
+        self.evicted = 0
+        self.rejected = 0  # shares whose bytes did not match their checksums
+
+    # -- receiving -------------------------------------------------------------------------
+    def offer(self, manifest_json: bytes, files: dict[str, int], keep_last: int) -> int:
+        """Reserve room for a share; its transfer id. CheckpointCorrupt for a bad
+        manifest or file list, Full when the budget cannot take it."""
+        m = Manifest.from_json(manifest_json, "a manifest offered by a peer")
+        names = set(m.files) | {t.file for t in m.tensors.values()}
+        if set(files) != names or not all(layout.is_data_file(f) for f in files):
+            raise CheckpointCorrupt(f"run {m.run!r} step {m.step} rank {m.rank}: the files offered "
+                                    f"{sorted(files)} are not those its manifest names {sorted(names)}")
+        if any(m.files.get(f, size) != size for f, size in files.items()):
+            raise CheckpointCorrupt(f"run {m.run!r} step {m.step} rank {m.rank}: file sizes differ from its manifest")
+        for name, t in m.tensors.items():
+            if t.offset is not None and t.offset + t.nbytes > files[t.file]:
+                raise CheckpointCorrupt(f"tensor {name!r} lies beyond the end of {t.file}")
+        need = sum(files.values())
+        with self._lock:
+            self._expire()
+            if keep_last:
+                self._keep_newest(m.run, keep_last, incoming=m.step)
+            self._make_room(need, m.run, m.step)
+            xfer = next(self._xfers)
+            self._incoming[xfer] = Replica(m, manifest_json, {f: bytearray(n) for f, n in files.items()},
+                                           {f: 0 for f in files})
+            return xfer
+
+    def part(self, xfer: int, file: str, offset: int, data: Any) -> None:
+        with self._lock:
+            r = self._incoming.get(xfer)
+            if r is None:
+                raise KeyError(f"transfer {xfer} is unknown (given up after {self.stall:g} s without a part?)")
+            buf = r.files.get(file)
+            if buf is None or offset + len(data) > len(buf):
+                raise ValueError(f"a part of {len(data)} bytes at {offset} does not fit {file!r}")
+            r.touched = time.monotonic()
+        buf[offset:offset + len(data)] = data  # outside the lock: a few MiB of copying
+        with self._lock:
+            r.received[file] += len(data)
+
+    def done(self, xfer: int) -> Key:
+        """Admit a fully received share once its bytes verify; CheckpointCorrupt (the
+        reservation is dropped) if they do not."""
+        with self._lock:
+            r = self._incoming.pop(xfer, None)
+        if r is None:
+            raise KeyError(f"transfer {xfer} is unknown")
+        short = [f for f, b in r.files.items() if r.received[f] != len(b)]
+        if short:
+            raise CheckpointCorrupt(f"{', '.join(short)}: not every byte arrived")
+        try:
+            verify(r.manifest, r.files, "a replica received")
+        except CheckpointCorrupt:
+            with self._lock:
+                self.rejected += 1
+            raise
+        with self._lock:
+            r.arrival = next(self._arrivals)
+            self._held[r.key] = r
+        return r.key
+
+    # -- forgetting ------------------------------------------------------------------------
+    def drop(self, run: str, steps: list[int]) -> int:
+        with self._lock:
+            gone = [k for k in self._held if k[0] == run and k[1] in set(steps)]
+            for k in gone:
+                del self._held[k]
+            return len(gone)
+
+    def _keep_newest(self, run: str, keep_last: int, incoming: int) -> None:
+        steps = sorted({k[1] for k in self._held if k[0] == run} | {incoming}, reverse=True)
+        old = set(steps[keep_last:])
+        for k in [k for k in self._held if k[0] == run and k[1] in old]:
+            del self._held[k]
+            self.evicted += 1
+
+    def _make_room(self, need: int, run: str, step: int) -> None:
+        if need > self.budget:
+            raise Full(f"a share of {need} bytes is larger than the whole [peer] memory budget ({self.budget})")
+        used = self._used()
+        if used + need <= self.budget:
+            return
+        # older steps of this run first, then the others by arrival; never a newer step of this run
+        victims = sorted((r for k, r in self._held.items() if not (k[0] == run and k[1] >= step)),
+                         key=lambda r: (r.key[0] != run, r.key[1] if r.key[0] == run else 0, r.arrival))
+        freed = 0
+        chosen = []
+        for r in victims:
+            if used - freed + need <= self.budget:
+                break
+            chosen.append(r)
+            freed += r.nbytes
+        if used - freed + need > self.budget:
+            raise Full(f"no room for a share of {need} bytes: {used} of {self.budget} bytes hold replicas "
+                       "of newer steps or transfers under way")
+        for r in chosen:
+            del self._held[r.key]
+            self.evicted += 1
+
+    def _used(self) -> int:
+        return sum(r.nbytes for r in self._held.values()) + sum(r.nbytes for r in self._incoming.values())
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for x in [x for x, r in self._incoming.items() if now - r.touched > self.stall]:
+            r = self._incoming.pop(x)
+            log.warning("gave up receiving run %r step %d rank %d: no part for %.0f s", *r.key, self.stall)
+
+    def expire(self) -> None:
+        with self._lock:
+            self._expire()
+
+    # -- serving ---------------------------------------------------------------------------
+    def shares(self, run: str) -> list[Replica]:
+        with self._lock:
+            return [r for k, r in self._held.items() if k[0] == run]
+
+    def get(self, key: Key) -> Replica | None:
+        with self._lock:
+            return self._held.get(key)
+
+    def figures(self) -> dict[str, Any]:
+        with self._lock:
+            return {"held_bytes": sum(r.nbytes for r in self._held.values()), "held_shares": len(self._held),
+                    "held_steps": len({(k[0], k[1]) for k in self._held}),
+                    "receiving_bytes": sum(r.nbytes for r in self._incoming.values()),
+                    "memory": self.budget, "evicted": self.evicted, "rejected": self.rejected}
+
+
+def verify(m: Manifest, files: dict[str, Any], where: str) -> None:
+    """Every tensor of ``m`` with a byte range against its checksum, in ``files``'
+    bytes, and each chunk file's safetensors header against the manifest (the one
+    part of a file no checksum covers); CheckpointCorrupt naming the first that does
+    not match."""
+    for file, buf in files.items():
+        if layout.CHUNK.fullmatch(file):
+            _check_header(m, file, memoryview(buf), where)
+    for name, t in m.tensors.items():
+        if t.offset is None:
+            raise CheckpointCorrupt(f"{where}: tensor {name!r} is a chunked (compressed) HDF5 dataset, "
+                                    "whose bytes the peer tier cannot check: it is not replicated")
+        view = memoryview(files[t.file])[t.offset:t.offset + t.nbytes]
+        if checksum([view] if t.nbytes else []) != t.checksum:
+            raise CheckpointCorrupt(f"{where}: run {m.run!r} step {m.step} rank {m.rank}: tensor {name!r} "
+                                    "does not match its checksum")
+
+
+def _check_header(m: Manifest, file: str, buf: memoryview, where: str) -> None:
+    """The safetensors header of chunk file ``file`` says what the manifest says of
+    each of its tensors (as ``ckptd.reader`` checks a file on disk with verify=True)."""
+    def bad(what: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(f"{where}: {file}: {what}")
+
+    n = int.from_bytes(buf[:8], "little") if len(buf) >= 8 else -1
+    if not 0 <= n <= len(buf) - 8:
+        raise bad("its safetensors header length is damaged")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (ValueError, RecursionError):
+        raise bad("its safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise bad("its safetensors header is not a JSON object")
+    for name, t in m.tensors.items():
+        if t.file != file or t.offset is None or t.key == "__metadata__":
+            continue
+        info = dtypes.lookup(t.dtype)
+        begin = t.offset - 8 - n
+        want = {"dtype": info.st_code, "shape": info.stored_shape(t.shape), "data_offsets": [begin, begin + t.nbytes]}
+        entry = header.get(t.key)
+        if not isinstance(entry, dict) or {k: entry.get(k) for k in want} != want:
+            raise bad(f"its safetensors header does not describe tensor {name!r} as the manifest does")

@@ -1,0 +1,81 @@
+"""The daemon's part of the peer tier: the holder of other nodes' replicas, the
+``ckptd-peer-serve`` thread that receives and serves them, and the
+``ckptd-peer-send`` thread that replicates this node's commits. Owned by
+``ckptd.daemon.upkeep``, fed after each local commit and each retention pass."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import zmq
+
+from ..config import Config, ConfigError
+from ..curve import ClientKeys, CurveServer, load_secret
+from .holder import Holder
+from .replicator import Replicator
+from .server import PeerServer
+
+log = logging.getLogger("ckptd.peer")
+
+
+class PeerNode:
+    def __init__(self, config: Config, keep_last: Callable[[str], int]) -> None:
+        cfg = config.peer
+        if cfg.listen in cfg.peers and len(cfg.peers) == 1:
+            raise ConfigError(f"[peer] peers of {config.path or 'the config'} names only this daemon's own listen "
+                              f"endpoint {cfg.listen}: list the other nodes' [peer] listen endpoints")
+        server_curve, self.keys = daemon_curve(config)
+        self.ctx = zmq.Context()
+        self.holder = Holder(cfg.memory, cfg.stall)
+        try:
+            self.server = PeerServer(self.ctx, cfg.listen, config.root, self.holder, server_curve,
+                                     cfg.frame + 65536)
+        except Exception:
+            self.ctx.term()
+            raise
+        self._curve = server_curve
+        self.replicator = Replicator(self.ctx, config.root, cfg, self.keys, keep_last)
+        self.cfg = cfg
+
+    def start(self) -> None:
+        self.server.start()
+        self.replicator.start()
+        log.info("peer tier: serving peers on %s (%s), holding up to %d MiB of their replicas; "
+                 "replicating each commit to %d of %s", self.cfg.listen,
+                 "CurveZMQ" if self.keys else "no encryption: [daemon] curve_secret_key is not set",
+                 self.cfg.memory >> 20, self.cfg.replicas, ", ".join(self.replicator.peers) or "no peer")
+
+    def close(self) -> None:
+        self.replicator.close()
+        self.server.close()
+        if self._curve is not None:
+            self._curve.close()
+        self.ctx.term()
+
+    def committed(self, run: str, step: int, rank: int) -> None:
+        self.replicator.enqueue(run, step, rank)
+
+    def dropped(self, run: str, steps: list[int]) -> None:
+        self.replicator.dropped(run, steps)
+
+    def figures(self) -> dict[str, Any]:
+        return {"listen": self.cfg.listen, "replicas": self.cfg.replicas, **self.holder.figures(),
+                **self.replicator.figures()}
+
+
+def daemon_curve(config: Config) -> tuple[CurveServer | None, ClientKeys | None]:
+    """With ``[daemon] curve_secret_key``: the peer socket is a CurveZMQ server with the
+    daemon's keys, admitting the keys in ``curve_clients``; and this daemon reaches its
+    peers with the same key pair, expecting it as theirs (the nodes of a job share
+    one daemon key, whose public half is in every curve_clients folder: docs/tiers.md)."""
+    d = config.daemon
+    if not d.curve_secret_key:
+        return None, None
+    path = config.resolve_path(d.curve_secret_key)
+    public, secret = load_secret(path, "[daemon] curve_secret_key file")
+    clients = config.resolve_path(d.curve_clients) if d.curve_clients else None
+    if clients is None:
+        raise ConfigError("[peer] with [daemon] curve_secret_key needs [daemon] curve_clients too: the folder "
+                          "of public keys admitted (the daemons' own and the producers')")
+    return CurveServer(config.peer.listen, public, secret, clients), ClientKeys(public, public, secret, path)

@@ -1,0 +1,273 @@
+"""The ``ckptd-peer-send`` thread: each share this daemon commits goes to the memory
+of ``replicas`` partner daemons (``partners.order``), after the local commit and off
+the training loop's path (the share's files are read back, from the page cache).
+
+A transfer is an ``offer``, the files in ``frame``-sized parts with ``window`` of
+them in flight, and ``done``. A partner that takes no part for ``stall`` seconds,
+refuses, or is full is reported (log, ``ckptd status``, metrics) and the next peer
+of the order takes the share; a partner that failed is skipped for ``backoff``
+seconds. Only the newest step of each (run, rank) is worth a replica: an older one
+still queued when a newer commits is superseded. A share no partner took stays
+under-replicated and is tried again every ``backoff`` seconds while it is the newest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from .. import index, layout
+from ..config import PeerConfig
+from ..errors import CheckpointCorrupt, ProtocolError
+from . import partners, wire
+from .server import NODE_ID
+
+log = logging.getLogger("ckptd.peer")
+
+BACKOFF_S = 5.0
+
+Key = tuple[str, int, int]
+
+
+class Replicator:
+    def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
+                 keep_last: Callable[[str], int]) -> None:
+        self.ctx = ctx
+        self.root = root
+        self.cfg = config
+        self.keys = keys
+        self.keep_last = keep_last
+        self.peers = tuple(p for p in config.peers if p != config.listen)
+        self._cv = threading.Condition()
+        self._queue: deque[Key] = deque()
+        self._drops: deque[tuple[str, list[int]]] = deque()
+        self._pending: dict[Key, int] = {}  # committed here, fewer than `replicas` replicas yet: how many
+        self._newest: dict[tuple[str, int], int] = {}  # (run, rank) -> newest step committed
+        self._down: dict[str, float] = {}  # peer -> monotonic time until which it is skipped
+        self._links: dict[str, wire.Link] = {}
+        self._stop = False
+        self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0}
+        self.thread = threading.Thread(target=self._loop, name="ckptd-peer-send", daemon=True)
+
+    # -- from other threads ----------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self.thread.join()
+
+    def enqueue(self, run: str, step: int, rank: int) -> None:
+        """After the local commit of a share (the syncer thread): replicate it."""
+        with self._cv:
+            if step >= self._newest.get((run, rank), -1):
+                self._newest[(run, rank)] = step
+            for k in [k for k in self._pending if k[0] == run and k[2] == rank and k[1] < step]:
+                del self._pending[k]  # superseded: its newer step is what a recovery wants
+            self._pending[(run, step, rank)] = 0
+            self._queue.append((run, step, rank))
+            self._cv.notify()
+
+    def dropped(self, run: str, steps: list[int]) -> None:
+        """Retention deleted ``steps`` of ``run`` here: partners drop their replicas."""
+        with self._cv:
+            for k in [k for k in self._pending if k[0] == run and k[1] in set(steps)]:
+                del self._pending[k]
+            self._drops.append((run, steps))
+            self._cv.notify()
+
+    def figures(self) -> dict[str, Any]:
+        with self._cv:
+            now = time.monotonic()
+            return dict(self.figures_, under_replicated=len(self._pending), peers=list(self.peers),
+                        down=sorted(p for p, t in self._down.items() if t > now))
+
+    # -- the thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        self._check_peers()
+        while True:
+            with self._cv:
+                while not (self._stop or self._queue or self._drops):
+                    if not self._cv.wait(BACKOFF_S) and self._pending:
+                        self._queue.extend(k for k in self._pending if k not in self._queue)
+                if self._stop:
+                    break
+                drop = self._drops.popleft() if self._drops else None
+                key = self._queue.popleft() if drop is None else None
+            try:
+                if drop is not None:
+                    self._send_drop(*drop)
+                elif key is not None and key in self._pending:
+                    self._replicate(key)
+            except Exception:  # a bug: reported, and the next share is still replicated
+                log.exception("replicating %s failed", drop or key)
+        for link in self._links.values():
+            link.close()
+
+    def _check_peers(self) -> None:
+        """Say at start which peers cannot be reached, and drop any that is this daemon."""
+        if self.cfg.listen in self.cfg.peers:
+            log.warning("[peer] peers names this daemon's own listen endpoint %s; it is ignored (a share "
+                        "needs a replica on another node)", self.cfg.listen)
+        if not self.peers:
+            log.warning("[peer] peers names no other daemon: nothing is replicated; list the other nodes' "
+                        "[peer] listen endpoints")
+        for p in list(self.peers):
+            try:
+                answer, _ = self._link(p).request({"op": "ping"}, timeout=self.cfg.timeout * 3)
+            except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                self._forget(p)
+                log.warning("[peer] peer %s is unreachable at start (%s); shares go to the next peers until "
+                            "it answers", p, exc)
+                continue
+            if answer.get("node") == NODE_ID:
+                self.peers = tuple(q for q in self.peers if q != p)
+                log.warning("[peer] peer %s is this daemon itself; it is ignored", p)
+            else:
+                log.info("[peer] peer %s answers", p)
+
+    def _link(self, peer: str) -> wire.Link:
+        link = self._links.get(peer)
+        if link is None:
+            link = self._links[peer] = wire.Link(self.ctx, peer, self.keys, hwm=self.cfg.window * 2 + 4)
+        return link
+
+    def _forget(self, peer: str) -> None:
+        link = self._links.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def _replicate(self, key: Key) -> None:
+        run, step, rank = key
+        with self._cv:
+            if step < self._newest.get((run, rank), -1):
+                self._pending.pop(key, None)
+                return
+        step_path = layout.step_dir(self.root, run, step)
+        try:
+            m = index.read_share(step_path, rank)
+            share = _Share.open(step_path, m) if m is not None else None
+        except (CheckpointCorrupt, OSError) as exc:
+            log.warning("cannot replicate run %r step %d rank %d: %s", run, step, rank, exc)
+            share = None
+        if share is not None and any(t.offset is None for t in m.tensors.values()):  # type: ignore[union-attr]
+            share.close()
+            share = None
+            log.warning("run %r step %d rank %d is not replicated: it has chunked (compressed) HDF5 datasets, "
+                        "whose bytes a holder cannot check (docs/tiers.md)", run, step, rank)
+        if share is None:  # deleted meanwhile
+            with self._cv:
+                self._pending.pop(key, None)
+            return
+        try:
+            self._to_partners(key, share)
+        finally:
+            share.close()
+
+    def _to_partners(self, key: Key, share: "_Share") -> None:
+        run, step, rank = key
+        step_path = share.path
+        manifest_json = layout.read_small(step_path / layout.manifest_name(rank), 64 * 2**20)
+        want, done = self.cfg.replicas, 0
+        now = time.monotonic()
+        for peer in partners.order(self.peers, run, rank, me=self.cfg.listen):
+            if done >= want:
+                break
+            if self._down.get(peer, 0) > now:
+                continue
+            t0 = time.monotonic()
+            try:
+                self._send(peer, run, step, rank, manifest_json, share)
+            except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                self.figures_["failures"] += 1
+                if not isinstance(exc, wire.PeerRefused):  # slow or dead: skipped for a while
+                    self._down[peer] = time.monotonic() + BACKOFF_S
+                self._forget(peer)
+                log.warning("peer %s did not take run %r step %d rank %d (%s); trying the next peer",
+                            peer, run, step, rank, exc)
+                continue
+            done += 1
+            self.figures_["replicated_shares"] += 1
+            self.figures_["replicated_bytes"] += sum(share.sizes.values())
+            self.figures_["send_seconds"] += time.monotonic() - t0
+            log.debug("run %r step %d rank %d replicated to %s", run, step, rank, peer)
+        with self._cv:
+            if done >= want:
+                self._pending.pop(key, None)
+            elif key in self._pending:
+                self._pending[key] = done
+                log.warning("run %r step %d rank %d has %d of %d replicas: no other peer took it "
+                            "(under-replicated; retried every %.0f s)", run, step, rank, done, want, BACKOFF_S)
+
+    def _send(self, peer: str, run: str, step: int, rank: int, manifest_json: bytes, share: "_Share") -> None:
+        link, stall = self._link(peer), self.cfg.stall
+        offer = {"op": "offer", "run": run, "step": step, "rank": rank, "manifest": manifest_json,
+                 "files": share.sizes, "keep_last": self.keep_last(run)}
+        answer, _ = link.request(offer, timeout=stall)
+        xfer = wire.field(answer, "xfer", int)
+        in_flight: deque[int] = deque()
+        for file, size in share.sizes.items():
+            for off in range(0, size, self.cfg.frame):
+                if len(in_flight) >= self.cfg.window:
+                    link.recv(in_flight.popleft(), timeout=stall)
+                part = {"op": "part", "xfer": xfer, "file": file, "offset": off}
+                in_flight.append(link.send(part, share.read(file, off, self.cfg.frame), timeout=stall))
+        while in_flight:
+            link.recv(in_flight.popleft(), timeout=stall)
+        link.request({"op": "done", "xfer": xfer}, timeout=stall)
+
+    def _send_drop(self, run: str, steps: list[int]) -> None:
+        now = time.monotonic()
+        for peer in self.peers:
+            if self._down.get(peer, 0) > now:
+                continue
+            try:
+                self._link(peer).request({"op": "drop", "run": run, "steps": steps}, timeout=self.cfg.timeout)
+            except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                self._forget(peer)
+                log.debug("peer %s did not take a drop of run %r steps %s: %s", peer, run, steps, exc)
+
+
+class _Share:
+    """A committed share's data files, open for reading parts (from the page cache,
+    just after the commit); the holder checks every byte against the manifest."""
+
+    def __init__(self, path: Path, fds: dict[str, int]) -> None:
+        self.path = path
+        self.fds = fds
+        self.sizes = {f: os.fstat(fd).st_size for f, fd in fds.items()}
+
+    @classmethod
+    def open(cls, path: Path, m: Any) -> "_Share | None":
+        fds: dict[str, int] = {}
+        dir_fd = layout.open_step_dir(path)
+        try:
+            for file in sorted(set(m.files) | {t.file for t in m.tensors.values()}):
+                try:
+                    fds[file] = layout.open_regular(file, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    for fd in fds.values():
+                        os.close(fd)
+                    return None
+        finally:
+            os.close(dir_fd)
+        return cls(path, fds)
+
+    def read(self, file: str, offset: int, length: int) -> bytes:
+        data = os.pread(self.fds[file], length, offset)
+        if len(data) != min(length, self.sizes[file] - offset):
+            raise CheckpointCorrupt(f"{self.path / file} shrank while being replicated")
+        return data
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)

@@ -1,0 +1,181 @@
+"""The ``ckptd-peer-serve`` thread: a ROUTER on ``[peer] listen`` that receives
+replicas into the holder and serves shares to readers, from memory (replicas) or
+from this daemon's own root (its committed shares: a node recovering finds the
+surviving nodes' shares there)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from .. import index, layout
+from ..daemon import failpoints
+from ..errors import CheckpointCorrupt, ProtocolError
+from ..names import check_run
+from . import wire
+from .holder import Full, Holder
+
+log = logging.getLogger("ckptd.peer")
+
+NODE_ID = uuid.uuid4().hex  # this daemon, as ``ping`` answers it
+
+
+class PeerServer:
+    def __init__(self, ctx: zmq.Context, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int) -> None:
+        self.root = root
+        self.holder = holder
+        self.listen = listen
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max(max_frame, wire.MAX_HEADER_BYTES) + 4096)
+        if curve is not None:
+            curve.secure(ctx, self.sock)
+        try:
+            self.sock.bind(listen)
+        except zmq.ZMQError as exc:
+            self.sock.close()
+            raise ProtocolError(f"[peer] listen {listen!r}: cannot listen there: {exc}") from None
+        self._muted: set[int] = set()  # transfers a failpoint stopped answering (tests)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="ckptd-peer-serve", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join()
+        self.sock.close(linger=0)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(200, zmq.POLLIN):
+                self.holder.expire()
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            ident, rest = frames[0].bytes, frames[1:]
+            try:
+                header = wire.unpack(rest[0]) if rest else {}
+                answer, payload = self._handle(header, rest[1] if len(rest) > 1 else None)
+            except _NoAnswer:
+                continue
+            except (ProtocolError, CheckpointCorrupt, Full, KeyError, ValueError, OSError) as exc:
+                answer, payload = {"ok": False, "error": str(exc) if not isinstance(exc, KeyError) else exc.args[0]}, None
+                log.debug("peer request %r refused: %s", header.get("op") if rest else None, answer["error"])
+            answer.setdefault("ok", True)
+            answer["id"] = header.get("id") if rest else None
+            frames_out = [ident, wire.pack(answer)] + ([payload] if payload is not None else [])
+            try:
+                self.sock.send_multipart(frames_out, copy=payload is None, flags=zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError) as exc:  # the asker is gone, or has a backlog
+                log.debug("cannot answer a peer: %s", exc)
+
+    def _handle(self, h: dict[str, Any], payload: Any) -> tuple[dict[str, Any], Any]:
+        op = h.get("op")
+        if op == "ping":
+            return {"node": NODE_ID, "listen": self.listen}, None
+        if op == "offer":
+            files = wire.field(h, "files", dict)
+            if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in files.items()):
+                raise ProtocolError("offer: files must map names to sizes")
+            xfer = self.holder.offer(wire.field(h, "manifest", bytes), files, wire.field(h, "keep_last", int))
+            return {"xfer": xfer}, None
+        if op == "part":
+            xfer = wire.field(h, "xfer", int)
+            if xfer in self._muted:
+                raise _NoAnswer
+            try:
+                failpoints.hit("peer.receive")
+            except failpoints.Failpoint:  # a partner that hangs in mid-transfer
+                log.warning("failpoint peer.receive: transfer %d is no longer answered", xfer)
+                self._muted.add(xfer)
+                raise _NoAnswer from None
+            if payload is None:
+                raise ProtocolError("part: no bytes")
+            self.holder.part(xfer, wire.field(h, "file", str), wire.field(h, "offset", int), payload.buffer)
+            return {}, None
+        if op == "done":
+            xfer = wire.field(h, "xfer", int)
+            if xfer in self._muted:
+                raise _NoAnswer
+            key = self.holder.done(xfer)
+            log.info("holding run %r step %d rank %d for a peer", *key)
+            return {}, None
+        if op == "drop":
+            steps = wire.field(h, "steps", list)
+            n = self.holder.drop(check_run(wire.field(h, "run", str)), [s for s in steps if isinstance(s, int)])
+            return {"dropped": n}, None
+        if op == "list":
+            return {"shares": self._list(check_run(wire.field(h, "run", str)))}, None
+        if op == "read":
+            return {}, self._read(h)
+        raise ProtocolError(f"unknown peer request {op!r}")
+
+    def _list(self, run: str) -> list[dict[str, Any]]:
+        out = [{"step": r.manifest.step, "rank": r.manifest.rank, "manifest": r.manifest_json, "where": "memory"}
+               for r in self.holder.shares(run)]
+        seen = {(s["step"], s["rank"]) for s in out}
+        for step, path in index.step_dirs(self.root / run) if (self.root / run).is_dir() else []:
+            for rank in _manifest_ranks(path):
+                if (step, rank) in seen:
+                    continue
+                try:
+                    m = index.read_share(path, rank)
+                except (CheckpointCorrupt, OSError):
+                    continue
+                if m is not None and m.step == step and m.run == run:
+                    data = layout.read_small(path / layout.manifest_name(rank), 64 * 2**20)
+                    out.append({"step": step, "rank": rank, "manifest": data, "where": "disk"})
+        return out
+
+    def _read(self, h: dict[str, Any]) -> Any:
+        run = check_run(wire.field(h, "run", str))
+        key = (run, wire.field(h, "step", int), wire.field(h, "rank", int))
+        file, offset, length = wire.field(h, "file", str), wire.field(h, "offset", int), wire.field(h, "length", int)
+        if not layout.is_data_file(file):
+            raise ProtocolError(f"read: {file!r} is not a data file")
+        replica = self.holder.get(key)
+        if replica is not None:
+            buf = replica.files.get(file)
+            if buf is None:
+                raise KeyError(f"run {run!r} step {key[1]} rank {key[2]} has no file {file!r}")
+            data: Any = memoryview(buf)[offset:offset + length]
+            try:
+                failpoints.hit("peer.serve")
+            except failpoints.Failpoint:  # a replica damaged in this holder's memory
+                data = bytearray(data)
+                if data:
+                    data[len(data) // 2] ^= 0xFF
+            return data
+        step_path = layout.step_dir(self.root, run, key[1])
+        if index.read_share(step_path, key[2]) is None:
+            raise KeyError(f"no share of run {run!r} step {key[1]} rank {key[2]} here")
+        dir_fd = layout.open_step_dir(step_path)
+        try:
+            fd = layout.open_regular(file, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+
+class _NoAnswer(Exception):
+    pass
+
+
+def _manifest_ranks(path: Path) -> list[int]:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := layout.MANIFEST.fullmatch(n)))

@@ -1,0 +1,313 @@
+"""The readers' view of the peer tier: which shares of a run the peers can serve
+(from their memory, or their own disks), and fetching the ones this node's root
+lacks into it.
+
+With a ``[peer]`` table in the config found by the usual rule, ``ckptd.latest``
+counts a step complete when every rank's share is in the local root or with some
+peer, and ``ckptd.load`` / ``load_into`` first fill the local root with the
+shares of the step it lacks: each from the first peer whose copy verifies (every
+tensor against the manifest's checksum; a bad copy is logged and the next peer
+asked), written through the durable path (data files fsynced, manifest last), so
+that the local rules hold for it as for a share the daemon wrote. Peers are asked
+together and given ``[peer] timeout`` to answer a list; one that does not is
+skipped (a dead node costs a recovery that long, no more).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from .. import index, layout
+from ..config import Config, ConfigError, load as load_config
+from ..curve import client_keys
+from ..durable import atomic_write, replacing, write_all
+from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
+from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
+from . import wire
+from .holder import verify
+
+log = logging.getLogger("ckptd.peer")
+
+TIER = "peer"
+
+
+def open_tier(config: Config | None = None) -> "PeerTier | None":
+    """The peer tier of the discovered config, or None without ``[peer]``."""
+    cfg = config or load_config()
+    return PeerTier(cfg) if cfg.peer.enabled else None
+
+
+def reader_keys(config: Config) -> Any:
+    """A reader's CurveZMQ keys for the peers: ``[producer]`` keys where set, else the
+    daemon's own key pair where this process can read it, else none (plain TCP)."""
+    p, d = config.producer, config.daemon
+    if p.curve_server_key and p.curve_secret_key:
+        return client_keys(config.peer.listen, config)
+    if d.curve_secret_key:
+        from .node import daemon_curve
+
+        try:
+            return daemon_curve(config)[1]
+        except ConfigError as exc:
+            raise ConfigError(f"cannot reach the peer tier with CurveZMQ: {exc}; set [producer] curve_server_key "
+                              "and curve_secret_key") from None
+    return None
+
+
+class PeerTier:
+    def __init__(self, config: Config) -> None:
+        self.cfg = config.peer
+        self.endpoints = list(dict.fromkeys([self.cfg.listen, *self.cfg.peers]))
+        self.keys = reader_keys(config)
+        self.ctx = zmq.Context.instance()
+
+    # -- what the peers hold ---------------------------------------------------------------
+    def holdings(self, run: str) -> dict[tuple[int, int], list[tuple[str, str, Manifest]]]:
+        """(step, rank) -> [(endpoint, "memory" or "disk", manifest)], memory first."""
+        links = {e: wire.Link(self.ctx, e, self.keys) for e in self.endpoints}
+        out: dict[tuple[int, int], list[tuple[str, str, Manifest]]] = {}
+        try:
+            sent = {}
+            for e, link in links.items():
+                try:
+                    sent[e] = link.send({"op": "list", "run": run}, timeout=self.cfg.timeout)
+                except wire.PeerDown as exc:
+                    log.info("peer tier: %s", exc)
+            deadline = time.monotonic() + self.cfg.timeout
+            for e, rid in sent.items():
+                try:
+                    answer, _ = links[e].recv(rid, timeout=max(0.01, deadline - time.monotonic()))
+                    shares = wire.field(answer, "shares", list)
+                except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                    log.info("peer tier: %s", exc)
+                    continue
+                for s in shares:
+                    try:
+                        m = Manifest.from_json(wire.field(s, "manifest", bytes), f"a manifest from {e}")
+                    except (CheckpointCorrupt, ProtocolError) as exc:
+                        log.warning("peer tier: %s", exc)
+                        continue
+                    if m.run == run and (m.step, m.rank) == (s.get("step"), s.get("rank")):
+                        out.setdefault((m.step, m.rank), []).append((e, str(s.get("where")), m))
+        finally:
+            for link in links.values():
+                link.close()
+        for copies in out.values():
+            copies.sort(key=lambda c: c[1] != "memory")
+        return out
+
+    def latest(self, run: str, base: Path,
+               held: dict[tuple[int, int], list[tuple[str, str, Manifest]]] | None = None) -> CheckpointInfo | None:
+        """The newest step whose every rank's share is in the local root or with a peer."""
+        held = self.holdings(run) if held is None else held
+        run_dir = base / run
+        local_steps = dict(index.step_dirs(run_dir)) if run_dir.is_dir() else {}
+        for step in sorted({s for s, _ in held} | set(local_steps), reverse=True):
+            path = layout.step_dir(base, run, step)
+            info = self.step_info(run, step, path, held)
+            if info is not None:
+                return info
+        return None
+
+    def step_info(self, run: str, step: int, path: Path,
+                  held: dict[tuple[int, int], list[tuple[str, str, Manifest]]]) -> CheckpointInfo | None:
+        manifests, tiers = [], set()
+        candidates = [m for (s, _), copies in held.items() if s == step for _, _, m in copies[:1]]
+        local = {r: m for r in _ranks(path) if (m := _read_share(path, r)) is not None}
+        world = next(iter(local.values()), None) or (candidates[0] if candidates else None)
+        if world is None:
+            return None
+        for rank in range(world.world_size):
+            if rank in local:
+                manifests.append(local[rank])
+                tiers.add("local")
+            elif (step, rank) in held:
+                manifests.append(held[(step, rank)][0][2])
+                tiers.add(TIER)
+        try:
+            complete = index.one_attempt(manifests, path)
+        except CheckpointCorrupt:
+            return None
+        if complete is None:
+            return None
+        return CheckpointInfo.from_manifests(str(path), complete, tiers=tuple(t for t in ("local", TIER) if t in tiers))
+
+    # -- fetching --------------------------------------------------------------------------
+    def source(self, run: str, step: int, base: Path) -> "PeerSource | None":
+        """The step as local root and peers together hold it, if every rank's share is there."""
+        path = layout.step_dir(base, run, step)
+        held = self.holdings(run)
+        info = self.step_info(run, step, path, held)
+        if info is None:
+            return None
+        manifests = [_read_share(path, r) or held[(step, r)][0][2] for r in range(info.world_size)]
+        return PeerSource(self, run, step, base, held, manifests)  # type: ignore[arg-type]
+
+    def fill(self, run: str, step: int, base: Path,
+             held: dict[tuple[int, int], list[tuple[str, str, Manifest]]] | None = None) -> int:
+        """Fetch every share of ``step`` that the local root lacks and a peer has into
+        the root; how many were fetched."""
+        path = layout.step_dir(base, run, step)
+        held = self.holdings(run) if held is None else held
+        info = self.step_info(run, step, path, held)
+        if info is None:
+            return 0
+        fetched = 0
+        for rank in range(info.world_size):
+            if _read_share(path, rank) is not None:
+                continue
+            for endpoint, where, m in held.get((step, rank), []):
+                try:
+                    self.fetch_share(endpoint, m, base)
+                except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                    log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
+                                run, step, rank, endpoint, where, exc)
+                    continue
+                log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", run, step, rank, endpoint, where)
+                fetched += 1
+                break
+        return fetched
+
+    def fetch_share(self, endpoint: str, m: Manifest, base: Path) -> None:
+        """One share from one peer, checked, then written into ``base`` (data files, then
+        the manifest). CheckpointCorrupt if a byte does not match."""
+        files = {f: m.files.get(f) for f in sorted(set(m.files) | {t.file for t in m.tensors.values()})}
+        if any(size is None for size in files.values()):
+            raise CheckpointCorrupt("its manifest does not list its files' sizes")
+        data = self.read_files(endpoint, m, files)  # type: ignore[arg-type]
+        verify(m, data, f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}")
+        step_dir = layout.step_dir(base, m.run, m.step)
+        layout.ensure_real_dir(step_dir, base)
+        for file, buf in data.items():
+            with replacing(step_dir / file) as tmp:
+                tmp.unlink(missing_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                try:
+                    write_all(fd, buf)
+                finally:
+                    os.close(fd)
+        atomic_write(step_dir / layout.manifest_name(m.rank), m.to_json())
+
+    def read_records(self, endpoint: str, m: Manifest, records: dict[str, TensorRecord]) -> dict[str, Any]:
+        """Tensors of ``m``'s share read from ``endpoint`` straight into their own memory,
+        each checked against its checksum (CheckpointCorrupt if one does not match)."""
+        import torch
+
+        from ..reader import as_tensor
+
+        bufs = {}
+        ranges = []
+        for name, rec in records.items():
+            if rec.offset is None:
+                raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
+            bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
+            ranges.append((name, rec.file, rec.offset, memoryview(bufs[name].numpy())))
+        self._read_ranges(endpoint, m, ranges)
+        out = {}
+        for name, rec in records.items():
+            if checksum([memoryview(bufs[name].numpy())] if rec.nbytes else []) != rec.checksum:
+                raise CheckpointCorrupt(f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}: tensor "
+                                        f"{name!r} does not match its checksum")
+            out[name] = as_tensor(bufs[name], rec)
+        return out
+
+    def _read_ranges(self, endpoint: str, m: Manifest, ranges: list[tuple[str, str, int, memoryview]]) -> None:
+        """Fill each (name, file, offset, memory) from ``endpoint``, in ``frame``-sized
+        parts with ``window`` of them in flight."""
+        link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4)
+        try:
+            in_flight: deque[tuple[int, memoryview]] = deque()
+
+            def land() -> None:
+                rid, dst = in_flight.popleft()
+                _, payload = link.recv(rid, timeout=self.cfg.stall)
+                if payload is None or len(payload) != len(dst):
+                    raise ProtocolError(f"{endpoint}: a part of {0 if payload is None else len(payload)} bytes, "
+                                        f"not {len(dst)}")
+                dst[:] = payload.buffer
+
+            for _, file, offset, view in ranges:
+                for off in range(0, len(view), self.cfg.frame):
+                    if len(in_flight) >= self.cfg.window:
+                        land()
+                    dst = view[off:off + self.cfg.frame]
+                    req = {"op": "read", "run": m.run, "step": m.step, "rank": m.rank, "file": file,
+                           "offset": offset + off, "length": len(dst)}
+                    in_flight.append((link.send(req, timeout=self.cfg.stall), dst))
+            while in_flight:
+                land()
+        finally:
+            link.close()
+
+    def read_files(self, endpoint: str, m: Manifest, sizes: dict[str, int]) -> dict[str, bytearray]:
+        """The files of a share, read from ``endpoint`` in ``frame``-sized parts with
+        ``window`` of them in flight."""
+        out = {f: bytearray(n) for f, n in sizes.items()}
+        self._read_ranges(endpoint, m, [("", f, 0, memoryview(b)) for f, b in out.items()])
+        return out
+
+
+class PeerSource:
+    """A step that the local root and the peers hold together: ``ckptd.load`` reads a
+    rank's tensors from here, straight into memory (no file written)."""
+
+    url = "the peers' memory"
+
+    def __init__(self, tier: PeerTier, run: str, step: int, base: Path,
+                 held: dict[tuple[int, int], list[tuple[str, str, Manifest]]], manifests: list[Manifest]) -> None:
+        self.tier, self.run, self.step, self.base = tier, run, step, base
+        self.held = held
+        self.manifests = manifests
+
+    def fill(self) -> int:
+        return self.tier.fill(self.run, self.step, self.base, self.held)
+
+    def read_tensors(self, records: dict[str, TensorRecord],
+                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]]) -> dict[str, Any]:
+        """``records`` (of one rank's share, its replicated tensors included): those of
+        shares in the local root through ``local``, the others from the first peer whose
+        bytes match every checksum."""
+        path = layout.step_dir(self.base, self.run, self.step)
+        by_writer: dict[int, dict[str, TensorRecord]] = {}
+        for name, rec in records.items():
+            by_writer.setdefault(layout.file_rank(rec.file), {})[name] = rec  # type: ignore[arg-type]
+        out: dict[str, Any] = {}
+        for writer, recs in by_writer.items():
+            if _read_share(path, writer) is not None:
+                out.update(local(recs))
+                continue
+            problems = []
+            for endpoint, where, m in self.held.get((self.step, writer), []):
+                try:
+                    out.update(self.tier.read_records(endpoint, m, recs))
+                    break
+                except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                    log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
+                                self.run, self.step, writer, endpoint, where, exc)
+                    problems.append(f"{endpoint}: {exc}")
+            else:
+                raise CheckpointNotFound(f"run {self.run!r} step {self.step} rank {writer}: no peer served a "
+                                         f"good copy ({'; '.join(problems) or 'none holds it now'})")
+        return out
+
+
+def _ranks(path: Path) -> list[int]:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := layout.MANIFEST.fullmatch(n)))
+
+
+def _read_share(path: Path, rank: int) -> Manifest | None:
+    try:
+        return index.read_share(path, rank)
+    except (CheckpointCorrupt, OSError):
+        return None

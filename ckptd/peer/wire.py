@@ -1,0 +1,122 @@
+"""Messages between peers: a msgpack header frame (a map with ``op``), and for
+``part`` requests and ``read`` answers a second frame of raw bytes. Nothing is
+pickled; every field a receiver uses is checked (``field``).
+
+Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answer:
+
+- ``ping`` -> ``{node}``: the answering daemon's id (a daemon told to replicate
+  to itself finds out so).
+- ``offer`` ``{run, step, rank, manifest, files: {name: size}, keep_last}`` ->
+  ``{xfer}`` or an error (``full``): room is reserved for the share's files.
+- ``part`` ``{xfer, file, offset}`` + bytes -> ``{}``: bytes of one file.
+- ``done`` ``{xfer}`` -> ``{}`` once every byte arrived and every tensor matched
+  its checksum; only then does the holder serve the share.
+- ``drop`` ``{run, steps}`` -> ``{}``: the sender's retention deleted these steps.
+- ``list`` ``{run}`` -> ``{shares: [{step, rank, manifest, where}]}``: what this
+  daemon can serve of a run, from memory (replicas) or its own disk.
+- ``read`` ``{run, step, rank, file, offset, length}`` -> ``{}`` + the bytes.
+
+An answer is ``{id, ok: true, ...}`` or ``{id, ok: false, error}``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from ..errors import ProtocolError
+
+MAX_HEADER_BYTES = 64 * 2**20  # a list answer carries manifests
+
+
+def pack(header: dict[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def unpack(frame: Any) -> dict[str, Any]:
+    raw = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"a peer header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=MAX_HEADER_BYTES,
+                                 max_bin_len=MAX_HEADER_BYTES)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"a peer header is not msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("a peer header is not a map")
+    return header
+
+
+def field(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    """``header[key]``, checked to be a ``kind`` (ints non-negative, never a bool)."""
+    value = header.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool \
+            or isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise ProtocolError(f"peer message {header.get('op')!r}: field {key!r} is {value!r}, not a {kind}")
+    return value
+
+
+class PeerDown(Exception):
+    """A peer did not answer in time (slow, full of backlog, or dead)."""
+
+
+class PeerRefused(Exception):
+    """A peer answered with an error."""
+
+
+class Link:
+    """One DEALER to one peer's ``listen`` endpoint: requests sent without blocking,
+    answers matched by id. Used from one thread; ``close`` it after a stall (a new
+    link starts clean, with no stale answers queued)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, keys: Any = None, *, hwm: int = 64) -> None:
+        from ..curve import secure_client
+
+        self.endpoint = endpoint
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a peer not (yet) connected
+        self._handshake = secure_client(self.sock, keys)
+        self.sock.connect(endpoint)
+
+    def send(self, header: dict[str, Any], payload: Any = None, *, timeout: float) -> int:
+        """Send a request; its id. PeerDown when it cannot leave within ``timeout``."""
+        rid = next(self._ids)
+        frames = [pack(dict(header, id=rid))] + ([payload] if payload is not None else [])
+        if not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
+            raise PeerDown(f"{self.endpoint}: not connected or not taking requests after {timeout:g} s")
+        self.sock.send_multipart(frames, copy=payload is None or len(payload) < 65536, flags=zmq.NOBLOCK)
+        return rid
+
+    def recv(self, rid: int, *, timeout: float) -> tuple[dict[str, Any], Any]:
+        """The answer to request ``rid`` (older answers are skipped): (header, payload
+        frame or None). PeerDown after ``timeout`` s of silence, PeerRefused for an error."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                raise PeerDown(f"{self.endpoint}: no answer in {timeout:g} s")
+            frames = self.sock.recv_multipart(copy=False)
+            header = unpack(frames[0])
+            if header.get("id") != rid:
+                if isinstance(header.get("id"), int) and header["id"] > rid:
+                    raise ProtocolError(f"{self.endpoint}: answers out of order")
+                continue
+            if not header.get("ok"):
+                raise PeerRefused(f"{self.endpoint}: {header.get('error', 'refused')}")
+            return header, frames[1] if len(frames) > 1 else None
+
+    def request(self, header: dict[str, Any], payload: Any = None, *, timeout: float) -> tuple[dict[str, Any], Any]:
+        return self.recv(self.send(header, payload, timeout=timeout), timeout=timeout)
+
+    def close(self) -> None:
+        self._handshake.close()
+        self.sock.close(linger=0)

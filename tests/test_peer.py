@@ -1,0 +1,289 @@
+"""The peer tier (docs/tiers.md): three daemons on 127.0.0.1, each with its own root
+and [peer] listen port, stand for three nodes; a node is lost (daemon killed, root
+deleted) and a fresh one resumes from its peers' memory, bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptd
+from ckptd.config import load as load_config
+from ckptd.peer.tier import PeerTier
+from conftest import Daemon, free_port
+
+TRAIN = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ["CKPTD_CONFIG"] = os.environ["NODE_CONFIGS"].split(",")[rank]  # rank r on node r
+    import torch, torch.distributed as dist
+    from safetensors.torch import save_file
+    import ckptd
+    from ckptd import producer
+    run, out, steps = os.environ["RUN"], Path(os.environ["OUT"]), int(os.environ["STEPS"])
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def flat(state):
+        out = {f"model.{k}": v for k, v in state["model"].items()}
+        for i, s in state["optim"]["state"].items():
+            out[f"optim.{i}"] = s["momentum_buffer"]
+        return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+    start = 0
+    if os.environ.get("RESUME"):
+        state = ckptd.load(run)  # this rank's share ($RANK) of the newest complete step, any tier
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        start = state["step"]
+        save_file(flat(state), str(out / f"loaded-r{rank}.safetensors"))
+        (out / f"resumed-r{rank}").write_text(str(start))
+    producer.configure(run=run, staging_size="8MiB")
+    for step in range(start + 1, steps + 1):
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        x, y = torch.randn(8, 64, generator=g), torch.randn(8, 32, generator=g)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+        producer.save(state, step).wait(60)
+        save_file(flat(state), str(out / f"saved-{step}-r{rank}.safetensors"))
+    info = producer.wait_complete(steps, timeout=60, tier="peer")  # every rank's share in a peer's memory
+    assert info.step == steps and info.world_size == world, info
+    producer.close()
+    dist.destroy_process_group()
+""")
+
+
+def _nodes(tmp_path: Path, tables: dict | None = None, memory: str = "64MiB") -> list[Daemon]:
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
+    nodes = []
+    for i, listen in enumerate(listens):
+        peer = {"listen": listen, "peers": [e for e in listens if e != listen], "memory": memory, "stall": "3s"}
+        nodes.append(Daemon(tmp_path / f"node{i}", tables={**(tables or {}), "peer": peer}))
+    return nodes
+
+
+def _torchrun(tmp_path: Path, out: Path, configs: list[Path], **env: str) -> int:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    out.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ, NODE_CONFIGS=",".join(map(str, configs)), RUN="job", OUT=str(out),
+                    GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        env=full_env, stdout=open(out / "torchrun.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError((out / "torchrun.log").read_text()[-4000:]) from None
+    assert rc == 0, (out / "torchrun.log").read_text()[-4000:]
+    return rc
+
+
+def _status(node: Daemon) -> dict:
+    out = subprocess.run([sys.executable, "-m", "ckptd", "status", "--json", "-c", str(node.config)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket", ["none", "stopped"])
+def test_a_lost_node_resumes_from_peer_memory(tmp_path, request, monkeypatch, bucket) -> None:
+    tables = {}
+    if bucket == "stopped":
+        s3 = request.getfixturevalue("s3")
+        tables = {"remote": {"url": "s3://ckptd/peer", "max_retry_s": 1}}
+    nodes = _nodes(tmp_path, tables)
+    try:
+        for n in nodes:
+            n.start()
+        job = tmp_path / "job"
+        _torchrun(tmp_path, job, [nodes[0].config, nodes[1].config], STEPS="3")
+        for n in nodes[:2]:
+            peer = _status(n)["peer"]
+            assert peer["under_replicated"] == 0, peer
+        assert sum(_status(n)["peer"]["held_shares"] for n in nodes) >= 2 * 3
+
+        # node 0 is lost with its disk; a fresh one takes its place, address and config
+        nodes[0].kill()
+        shutil.rmtree(nodes[0].root)
+        if bucket == "stopped":
+            s3.stop()
+        nodes[0].start()
+        assert not (nodes[0].root / "job").exists()
+        resumed = tmp_path / "resumed"
+        _torchrun(tmp_path, resumed, [nodes[0].config, nodes[1].config], STEPS="5", RESUME="1")
+        for r in range(2):
+            assert (resumed / f"resumed-r{r}").read_text() == "3"
+            assert _equal(load_file(str(resumed / f"loaded-r{r}.safetensors")),
+                          load_file(str(job / f"saved-3-r{r}.safetensors"))), r
+        # the whole state (every rank's share) on the new node: shares its root lacks come
+        # from the peers into it, through the durable path, then load as local files
+        monkeypatch.setenv("CKPTD_CONFIG", str(nodes[0].config))
+        whole = ckptd.load("job", 5)
+        assert whole["step"] == 5 and (nodes[0].root / "job" / "step-000000000005" / "manifest-r00001.json").is_file()
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+# -- faults, in one process: producers of each "node" talk to its daemon --------------------
+def _save(node: Daemon, steps: range, nbytes: int = 256 * 1024, rank: int = 0, world: int = 1, **opts) -> dict:
+    saved = {}
+    with node.producer("job", rank=rank, world_size=world, **opts) as p:
+        for step in steps:
+            t = torch.arange(nbytes // 4, dtype=torch.float32) + step * 1000 + rank
+            p.save({"w": t, "step": step}, step).wait(30)
+            saved[step] = t
+    return saved
+
+
+def _wait(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _held(node: Daemon) -> dict:
+    """What node's peer socket lists of run "job": {(step, rank): where}."""
+    tier = PeerTier(load_config(node.config))
+    tier.endpoints = [tier.cfg.listen]
+    return {k: c[0][1] for k, c in tier.holdings("job").items()}
+
+
+def test_a_damaged_replica_is_skipped_for_the_next(tmp_path, monkeypatch, caplog) -> None:
+    nodes = _nodes(tmp_path)
+    listens = [load_config(n.config).peer.listen for n in nodes]
+    nodes[0] = Daemon(tmp_path / "node0b", tables={"peer": {"listen": listens[0], "peers": listens[1:],
+                                                            "replicas": 2, "memory": "64MiB"}})
+    try:
+        monkeypatch.setenv("CKPTD_FAILPOINTS", "peer.serve")  # node 1 flips a byte of all it serves
+        nodes[1].start()
+        monkeypatch.delenv("CKPTD_FAILPOINTS")
+        nodes[0].start()
+        nodes[2].start()
+        saved = _save(nodes[0], range(1, 2))
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated")
+        assert _held(nodes[1]).get((1, 0)) == _held(nodes[2]).get((1, 0)) == "memory"
+        nodes[0].kill()
+        shutil.rmtree(nodes[0].root)
+        nodes[0].start()
+        monkeypatch.setenv("CKPTD_CONFIG", str(nodes[0].config))
+        with caplog.at_level("WARNING", logger="ckptd.peer"):
+            state = ckptd.load("job", 1)
+        assert torch.equal(state["w"], saved[1])
+        assert f"from {listens[1]} (memory) not used" in caplog.text and "does not match its checksum" in caplog.text
+        assert ckptd.load("job", 1, verify=True)["step"] == 1  # what was written is the good copy
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def test_a_partner_that_hangs_mid_transfer_is_replaced(tmp_path, monkeypatch) -> None:
+    from ckptd.peer import partners
+
+    nodes = _nodes(tmp_path)
+    listens = [load_config(n.config).peer.listen for n in nodes]
+    first = partners.order(listens[1:], "job", 0, me=listens[0])[0]
+    hung = nodes[listens.index(first)]
+    other = nodes[3 - listens.index(first)]
+    cfg = dict(listen=listens[0], peers=listens[1:], memory="64MiB", stall="2s", frame="64KiB")
+    nodes[0] = Daemon(tmp_path / "node0b", tables={"peer": cfg})
+    try:
+        monkeypatch.setenv("CKPTD_FAILPOINTS", "peer.receive@3")  # answers two parts, then never again
+        hung.start()
+        monkeypatch.delenv("CKPTD_FAILPOINTS")
+        nodes[0].start()
+        other.start()
+        t0 = time.monotonic()
+        _save(nodes[0], range(1, 3), nbytes=1 << 20)  # 16 parts a share
+        assert time.monotonic() - t0 < 10  # training never waits for a partner
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "re-replicated to the other partner")
+        status = _status(nodes[0])["peer"]
+        assert status["failures"] >= 1, status
+        assert _held(other).get((2, 0)) == "memory"
+        assert (1, 0) not in _held(hung) and (2, 0) not in _held(hung)  # half-received: never listed
+        assert "did not take run 'job' step 1 rank 0" in nodes[0].log_text()
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def test_the_memory_budget_and_keep_last_hold_over_a_long_run(tmp_path) -> None:
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[0], "peers": listens[1:],
+                                                          "memory": "1MiB"}})
+    sender = Daemon(tmp_path / "sender", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
+    pruned = Daemon(tmp_path / "pruned", tables={"peer": {"listen": listens[2], "peers": [listens[0]]},
+                                                 "retention": {"keep_last": 2}})
+    try:
+        for n in (holder, sender, pruned):
+            n.start()
+        peaks = []
+        with sender.producer("job") as p:
+            for step in range(1, 21):  # 256 KiB + headers a share: 3 fit in 1 MiB
+                p.save({"w": torch.full((65536,), float(step))}, step).wait(30)
+                if step % 5 == 0:
+                    peaks.append(_status(holder)["peer"]["held_bytes"])
+        _wait(lambda: _status(sender)["peer"]["under_replicated"] == 0, "replicated")
+        status = _status(holder)["peer"]
+        assert max(peaks + [status["held_bytes"]]) <= 2**20 and status["evicted"] >= 15, (peaks, status)
+        held = _held(holder)
+        assert sorted(held) == [(18, 0), (19, 0), (20, 0)], held  # the newest steps that fit
+        # a run whose retention keeps 2 steps: its partner drops what retention deleted
+        with pruned.producer("kept") as p:
+            for step in range(1, 7):
+                p.save({"w": torch.full((1024,), float(step))}, step).wait(30)
+        tier = PeerTier(load_config(holder.config))
+        tier.endpoints = [tier.cfg.listen]
+        _wait(lambda: sorted(s for s, _ in tier.holdings("kept")) == [5, 6], "old replicas dropped")
+    finally:
+        for n in (holder, sender, pruned):
+            n.cleanup()
+
+
+def test_a_partner_list_naming_itself_or_an_unreachable_peer_is_reported_at_start(tmp_path) -> None:
+    me = f"tcp://127.0.0.1:{free_port()}"
+    alone = Daemon(tmp_path / "alone", tables={"peer": {"listen": me, "peers": [me]}})
+    with pytest.raises(RuntimeError, match="names only this daemon's own listen endpoint"):
+        alone.start()
+    alone.cleanup()
+    nobody = f"tcp://127.0.0.1:{free_port()}"
+    lonely = Daemon(tmp_path / "lonely", tables={"peer": {"listen": me, "peers": [me, nobody], "timeout": "0.3s"}})
+    try:
+        lonely.start()
+        _wait(lambda: "unreachable at start" in lonely.log_text(), "the unreachable peer reported")
+        assert f"peer {nobody} is unreachable at start" in lonely.log_text()
+        assert f"names this daemon's own listen endpoint {me}" in lonely.log_text()
+    finally:
+        lonely.cleanup()
+    bad = Daemon(tmp_path / "bad", tables={"peer": {"listen": me, "peers": ["10.0.0.1:7701"]}})
+    with pytest.raises(RuntimeError, match="is not a tcp:// endpoint"):
+        bad.start()
+    bad.cleanup()
