@@ -53,7 +53,7 @@ from ckptd.state import flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import Daemon  # noqa: E402
 
-EXAMPLES = int(os.environ.get("CKPTD_MODEL_EXAMPLES", "14"))
+EXAMPLES = int(os.environ.get("CKPTD_MODEL_EXAMPLES", "20"))
 STEPS = int(os.environ.get("CKPTD_MODEL_STEPS", "8"))
 EMIT_TIMEOUT_S = float(os.environ.get("CKPTD_MODEL_EMIT_TIMEOUT", "5"))  # a wait for staging longer than this fails
 COMMIT_TIMEOUT_S = 60.0  # a commit not acknowledged within this is a hang
@@ -179,7 +179,8 @@ class SaveModel(RuleBasedStateMachine):
         self.daemon = self.daemons.get(cfg["format"], cfg["reuse_unchanged"], cfg["chunk_size"])
         self.run = f"m{next(self.runs)}"
         self.producer = ckptd.Producer(self.daemon.endpoint, self.run, staging_size=cfg["staging_size"],
-                                       emit_timeout=EMIT_TIMEOUT_S, timeout=10, on_no_daemon="raise")
+                                       emit_timeout=EMIT_TIMEOUT_S, timeout=10, on_no_daemon="raise",
+                                       transport="shm")  # never inline by accident: batches need shm
         self.rng = np.random.default_rng(seed)
         self._build(specs)
 
