@@ -163,6 +163,7 @@ class SaveModel(RuleBasedStateMachine):
     daemons: Daemons
     runs = itertools.count()
     mesh: Any = None
+    checked = 0  # steps checked, over all examples (benchmarks/stress.py reports it)
 
     def __init__(self) -> None:
         super().__init__()
@@ -351,6 +352,7 @@ class SaveModel(RuleBasedStateMachine):
         path, problems = verify(self.run, step, root=root)
         assert problems == [], f"step {step}: verify found {problems}"
         self._check_files(path, step, {n: d for n, (_, d) in want.items()})
+        SaveModel.checked += 1
 
     def _check_files(self, path: Path, step: int, want: dict[str, bytes]) -> None:
         """The step folder's files, read with safetensors / h5py themselves."""
