@@ -53,7 +53,7 @@ from ckptd.state import flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import Daemon  # noqa: E402
 
-EXAMPLES = int(os.environ.get("CKPTD_MODEL_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("CKPTD_MODEL_EXAMPLES", "30"))
 STEPS = int(os.environ.get("CKPTD_MODEL_STEPS", "8"))
 EMIT_TIMEOUT_S = float(os.environ.get("CKPTD_MODEL_EMIT_TIMEOUT", "5"))  # a wait for staging longer than this fails
 COMMIT_TIMEOUT_S = 60.0  # a commit not acknowledged within this is a hang
