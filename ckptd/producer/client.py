@@ -633,8 +633,12 @@ class Producer:
         the small tensors of an open chunk until the commit, which cannot come while
         this emit waits (docs/protocol.md, Flow control). Under ``_emit_lock``, so no
         other region is taken before the wait."""
-        if self._shm and self._transport is not None and self._transport.lost is None:
-            self._send("drain")  # (inline, staging is free once received: nothing to drain)
+        if self._transport is None or self._transport.lost is not None:
+            return
+        if self._shm:
+            self._send("drain")  # wakes the sender: what was queued leaves before it
+        else:
+            self._transport.kick()  # inline, staging is free once the daemon has read it
 
     def _copy_whole(self, region: Region, item: _Tensor) -> Any:
         """Copy a tensor into its region as its own dtype and shape (strided views included)."""

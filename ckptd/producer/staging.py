@@ -104,9 +104,9 @@ class Arena:
                 if now >= deadline:
                     held = sum(r.nbytes for r in self._live)
                     raise CheckpointError(
-                        f"waited {timeout:g} s for staging memory while staging {what}: the daemon was "
-                        f"asked to write out all it holds, and {held} of the arena's {self.capacity} bytes "
-                        "are still unwritten (a slow or stalled disk, or a stalled daemon: its log says "
+                        f"waited {timeout:g} s for staging memory while staging {what}: {held} of the "
+                        f"arena's {self.capacity} bytes are still with the daemon, not yet written (a slow "
+                        "or stalled disk, a daemon over its memory_budget, or a stalled daemon: its log says "
                         "which); raise [producer] staging_size or emit_timeout"
                     )
                 self._cond.wait(deadline - now)

@@ -64,12 +64,17 @@ class Transport:
         """Queue one message; ``event`` (a CUDA event) must complete before it ships.
 
         ``wake=False`` leaves the sender asleep: it ships the message at the next
-        woken send, or within ``heartbeat / 2`` s on its own. A save's
+        woken send or ``kick``, or within ``heartbeat / 2`` s on its own. A save's
         tensors go that way, so that neither the sender's wake-ups (each one takes
         the GIL from the training thread) nor the daemon's reading and hashing
         compete with the copy on the training node's cores; the commit wakes it."""
         self._queue.put((header, payload, event))
         if wake and self._idle:
+            self._wake.wake()
+
+    def kick(self) -> None:
+        """Ship what ``send(wake=False)`` queued, now."""
+        if self._idle:
             self._wake.wake()
 
     def close(self) -> None:
