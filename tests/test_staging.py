@@ -177,3 +177,28 @@ def test_gpt2_and_adam_save_with_the_shipped_config(make_daemon) -> None:
     assert set(got) == set(want)
     for name, t in want.items():
         assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.slow
+def test_fsdp2_dcp_and_producer_saves_of_20_layers_with_4mib_staging(daemon, tmp_path) -> None:
+    """Each DTensor piece goes alone and sends the open batch of small tensors: 20 FSDP2
+    layers with Adam hung dcp.save, dcp.async_save and Producer.save at 4 MiB of staging."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ckptd
+    from ckptd.reader import verify
+    from safetensors.torch import load_file
+
+    job = Path(__file__).resolve().parent / "fsdp_staging_job.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(job),
+         daemon.endpoint, str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-8000:]
+    for run_id in ("dcp", "adcp", "ps"):
+        _, problems = verify(run_id, 1, root=daemon.root)
+        assert problems == [], (run_id, problems)
+    reference = load_file(str(tmp_path / "reference.safetensors"))
+    whole = ckptd.load("ps", 1, root=daemon.root, names=list(reference))  # assembled from both ranks
+    assert all(torch.equal(whole[k], v) for k, v in reference.items())
