@@ -4,8 +4,9 @@
     nice .venv/bin/python benchmarks/stress.py --kills 100 --frames 100000 --load-seconds 60 --producers 16 --runs 4
     .venv/bin/python benchmarks/stress.py --quick          # a small version of all three, about a minute
     .venv/bin/python benchmarks/stress.py --only kill --kills 20 --json out.json
+    .venv/bin/python benchmarks/stress.py --only model --model-seconds 3600   # an hour of the save-path model
 
-Three scenarios, each with real parts only: a ``ckptd serve`` subprocess, real
+Four scenarios, each with real parts only: a ``ckptd serve`` subprocess, real
 ZeroMQ sockets, producer processes that checkpoint continuously, files on disk.
 
 * **kill**: the daemon is killed with SIGKILL at random instants while several
@@ -22,6 +23,12 @@ ZeroMQ sockets, producer processes that checkpoint continuously, files on disk.
   each a process) checkpoint continuously for ``--load-seconds``. Every
   acknowledged commit must be on disk and verify; the daemon's peak RSS must stay
   under ``memory_budget`` + 200 MiB; commit latency percentiles are reported.
+* **model**: ``tests/test_model.py``'s randomized model of the save path (random
+  states of every dtype and size, tied storage, numpy arrays, DTensor pieces; saves
+  and emit blocks, plan hits and misses, frozen= and replicated=; random staging,
+  chunk_size, format and reuse) in fresh random rounds for ``--model-seconds``:
+  every step must finish within a bound, load back bit-exactly, verify, and hold
+  exactly its tensors in its files. CI runs the same model briefly, from a fixed seed.
 
 Every producer writes one JSON line per step it tried (``ok``, latency, error);
 the content of a step is a pure function of (run, rank, step), so the harness
@@ -754,9 +761,45 @@ def load(base: Path, *, seconds: float, producers: int = 16, runs: int = 4, memo
 
 
 # -- the report ----------------------------------------------------------------------------------------------
+# -- model: the randomized model-based test of the save path, for as long as asked ---------------
+def model_soak(base: Path, *, seconds: float, examples: int, steps: int, say: Say = print) -> dict[str, Any]:
+    """Run ``tests/test_model.py``'s model (random states, saves and emit blocks under
+    random staging, chunk_size, format and reuse; every step loaded back bit-exactly,
+    verified, its files read with safetensors/h5py) in rounds of ``examples`` fresh
+    random examples of up to ``steps`` steps, until ``seconds`` have passed or one
+    fails. A failure is reported as hypothesis shrank it, with its reproduce blob."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import test_model
+
+    os.environ["CKPTD_CONFIG"] = "none"  # the built-in defaults, whatever this machine's config says
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # for DTensor pieces
+    violations: list[str] = []
+    rounds = 0
+    t0 = time.monotonic()
+    test_model.SaveModel.checked = 0
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        while time.monotonic() - t0 < seconds and not violations:
+            rounds += 1
+            try:
+                test_model.run_model(base / f"model{rounds}", mesh, examples, steps, seed=None)
+            except Exception as exc:  # hypothesis's report of the shrunk failure, stacks and log included
+                violations.append(f"model round {rounds}: {_shorten(str(exc)) if len(str(exc)) > 4000 else exc}")
+            say(f"  model round {rounds}: {examples} examples, {test_model.SaveModel.checked} steps checked so far, "
+                f"{time.monotonic() - t0:.0f} s")
+    finally:
+        dist.destroy_process_group()
+    return {"rounds": rounds, "examples": rounds * examples, "steps_checked": test_model.SaveModel.checked,
+            "seconds": time.monotonic() - t0, "shares_verified": test_model.SaveModel.checked, "bytes_lost": 0,
+            "peak_rss": 0, "violations": violations}
+
+
 def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    kill, fuzz, ld = results.get("kill"), results.get("fuzz"), results.get("load")
-    parts = [r for r in (kill, fuzz, ld) if r]
+    kill, fuzz, ld, model = results.get("kill"), results.get("fuzz"), results.get("load"), results.get("model")
+    parts = [r for r in (kill, fuzz, ld, model) if r]
     return {
         "kills_survived": kill["kills_survived"] if kill else None,
         "malformed_messages_sent": fuzz["malformed"] if fuzz else None,
@@ -796,6 +839,10 @@ def print_report(results: dict[str, dict[str, Any]], say: Say = print) -> None:
             f"({ld['acked_bytes'] / 1e9:.2f} GB), {ld['commits_failed']} failed; daemon peak RSS "
             f"{mib(ld['peak_rss'])} (budget {mib(ld['memory_budget'])}); commit latency p50 {sec(lat['p50_s'])}, "
             f"p99 {sec(lat['p99_s'])}, max {sec(lat['max_s'])}")
+    if "model" in results:
+        m = results["model"]
+        say(f"  model (save path):      {m['examples']} random examples in {m['rounds']} rounds, {m['steps_checked']} "
+            f"steps loaded back bit-exactly, verified and read with safetensors/h5py; {m['seconds']:.0f} s")
     say(f"  kills survived:         {s['kills_survived'] if s['kills_survived'] is not None else '-'}")
     say(f"  malformed frames sent:  {s['malformed_frames_sent'] if s['malformed_frames_sent'] is not None else '-'}"
         f" ({s['malformed_messages_sent'] if s['malformed_messages_sent'] is not None else '-'} messages)")
@@ -830,7 +877,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-seconds", type=float, default=60.0, help="how long the load runs (60)")
     ap.add_argument("--producers", type=int, default=16, help="producer processes under load (16)")
     ap.add_argument("--runs", type=int, default=4, help="runs they form (4); producers / runs ranks each")
-    ap.add_argument("--only", choices=["kill", "fuzz", "load"], action="append",
+    ap.add_argument("--model-seconds", type=float, default=300.0,
+                    help="how long the randomized model of the save path runs (300)")
+    ap.add_argument("--model-examples", type=int, default=50, help="model examples per round (50)")
+    ap.add_argument("--model-steps", type=int, default=20, help="most steps of one model example (20)")
+    ap.add_argument("--only", choices=["kill", "fuzz", "load", "model"], action="append",
                     help="run only this scenario (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", type=Path, default=None, help="where the temp folder goes (default: the temp dir)")
@@ -841,11 +892,12 @@ def main(argv: list[str] | None = None) -> int:
         return producer_main(args)
     if args.quick:
         args.kills, args.frames, args.load_seconds, args.producers, args.runs = 5, 5000, 5.0, 4, 2
+        args.model_seconds, args.model_examples, args.model_steps = 20.0, 5, 8
     for var in _ENV_ISOLATE:
         os.environ.pop(var, None)
     signal.signal(signal.SIGTERM, _interrupt)  # clean up (kill what we started) on SIGTERM too
     base = Path(tempfile.mkdtemp(prefix="ckptd-stress-", dir=args.dir))
-    wanted = args.only or ["kill", "fuzz", "load"]
+    wanted = args.only or ["kill", "fuzz", "load", "model"]
     results: dict[str, dict[str, Any]] = {}
     say = lambda text: print(text, flush=True)  # noqa: E731
     try:
@@ -858,6 +910,11 @@ def main(argv: list[str] | None = None) -> int:
         if "load" in wanted:
             say(f"load: {args.producers} producers in {args.runs} runs for {args.load_seconds:g} s ...")
             results["load"] = load(base, seconds=args.load_seconds, producers=args.producers, runs=args.runs, say=say)
+        if "model" in wanted:
+            say(f"model: random saves of random states for {args.model_seconds:g} s, {args.model_examples} "
+                "examples a round ...")
+            results["model"] = model_soak(base, seconds=args.model_seconds, examples=args.model_examples,
+                                          steps=args.model_steps, say=say)
     finally:
         if args.keep:
             say(f"kept {base}")

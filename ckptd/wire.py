@@ -44,6 +44,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "commit": {"seq": "int", "step": "int", "ntensors": "int", "state": "json",
                "metadata": "json", "replicas": "map?"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
+    # the producer waits for staging: write out every chunk still gathered for it
+    "drain": {"seq": "int"},
     "ping": {"seq": "int"},
     "latest": {"seq": "int", "run": "str"},
     "status": {"seq": "int"},  # also from `ckptd status`, without a session

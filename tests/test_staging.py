@@ -4,9 +4,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 from ckptd.errors import CheckpointError
 from ckptd.producer.staging import ALIGN, LARGE, PAGE, Arena
+
+from conftest import REPO
 
 
 def test_ring_wraps_and_frees_in_order() -> None:
@@ -78,3 +81,124 @@ def test_block_waits_for_release_and_break_wakes_waiters() -> None:
     with pytest.raises(CheckpointError, match="daemon gone"):
         a.alloc(10, timeout=5, block=True, what="z")
     a.close()
+
+
+def test_shrink_gives_back_the_end_of_the_newest_region_only() -> None:
+    a = Arena(8192)
+    r1 = a.alloc(4000, timeout=1, block=False, what="r1")
+    a.shrink(r1, 100)  # the newest: its end comes back
+    assert r1.nbytes == ALIGN * 2
+    r2 = a.alloc(3000, timeout=1, block=False, what="r2")
+    assert r2.start == r1.start + r1.nbytes
+    a.shrink(r1, 10)  # no longer the newest: nothing moves under r2
+    assert r1.nbytes == ALIGN * 2
+    a.shrink(r2, 0)  # never empty (an empty newest region would read as an empty ring)
+    assert r2.nbytes == ALIGN
+    a.close()
+
+
+# -- a producer waiting for staging waits only for bytes the daemon is writing -------------------
+# The daemon gives shared staging back once it has written it, and writes small tensors
+# when their chunk is full or at the commit; a large tensor sends the open batch of small
+# ones, and the next small one took a fresh batch region. In a state_dict()'s order (a
+# weight, its bias, ...) those regions filled staging while the daemon, still gathering
+# their chunk, held them all: the save hung until emit_timeout.
+EMIT_TIMEOUT_S = 5  # a wait for staging that never ends fails within this, not 300 s
+
+
+def _alternating(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    state = {}
+    for i in range(n):
+        state[f"layer{i}.weight"] = torch.randn(100, 256, generator=g)  # 100 KiB: not batched, chunked
+        state[f"layer{i}.bias"] = torch.randn(16, generator=g)  # batched
+    return state
+
+
+@pytest.mark.parametrize("fmt", ["chunk", "hdf5"])
+def test_alternating_large_and_small_emits_with_4mib_staging(make_daemon, fmt: str) -> None:
+    import ckptd
+
+    d = make_daemon(format=fmt, chunk_size="64MiB")  # a chunk never fills: only a commit or a drain writes it
+    state = _alternating(8)
+    with d.producer(staging_size="4MiB", emit_timeout=EMIT_TIMEOUT_S, transport="shm") as p:
+        with p.checkpoint(1) as handle:
+            for name, t in state.items():
+                p.emit(name, t)
+        handle.wait(30)
+    got = ckptd.load("t", 1, root=d.root, verify=True)
+    assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_the_drain_alone_keeps_a_save_live(make_daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without batches giving back what they do not use, every wait for staging still
+    ends: the producer asks the daemon to write out what it holds (``drain``)."""
+    import ckptd
+
+    monkeypatch.setattr(Arena, "shrink", lambda self, region, nbytes: None)
+    d = make_daemon(chunk_size="64MiB")
+    state = _alternating(40)
+    with d.producer(staging_size="4MiB", emit_timeout=EMIT_TIMEOUT_S, transport="shm") as p:
+        for step in (1, 2):
+            p.save(state, step).wait(30)
+            assert p.stats()["blocked_seconds"] > 0  # it did wait for staging, and the wait ended
+    got = ckptd.load("t", 2, root=d.root, verify=True)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_gpt2_and_adam_save_with_the_shipped_config(make_daemon) -> None:
+    """transformers' GPT-2 (4 layers, 22 MB) with its Adam state, under config.toml as
+    shipped (staging "auto", starting at 32 MiB), but for emit_timeout."""
+    import tomllib
+
+    import ckptd
+    from transformers import GPT2Config, GPT2LMHeadModel, logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # (its config warns of token ids outside this small vocabulary)
+    shipped = tomllib.loads((REPO / "config.toml").read_text())
+    daemon_keys = {k: v for k, v in shipped["daemon"].items() if k not in ("endpoint", "root", "metrics")}
+    producer_keys = {k: v for k, v in shipped["producer"].items() if not k.startswith("curve_")}
+    producer_keys["emit_timeout"] = f"{EMIT_TIMEOUT_S}s"
+    assert producer_keys["staging_size"] == "auto"
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randint(0, 8000, (2, 16)), labels=torch.randint(0, 8000, (2, 16))).loss.backward()
+    optim.step()
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    d = make_daemon(**daemon_keys)
+    with ckptd.Producer(d.endpoint, "gpt2", **producer_keys) as p:
+        p.save(state, 1).wait(60)
+    from ckptd.state import flatten
+
+    want = flatten(state)[1]
+    got = flatten(ckptd.load("gpt2", 1, root=d.root, verify=True))[1]
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.slow
+def test_fsdp2_dcp_and_producer_saves_of_20_layers_with_4mib_staging(daemon, tmp_path) -> None:
+    """Each DTensor piece goes alone and sends the open batch of small tensors: 20 FSDP2
+    layers with Adam hung dcp.save, dcp.async_save and Producer.save at 4 MiB of staging."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ckptd
+    from ckptd.reader import verify
+    from safetensors.torch import load_file
+
+    job = Path(__file__).resolve().parent / "fsdp_staging_job.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(job),
+         daemon.endpoint, str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-8000:]
+    for run_id in ("dcp", "adcp", "ps"):
+        _, problems = verify(run_id, 1, root=daemon.root)
+        assert problems == [], (run_id, problems)
+    reference = load_file(str(tmp_path / "reference.safetensors"))
+    whole = ckptd.load("ps", 1, root=daemon.root, names=list(reference))  # assembled from both ranks
+    assert all(torch.equal(whole[k], v) for k, v in reference.items())

@@ -495,6 +495,8 @@ class Daemon:
                 self._on_commit(sess, header)
             elif op == "abort":
                 self._drop_step(sess, header["step"])
+            elif op == "drain":
+                self._on_drain(sess)
             elif op == "bye":
                 self._end_session(sess, "said bye")
             else:
@@ -672,6 +674,13 @@ class Daemon:
                 "of shared staging memory"
             )
         return sess.shm[start:end]
+
+    @staticmethod
+    def _on_drain(sess: Session) -> None:
+        """The producer waits for staging: hand every chunk still gathered in its arena to
+        the writer, so that it waits only for bytes being written (docs/protocol.md)."""
+        for open_step in sess.steps.values():
+            open_step.flush()
 
     def _flush_chunks(self) -> None:
         for sess in self.sessions.values():

@@ -9,6 +9,12 @@ emitted (the snapshot is taken at once, as for any tensor), and goes out as one
 when a tensor that is not batched comes (regions must go out in the order they
 were taken, for the arena's ring), and before a commit, an abort, a flush or a
 close. Only in shared memory: inline, every tensor is a frame anyway.
+
+A batch sent before it filled gives the rest of its region back to the arena
+(``Arena.shrink``): in a ``state_dict()``'s order (a weight, its bias, a norm's
+weight, ...) every large tensor sends the open batch, and regions of an eighth of
+the arena holding one bias each filled staging with bytes nobody used while the
+daemon, still gathering the chunk they belong to, held them all.
 """
 
 from __future__ import annotations
@@ -25,15 +31,17 @@ BATCH_ITEMS = 4096  # tensors per batch: bounds one header's size and decode tim
 
 class Batcher:
     """The open batch of one connection. ``alloc(nbytes, what)`` takes a region of the
-    arena (blocking as ``emit`` does), ``send(step, region, items, frozen)`` numbers and queues
-    the message, ``copy(region, item)`` copies a tensor the fast path cannot (strided,
-    lazily conjugated, numpy) into a region; ``base`` is the arena's address."""
+    arena (blocking as ``emit`` does), ``shrink(region, nbytes)`` gives back the end of
+    the newest region, ``send(step, region, items, frozen)`` numbers and queues the
+    message, ``copy(region, item)`` copies a tensor the fast path cannot (strided, lazily
+    conjugated, numpy) into a region; ``base`` is the arena's address."""
 
     def __init__(self, capacity: int, base: int, alloc: Callable[[int, str], Region],
-                 send: Callable[[int, Region, list[list[Any]], bool], None], copy: Callable[[Region, Any], Any]) -> None:
+                 shrink: Callable[[Region, int], None], send: Callable[[int, Region, list[list[Any]], bool], None],
+                 copy: Callable[[Region, Any], Any]) -> None:
         self.size = min(BATCH_BYTES, capacity // 8)
         self._base = base
-        self._alloc, self._send, self._copy = alloc, send, copy
+        self._alloc, self._shrink, self._send, self._copy = alloc, shrink, send, copy
         self._step: int | None = None
         self._region: Region | None = None
         self._used = 0
@@ -69,6 +77,7 @@ class Batcher:
         tensors, after a failed copy): the arena frees regions in order, by their seq."""
         region, self._region = self._region, None
         if region is not None:
+            self._shrink(region, self._used)  # before any other region is taken after it
             items, self._items, self._used = self._items, [], 0
             assert self._step is not None
             self._send(self._step, region, items, self._frozen)

@@ -677,13 +677,23 @@ class Producer:
         assert self._arena is not None
         return self._arena.alloc(
             nbytes, timeout=self.options.emit_timeout, block=self.options.on_full == "block",
-            what=f"tensor {name!r} ({nbytes} bytes)", on_wait=self._kick,
+            what=f"tensor {name!r} ({nbytes} bytes)", on_wait=self._drain,
         )
 
-    def _kick(self) -> None:
-        """Ship what was queued without waking the sender (staging waits for its acks)."""
-        if self._transport is not None:
-            self._transport.kick()
+    def _drain(self) -> None:
+        """Before waiting for staging: ship what was queued without waking the sender,
+        and ask the daemon to write out every chunk it still gathers for this producer
+        (``drain``), so that the wait is only ever for bytes being written. The daemon
+        gives staging back only once it has written it, and it would otherwise hold
+        the small tensors of an open chunk until the commit, which cannot come while
+        this emit waits (docs/protocol.md, Flow control). Under ``_emit_lock``, so no
+        other region is taken before the wait."""
+        if self._transport is None or self._transport.lost is not None:
+            return
+        if self._shm:
+            self._send("drain")  # wakes the sender: what was queued leaves before it
+        else:
+            self._transport.kick()  # inline, staging is free once the daemon has read it
 
     def _copy_whole(self, region: Region, item: _Tensor) -> Any:
         """Copy a tensor into its region as its own dtype and shape (strided views included)."""
@@ -973,8 +983,8 @@ class Producer:
                 "why); set [producer] transport = \"inline\" or \"auto\" to send tensors through the socket"
             )
         self._transport = transport
-        self._batcher = Batcher(self._arena.capacity, self._arena_t.data_ptr(), self._alloc, self._send_region,
-                                self._copy_whole) if self._shm and self._batches else None
+        self._batcher = Batcher(self._arena.capacity, self._arena_t.data_ptr(), self._alloc, self._arena.shrink,
+                                self._send_region, self._copy_whole) if self._shm and self._batches else None
 
     def _send_batch(self) -> None:
         """Send the open batch of small tensors, if any (under ``_emit_lock``)."""

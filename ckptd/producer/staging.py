@@ -67,13 +67,14 @@ class Arena:
     def alloc(self, nbytes: int, *, timeout: float, block: bool, what: str,
               on_wait: Callable[[], None] | None = None) -> Region:
         """Take ``nbytes`` (at most ``capacity``), waiting up to ``timeout`` s for space.
-        ``on_wait`` runs once before the first wait: space comes back only when the
-        daemon acknowledges what was sent, so messages queued without waking the
-        sender must leave now."""
+        ``on_wait`` runs once before the first wait, outside the arena's lock: space
+        comes back only when the daemon has written what was sent, so it asks the
+        daemon to write out everything it holds (a chunk it is still filling, too)."""
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes cannot fit an arena of {self.capacity}")
         align = PAGE if nbytes >= LARGE else ALIGN
         deadline = None
+        asked = on_wait is None
         with self._cond:
             while True:
                 if self._broken:
@@ -89,14 +90,24 @@ class Arena:
                         f"staging memory is full ({self.capacity} bytes in flight to the daemon) "
                         f"while staging {what}; raise [producer] staging_size, or set on_full = \"block\""
                     )
-                if deadline is None and on_wait is not None:
-                    on_wait()
+                if not asked:
+                    asked = True
+                    assert on_wait is not None
+                    self._cond.release()  # on_wait sends a message: never under the arena's lock
+                    try:
+                        on_wait()
+                    finally:
+                        self._cond.acquire()
+                    continue  # space may have come back meanwhile
                 now = time.monotonic()
                 deadline = deadline or now + timeout
                 if now >= deadline:
+                    held = sum(r.nbytes for r in self._live)
                     raise CheckpointError(
-                        f"waited {timeout:g} s for staging memory while staging {what}: the daemon "
-                        f"is not draining fast enough; raise [producer] staging_size or emit_timeout"
+                        f"waited {timeout:g} s for staging memory while staging {what}: {held} of the "
+                        f"arena's {self.capacity} bytes are still with the daemon, not yet written (a slow "
+                        "or stalled disk, a daemon over its memory_budget, or a stalled daemon: its log says "
+                        "which); raise [producer] staging_size or emit_timeout"
                     )
                 self._cond.wait(deadline - now)
                 self.blocked_s += time.monotonic() - now
@@ -134,6 +145,17 @@ class Arena:
                 self._live.popleft()
                 freed = True
             if freed:
+                self._cond.notify_all()
+
+    def shrink(self, region: Region, nbytes: int) -> None:
+        """Give back the unused end of ``region``, if it is the newest region: a batch
+        sent before it filled (an eighth of the arena, holding one small tensor between
+        two large ones) must not hold what it does not use."""
+        nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)  # never empty: head == tail means "empty"
+        with self._cond:
+            if self._live and self._live[-1] is region and nbytes < region.nbytes:
+                region.nbytes = nbytes
+                self._head = region.start + nbytes
                 self._cond.notify_all()
 
     def release(self, region: Region) -> None:
