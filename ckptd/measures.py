@@ -164,10 +164,10 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
     seen = m["first_seen"] is not None or bool(steps)
     failures = len({(f.get("attempt"), f.get("key")) for f in m["failures"]})
     inputs.failures = failures if seen else None
+    # the time the run was watched: first hello (or save) to the last thing seen of it
     start = m["first_seen"] if m["first_seen"] is not None else (steps[0]["time"] if steps else None)
-    end = max(v for v in (m["last_seen"], steps[-1]["time"] if steps else None, start) if v is not None) \
-        if start is not None else None
-    span = (end - start) if start is not None and end is not None else 0.0
+    ends = [m["last_seen"], steps[-1]["time"] if steps else None, *(_num(f.get("time")) for f in m["failures"])]
+    span = max(0.0, max((v for v in ends if v is not None), default=start) - start) if start is not None else 0.0
     if failures >= MIN_FAILURES or (failures and mtbf is None):
         inputs.mtbf_s = max(span, 1.0) / failures
         if failures < MIN_FAILURES:

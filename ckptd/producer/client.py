@@ -506,10 +506,13 @@ class Producer:
         the bounds given (which always win). Cheap: no round trip to the daemon. With
         no advice yet (a run's first save) it answers True at once. Every rank answers
         the same for a step (rank 0 decides, docs/advise.md): call it on every rank, at
-        every step, with the same bounds."""
+        every step, with the same bounds. The first call connects to the daemon, if
+        this producer has not yet."""
         check_step(step)
         check_bounds(min_steps, max_steps, min_seconds, max_seconds)
-        if self._agree is None:
+        if self._agree is None:  # the first call: connected, so that the welcome's advice is here
+            with self._emit_lock:
+                self._ensure_connected()
             self._agree = broadcast_from_rank0(self.world_size)
         advice = self._advice
         interval = advice.get("interval_seconds") if advice else None

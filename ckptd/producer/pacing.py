@@ -43,7 +43,8 @@ def check_bounds(min_steps: int | None, max_steps: int | None, min_seconds: floa
 class Pacer:
     """One producer's ``should_save`` state."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.anchor: int | None = None  # the step of the last save, or of the first call
         self.next_step: float | None = None  # the step of the next save; None: plan at this call
         self.last_call: tuple[int, float] | None = None  # (step, monotonic time) of the last call
@@ -53,7 +54,7 @@ class Pacer:
 
     def should_save(self, step: int, interval_s: float | None, agree: Callable[[float], float],
                     bounds: tuple[int | None, int | None, float | None, float | None]) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         if self.last_call is not None and step > self.last_call[0] and not self._just_saved:
             sample = (now - self.last_call[1]) / (step - self.last_call[0])
             self.step_s = sample if self.step_s is None else 0.7 * self.step_s + 0.3 * sample
