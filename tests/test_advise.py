@@ -300,3 +300,22 @@ def test_every_rank_of_a_gloo_group_saves_the_steps_rank_0_decides(daemon, tmp_p
     steps = list(map(int, told[0].split()))
     assert steps[0] == 1 and all(b - a <= 4 for a, b in zip(steps, steps[1:])) and len(steps) >= 7
     assert [i.step for i in ckptd.list_checkpoints("agreed", root=daemon.root)] == steps
+
+
+def test_the_remote_tier_has_its_own_persist_time_and_interval(s3, make_daemon) -> None:
+    """With [remote] (a real S3 server), the remote tier's persist time runs to each
+    share's upload, and its interval and waste are its own."""
+    d = make_daemon(tables={"remote": {"url": "s3://ckptd/advise"}})
+    with d.producer() as p:
+        for step in (10, 20, 30):
+            time.sleep(0.1)
+            p.save({"w": torch.randn(4096)}, step).wait(30)
+    deadline = time.monotonic() + 20
+    while len(measures.merge(measures.read(d.root / "t"), "t")["uploads"]) < 3:
+        assert time.monotonic() < deadline, "the uploads were not recorded"
+        time.sleep(0.05)
+    a = advice_json(d.root, "t")
+    local, remote = a["tiers"]["local"], a["tiers"]["remote"]
+    assert remote["persist_s"] > local["persist_s"] == a["inputs"]["persist_s"]  # uploaded after durable here
+    assert remote["interval_seconds"] >= local["interval_seconds"] and remote["expected_waste"] > a["expected_waste"]
+    assert "tier remote: every" in ckptd_cli("advise", "t", "--root", str(d.root)).stdout
