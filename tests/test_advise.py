@@ -319,3 +319,30 @@ def test_the_remote_tier_has_its_own_persist_time_and_interval(s3, make_daemon) 
     assert remote["persist_s"] > local["persist_s"] == a["inputs"]["persist_s"]  # uploaded after durable here
     assert remote["interval_seconds"] >= local["interval_seconds"] and remote["expected_waste"] > a["expected_waste"]
     assert "tier remote: every" in ckptd_cli("advise", "t", "--root", str(d.root)).stdout
+
+
+BYE_JOB = """
+import os, sys, torch
+from ckptd import Producer
+p = Producer(sys.argv[1], sys.argv[2], staging_size="8MiB", timeout=10)
+p.save({"w": torch.ones(8)}, 1).wait(30)
+p.close()
+os._exit(0)  # at once, as a process whose last line closed the producer
+"""
+
+
+@pytest.mark.slow
+def test_a_producer_that_closes_then_exits_at_once_is_not_a_failure(daemon) -> None:
+    """close() sends the bye: it was lost half the time when the process exited right
+    after (taken from the queue too late, or left in libzmq's queue), and the daemon
+    counted a clean end as a failure."""
+    runs = [f"byes{i}" for i in range(10)]
+    for five in (runs[:5], runs[5:]):  # five at once, each its own run
+        jobs = [subprocess.Popen([sys.executable, "-c", BYE_JOB, daemon.endpoint, run]) for run in five]
+        assert [j.wait(60) for j in jobs] == [0] * 5
+    for run in runs:
+        wait_for_saves(daemon.root, run, 1)
+    assert daemon.stop() == 0
+    log = daemon.log_text()
+    assert log.count("said bye") == 10 and "died (process" not in log
+    assert {advice_json(daemon.root, run)["inputs"]["failures"] for run in runs} == {0}
