@@ -132,16 +132,19 @@ def recommend(inputs: Inputs, current_steps: int | None = None) -> Advice:
                   w.dominant, current, inputs)
 
 
-def render(run: str, advice: dict[str, Any]) -> list[str]:
-    """``ckptd advise``'s text: the advice, the inputs and what was assumed."""
+def seconds(v: float | None) -> str:
+    """``0.00203 s``, ``9.35 s``, ``21600 s (6h 00m)``; None: "not measured"."""
     from .units import duration
 
-    i = advice["inputs"]
+    if v is None:
+        return "not measured"
+    return f"{v:.3g} s" if v < 60 else f"{v:.0f} s ({duration(v)})"
 
-    def sec(v: float | None) -> str:
-        if v is None:
-            return "not measured"
-        return f"{v:.3g} s" if v < 60 else f"{v:.0f} s ({duration(v)})"
+
+def render(run: str, advice: dict[str, Any]) -> list[str]:
+    """``ckptd advise``'s text: the advice, the inputs and what was assumed."""
+    i = advice["inputs"]
+    sec = seconds
 
     lines = [f"run {run}:"]
     if advice["interval_seconds"] is None:

@@ -207,10 +207,12 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  {run:<{width}}  last step {r['step']}, {_duration(now - r['time'])} ago")
     advice = {run: a for run, a in (s.get("advice") or {}).items() if a["interval_seconds"] is not None}
     if advice:
+        from . import advise
+
         print("advice:       (`ckptd advise RUN` explains)")
         for run, a in sorted(advice.items()):
-            every = (f"{a['interval_steps']} steps (~{_duration(a['interval_seconds'])})"
-                     if a["interval_steps"] is not None else _duration(a["interval_seconds"]))
+            every = (f"{a['interval_steps']} steps (~{advise.seconds(a['interval_seconds'])})"
+                     if a["interval_steps"] is not None else advise.seconds(a["interval_seconds"]))
             print(f"  {run}: checkpoint every {every}, expected loss {a['expected_waste']:.2%} "
                   f"({a['dominant']} dominates); {a['inputs']['failures']} failure(s) seen")
     r = s.get("remote")
@@ -481,7 +483,8 @@ def _advise(args: argparse.Namespace) -> int:
         print(line)
     for tier, t in advice["tiers"].items():
         if tier != "local" and t["interval_seconds"] is not None:
-            every = f"{t['interval_steps']} steps" if t["interval_steps"] is not None else _duration(t["interval_seconds"])
+            every = (f"{t['interval_steps']} steps" if t["interval_steps"] is not None
+                     else advise.seconds(t["interval_seconds"]))
             print(f"  tier {tier}: every {every} (persist {t['persist_s']:.3g} s), expected loss "
                   f"{t['expected_waste']:.2%}")
     return 0

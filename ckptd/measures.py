@@ -190,13 +190,11 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
 
 def advice(m: dict[str, Any], mtbf: float | None, tiers: tuple[str, ...] = ("local",)) -> dict[str, Any]:
     """The advice (``ckptd.advise.Advice`` as a dict) from a run's merged measures: the
-    local tier's at the top level, and each tier's under ``tiers``."""
-    out: dict[str, Any] = {}
+    local tier's at the top level, and each tier's own under ``tiers``."""
     per_tier = {}
     for tier in tiers:
         inputs, current = summarise(m, mtbf, tier=tier)
-        a = recommend(inputs, current).to_dict()
-        per_tier[tier] = a
+        per_tier[tier] = recommend(inputs, current).to_dict()
     out = dict(per_tier["local"])
     out["tiers"] = {t: {k: a[k] for k in ("interval_steps", "interval_seconds", "expected_waste", "dominant")}
                     | {"persist_s": a["inputs"]["persist_s"]} for t, a in per_tier.items()}
