@@ -1,6 +1,6 @@
 """What a run measured, kept on disk beside its checkpoints, and what the advice reads of it.
 
-Each daemon keeps one file per run it served, ``<root>/<run>/measures.<host>.json``
+Each daemon keeps one file per run it served, ``<root>/<run>/.measures.<host>.json``
 (``ckptd.daemon.measuring`` writes it, replaced atomically; one per host, so that
 daemons sharing a root never overwrite each other's). It survives a daemon restart
 and is read offline by ``ckptd advise``. The index, retention and the orphan sweep
@@ -41,7 +41,7 @@ from . import layout
 from .advise import Inputs, recommend
 
 VERSION = 1
-PREFIX = "measures."
+PREFIX = ".measures."  # a dotfile: the run folder shows only its checkpoints
 MAX_BYTES = 4 * 2**20  # far above what the bounded lists below take
 KEEP = {"saves": 2000, "uploads": 2000, "restores": 200, "failures": 1000}
 RECENT = 20  # steps the stall, persist and step time are figured from (medians, sums)

@@ -1,5 +1,5 @@
 """The daemon's side of the interval advice: it records, per run, what each save cost
-and which attempts of the job failed, and keeps ``<root>/<run>/measures.<host>.json``
+and which attempts of the job failed, and keeps ``<root>/<run>/.measures.<host>.json``
 current (the format is ``ckptd.measures``'s; the model is docs/advise.md's).
 
 The main loop calls ``hello``, ``committed`` and ``ended``; the uploader thread calls
