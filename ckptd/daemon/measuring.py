@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from ..names import check_run
 
 log = logging.getLogger("ckptd.daemon")
 WRITE_EVERY_S = 1.0
+MAX_RUNS = 1000  # runs whose records stay in memory (and in `ckptd status`, the metrics)
 
 
 def parse_timing(value: Any) -> tuple[float | None, float | None]:
@@ -46,7 +48,7 @@ class Measuring:
         self.tiers = tiers
         self.file = measures.file_name()
         self._lock = threading.Lock()
-        self._runs: dict[str, dict[str, Any]] = {}  # this host's records, per run
+        self._runs: OrderedDict[str, dict[str, Any]] = OrderedDict()  # this host's records, per run, last used last
         self._dirty: set[str] = set()
         self._cache: dict[str, tuple[float, dict[str, Any]]] = {}  # run -> (monotonic time, advice)
         # producers without attempt: one failure per generation, and a hello after it starts the next
@@ -143,7 +145,9 @@ class Measuring:
     def _run(self, run: str) -> dict[str, Any]:
         """This host's records of ``run``: from its file at first use (they survive a restart)."""
         m = self._runs.get(run)
-        if m is None:
+        if m is not None:
+            self._runs.move_to_end(run)
+        else:
             check_run(run)
             mine = [d for d in _read_own(self.root / run, self.file)]
             m = measures.merge(mine, run) if mine else measures.empty(run)
@@ -152,6 +156,12 @@ class Measuring:
             if failed:
                 self._none_gen[run] = (max(failed) + 1, False)
             self._runs[run] = m
+            while len(self._runs) > MAX_RUNS:  # the least recently used: its file keeps it
+                old = next(r for r in self._runs if r != run)
+                if old in self._dirty:
+                    break  # written first; dropped at a later call
+                del self._runs[old]
+                self._cache.pop(old, None)
         return m
 
     @staticmethod
