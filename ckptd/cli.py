@@ -124,6 +124,8 @@ def _parser() -> argparse.ArgumentParser:
             run="none").set_defaults(func=_runs, run=None)
     reading("show", "describe one checkpoint and its tensors", True).set_defaults(func=_show)
     reading("verify", "check every tensor of a checkpoint against its checksum", True).set_defaults(func=_verify)
+    reading("advise", "how often RUN should checkpoint, from what its saves and failures measured "
+            "(docs/advise.md)", False).set_defaults(func=_advise)
     ex = reading("export", "write one checkpoint to one .safetensors, .h5 or .pt file (the suffix decides)", True)
     ex.add_argument("-o", "--output", required=True, metavar="PATH",
                     help="the file to write: .safetensors (flat tensors), .h5 (HDF5) or .pt (torch.save)")
@@ -203,6 +205,16 @@ def _status(args: argparse.Namespace) -> int:
         width = max(map(len, s["runs"]))
         for run, r in sorted(s["runs"].items()):
             print(f"  {run:<{width}}  last step {r['step']}, {_duration(now - r['time'])} ago")
+    advice = {run: a for run, a in (s.get("advice") or {}).items() if a["interval_seconds"] is not None}
+    if advice:
+        from . import advise
+
+        print("advice:       (`ckptd advise RUN` explains)")
+        for run, a in sorted(advice.items()):
+            every = (f"{a['interval_steps']} steps (~{advise.seconds(a['interval_seconds'])})"
+                     if a["interval_steps"] is not None else advise.seconds(a["interval_seconds"]))
+            print(f"  {run}: checkpoint every {every}, expected loss {a['expected_waste']:.2%} "
+                  f"({a['dominant']} dominates); {a['inputs']['failures']} failure(s) seen")
     r = s.get("remote")
     if r:
         speed = f", {rate(r['bytes_uploaded'], r['upload_seconds'])}" if r["upload_seconds"] else ""
@@ -448,6 +460,33 @@ def _pin(args: argparse.Namespace) -> int:
         print(f"{'pinned' if args.pin else 'unpinned'} {path}")
     else:
         print(f"{path} was {'already pinned' if args.pin else 'not pinned'}; nothing changed")
+    return 0
+
+
+def _advise(args: argparse.Namespace) -> int:
+    from . import advise, measures
+
+    run = check_run(args.run)
+    root = _root(args)
+    if not (root / run).is_dir():
+        raise CheckpointError(f"no run {run!r} under {root}: `ckptd runs --root {root}` lists the runs there")
+    m = measures.merge(measures.read(root / run), run)
+    if not m["saves"]:  # no daemon recorded this run's saves: the step time from its manifests at least
+        m["saves"] = [{"step": i.step, "rank": 0, "attempt": None, "time": i.time}
+                      for i in reader.list_checkpoints(run, root=root)]
+    tiers = ("local", "remote") if m["uploads"] else ("local",)
+    advice = measures.advice(m, config_mod.load(args.config).advise.mtbf, tiers)
+    if args.json:
+        print(json.dumps({"run": run, **advice}))
+        return 0
+    for line in advise.render(run, advice):
+        print(line)
+    for tier, t in advice["tiers"].items():
+        if tier != "local" and t["interval_seconds"] is not None:
+            every = (f"{t['interval_steps']} steps" if t["interval_steps"] is not None
+                     else advise.seconds(t["interval_seconds"]))
+            print(f"  tier {tier}: every {every} (persist {t['persist_s']:.3g} s), expected loss "
+                  f"{t['expected_waste']:.2%}")
     return 0
 
 

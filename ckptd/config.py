@@ -334,6 +334,25 @@ class PeerConfig:
         return bool(self.listen)
 
 
+def _mtbf(value: object) -> float | None:
+    """A duration, or "" / 0 for none (the run's measured failures, else a default)."""
+    if value in ("", 0):
+        return None
+    d = parse_duration(value)
+    if d <= 0:
+        raise ValueError(f"{value!r}: a mean time between failures must be positive, or \"\" for none")
+    return d
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdviseConfig:
+    """The checkpoint interval advice (docs/advise.md)."""
+
+    # mean time between failures of the job, used while the run has fewer failures than
+    # the advice needs to measure it; None: a default (which the advice says it assumed)
+    mtbf: float | None = _opt(None, _mtbf)
+
+
 @dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = DaemonConfig()
@@ -343,6 +362,7 @@ class Config:
     hdf5: Hdf5Config = Hdf5Config()
     remote: RemoteConfig = RemoteConfig()
     peer: PeerConfig = PeerConfig()
+    advise: AdviseConfig = AdviseConfig()
     path: Path | None = None  # the file these values came from, if any
     origin: str = "built-in defaults"  # how that file was found (config.discover)
 
@@ -364,7 +384,7 @@ class Config:
 
 _TABLES: dict[str, type] = {
     "daemon": DaemonConfig, "producer": ProducerConfig, "retention": RetentionConfig, "index": IndexConfig,
-    "hdf5": Hdf5Config, "remote": RemoteConfig, "peer": PeerConfig,
+    "hdf5": Hdf5Config, "remote": RemoteConfig, "peer": PeerConfig, "advise": AdviseConfig,
 }
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import dtypes, layout, reader, state as state_mod
+from . import dtypes, layout, measures, reader, state as state_mod
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from .sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
@@ -75,6 +75,7 @@ class Target:
         return cls(name, torch.empty(dest.shape, dtype=dest.dtype), box, final=dest)
 
 
+@measures.timed_restore(1)  # a resume's time, for the interval advice (docs/advise.md)
 def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None,
               verify: bool = False, strict: bool = True, remote: str | None = None) -> CheckpointInfo:
     """Fill the tensors and DTensors of ``state`` in place from ``step`` of ``run``

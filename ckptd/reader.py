@@ -28,7 +28,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from . import devicecopy, dtypes, index, layout, state as state_mod
+from . import devicecopy, dtypes, index, layout, measures, state as state_mod
 from .config import default_root
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
@@ -165,6 +165,7 @@ def pick_rank(manifests: list[Manifest], rank: int | None) -> Manifest:
     return manifests[rank]
 
 
+@measures.timed_restore(0)  # a resume's time, for the interval advice (docs/advise.md)
 def load(
     run: str,
     step: int | None = None,

@@ -42,7 +42,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # bytes: items are [name, dtype, shape, numpy, shard or None] (``SAME_ITEM``)
     "same": {"seq": "int", "step": "int", "base": "int", "items": "same"},
     "commit": {"seq": "int", "step": "int", "ntensors": "int", "state": "json",
-               "metadata": "json", "replicas": "map?"},
+               "metadata": "json", "replicas": "map?",
+               # what the save cost the training loop: stall_s, and restore_s (the loads before it)
+               "timing": "map?"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
     # the producer waits for staging: write out every chunk still gathered for it
     "drain": {"seq": "int"},
@@ -51,9 +53,11 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "status": {"seq": "int"},  # also from `ckptd status`, without a session
     "bye": {},
     # daemon -> producer
-    "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int", "shm": "bool?", "batch": "bool?"},
+    # advice: the run's interval advice (docs/advise.md), for producer.should_save
+    "welcome": {"v": "int", "max_frame": "int", "daemon_pid": "int", "shm": "bool?", "batch": "bool?",
+                "advice": "map?"},
     "ack": {"seq": "int"},
-    "committed": {"seq": "int", "step": "int", "info": "map"},
+    "committed": {"seq": "int", "step": "int", "info": "map", "advice": "map?"},
     "error": {"seq": "int?", "step": "int?", "message": "str", "code": "str?"},
     "pong": {"seq": "int"},
     "answer": {"seq": "int", "info": "map?"},

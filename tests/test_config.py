@@ -33,6 +33,7 @@ def test_the_shipped_config_loads_and_matches_the_defaults() -> None:
     assert cfg.daemon == config.DaemonConfig() and cfg.producer == config.ProducerConfig()
     assert cfg.retention == config.RetentionConfig() and cfg.index == config.IndexConfig()
     assert cfg.remote == config.RemoteConfig() and not cfg.remote.enabled
+    assert cfg.advise == config.AdviseConfig() and cfg.advise.mtbf is None
     assert cfg.root == REPO / "var" / "checkpoints"
     assert cfg.endpoint == f"ipc://{REPO}/var/run/ckptd.sock"
 
@@ -40,7 +41,7 @@ def test_the_shipped_config_loads_and_matches_the_defaults() -> None:
 def test_every_key_is_documented_in_the_shipped_config() -> None:
     text = (REPO / "config.toml").read_text()
     for cls in (config.DaemonConfig, config.ProducerConfig, config.RetentionConfig, config.IndexConfig,
-                config.RemoteConfig):
+                config.RemoteConfig, config.AdviseConfig):
         for f in cls.__dataclass_fields__:
             assert f"\n{f} = " in text or f"\n[remote.{f}]\n" in text, f
 

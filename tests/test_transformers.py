@@ -143,3 +143,23 @@ def test_frozen_parameters_are_written_once(daemon, tmp_path: Path, monkeypatch)
     trained = "transformer.h.1.mlp.c_fc.weight"
     assert not torch.equal(ckptd.load("frozen", 1, root=daemon.root)["model"][trained], state["model"][trained])
     callback.close()
+
+
+def test_every_auto_saves_at_the_advised_points_within_the_bounds(daemon, tmp_path: Path, monkeypatch) -> None:
+    """every="auto": the Trainer saves when producer.should_save says so (the first step at
+    once, no advice yet for the run; then the advice, far longer than this run, bounded by
+    max_steps=3), not at its save_steps."""
+    monkeypatch.setenv("CKPTD_RUN", "auto")
+    monkeypatch.setenv("CKPTD_ENDPOINT", daemon.endpoint)
+    monkeypatch.setenv("CKPTD_ROOT", str(daemon.root))
+    trainer, callback = hf_train.build(str(tmp_path / "out"), "ckptd", None, every="auto",
+                                       bounds={"max_steps": 3})
+    trainer.args.max_steps = 11
+    trainer.args.save_steps = 5
+    trainer.args.save_total_limit = None  # keep every step
+    trainer.train()
+    callback.flush(60)
+    assert [i.step for i in ckptd.list_checkpoints("auto", root=daemon.root)] == [1, 4, 7, 10]
+    callback.close()
+    with pytest.raises(ValueError, match=r"every='hourly'.*\"auto\""):
+        hf_train.build(str(tmp_path / "x"), "ckptd", None, every="hourly")

@@ -156,6 +156,39 @@ class _Collector:
             yield from _remote_families(live["remote"])
         if live.get("peer"):
             yield from _peer_families(live["peer"])
+        if live.get("advice"):
+            yield from _advice_families(live["advice"])
+
+
+def _advice_families(advice: dict[str, Any]) -> Iterator[Any]:
+    """Each run's checkpoint interval advice, per tier (docs/advise.md); a run with no
+    advice yet (nothing measured) has no sample."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    seconds = GaugeMetricFamily("ckptd_advice_interval_seconds", "Recommended seconds between checkpoints "
+                                "(Daly's optimum with CheckFreq's in-flight floor), per run and tier.",
+                                labels=["run", "tier"])
+    steps = GaugeMetricFamily("ckptd_advice_interval_steps", "Recommended training steps between checkpoints, "
+                              "per run and tier.", labels=["run", "tier"])
+    waste = GaugeMetricFamily("ckptd_advice_expected_waste_ratio", "Expected fraction of the job's time lost "
+                              "to checkpoints, rework and restores at the recommended interval.",
+                              labels=["run", "tier"])
+    current = GaugeMetricFamily("ckptd_advice_current_waste_ratio", "Expected fraction of the job's time lost "
+                                "at the interval the run saves at now.", labels=["run"])
+    failures = GaugeMetricFamily("ckptd_advice_failures", "Failed attempts of the run seen (restarts, producers "
+                                 "that died).", labels=["run"])
+    for run, a in advice.items():
+        for tier, t in a["tiers"].items():
+            if t["interval_seconds"] is not None:
+                seconds.add_metric([run, tier], t["interval_seconds"])
+                waste.add_metric([run, tier], t["expected_waste"])
+            if t["interval_steps"] is not None:
+                steps.add_metric([run, tier], t["interval_steps"])
+        if a["current"]:
+            current.add_metric([run], a["current"]["expected_waste"])
+        if a["inputs"]["failures"] is not None:
+            failures.add_metric([run], a["inputs"]["failures"])
+    yield from (seconds, steps, waste, current, failures)
 
 
 def _remote_families(r: dict[str, Any]) -> Iterator[Any]:

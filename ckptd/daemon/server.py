@@ -35,6 +35,7 @@ from ..wakeup import WakePipe
 from .metrics import Figures, MetricsServer
 from .notify import Notifier, status_line, use_journal_priorities
 from .liveness import Liveness, peer_pid
+from .measuring import Measuring
 from .owners import NotOwner, Owners, principal
 from .process import keep_freed_memory, lock_root, lower_priority
 from .session import Session
@@ -88,6 +89,8 @@ class Daemon:
         # same arena comes back in a new hello (the producer reconnected), it is about to
         # be reused, and those commits must not complete with bytes overwritten under them.
         self.arena_commits: dict[tuple[int, int], list[Share]] = {}
+        self.measuring: Measuring | None = None  # what saves cost, failures: the interval advice
+        self._timings: dict[tuple[str, int, int], Any] = {}  # (run, rank, step) -> its commit's timing
 
     # -- start and stop -------------------------------------------------------------
     def start(self) -> None:
@@ -101,6 +104,10 @@ class Daemon:
         if removed:
             log.info("removed %d orphan file(s) left by an earlier crash", removed)
         self.upkeep = Upkeep(self.config)
+        tiers = ("local", "remote") if self.upkeep.uploader is not None else ("local",)
+        self.measuring = Measuring(self.root, self.config.advise.mtbf, tiers)
+        if self.upkeep.uploader is not None:
+            self.upkeep.uploader.on_uploaded = self.measuring.uploaded
         self.upkeep.start()
         self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
                              hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate,
@@ -170,6 +177,9 @@ class Daemon:
         if self.upkeep is not None:
             self.upkeep.close()
             self.upkeep = None
+        if self.measuring is not None:
+            self.measuring.close()  # after the uploader: its last figures are written too
+            self.measuring = None
         if self.router is not None:
             self.router.close()
             self.router = None
@@ -361,7 +371,8 @@ class Daemon:
         return {"queued_bytes": self.queued, "memory_budget": self.cfg.memory_budget,
                 "producers": len(self.sessions), "commits_in_progress": len(self.committing),
                 "draining": self.stopping, "remote": self.upkeep.remote_figures() if self.upkeep else None,
-                "peer": self.upkeep.peer_figures() if self.upkeep else None}
+                "peer": self.upkeep.peer_figures() if self.upkeep else None,
+                "advice": self.measuring.all_advice() if self.measuring else {}}
 
     def _status_report(self) -> dict[str, Any]:
         """What `ckptd status` prints (the wire's ``report``)."""
@@ -384,6 +395,7 @@ class Daemon:
             "runs": snap["runs"],
             "remote": self.upkeep.remote_figures() if self.upkeep else None,  # the uploads, with [remote]
             "peer": self.upkeep.peer_figures() if self.upkeep else None,  # replicas sent and held, with [peer]
+            "advice": self.measuring.all_advice() if self.measuring else {},  # per run (docs/advise.md)
         }
 
     def _read_batch(self, limit: int = 256) -> None:
@@ -544,7 +556,9 @@ class Daemon:
         previous = self.owner.get(key)
         if previous is not None and previous in self.sessions:
             # A restarted trainer: its predecessor's unfinished steps can never complete.
-            self._end_session(self.sessions[previous], "was replaced by a new producer for the same rank")
+            gone = self.sessions[previous]  # another process took its rank: it is gone without a goodbye
+            self._end_session(gone, "was replaced by a new producer for the same rank",
+                              failed=(gone.pid, gone.host) != (h["pid"], h["host"]))
         if h["retention"] is not None:
             assert self.upkeep is not None
             try:
@@ -563,13 +577,15 @@ class Daemon:
                 sess.chunk_size = max(1, min(self.cfg.chunk_size, len(sess.shm) // 4))
         self.sessions[identity] = sess
         self.owner[key] = identity
+        assert self.measuring is not None
+        self.measuring.hello(sess.run, sess.attempt)
         pid = peer_pid(frame) if self.endpoint.startswith("ipc://") else None
         if pid is not None:  # tcp:// producers keep session_timeout
             self.liveness.watch(identity, pid)
         log.info("producer connected: %s host=%s format=%s transport=%s", sess.label, sess.host, sess.format,
                  "shm" if sess.shm is not None else "inline")
         self._send(identity, "welcome", v=wire.VERSION, max_frame=self.cfg.max_frame, daemon_pid=os.getpid(),
-                   shm=sess.shm is not None, batch=True)
+                   shm=sess.shm is not None, batch=True, advice=self.measuring.advice(sess.run, max_age=1.0))
 
     def _on_latest(self, identity: bytes, h: dict[str, Any]) -> None:
         try:
@@ -711,6 +727,7 @@ class Daemon:
             return
         open_step.flush()
         del sess.steps[step]
+        self._timings[(share.run, share.rank, step)] = h["timing"]
         self.committing.add((share.run, share.rank, step))
         if sess.arena is not None:
             self.arena_commits.setdefault(sess.arena, []).append(share)
@@ -748,8 +765,11 @@ class Daemon:
         self.queued -= held
         sess.mark_written(seqs)
 
-    def _end_session(self, sess: Session, why: str) -> None:
+    def _end_session(self, sess: Session, why: str, *, failed: bool = False) -> None:
+        """End a session; ``failed``: its producer went without a goodbye (its attempt failed)."""
         log.info("producer %s %s; discarding %d unfinished step(s)", sess.label, why, len(sess.steps))
+        if failed and self.measuring is not None:
+            self.measuring.ended(sess.run, sess.attempt, why)
         for step in list(sess.steps):
             self._drop_step(sess, step)
         self.sessions.pop(sess.identity, None)
@@ -762,7 +782,7 @@ class Daemon:
         last_seen = lambda i: self.sessions[i].last_seen if i in self.sessions else 0.0  # noqa: E731
         for identity, pid in self.liveness.ended(now, last_seen):
             if identity in self.sessions:
-                self._end_session(self.sessions[identity], f"died (process {pid} exited)")
+                self._end_session(self.sessions[identity], f"died (process {pid} exited)", failed=True)
             else:  # never happens: sessions and the watch end together; a stray watch must not stop the loop
                 self.liveness.forget(identity)
 
@@ -776,7 +796,7 @@ class Daemon:
     def _expire_sessions(self, now: float) -> None:
         for sess in list(self.sessions.values()):
             if now - sess.last_seen > self.cfg.session_timeout:
-                self._end_session(sess, f"was silent for {self.cfg.session_timeout:.0f} s")
+                self._end_session(sess, f"was silent for {self.cfg.session_timeout:.0f} s", failed=True)
 
     # -- results from the I/O threads ----------------------------------------------------
     def _post(self, result: Result) -> None:  # called from I/O threads
@@ -800,6 +820,7 @@ class Daemon:
                 self._report_failure(share, r.message)
             elif r.kind in ("committed", "commit_failed"):
                 self.committing.discard((share.run, share.rank, share.step))
+                timing = self._timings.pop((share.run, share.rank, share.step), None)
                 self._forget_arena_commit(share)
                 identity, seq, nbytes = r.token
                 if r.kind == "committed":
@@ -811,7 +832,10 @@ class Daemon:
                              "rate=%s", share.run, share.step, share.rank, nbytes, share.reused,
                              len(share.records), secs, units.rate(nbytes, secs))
                     self.figures.committed(share.run, share.step, share.rank, nbytes, secs, share.reused)
-                    self._send(identity, "committed", seq=seq, step=share.step, info=r.info.to_dict())
+                    assert self.measuring is not None
+                    self.measuring.committed(share.run, share.rank, share.step, share.attempt, timing, secs)
+                    self._send(identity, "committed", seq=seq, step=share.step, info=r.info.to_dict(),
+                               advice=self.measuring.advice(share.run, max_age=1.0))
                 else:
                     self.figures.error("commit")
                     self._send(identity, "error", seq=seq, step=share.step,

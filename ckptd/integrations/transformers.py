@@ -55,13 +55,27 @@ class CkptdCallback(TrainerCallback):
     ``$CKPTD_ROOT``, else config.toml's). ``producer_options``: ``Producer``
     keywords (``staging_size=``, ``retention=``, ...). ``save_seconds`` lists how
     long each save blocked training.
+
+    ``every="auto"``: save when ckptd's advised interval has passed
+    (``producer.should_save``, docs/advise.md) instead of at the Trainer's
+    ``save_strategy`` points, within ``bounds`` (``min_steps``, ``max_steps``,
+    ``min_seconds``, ``max_seconds``). The default, None, leaves the Trainer's.
     """
 
     def __init__(self, run: str | None = None, *, endpoint: str | None = None,
-                 root: str | os.PathLike[str] | None = None, **producer_options: Any) -> None:
+                 root: str | os.PathLike[str] | None = None, every: str | None = None,
+                 bounds: dict[str, Any] | None = None, **producer_options: Any) -> None:
         run = run if run is not None else os.environ.get("CKPTD_RUN")
         if not run:
             raise ValueError("CkptdCallback needs a run: pass run=\"name\" or set CKPTD_RUN")
+        if every not in (None, "auto"):
+            raise ValueError(f"CkptdCallback(every={every!r}): \"auto\" (ckptd's advised interval) or None "
+                             "(the Trainer's save_strategy)")
+        self.every, self.bounds = every, dict(bounds or {})
+        unknown = set(self.bounds) - {"min_steps", "max_steps", "min_seconds", "max_seconds"}
+        if unknown:
+            raise ValueError(f"CkptdCallback(bounds=...): unknown {sorted(unknown)}; the bounds are min_steps, "
+                             "max_steps, min_seconds, max_seconds")
         self.run = check_run(run)
         self.endpoint, self.root = endpoint, root
         self.producer_options = producer_options
@@ -97,6 +111,12 @@ class CkptdCallback(TrainerCallback):
         trainer._save_checkpoint = self._save_checkpoint
         for name in _LOADERS:
             setattr(trainer, name, self._loader(name, getattr(trainer, name)))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """With ``every="auto"``: the save points are ckptd's advice, not ``save_strategy``'s
+        (this runs after the Trainer's own flow callback, and overrides its decision)."""
+        if self.every == "auto":
+            control.should_save = self.producer.should_save(state.global_step, **self.bounds)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training ends once every checkpoint is durable; a failed one raises CheckpointError."""

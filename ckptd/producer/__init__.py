@@ -16,7 +16,7 @@ from .client import CommitHandle, Producer
 
 __all__ = [
     "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "flush",
-    "latest", "save", "stats", "wait_complete",
+    "latest", "save", "should_save", "stats", "wait_complete",
 ]
 
 _default: Producer | None = None
@@ -70,6 +70,13 @@ def flush(timeout: float | None = None) -> None:
 
 def latest(run: str | None = None) -> CheckpointInfo | None:
     return _get().latest(run)
+
+
+def should_save(step: int, *, min_steps: int | None = None, max_steps: int | None = None,
+                min_seconds: float | None = None, max_seconds: float | None = None) -> bool:
+    """Whether the advised checkpoint interval has passed (``Producer.should_save``)."""
+    return _get().should_save(step, min_steps=min_steps, max_steps=max_steps, min_seconds=min_seconds,
+                              max_seconds=max_seconds)
 
 
 def stats() -> dict[str, Any]:

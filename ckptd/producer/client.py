@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from .. import config as config_mod
 from .. import curve
-from .. import dtypes, handoff, unixsock, wire
+from .. import dtypes, handoff, measures, unixsock, wire
 from ..attempt import current as current_attempt
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, Shard, check_json
@@ -35,6 +36,7 @@ from ..sharding import Box, hand_shard, intersect, is_dtensor, piece_name
 from ..state import flatten
 from . import frozen as frozen_mod, sharded, sizing
 from .batch import Batcher
+from .pacing import Pacer, broadcast_from_rank0, check_bounds
 from .plan import Plan
 from .staging import Arena, Region
 from .transport import Transport
@@ -90,6 +92,7 @@ class _Step:
     handle: CommitHandle | None = None  # set once commit() was called
     error: str | None = None  # the daemon failed it before commit()
     opened: bool = False  # a tensor of it went out alone: the daemon knows the step is open
+    began: float = field(default_factory=time.monotonic)  # its first emit: the stall of emit + commit
 
 
 def _frozen_first(items: dict[str, "_Tensor"], matches: Callable[[str], bool]) -> dict[str, "_Tensor"]:
@@ -206,6 +209,9 @@ class Producer:
                                              daemon=True)
         self._arena_ready.start()
         self._cuda: Any = None
+        self._advice: dict[str, Any] | None = None  # the daemon's interval advice for this run (should_save)
+        self._pacer = Pacer()
+        self._agree: Any = None  # rank 0's plan to every rank (pacing.broadcast_from_rank0), made at first use
         ref = weakref.ref(self)
         atexit.register(lambda: (p := ref()) is not None and p._close_at_exit())
         # Find the daemon now, not at the first checkpoint hours in (on_no_daemon).
@@ -317,11 +323,12 @@ class Producer:
         neither copy nor send them, and the new step refers to the stored copy. A
         torch tensor whose in-place version counter moved is copied again all the
         same (``ckptd.producer.frozen``)."""
+        began = time.monotonic()  # the training loop is blocked from here to the commit
         check_step(step)
         pattern = frozen_mod.globs(frozen)
         with _no_cyclic_gc():
             # a plan copies every tensor; frozen= ones go the general way, which leaves them out
-            by_plan = self._save_by_plan(state, step, metadata, replicated) if pattern is None else None
+            by_plan = self._save_by_plan(state, step, metadata, replicated, began) if pattern is None else None
             if by_plan is not None:
                 return by_plan
             structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
@@ -354,9 +361,10 @@ class Producer:
             st = self._steps.get(step)
             if st is not None:  # _commit asks sizing for room to fit it next time
                 st.room = room
-        return self._commit(step, metadata, meta_json, state_json)
+        return self._commit(step, metadata, meta_json, state_json, began=began)
 
-    def _save_by_plan(self, state: Any, step: int, metadata: Any, replicated: Any) -> CommitHandle | None:
+    def _save_by_plan(self, state: Any, step: int, metadata: Any, replicated: Any,
+                      began: float) -> CommitHandle | None:
         """``save`` by the cached plan of the last state saved (plan.py), or None (nothing
         done) where it does not serve this one; then ``save`` goes the general way."""
         if not self._plans or (replicated and self.world_size > 1):
@@ -399,7 +407,7 @@ class Producer:
         except BaseException:
             self.abort(step)
             raise
-        return self._commit(step, metadata, meta_json, state_json)
+        return self._commit(step, metadata, meta_json, state_json, began=began)
 
     def _send_planned(self, step: int, region: Region, messages: list[tuple[str, Any]]) -> None:
         """Queue a plan's messages in order; its one region goes back with the last's ack."""
@@ -432,6 +440,7 @@ class Producer:
             raise ValueError(f"checkpoint({step}) inside checkpoint({self._current_step}); blocks do not nest")
         handle = CommitHandle(step)
         self._current_step = step
+        began = time.monotonic()
         try:
             yield handle
         except BaseException:
@@ -440,7 +449,7 @@ class Producer:
             raise
         finally:
             self._current_step = None
-        self._commit(step, metadata, meta_json, None, handle=handle)
+        self._commit(step, metadata, meta_json, None, handle=handle, began=began)
 
     def abort(self, step: int) -> None:
         """Drop an uncommitted step; the daemon discards what it received of it."""
@@ -542,6 +551,30 @@ class Producer:
             "staging_limit": self._growth.limit if self._growth is not None else self.options.staging_size,
             "blocked_seconds": self._blocked_before + (arena.blocked_s if arena is not None else 0.0),
         }
+
+    def should_save(self, step: int, *, min_steps: int | None = None, max_steps: int | None = None,
+                    min_seconds: float | None = None, max_seconds: float | None = None) -> bool:
+        """Whether to save ``step`` now: True once the daemon's advised interval
+        (docs/advise.md) has passed since the last step this answered True for, within
+        the bounds given (which always win). Cheap: no round trip to the daemon. With
+        no advice yet (a run's first save) it answers True at once. Every rank answers
+        the same for a step (rank 0 decides, docs/advise.md): call it on every rank, at
+        every step, with the same bounds. The first call connects to the daemon, if
+        this producer has not yet."""
+        check_step(step)
+        check_bounds(min_steps, max_steps, min_seconds, max_seconds)
+        if self._agree is None:  # the first call: connected, so that the welcome's advice is here
+            with self._emit_lock:
+                self._ensure_connected()
+            self._agree = broadcast_from_rank0(self.world_size)
+        advice = self._advice
+        interval = advice.get("interval_seconds") if advice else None
+        return self._pacer.should_save(step, interval, self._agree, (min_steps, max_steps, min_seconds, max_seconds))
+
+    def advice(self) -> dict[str, Any] | None:
+        """The daemon's latest interval advice for this run, as ``ckptd advise --json``
+        prints it (it came with the last commit's reply), or None before any."""
+        return self._advice
 
     def __enter__(self) -> "Producer":
         return self
@@ -800,7 +833,7 @@ class Producer:
 
     # -- commit -------------------------------------------------------------------------------
     def _commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
-                handle: CommitHandle | None = None) -> CommitHandle:
+                handle: CommitHandle | None = None, began: float | None = None) -> CommitHandle:
         if meta_json is None:
             meta_json = _metadata_json(metadata)
         handle = handle or CommitHandle(step)
@@ -824,9 +857,12 @@ class Producer:
         except CheckpointError as exc:
             self._finish(step, handle, error=str(exc))
             raise
+        # what this save cost the training loop, and the loads before it (docs/advise.md)
+        timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
+                  "restore_s": measures.take_restored(self.run) if self.run is not None else None}
         self._send("commit", register=self._commits, value=handle, step=step,
                    ntensors=len(st.names), state=state_json or "null", metadata=meta_json,
-                   replicas=st.replicas or None)
+                   replicas=st.replicas or None, timing=timing)
         return handle
 
     def _send_same(self, step: int, items: dict[str, _Tensor], pattern: Any) -> None:
@@ -1046,9 +1082,13 @@ class Producer:
             self._max_frame = h["max_frame"]
             self._shm = bool(h["shm"])
             self._batches = bool(h["batch"])  # this daemon takes ``tensors`` messages
+            if h["advice"] is not None:
+                self._advice = h["advice"]
             if self._welcome is not None:
                 self._welcome.set()
         elif op == "committed":
+            if h["advice"] is not None:
+                self._advice = h["advice"]
             handle = self._commits.pop(h["seq"], None)
             if handle is not None:
                 self._finish(h["step"], handle, info=CheckpointInfo.from_dict(h["info"]))

@@ -56,7 +56,11 @@ class Transport:
         self.refused: str | None = None  # why the daemon refused this producer's CurveZMQ key
         self.stopped = False  # the daemon said it stopped (or is stopping): self.lost says so
         self._welcomed = False
-        self._ctx = zmq.Context.instance()
+        # its own context, which close() terminates: that waits (up to CLOSE_LINGER_MS) until
+        # libzmq's I/O thread has written the last messages (the bye) to the socket; with
+        # the process-wide one, a process that exits right after close() lost them, and
+        # the daemon took its clean exit for a death
+        self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="ckptd-sender", daemon=True)
         self._thread.start()
 
@@ -83,6 +87,7 @@ class Transport:
         self._wake.wake()
         self._thread.join()
         self._wake.close()
+        self._ctx.term()  # every socket is closed: returns once their queues left (linger)
 
     # -- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -128,8 +133,17 @@ class Transport:
                     self.lost = self.refused = refused
                     self._on_lost(refused)
                     return
-                if self._stop and (not outbox or time.monotonic() - last_heard > 1.0):
-                    return
+                if self._stop:
+                    # what was queued before close() set _stop (the bye) may have come after
+                    # this pass took the queue: take it, or it is never sent
+                    while True:
+                        try:
+                            outbox.append(self._queue.get_nowait())
+                        except queue.Empty:
+                            break
+                    outbox = self._ship(sock, outbox)
+                    if not outbox or time.monotonic() - last_heard > 1.0:
+                        return
                 now = time.monotonic()
                 if now - last_ping >= self._heartbeat:
                     seq += 1

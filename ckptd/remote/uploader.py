@@ -73,6 +73,9 @@ class Uploader:
         self.failures = 0
         self.last_error = ""
         self.last_upload: dict | None = None
+        # (run, step, rank, seconds from local commit to uploaded), after each share: the
+        # remote tier's persist time for the interval advice (ckptd.daemon.measuring)
+        self.on_uploaded: Callable[[str, int, int, float], None] | None = None
 
     # -- owner's side -------------------------------------------------------------------
     def start(self) -> None:
@@ -256,6 +259,8 @@ class Uploader:
         log.info("uploaded run=%s step=%d rank=%d bytes=%d skipped=%d copied=%d seconds=%.3f MB/s=%.1f lag=%.1fs "
                  "to %s", run, step, rank, sent, skipped, copied, secs, sent / max(secs, 1e-9) / 1e6,
                  self.last_upload["lag_seconds"], self.config.url)
+        if self.on_uploaded is not None:
+            self.on_uploaded(run, step, rank, self.last_upload["lag_seconds"])
         self._after_upload(run, step)
 
     def _copy_uploaded(self, same: tuple[int, ...], key: str) -> bool:

@@ -52,14 +52,14 @@ class KillAfter(TrainerCallback):
 
 
 def build(out: str, mode: str, kill_after: int | None, width: int = 32,
-          staging: str = "16MiB") -> tuple[Trainer, CkptdCallback | None]:
+          staging: str = "16MiB", **callback_options) -> tuple[Trainer, CkptdCallback | None]:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=16, n_embd=width, n_layer=2, n_head=2))
     args = TrainingArguments(output_dir=out, max_steps=MAX_STEPS, save_steps=SAVE_STEPS, logging_steps=1,
                              per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=2, seed=7,
                              save_total_limit=2, report_to=[], use_cpu=True, dataloader_num_workers=0,
                              disable_tqdm=True, full_determinism=True)
-    ckptd = CkptdCallback(staging_size=staging) if mode == "ckptd" else None
+    ckptd = CkptdCallback(staging_size=staging, **callback_options) if mode == "ckptd" else None
     callbacks: list[TrainerCallback] = [ckptd] if ckptd else []
     if kill_after is not None:
         callbacks.append(KillAfter(kill_after, ckptd))

@@ -1,0 +1,117 @@
+"""``should_save(step)``: whether the advised interval has passed since the last save.
+
+The interval comes from the daemon's advice for the run (docs/advise.md), which
+reaches the producer with its welcome and with each commit's reply: asking costs
+no round trip. The step time is the producer's own, from the calls themselves.
+
+Every rank of a job must answer the same for the same step, or ranks would save
+different steps and none would be complete. So the answer depends on the step only:
+at a *plan* (the first call, and the call after each save) rank 0's figures fix the
+step of the next save, and with ``torch.distributed`` initialised every rank takes
+that step from rank 0 by one broadcast of a number. Between plans a call compares
+two integers.
+
+With no advice yet (a run's first save), the answer is True at once: a first save
+is how the stall and persist times get measured. The bounds (``min_steps``,
+``max_steps``, ``min_seconds``, ``max_seconds``) always win over the advice; a
+bound in seconds becomes steps through the measured step time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+
+def check_bounds(min_steps: int | None, max_steps: int | None, min_seconds: float | None,
+                 max_seconds: float | None) -> None:
+    for name, v in (("min_steps", min_steps), ("max_steps", max_steps)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"should_save({name}={v!r}): a number of steps, 1 or more, or None")
+    for name, v in (("min_seconds", min_seconds), ("max_seconds", max_seconds)):
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0
+                              or math.isinf(v)):
+            raise ValueError(f"should_save({name}={v!r}): a positive number of seconds, or None")
+    if min_steps is not None and max_steps is not None and min_steps > max_steps:
+        raise ValueError(f"should_save(min_steps={min_steps}, max_steps={max_steps}): min_steps is above max_steps")
+    if min_seconds is not None and max_seconds is not None and min_seconds > max_seconds:
+        raise ValueError(f"should_save(min_seconds={min_seconds}, max_seconds={max_seconds}): "
+                         "min_seconds is above max_seconds")
+
+
+class Pacer:
+    """One producer's ``should_save`` state."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.anchor: int | None = None  # the step of the last save, or of the first call
+        self.next_step: float | None = None  # the step of the next save; None: plan at this call
+        self.last_call: tuple[int, float] | None = None  # (step, monotonic time) of the last call
+        self.step_s: float | None = None  # seconds per step, from consecutive calls
+        self.saved = False  # a save was decided since this producer was made
+        self._just_saved = False  # the time to the next call holds the save's stall: not a step time
+
+    def should_save(self, step: int, interval_s: float | None, agree: Callable[[float], float],
+                    bounds: tuple[int | None, int | None, float | None, float | None]) -> bool:
+        now = self.clock()
+        if self.last_call is not None and step > self.last_call[0] and not self._just_saved:
+            sample = (now - self.last_call[1]) / (step - self.last_call[0])
+            self.step_s = sample if self.step_s is None else 0.7 * self.step_s + 0.3 * sample
+        self.last_call, self._just_saved = (step, now), False
+        if self.anchor is None:
+            self.anchor = step
+        if self.next_step is None:
+            self.next_step = agree(self._plan(interval_s, bounds))
+        if math.isnan(self.next_step):  # nothing to plan with yet: plan again at the next call
+            self.next_step = None
+            return False
+        due = step >= self.next_step
+        if due:
+            self.anchor, self.next_step, self.saved, self._just_saved = step, None, True, True
+        return due
+
+    def _plan(self, interval_s: float | None,
+              bounds: tuple[int | None, int | None, float | None, float | None]) -> float:
+        """The step of the next save, or NaN: not decidable yet (no advice since the first
+        save, or seconds to turn into steps and no step timed yet)."""
+        assert self.anchor is not None
+        min_steps, max_steps, min_seconds, max_seconds = bounds
+        s = self.step_s
+        if s is None and (min_seconds is not None or max_seconds is not None):
+            return math.nan
+        lo = max(min_steps or 0, math.ceil(min_seconds / s) if min_seconds is not None and s else 0)
+        hi = min(max_steps or math.inf, max(1, math.floor(max_seconds / s)) if max_seconds is not None and s
+                 else math.inf)
+        if interval_s is None and not self.saved:
+            want = 0  # no advice for this run yet: a save now measures what the advice needs
+        elif interval_s is None or s is None:
+            if hi == math.inf:
+                return math.nan  # the advice (the first commit's reply) or a step time is on its way
+            want = hi
+        else:
+            want = max(1, round(interval_s / s))
+        return self.anchor + min(max(want, lo), hi)
+
+
+def broadcast_from_rank0(world_size: int) -> Callable[[float], float]:
+    """A function that returns rank 0's value on every rank, by one broadcast, when
+    ``torch.distributed`` is initialised over ``world_size`` ranks; else the value itself."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return lambda v: v
+    if world_size <= 1 or not dist.is_available() or not dist.is_initialized() \
+            or dist.get_world_size() != world_size:
+        return lambda v: v
+
+    def agree(value: float) -> float:
+        device: Any = "cpu"
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.broadcast(t, src=0)
+        return float(t.item())
+
+    return agree
