@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable, Iterator
 
 from . import devicecopy, dtypes, index, layout, state as state_mod
 from .config import default_root
@@ -397,7 +397,7 @@ def destinations(out: Any, records: dict[str, TensorRecord], step: int) -> dict[
 # -- reading files ---------------------------------------------------------------------------
 def _tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
              into: dict[str, Any] | None = None,
-             mapped: bool = False) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
+             mapped: bool = False) -> Generator[tuple[str, Any, CheckpointCorrupt | None], None, None]:
     """``(name, tensor, None)`` for each record read, ``(name, None, error)`` for each
     that cannot be; grouped by file, in file order. Up to ``READERS`` files are read
     at once (checksums too); mapping reads nothing, so it runs on the calling thread."""
@@ -412,6 +412,9 @@ def _tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
     def one(file: str, items: list[tuple[str, TensorRecord]]) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
         return _DataFile(dir_fd, step_path, file, into=into, mapped=mapped).tensors(items, verify)
 
+    def read_all(file: str, items: list[tuple[str, TensorRecord]]) -> list[tuple[str, Any, CheckpointCorrupt | None]]:
+        return list(one(file, items))
+
     try:
         if mapped or len(by_file) < 2 or READERS < 2:
             for file, items in by_file.items():
@@ -420,7 +423,7 @@ def _tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
         with ThreadPoolExecutor(READERS, thread_name_prefix="ckptd-read") as pool:
             pending: deque[Any] = deque()
             for file, items in by_file.items():  # at most READERS files read ahead: memory stays bounded
-                pending.append(pool.submit(lambda f=file, i=items: list(one(f, i))))
+                pending.append(pool.submit(read_all, file, items))
                 if len(pending) >= READERS:
                     yield from pending.popleft().result()
             while pending:
@@ -481,6 +484,7 @@ class _DataFile:
             if verify:
                 self._check_structure(name, rec)
             dst = self.into.get(name) if self.into is not None else None
+            buf: Any  # a torch uint8 tensor, or None where the bytes went into dst
             if dst is None and self.mapped and rec.nbytes and rec.offset % dtypes.lookup(rec.dtype).itemsize == 0:
                 buf = self._mapped(rec)
             else:
@@ -507,7 +511,7 @@ class _DataFile:
             except (OSError, ValueError, RuntimeError, TypeError) as exc:
                 raise self._corrupt(name, f"cannot read dataset {rec.key!r}: {exc}") from None
             if dst is not None:
-                if verify and checksum([memoryview(target)] if rec.nbytes else []) != rec.checksum:
+                if verify and checksum([_as_bytes(target)] if rec.nbytes else []) != rec.checksum:
                     raise self._corrupt(name, "does not match its checksum")
                 return dst
         if verify and checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
@@ -630,7 +634,12 @@ def _bytes_of(t: Any) -> memoryview:
     import numpy as np
 
     arr = t if isinstance(t, np.ndarray) else t.detach().view(-1).view(dtypes.torch_dtype("uint8")).numpy()
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return _as_bytes(arr.reshape(-1).view(np.uint8))
+
+
+def _as_bytes(arr: Any) -> memoryview:
+    """A numpy array's memory (typed Any: numpy's stubs do not declare the buffer protocol)."""
+    return memoryview(arr)
 
 
 def as_tensor(raw: Any, rec: TensorRecord) -> Any:

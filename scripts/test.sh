@@ -25,5 +25,8 @@ if ! command -v h5dump >/dev/null; then
         echo "scripts/test.sh: tests/test_hdf5.py needs h5dump; install Debian's hdf5-tools" >&2
     fi
 fi
+echo "scripts/test.sh: lint (ruff) and type check (mypy ckptd; settings in pyproject.toml)" >&2
+.venv/bin/python -m ruff check --quiet ckptd tests benchmarks examples
+.venv/bin/python -m mypy
 echo "scripts/test.sh: running the test suite" >&2
 exec .venv/bin/python -m pytest -q "$@"

@@ -29,7 +29,7 @@ class Batcher:
     the message, ``copy(region, item)`` copies a tensor the fast path cannot (strided,
     lazily conjugated, numpy) into a region; ``base`` is the arena's address."""
 
-    def __init__(self, capacity: int, base: int, alloc: Callable[[int, str], Region],
+    def __init__(self, capacity: int, base: int, alloc: Callable[[int, str], Region | None],
                  send: Callable[[int, Region, list[list[Any]]], None], copy: Callable[[Region, Any], Any]) -> None:
         self.size = min(BATCH_BYTES, capacity // 8)
         self._base = base

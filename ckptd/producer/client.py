@@ -194,7 +194,12 @@ class Producer:
         self._arena_ready.start()
         self._cuda: Any = None
         ref = weakref.ref(self)
-        atexit.register(lambda: (p := ref()) is not None and p._close_at_exit())
+
+        def close_at_exit() -> None:
+            p = ref()
+            if p is not None:
+                p._close_at_exit()
+        atexit.register(close_at_exit)
         # Find the daemon now, not at the first checkpoint hours in (on_no_daemon).
         self._connector: threading.Thread | None = None
         if self.run is not None:
@@ -515,15 +520,15 @@ class Producer:
             d = dtypes.by_torch(value.dtype)  # the common case, checked in as few calls as it takes
             return _Tensor(value, d, list(value.shape), value.numel() * d.itemsize, False, value.is_cuda)
         if isinstance(value, np.ndarray):
-            d = dtypes.BY_NUMPY.get(value.dtype.name)
-            if d is None or value.dtype.hasobject:
+            found = dtypes.BY_NUMPY.get(value.dtype.name)
+            if found is None or value.dtype.hasobject:
                 raise TypeError(f"array {name!r} has numpy dtype {value.dtype}, which ckptd cannot store")
             if value.dtype.byteorder not in "=|":
                 raise TypeError(
                     f"array {name!r} is big-endian ({value.dtype}); convert it with "
                     "arr.astype(arr.dtype.newbyteorder('='))"
                 )
-            return _Tensor(value, d, list(value.shape), value.nbytes, True, False)
+            return _Tensor(value, found, list(value.shape), value.nbytes, True, False)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(value).__name__}, not a torch.Tensor or numpy.ndarray")
         if type(value) not in (torch.Tensor, torch.nn.Parameter):
