@@ -3,7 +3,8 @@
 # about 10 minutes on 2 cores). Arguments go to pytest: -m "not slow" skips the multi-process jobs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test
+py=${VENV:-.venv}/bin/python
 # tests/test_systemd.py checks the shipped units with systemd's own tools and runs
 # them under a real systemd: install Debian's systemd where it is missing (CI runs
 # as root on a fresh machine). Where it is present this does nothing.
@@ -26,7 +27,7 @@ if ! command -v h5dump >/dev/null; then
     fi
 fi
 echo "scripts/test.sh: lint (ruff) and type check (mypy ckptd; settings in pyproject.toml)" >&2
-.venv/bin/python -m ruff check --quiet ckptd tests benchmarks examples
-.venv/bin/python -m mypy
+"$py" -m ruff check --quiet ckptd tests benchmarks examples
+"$py" -m mypy
 echo "scripts/test.sh: running the test suite" >&2
-exec .venv/bin/python -m pytest -q "$@"
+exec "$py" -m pytest -q "$@"
