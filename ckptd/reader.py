@@ -216,6 +216,8 @@ def load(
     rebuild = names is None and manifest.state is not None
     if rebuild:  # a malformed structure fails now, before gigabytes are read
         check_structure(path, manifest)
+    if rank is None and os.environ.get("RANK", "").isdigit():
+        _refuse_pieces_by_default(run, manifest, {n: records[n] for n in wanted})
     wanted_records = {n: records[n] for n in wanted}
     # from the bucket unless every file it needs was written here (the node that wrote it)
     writers = {manifest.rank} | {manifest.replicas[n] for n in wanted if n in manifest.replicas}
@@ -241,6 +243,24 @@ def load(
         n: (t.numpy() if records[n].numpy and hasattr(t, "numpy") else t) for n, t in tensors.items()
     }
     return _unflatten(path, manifest, values) if rebuild else values
+
+
+def _refuse_pieces_by_default(run: str, manifest: Manifest, records: dict[str, TensorRecord]) -> None:
+    """Under torchrun ($RANK set, no ``rank=``), a share holding pieces of sharded tensors
+    (an FSDP2 / DTensor model's) is refused: its pieces as plain tensors are what
+    ``model.load_state_dict`` cannot take, and PyTorch's own error (a size mismatch)
+    says nothing of what to do. ``load_into`` fills the model's own sharded state in
+    place; ``rank=`` asks for the pieces knowingly (docs/sharded.md)."""
+    for name, rec in records.items():
+        if rec.shard is not None and rec.shape != rec.shard.global_shape:
+            raise ValueError(
+                f"step {manifest.step} of run {run!r} holds sharded tensors: under torchrun "
+                f"(RANK={manifest.rank}) ckptd.load would return this rank's pieces as plain tensors "
+                f"({name!r}: a {rec.shape} piece of {rec.shard.global_shape}), which "
+                "model.load_state_dict cannot take. Fill the model's own sharded state in place "
+                "instead: state = {'model': model.state_dict()}; ckptd.load_into(state, run); "
+                "model.load_state_dict(state['model']) (docs/sharded.md); or pass rank= to get this "
+                "rank's pieces as plain tensors")
 
 
 def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None,
