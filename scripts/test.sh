@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (real daemons, torchrun, SeaweedFS, the frameworks;
-# about 10 minutes on 2 cores). Arguments go to pytest: -m "not slow" skips the multi-process jobs.
+# Set up, then lint, type check and run the whole test suite (real daemons, torchrun, SeaweedFS,
+# the frameworks). Arguments go to pytest: -m "not slow" skips the multi-process jobs. The suite
+# runs two test files at a time (pytest-xdist; a file's tests stay together, so its module-scoped
+# fixtures run once): CKPTD_TEST_WORKERS=N for N at a time, 0 for one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
@@ -30,4 +32,4 @@ echo "scripts/test.sh: lint (ruff) and type check (mypy ckptd; settings in pypro
 "$py" -m ruff check --quiet ckptd tests benchmarks examples
 "$py" -m mypy
 echo "scripts/test.sh: running the test suite" >&2
-exec "$py" -m pytest -q "$@"
+exec "$py" -m pytest -q -n "${CKPTD_TEST_WORKERS:-2}" --dist loadfile "$@"
