@@ -151,7 +151,7 @@ def merge(base: RetentionConfig, overrides: Any, where: str) -> RetentionConfig:
 
 def save_run_policy(run_dir: Path, overrides: dict[str, Any]) -> None:
     """Store a run's overrides in ``<run>/retention.json``; an ``OSError`` if the run's
-    folder is a symlink (nothing is written through one, DESIGN §7.4)."""
+    folder is a symlink (nothing is written through one, docs/guarantees.md)."""
     layout.ensure_real_dir(run_dir, run_dir.parent)
     path = run_dir / POLICY_FILE
     data = json.dumps(overrides, sort_keys=True).encode()

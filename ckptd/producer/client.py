@@ -1,4 +1,4 @@
-"""``Producer``: the API a training loop calls (DESIGN §3).
+"""``Producer``: the API a training loop calls (docs/usage.md).
 
 ``emit`` validates a tensor, copies it into the staging arena (a snapshot: the
 caller may overwrite the tensor as soon as ``emit`` returns) and queues it for
@@ -576,7 +576,7 @@ class Producer:
         arena = self._arena
         assert arena is not None
         # A step's first tensor goes out alone and wakes the sender, so that the daemon
-        # knows the step is open at once (a SIGTERM then waits for its commit, DESIGN §6);
+        # knows the step is open at once (a SIGTERM then waits for its commit, docs/service.md);
         # later ones leave the sender asleep until the commit (Transport.send), and small
         # ones wait in a batch. (A batch item has no shard field: pieces go alone.)
         st = self._steps.get(step)
@@ -687,7 +687,7 @@ class Producer:
         payload = self._arena.view(region) if region is not None else b""
         self._transport.send(wire.encode("tensor", seq=seq, start=start, **header), payload, event, wake=wake)
 
-    # -- CUDA: pinned staging, side stream, events (DESIGN §2) ---------------------------------
+    # -- CUDA: pinned staging, side stream, events (docs/usage.md, CUDA tensors) ---------------------------------
     def _copy_from_cuda(self, dst: Any, src: Any) -> Any:
         """Start an async device-to-host copy into pinned staging; return its event.
 
