@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """ckptd's performance report: ckptd against its floors and its competitors, in one run
-on the same bytes, judged against the goals of issue 5.
+on the same bytes, judged against the goals in benchmarks/README.md.
 
     python benchmarks/bench.py --json report.json           # 1 GiB in 64 float32 tensors
     python benchmarks/bench.py --size 64MiB --tensors 16 --repeat 1
@@ -552,7 +552,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--limits"]:  # issue 15's figures: the stall, write path, HDF5 and resume at their floors
+    if argv[:1] == ["--limits"]:  # docs/speed.md's figures: the stall, write path, HDF5 and resume at their floors
         import limits
 
         return limits.main(argv[1:])

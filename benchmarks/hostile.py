@@ -1,4 +1,4 @@
-"""Malformed and hostile messages for a live daemon's socket (issue 7).
+"""Malformed and hostile messages for a live daemon's socket.
 
 ``Fuzzer`` drives real ZeroMQ DEALER sockets against a running ``ckptd serve``
 and sends, one message per ``send_one()``, something a well-behaved producer

@@ -9,7 +9,9 @@ It makes one real checkpoint through a real daemon, clones its folder into
   * ``latest`` from the daemon's index over its socket (a producer's ``latest()``)
     and from the index in process (no socket);
   * ``ckptd.latest`` from the ``<run>/latest`` pointer (what a process without a
-    daemon does), and from a cold scan (pointer removed), and a full ``list``.
+    daemon does), and from a cold scan (pointer removed), and a full ``list``;
+  * the commands a person types: ``ckptd status`` (with a daemon, and without: it says
+    so at once), ``ckptd latest RUN``, ``ckptd list RUN``, ``ckptd list``, each a process.
 Goals: latest under 1 ms from the index and the pointer; a 10,000-step scan under 2 s.
 """
 
@@ -91,7 +93,16 @@ def main() -> int:
         with d.producer("bench", staging_size="1MiB") as p:
             assert p.latest().step == args.steps
             results["latest from the daemon's index, over its socket"] = timed(p.latest, args.repeat)
+        # what a person types, each a whole process (Python's start-up included)
+        for words in (["status", "-c", str(d.config)], ["latest", "bench", "--root", str(d.root)],
+                      ["list", "bench", "--root", str(d.root)], ["list", "--root", str(d.root)]):
+            results[f"`ckptd {words[0]}{' RUN' if 'bench' in words else ''}` (a process)"] = timed(
+                lambda w=words: subprocess.run([sys.executable, "-m", "ckptd", *w], check=True,
+                                               stdout=subprocess.DEVNULL), 3)
         d.stop()
+        results["`ckptd status` with no daemon (a process)"] = timed(
+            lambda: subprocess.run([sys.executable, "-m", "ckptd", "status", "-c", str(d.config)],
+                                   stderr=subprocess.DEVNULL), 3)
         results["ckptd.latest via the pointer"] = timed(lambda: ckptd.latest("bench", root=d.root), args.repeat)
         os.unlink(d.root / "bench" / "latest")
         results["ckptd.latest by cold scan (no pointer)"] = timed(lambda: ckptd.latest("bench", root=d.root), 20)

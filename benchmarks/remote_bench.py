@@ -1,4 +1,4 @@
-"""The remote tier's report (issue 14), in one run against a local SeaweedFS S3 server:
+"""The remote tier's report, in one run against a local SeaweedFS S3 server:
 
 1. clients: put of the same files with each plain client (boto3's transfer manager,
    obstore, s3fs) - the measurement that chose ckptd's client;

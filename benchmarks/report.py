@@ -18,7 +18,7 @@ GB = 1e9  # throughput in decimal GB/s, as the daemon's own log reports it
 MiB = 2**20
 SLACK_MIB = 200  # the goals' allowance over payload + arena (producer) and memory_budget (daemon)
 
-# Goals of issue 5, against which every ckptd measurement is judged
+# The goals (benchmarks/README.md), against which every ckptd measurement is judged
 BLOCKED_OVER_MEMCPY = 1.2
 GBPS_OVER_RAW = 0.9
 
@@ -171,7 +171,7 @@ GOAL_NAMES = {
 
 def goals(stats: dict[str, dict[str, Any]], ckptd_keys: list[str], payload_mib: float, arena_mib: float,
           budget_mib: dict[str, float], base_mib: dict[str, float]) -> dict[str, dict[str, Goal]]:
-    """Every ckptd measurement against the five goals of issue 5. Times from medians; DCP
+    """Every ckptd measurement against the five goals (benchmarks/README.md). Times from medians; DCP
     thread mode is the faster of its two configurations (the stricter comparison); RSS
     from the highest peak over the repeats. ``base_mib``: per key, the producer process's
     RSS with only the interpreter and torch loaded, which the producer line shows beside
@@ -310,7 +310,7 @@ def print_goals(goal_table: dict[str, dict[str, Goal]], labels: dict[str, str], 
     """Goal by goal: its limit, then every ckptd measurement, met or missed and by how much."""
     if not goal_table:
         return
-    print("\nGoals (issue 5), each ckptd measurement against each:")
+    print("\nGoals (benchmarks/README.md), each ckptd measurement against each:")
     for i, name in enumerate(GOAL_NAMES, 1):
         print(f"{i}. {GOAL_NAMES[name]}: {limits.get(name, '')}")
         for key, gs in goal_table.items():

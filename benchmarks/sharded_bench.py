@@ -28,7 +28,7 @@ one method after another, with barriers between them (figures are the slower ran
   timed warm (one unmeasured run each, then the best of 3 taken in turns: both
   read from the page cache).
 
-Goals (issue 12): blocked <= 0.5x DCP's fastest async mode; durable >= 0.9x the raw
+Goals: blocked <= 0.5x DCP's fastest async mode; durable >= 0.9x the raw
 write; load <= 1.0x ``dcp.load``. ``ckptd.dcp`` + ``dcp.async_save`` (thread executor), with
 ``StorageWriter`` and with ``AsyncStorageWriter``, have rows of their own (``measure_ckptd_dcp``).
 """

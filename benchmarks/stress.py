@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Faults, hostile input and load against a real ``ckptd serve`` (issue 7).
+"""Faults, hostile input and load against a real ``ckptd serve``.
 
     nice .venv/bin/python benchmarks/stress.py --kills 100 --frames 100000 --load-seconds 60 --producers 16 --runs 4
     .venv/bin/python benchmarks/stress.py --quick          # a small version of all three, about a minute
@@ -133,7 +133,7 @@ def mismatch(got: dict[str, Any], want: dict[str, torch.Tensor]) -> str | None:
 # -- the daemon -------------------------------------------------------------------------------
 class Daemon:
     """A ``ckptd serve`` subprocess. Ready means READY=1 on its NOTIFY_SOCKET: the daemon
-    sends it only after the start-up clean-up (DESIGN §9)."""
+    sends it only after the start-up clean-up (docs/service.md)."""
 
     def __init__(self, base: Path, tables: dict[str, dict[str, Any]] | None = None, *, nofile: int | None = None,
                  **keys: Any) -> None:

@@ -1,6 +1,6 @@
 """``producer.wait_complete``: until every rank's share of a step is durable in the
 remote tier (or, with none, on the shared root), seen through the storage itself,
-not through other ranks: no coordinator, no collective (DESIGN §10)."""
+not through other ranks: no coordinator, no collective (docs/many-nodes.md)."""
 
 from __future__ import annotations
 

@@ -495,7 +495,7 @@ def resolve_endpoint(endpoint: str, base: Path) -> str:
     if endpoint.startswith("ipc://"):
         return "ipc://" + str(resolve_path(endpoint[len("ipc://"):], base))
     if endpoint.startswith("tcp://"):
-        # DESIGN §6: only with CurveZMQ keys, which the daemon and producers load and
+        # docs/security.md: only with CurveZMQ keys, which the daemon and producers load and
         # require where they open the socket (ckptd/curve.py, docs/security.md).
         try:
             _, port = split_host_port(endpoint[len("tcp://"):])

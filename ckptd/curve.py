@@ -1,7 +1,7 @@
 """CurveZMQ for ``tcp://`` endpoints: key files, the daemon's allowlist, ``ckptd keygen``.
 
 An ``ipc://`` socket is guarded by its folder's permissions; a TCP port is open
-to every host that can route to it, so DESIGN §6 allows ``tcp://`` only with
+to every host that can route to it, so ckptd allows (docs/security.md) ``tcp://`` only with
 CurveZMQ: the connection is encrypted, the producer checks that it talks to the
 daemon whose public key it holds, and the daemon admits only producers whose
 public key files lie in its ``curve_clients`` folder (docs/security.md).

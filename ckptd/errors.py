@@ -7,7 +7,7 @@
     ConfigError (ValueError)         a bad config key or value, naming key and file
 
 Bad arguments are plain ``ValueError``; values ckptd cannot store are ``TypeError``
-(DESIGN §9). Errors from libraries are translated where the library is called.
+(docs/errors.md). Errors from libraries are translated where the library is called.
 """
 
 from __future__ import annotations

@@ -320,7 +320,8 @@ class _Files:
     """The step's data files, each opened once (never through a symlink)."""
 
     def __init__(self, dir_fd: int, path: Path) -> None:
-        self.dir_fd, self.path, self.fds = dir_fd, path, {}
+        self.dir_fd, self.path = dir_fd, path
+        self.fds: dict[str, int] = {}
 
     def fd(self, file: str) -> int:
         if file not in self.fds:

@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable, Iterator
 
 from . import devicecopy, dtypes, index, layout, measures, state as state_mod
 from .config import default_root
@@ -244,6 +244,8 @@ def load(
                          "without $RANK), or fill your own tensors with ckptd.load_into")
     if rebuild:  # a malformed structure fails now, before gigabytes are read
         check_structure(path, manifest)
+    if rank is None and os.environ.get("RANK", "").isdigit():
+        _refuse_pieces_by_default(run, manifest, {n: records[n] for n in wanted})
     wanted_records = {n: records[n] for n in wanted}
     # from the bucket unless every file it needs was written here (the node that wrote it)
     writers = {manifest.rank} | {manifest.replicas[n] for n in wanted if n in manifest.replicas}
@@ -272,6 +274,24 @@ def load(
         n: (t.numpy() if records[n].numpy and hasattr(t, "numpy") else t) for n, t in tensors.items()
     }
     return _unflatten(path, manifest, values) if rebuild else values
+
+
+def _refuse_pieces_by_default(run: str, manifest: Manifest, records: dict[str, TensorRecord]) -> None:
+    """Under torchrun ($RANK set, no ``rank=``), a share holding pieces of sharded tensors
+    (an FSDP2 / DTensor model's) is refused: its pieces as plain tensors are what
+    ``model.load_state_dict`` cannot take, and PyTorch's own error (a size mismatch)
+    says nothing of what to do. ``load_into`` fills the model's own sharded state in
+    place; ``rank=`` asks for the pieces knowingly (docs/sharded.md)."""
+    for name, rec in records.items():
+        if rec.shard is not None and rec.shape != rec.shard.global_shape:
+            raise ValueError(
+                f"step {manifest.step} of run {run!r} holds sharded tensors: under torchrun "
+                f"(RANK={manifest.rank}) ckptd.load would return this rank's pieces as plain tensors "
+                f"({name!r}: a {rec.shape} piece of {rec.shard.global_shape}), which "
+                "model.load_state_dict cannot take. Fill the model's own sharded state in place "
+                "instead: state = {'model': model.state_dict()}; ckptd.load_into(state, run); "
+                "model.load_state_dict(state['model']) (docs/sharded.md); or pass rank= to get this "
+                "rank's pieces as plain tensors")
 
 
 def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None,
@@ -448,7 +468,7 @@ def destinations(out: Any, records: dict[str, TensorRecord], step: int) -> dict[
 # -- reading files ---------------------------------------------------------------------------
 def _tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
              into: dict[str, Any] | None = None,
-             mapped: bool = False) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
+             mapped: bool = False) -> Generator[tuple[str, Any, CheckpointCorrupt | None], None, None]:
     """``(name, tensor, None)`` for each record read, ``(name, None, error)`` for each
     that cannot be; grouped by file, in file order. Up to ``READERS`` files are read
     at once (checksums too); mapping reads nothing, so it runs on the calling thread."""
@@ -463,6 +483,9 @@ def _tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
     def one(file: str, items: list[tuple[str, TensorRecord]]) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
         return _DataFile(dir_fd, step_path, file, into=into, mapped=mapped).tensors(items, verify)
 
+    def read_all(file: str, items: list[tuple[str, TensorRecord]]) -> list[tuple[str, Any, CheckpointCorrupt | None]]:
+        return list(one(file, items))
+
     try:
         if mapped or len(by_file) < 2 or READERS < 2:
             for file, items in by_file.items():
@@ -471,7 +494,7 @@ def _tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
         with ThreadPoolExecutor(READERS, thread_name_prefix="ckptd-read") as pool:
             pending: deque[Any] = deque()
             for file, items in by_file.items():  # at most READERS files read ahead: memory stays bounded
-                pending.append(pool.submit(lambda f=file, i=items: list(one(f, i))))
+                pending.append(pool.submit(read_all, file, items))
                 if len(pending) >= READERS:
                     yield from pending.popleft().result()
             while pending:
@@ -532,6 +555,7 @@ class _DataFile:
             if verify:
                 self._check_structure(name, rec)
             dst = self.into.get(name) if self.into is not None else None
+            buf: Any  # a torch uint8 tensor, or None where the bytes went into dst
             if dst is None and self.mapped and rec.nbytes and rec.offset % dtypes.lookup(rec.dtype).itemsize == 0:
                 buf = self._mapped(rec)
             else:
@@ -558,7 +582,7 @@ class _DataFile:
             except (OSError, ValueError, RuntimeError, TypeError) as exc:
                 raise self._corrupt(name, f"cannot read dataset {rec.key!r}: {exc}") from None
             if dst is not None:
-                if verify and checksum([memoryview(target)] if rec.nbytes else []) != rec.checksum:
+                if verify and checksum([_as_bytes(target)] if rec.nbytes else []) != rec.checksum:
                     raise self._corrupt(name, "does not match its checksum")
                 return dst
         if verify and checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
@@ -681,7 +705,12 @@ def _bytes_of(t: Any) -> memoryview:
     import numpy as np
 
     arr = t if isinstance(t, np.ndarray) else t.detach().view(-1).view(dtypes.torch_dtype("uint8")).numpy()
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return _as_bytes(arr.reshape(-1).view(np.uint8))
+
+
+def _as_bytes(arr: Any) -> memoryview:
+    """A numpy array's memory (typed Any: numpy's stubs do not declare the buffer protocol)."""
+    return memoryview(arr)
 
 
 def as_tensor(raw: Any, rec: TensorRecord) -> Any:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (real daemons, torchrun, SeaweedFS, the frameworks;
-# about 10 minutes on 2 cores). Arguments go to pytest: -m "not slow" skips the multi-process jobs.
+# Set up, then lint, type check and run the whole test suite (real daemons, torchrun, SeaweedFS,
+# the frameworks). Arguments go to pytest: -m "not slow" skips the multi-process jobs. The suite
+# runs two test files at a time (pytest-xdist; a file's tests stay together, so its module-scoped
+# fixtures run once): CKPTD_TEST_WORKERS=N for N at a time, 0 for one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test
+py=${VENV:-.venv}/bin/python
 # tests/test_systemd.py checks the shipped units with systemd's own tools and runs
 # them under a real systemd: install Debian's systemd where it is missing (CI runs
 # as root on a fresh machine). Where it is present this does nothing.
@@ -25,5 +28,8 @@ if ! command -v h5dump >/dev/null; then
         echo "scripts/test.sh: tests/test_hdf5.py needs h5dump; install Debian's hdf5-tools" >&2
     fi
 fi
+echo "scripts/test.sh: lint (ruff) and type check (mypy ckptd; settings in pyproject.toml)" >&2
+"$py" -m ruff check --quiet ckptd tests benchmarks examples
+"$py" -m mypy
 echo "scripts/test.sh: running the test suite" >&2
-exec .venv/bin/python -m pytest -q "$@"
+exec "$py" -m pytest -q -n "${CKPTD_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -1,4 +1,4 @@
-"""The public names of DESIGN §3 exist, with the documented shapes."""
+"""The public names (docs/usage.md) exist, with the documented shapes."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ def test_public_surface_is_pinned() -> None:
     assert issubclass(ckptd.CheckpointNotFound, LookupError)
     assert issubclass(ckptd.CheckpointCorrupt, ckptd.CheckpointError)
     assert list(inspect.signature(ckptd.load).parameters)[:6] == ["run", "step", "root", "names", "map_location", "verify"]
-    # DESIGN §9's fields first, in order; then what tells a rank's share from the whole step
+    # the manifest's fixed fields (docs/on-disk.md) first, in order; then what tells a rank's share from the whole step
     assert [f for f in ckptd.CheckpointInfo.__dataclass_fields__] == [
         "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata", "world_size", "rank",
-        "tiers"]  # issue 14: which tiers ("local", "remote") hold the step
+        "tiers"]  # which tiers ("local", "remote") hold the step
 
 
 def test_python_dash_m_is_the_cli() -> None:

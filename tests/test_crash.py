@@ -1,4 +1,4 @@
-"""kill -9 of the daemon or of a producer at awkward moments (DESIGN §7.1, §7.2)."""
+"""kill -9 of the daemon or of a producer at awkward moments (docs/guarantees.md)."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def test_disk_full_fails_the_commit_and_loses_nothing(small_disk_daemon) -> None
     assert "No space left on device" in d.log_text()
 
 
-# -- more of it (issue 7): retention, emit-built steps, freed space, every point of a commit ---------
+# -- more of it: retention, emit-built steps, freed space, every point of a commit ---------
 @pytest.fixture
 def make_small_disk(small_disk_daemon, make_daemon):
     """``make_small_disk(size, tables=None, **keys)``: like ``small_disk_daemon``, with a

@@ -1,4 +1,4 @@
-"""Faults, for real (issue 7): kill -9 of the daemon at random instants, the daemon
+"""Faults, for real: kill -9 of the daemon at random instants, the daemon
 restarting under a live producer, kill -9 of a producer mid-step, a slow disk, and
 many producers at once. The long versions run in ``benchmarks/stress.py``; the kill
 loop and the load here are the same code, made small."""

@@ -1,4 +1,4 @@
-"""Hostile wire input (issue 7): a property-based fuzzer for ``wire.decode`` that knows
+"""Hostile wire input: a property-based fuzzer for ``wire.decode`` that knows
 the schema (``tests/test_wire.py`` throws unstructured bytes and maps at it), a live
 fuzz of a running daemon beside a good producer, and the hostile inputs that once
 stopped the daemon, each pinned by a test of its own."""

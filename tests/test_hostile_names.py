@@ -1,5 +1,5 @@
 """Hostile run ids and tensor names, through the real daemon and the read APIs
-(DESIGN §4: run ids become folder names, tensor names never become paths; §7.4:
+(docs/on-disk.md: run ids become folder names, tensor names never become paths; docs/guarantees.md:
 nothing is written outside the root)."""
 
 from __future__ import annotations

@@ -164,4 +164,4 @@ def test_cli_latest_asks_the_daemon(daemon) -> None:
     assert json.loads(r.stdout)["step"] == 4
     r = subprocess.run([sys.executable, "-m", "ckptd", "latest", "t", "--endpoint", "ipc:///tmp/none.sock",
                         "--timeout", "0.3"], capture_output=True, text=True)
-    assert r.returncode == 1 and "no ckptd daemon answered" in r.stderr
+    assert r.returncode == 1 and "no ckptd daemon at ipc:///tmp/none.sock" in r.stderr, r.stderr

@@ -96,10 +96,29 @@ def test_status_shows_producers_and_their_open_steps(daemon) -> None:
 
 
 def test_status_without_a_daemon_fails_in_one_line(tmp_path) -> None:
-    r = ckptd_cli("status", "--endpoint", f"ipc://{tmp_path}/none.sock", "--timeout", "0.5")
+    # --timeout 3600: a missing socket file is reported at once, not after the timeout
+    # (the subprocess's own 60 s limit would fail this test if it waited)
+    r = ckptd_cli("status", "--endpoint", f"ipc://{tmp_path}/none.sock", "--timeout", "3600")
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
-        f"ckptd status: error: no ckptd daemon answered at ipc://{tmp_path}/none.sock within 0.5 s"]
+        f"ckptd status: error: no ckptd daemon at ipc://{tmp_path}/none.sock: the socket file "
+        f"{tmp_path}/none.sock does not exist; start one with `ckptd serve -c CONFIG`, or name a running "
+        "one's endpoint (--endpoint, -c CONFIG, CKPTD_ENDPOINT)"]
+    # a socket file nobody listens on (a daemon killed with SIGKILL leaves one): at once too
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tmp_path / "stale.sock"))
+    r = ckptd_cli("status", "--endpoint", f"ipc://{tmp_path}/stale.sock", "--timeout", "3600")
+    assert r.returncode == 1
+    assert "nothing listens on the socket file" in r.stderr and "stale.sock" in r.stderr, r.stderr
+    # a daemon that does not answer in time is still reported after --timeout: a socket that
+    # accepts connections but never replies
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tmp_path / "mute.sock"))
+        s.listen()
+        r = ckptd_cli("status", "--endpoint", f"ipc://{tmp_path}/mute.sock", "--timeout", "0.5")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"ckptd status: error: no ckptd daemon answered at ipc://{tmp_path}/mute.sock within 0.5 s"]
 
 
 def test_a_metrics_port_in_use_stops_the_start(make_daemon) -> None:

@@ -1,4 +1,4 @@
-"""What a new user trips over (issue 11): each bug here has a test that failed before its fix."""
+"""What a new user trips over: each bug here has a test that failed before its fix."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,33 @@ print("equal", n)
                           env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "equal 16" in proc.stdout  # 4 parameters, 3 Adam tensors for each
+
+
+@pytest.mark.slow
+def test_plain_load_of_a_sharded_step_under_torchrun_names_load_into(fsdp_run) -> None:
+    """``model.load_state_dict(ckptd.load(run)["model"])`` on an FSDP2 model under torchrun:
+    ckptd refuses with its own message naming ``ckptd.load_into`` (not PyTorch's size
+    mismatch), and what the message says to do restores the saved weights."""
+    daemon, out = fsdp_run
+    job = Path(__file__).with_name("plain_load_job.py")
+    env = dict(os.environ, CKPTD_RUN="fsdp", CKPTD_ROOT=str(daemon.root), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                           "--max-restarts", "0", "--monitor-interval", "0.2", str(job), str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    for rank in (0, 1):
+        result = json.loads((out / f"plain-load-r{rank}.json").read_text())
+        error = result["error"]
+        assert error is not None and not error.startswith("PyTorch"), error
+        assert "ckptd.load_into(state, run)" in error and f"step {SAVE_AT} of run 'fsdp'" in error, error
+        assert re.search(r"a \[\d+, \d+\] piece of \[\d+, \d+\]", error) and "rank=" in error, error
+        # the last layer's 7 rows, sharded over 2 ranks: 4 and 3
+        assert result["piece_shape"] == [[4, 8], [3, 8]][rank], result
+    whole = ckptd.load("fsdp", SAVE_AT, root=daemon.root)["model"]  # no RANK here: the whole state
+    got = load_file(str(out / "plain-load-weights.safetensors"))
+    assert got.keys() == whole.keys()
+    for name in whole:
+        assert torch.equal(got[name], whole[name]), name
 
 
 @pytest.mark.slow  # its checkpoint comes from the torchrun job

@@ -127,7 +127,7 @@ class Daemon:
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake.write_fd, warn_on_full_buffer=False)
         log.info("serving %s, checkpoints under %s (pid %d)", self.endpoint, self.root, os.getpid())
-        # Only now (DESIGN §9): orphans are gone, the index is built, the socket listens.
+        # Only now (docs/service.md, the life of the service): orphans are gone, the index is built, the socket listens.
         self._notify_status("READY=1")
 
     def _bind(self) -> None:
@@ -139,7 +139,7 @@ class Daemon:
                     f"ipc socket path {path} is longer than {IPC_PATH_MAX} bytes; "
                     "choose a shorter [daemon] endpoint"
                 )
-            # Who may connect is decided by this folder's permissions (DESIGN §6).
+            # Who may connect is decided by this folder's permissions (docs/security.md).
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # libzmq replaces a socket file at this path: never one a live daemon serves
             if unixsock.in_use(str(path), socket.SOCK_STREAM):
@@ -309,7 +309,7 @@ class Daemon:
         return not self.committing and not self._open_steps()
 
     def _extend_stop_timeout(self, now: float) -> None:
-        """Keep systemd from killing a drain that is moving (DESIGN §8): beyond its
+        """Keep systemd from killing a drain that is moving (docs/service.md): beyond its
         TimeoutStopSec, it waits as long as these keep coming. A drain stalled for
         STALL_S (a hung disk) stops asking, and systemd's timeout applies again."""
         if now < self._drain_deadline or now - self._last_progress < STALL_S:

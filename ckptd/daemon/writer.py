@@ -95,7 +95,7 @@ class Share:
     def at(self, name: str) -> str:
         """A path to ``name`` in the step folder that resolves through the folder's open
         descriptor, not its name: a run or step folder swapped for a symlink after it was
-        checked redirects nothing (DESIGN §7.4). h5py and ``atomic_write`` take it too."""
+        checked redirects nothing (docs/guarantees.md). h5py and ``atomic_write`` take it too."""
         if self.dir_fd >= 0 and _PROC_FD:
             return f"{_PROC_FD}/{self.dir_fd}/{name}"
         return str(self.dir / name)
@@ -706,7 +706,7 @@ class Writer:
 
     def _remove_files(self, share: Share) -> None:
         # Relative to the run and step folders, each opened without following a symlink:
-        # one planted in the root is never removed through (DESIGN §7.4).
+        # one planted in the root is never removed through (docs/guarantees.md).
         try:
             run_fd = layout.open_real_dir(share.dir.parent)
         except OSError:  # never made, or not a real folder: nothing of ours is in it

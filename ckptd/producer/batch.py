@@ -36,7 +36,7 @@ class Batcher:
     message, ``copy(region, item)`` copies a tensor the fast path cannot (strided, lazily
     conjugated, numpy) into a region; ``base`` is the arena's address."""
 
-    def __init__(self, capacity: int, base: int, alloc: Callable[[int, str], Region],
+    def __init__(self, capacity: int, base: int, alloc: Callable[[int, str], Region | None],
                  shrink: Callable[[Region, int], None], send: Callable[[int, Region, list[list[Any]], bool], None],
                  copy: Callable[[Region, Any], Any]) -> None:
         self.size = min(BATCH_BYTES, capacity // 8)

@@ -1,4 +1,4 @@
-"""``Producer``: the API a training loop calls (DESIGN §3).
+"""``Producer``: the API a training loop calls (docs/usage.md).
 
 ``emit`` validates a tensor, copies it into the staging arena (a snapshot: the
 caller may overwrite the tensor as soon as ``emit`` returns) and queues it for
@@ -213,7 +213,12 @@ class Producer:
         self._pacer = Pacer()
         self._agree: Any = None  # rank 0's plan to every rank (pacing.broadcast_from_rank0), made at first use
         ref = weakref.ref(self)
-        atexit.register(lambda: (p := ref()) is not None and p._close_at_exit())
+
+        def close_at_exit() -> None:
+            p = ref()
+            if p is not None:
+                p._close_at_exit()
+        atexit.register(close_at_exit)
         # Find the daemon now, not at the first checkpoint hours in (on_no_daemon).
         self._connector: threading.Thread | None = None
         if self.run is not None:
@@ -601,15 +606,15 @@ class Producer:
             d = dtypes.by_torch(value.dtype)  # the common case, checked in as few calls as it takes
             return _Tensor(value, d, list(value.shape), value.numel() * d.itemsize, False, value.is_cuda)
         if isinstance(value, np.ndarray):
-            d = dtypes.BY_NUMPY.get(value.dtype.name)
-            if d is None or value.dtype.hasobject:
+            found = dtypes.BY_NUMPY.get(value.dtype.name)
+            if found is None or value.dtype.hasobject:
                 raise TypeError(f"array {name!r} has numpy dtype {value.dtype}, which ckptd cannot store")
             if value.dtype.byteorder not in "=|":
                 raise TypeError(
                     f"array {name!r} is big-endian ({value.dtype}); convert it with "
                     "arr.astype(arr.dtype.newbyteorder('='))"
                 )
-            return _Tensor(value, d, list(value.shape), value.nbytes, True, False)
+            return _Tensor(value, found, list(value.shape), value.nbytes, True, False)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(value).__name__}, not a torch.Tensor or numpy.ndarray")
         if type(value) not in (torch.Tensor, torch.nn.Parameter):
@@ -657,7 +662,7 @@ class Producer:
         arena = self._arena
         assert arena is not None
         # A step's first tensor goes out alone and wakes the sender, so that the daemon
-        # knows the step is open at once (a SIGTERM then waits for its commit, DESIGN §6);
+        # knows the step is open at once (a SIGTERM then waits for its commit, docs/service.md);
         # later ones leave the sender asleep until the commit (Transport.send), and small
         # ones wait in a batch. (A batch item has no shard field: pieces go alone.)
         st = self._steps.get(step)
@@ -780,7 +785,7 @@ class Producer:
         payload = self._arena.view(region) if region is not None else b""
         self._transport.send(wire.encode("tensor", seq=seq, start=start, **header), payload, event, wake=wake)
 
-    # -- CUDA: pinned staging, side stream, events (DESIGN §2) ---------------------------------
+    # -- CUDA: pinned staging, side stream, events (docs/usage.md, CUDA tensors) ---------------------------------
     def _copy_from_cuda(self, dst: Any, src: Any) -> Any:
         """Start an async device-to-host copy into pinned staging; return its event.
 

@@ -10,6 +10,7 @@ daemon has been silent for ``timeout`` seconds. One Transport is one connection.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, Callable
 import zmq
 
 from .. import wire
-from .. import curve
+from .. import curve, unixsock
 from ..wakeup import WakePipe
 from ..errors import ProtocolError
 
@@ -211,6 +212,17 @@ def request(endpoint: str, header: bytes, timeout: float, curve_keys: curve.Clie
     ``curve_keys``: a tcp:// endpoint's (``curve.client_keys``)."""
     from ..errors import CheckpointError
 
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):  # @: Linux's abstract names
+        # a socket file that is missing, or that nobody listens on, cannot answer: say so
+        # now rather than after the whole timeout
+        path = endpoint[len("ipc://"):]
+        if not os.path.exists(path):
+            raise CheckpointError(f"no ckptd daemon at {endpoint}: the socket file {path} does not exist; "
+                                  "start one with `ckptd serve -c CONFIG`, or name a running one's "
+                                  "endpoint (--endpoint, -c CONFIG, CKPTD_ENDPOINT)")
+        if not unixsock.in_use(path):
+            raise CheckpointError(f"no ckptd daemon at {endpoint}: nothing listens on the socket file {path} "
+                                  "(a stopped daemon's leftover); start one with `ckptd serve -c CONFIG`")
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
