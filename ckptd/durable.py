@@ -55,7 +55,7 @@ def replacing(path: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[P
         fsync_dir(path.parent)
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     """``os.write`` until every byte is written (regular files may write short)."""
     view = memoryview(data).cast("B")
     while view:

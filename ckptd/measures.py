@@ -141,8 +141,8 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
     stalls = [s["stall_s"] for s in recent if s["stall_s"] is not None]
     inputs.stall_s = statistics.median(stalls) if stalls else None
     if tier == "remote":
-        ups = [_num(u.get("persist_s")) for u in m["uploads"][-RECENT * 8:]]
-        ups = [u for u in ups if u is not None]
+        got = [_num(u.get("persist_s")) for u in m["uploads"][-RECENT * 8:]]
+        ups = [u for u in got if u is not None]
         inputs.persist_s = statistics.median(ups) if ups else None
     else:
         persists = [s["persist_s"] for s in recent if s["persist_s"] is not None]

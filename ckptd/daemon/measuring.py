@@ -35,8 +35,9 @@ def parse_timing(value: Any) -> tuple[float | None, float | None]:
 
     def seconds(key: str) -> float | None:
         v = value.get(key)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9
-        return float(v) if ok else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9:
+            return float(v)
+        return None
 
     return seconds("stall_s"), seconds("restore_s")
 

@@ -216,6 +216,8 @@ def _remote_families(r: dict[str, Any]) -> Iterator[Any]:
 
 def _peer_families(p: dict[str, Any]) -> Iterator[Any]:
     """The peer tier (ckptd/peer/): replicas sent and held."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     yield GaugeMetricFamily("ckptd_peer_under_replicated", "Shares committed here with fewer replicas in "
                             "peers' memory than [peer] replicas.", value=p["under_replicated"])
     yield GaugeMetricFamily("ckptd_peer_held_bytes", "Bytes of other nodes' replicas held in memory.",

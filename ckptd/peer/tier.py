@@ -66,7 +66,7 @@ class PeerTier:
         self.cfg = config.peer
         self.endpoints = list(dict.fromkeys([self.cfg.listen, *self.cfg.peers]))
         self.keys = reader_keys(config)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
 
     # -- what the peers hold ---------------------------------------------------------------
     def holdings(self, run: str) -> dict[tuple[int, int], list[tuple[str, str, Manifest]]]:

@@ -29,10 +29,10 @@ def check_bounds(min_steps: int | None, max_steps: int | None, min_seconds: floa
     for name, v in (("min_steps", min_steps), ("max_steps", max_steps)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"should_save({name}={v!r}): a number of steps, 1 or more, or None")
-    for name, v in (("min_seconds", min_seconds), ("max_seconds", max_seconds)):
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0
-                              or math.isinf(v)):
-            raise ValueError(f"should_save({name}={v!r}): a positive number of seconds, or None")
+    for name, sec in (("min_seconds", min_seconds), ("max_seconds", max_seconds)):
+        if sec is not None and (not isinstance(sec, (int, float)) or isinstance(sec, bool) or not sec > 0
+                                or math.isinf(sec)):
+            raise ValueError(f"should_save({name}={sec!r}): a positive number of seconds, or None")
     if min_steps is not None and max_steps is not None and min_steps > max_steps:
         raise ValueError(f"should_save(min_steps={min_steps}, max_steps={max_steps}): min_steps is above max_steps")
     if min_seconds is not None and max_seconds is not None and min_seconds > max_seconds:
@@ -83,6 +83,7 @@ class Pacer:
         lo = max(min_steps or 0, math.ceil(min_seconds / s) if min_seconds is not None and s else 0)
         hi = min(max_steps or math.inf, max(1, math.floor(max_seconds / s)) if max_seconds is not None and s
                  else math.inf)
+        want: float
         if interval_s is None and not self.saved:
             want = 0  # no advice for this run yet: a save now measures what the advice needs
         elif interval_s is None or s is None:
