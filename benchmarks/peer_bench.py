@@ -1,7 +1,10 @@
 """The peer tier's recovery and stall (docs/tiers.md), one run on one machine:
 
 1. floor: a plain pyzmq transfer of the share's bytes between two processes (PUSH
-   to PULL, 4 MiB frames, into preallocated memory);
+   to PULL, 4 MiB frames, into memory zero-filled before the clock starts), and the
+   same into memory allocated on the clock, as a load's tensors are (on a VM a page's
+   first write can cost as much as moving its bytes); each repeat measures every
+   row, and the ratios are given per repeat (the machine is shared and noisy);
 2. peer: a fresh node (empty root, new daemon) gets a lost node's share back with
    ``ckptd.load`` from the partner's memory: the fetch and check of the whole files
    alone, and ``ckptd.load`` (list the peers, read each tensor into its own memory,
@@ -61,8 +64,11 @@ push.close(linger=-1); ctx.term()
 """
 
 
-def plain_transfer(nbytes: int) -> float:
-    """Seconds for ``nbytes`` from another process into this one's memory over pyzmq."""
+def plain_transfer(nbytes: int, fresh: bool = False) -> float:
+    """Seconds for ``nbytes`` from another process into this one's memory over pyzmq:
+    memory zero-filled before the clock starts (its pages already faulted in), or with
+    ``fresh``, allocated on the clock as ``ckptd.load`` must (torch.empty: each page is
+    faulted in by the first byte written to it)."""
     import zmq
 
     ctx = zmq.Context()
@@ -73,9 +79,11 @@ def plain_transfer(nbytes: int) -> float:
     pull.bind(ep)
     child = subprocess.Popen([sys.executable, "-c", SENDER, str(nbytes), str(FRAME), ep])
     try:
-        out = bytearray(nbytes)
+        out: Any = None if fresh else bytearray(nbytes)
         pull.recv()
         t0 = time.perf_counter()
+        if fresh:
+            out = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
         off = 0
         while off < nbytes:
             frame = pull.recv(copy=False)
@@ -147,7 +155,6 @@ def measure_stall(work: Path, state: dict, repeats: int) -> dict[str, Any]:
 def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[str, Any]:
     import ckptd
     from ckptd.config import load as load_config
-    from ckptd.peer.holder import verify
     from ckptd.peer.tier import open_tier
 
     la, lb, lc = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(3))
@@ -183,11 +190,13 @@ def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[st
             held = tier.holdings("bench")
             (endpoint, where, m), = held[(1, 0)]
             sizes = dict(m.files)
-            res["peer_fetch"], res["peer_load"], res["bucket_load"] = [], [], []
-            for r in range(repeats):
+            for k in ("plain_transfer", "plain_fresh", "peer_fetch", "peer_load", "bucket_load"):
+                res[k] = []
+            for r in range(repeats):  # each repeat measures every row: ratios within one repeat
+                res["plain_transfer"].append(plain_transfer(size))
+                res["plain_fresh"].append(plain_transfer(size, fresh=True))
                 t0 = time.perf_counter()
-                data = tier.read_files(endpoint, m, sizes)
-                verify(m, data, "bench")
+                data = tier.read_files(endpoint, m, sizes)  # every tensor and header checked
                 res["peer_fetch"].append(time.perf_counter() - t0)
                 del data
                 shutil.rmtree(fresh.root / "bench", ignore_errors=True)
@@ -206,7 +215,11 @@ def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[st
         os.environ.pop("CKPTD_CONFIG", None)
         lost.close()
         partner.close()
-    return {k: statistics.median(v) if isinstance(v, list) else v for k, v in res.items()}
+    res["ratios"] = [{"fetch": res["plain_transfer"][i] / res["peer_fetch"][i],
+                      "load": res["plain_transfer"][i] / res["peer_load"][i],
+                      "load_fresh": res["plain_fresh"][i] / res["peer_load"][i],
+                      "bucket": res["bucket_load"][i] / res["peer_load"][i]} for i in range(repeats)]
+    return {k: statistics.median(v) if isinstance(v, list) and k != "ratios" else v for k, v in res.items()}
 
 
 def _drop_caches(files: list[Path]) -> str:
@@ -239,7 +252,6 @@ def main() -> int:
     try:
         state = _state(nbytes, args.tensors)
         r: dict[str, Any] = {"bytes": nbytes, "repeats": args.repeats}
-        r["plain_transfer"] = statistics.median(plain_transfer(nbytes) for _ in range(args.repeats))
         r.update(measure_recovery(work, state, args.repeats, f"s3://{BUCKET}/peer"))
         r["stall"] = measure_stall(work, state, args.repeats)
     finally:
@@ -255,13 +267,19 @@ def report(r: dict[str, Any]) -> None:
     gb = r["bytes"] / 1e9
     print(f"share: {r['bytes'] / 2**30:.2f} GiB of tensors ({r['file_bytes'] / 2**30:.2f} GiB of files); "
           f"medians of {r['repeats']}; one noisy shared machine")
-    rows = [("plain pyzmq transfer (floor)", r["plain_transfer"]), ("peer memory: fetch + check", r["peer_fetch"]),
+    rows = [("plain pyzmq transfer (floor)", r["plain_transfer"]),
+            ("plain pyzmq transfer into fresh memory", r["plain_fresh"]),
+            ("peer memory: fetch + check", r["peer_fetch"]),
             ("peer memory: ckptd.load(rank=0) into memory", r["peer_load"]),
             ("object store: ckptd.load", r["bucket_load"]), (f"own disk, cold ({r['drop_caches']})", r["disk_cold"])]
     for name, s in rows:
         print(f"  {name:<62} {s:7.2f} s  {gb / s:6.2f} GB/s")
+    for i, q in enumerate(r["ratios"]):
+        print(f"  repeat {i + 1}: peer fetch {q['fetch']:.2f}x and load {q['load']:.2f}x the plain transfer's "
+              f"throughput ({q['load_fresh']:.2f}x into fresh memory); load {q['bucket']:.1f}x the object store's")
     print(f"peer fetch vs plain transfer throughput: {r['plain_transfer'] / r['peer_fetch']:.2f}x (goal >= 0.9)")
-    print(f"peer load vs plain transfer throughput:  {r['plain_transfer'] / r['peer_load']:.2f}x")
+    print(f"peer load vs plain transfer throughput:  {r['plain_transfer'] / r['peer_load']:.2f}x "
+          f"({r['plain_fresh'] / r['peer_load']:.2f}x against the transfer into fresh memory)")
     print(f"peer load vs object store: {r['bucket_load'] / r['peer_load']:.1f}x faster (goal >= 5)")
     s = r["stall"]
     print(f"save blocked: {s['off']['blocked'] * 1e3:.0f} ms without replication, {s['on']['blocked'] * 1e3:.0f} ms "

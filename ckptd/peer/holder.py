@@ -195,9 +195,7 @@ def verify(m: Manifest, files: dict[str, Any], where: str) -> None:
     bytes, and each chunk file's safetensors header against the manifest (the one
     part of a file no checksum covers); CheckpointCorrupt naming the first that does
     not match."""
-    for file, buf in files.items():
-        if layout.CHUNK.fullmatch(file):
-            _check_header(m, file, memoryview(buf), where)
+    check_headers(m, files, where)
     for name, t in m.tensors.items():
         if t.offset is None:
             raise CheckpointCorrupt(f"{where}: tensor {name!r} is a chunked (compressed) HDF5 dataset, "
@@ -206,6 +204,13 @@ def verify(m: Manifest, files: dict[str, Any], where: str) -> None:
         if checksum([view] if t.nbytes else []) != t.checksum:
             raise CheckpointCorrupt(f"{where}: run {m.run!r} step {m.step} rank {m.rank}: tensor {name!r} "
                                     "does not match its checksum")
+
+
+def check_headers(m: Manifest, files: dict[str, Any], where: str) -> None:
+    """Each chunk file's safetensors header in ``files`` against the manifest."""
+    for file, buf in files.items():
+        if layout.CHUNK.fullmatch(file):
+            _check_header(m, file, memoryview(buf), where)
 
 
 def _check_header(m: Manifest, file: str, buf: memoryview, where: str) -> None:

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +32,8 @@ from ..durable import atomic_write, replacing, write_all
 from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from . import wire
-from .holder import verify
+from .holder import check_headers
+from .pages import Prefault
 
 log = logging.getLogger("ckptd.peer")
 
@@ -182,7 +184,6 @@ class PeerTier:
         if any(size is None for size in files.values()):
             raise CheckpointCorrupt("its manifest does not list its files' sizes")
         data = self.read_files(endpoint, m, files)  # type: ignore[arg-type]
-        verify(m, data, f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}")
         step_dir = layout.step_dir(base, m.run, m.step)
         layout.ensure_real_dir(step_dir, base)
         for file, buf in data.items():
@@ -204,54 +205,127 @@ class PeerTier:
 
         bufs = {}
         ranges = []
-        for name, rec in records.items():
-            if rec.offset is None:
-                raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
-            bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
-            ranges.append((name, rec.file, rec.offset, memoryview(bufs[name].numpy())))
-        self._read_ranges(endpoint, m, ranges)
-        out = {}
-        for name, rec in records.items():
-            if checksum([memoryview(bufs[name].numpy())] if rec.nbytes else []) != rec.checksum:
-                raise CheckpointCorrupt(f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}: tensor "
-                                        f"{name!r} does not match its checksum")
-            out[name] = as_tensor(bufs[name], rec)
+        checks = _Checks(f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}")
+        try:
+            for name, rec in records.items():
+                if rec.offset is None:
+                    raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
+                bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
+                view = memoryview(bufs[name].numpy())
+                ranges.append((rec.file, rec.offset, view,
+                               lambda name=name, view=view, rec=rec: checks.submit(name, view, rec.checksum)))
+            self._read_ranges(endpoint, m, ranges)
+            checks.wait()
+        finally:
+            checks.close()
+        return {name: as_tensor(bufs[name], rec) for name, rec in records.items()}
+
+    def read_files(self, endpoint: str, m: Manifest, sizes: dict[str, int]) -> dict[str, memoryview]:
+        """The files of a share, read from ``endpoint`` and checked: every tensor against
+        its checksum (each as soon as its bytes are in, while the next ones arrive) and
+        each chunk file's header against the manifest. CheckpointCorrupt if one does not
+        match."""
+        where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
+        import torch
+
+        # torch.empty, not bytearray(n): no zero-filling pass over the pages before the bytes come
+        out = {f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in sizes.items()}
+        checks = _Checks(where)
+        try:
+            ranges = []
+            for file, buf in out.items():
+                ranges += _segments(m, file, buf, checks)
+            self._read_ranges(endpoint, m, ranges)
+            checks.wait()
+        finally:
+            checks.close()
+        check_headers(m, out, where)
         return out
 
-    def _read_ranges(self, endpoint: str, m: Manifest, ranges: list[tuple[str, str, int, memoryview]]) -> None:
-        """Fill each (name, file, offset, memory) from ``endpoint``, in ``frame``-sized
-        parts with ``window`` of them in flight."""
+    def _read_ranges(self, endpoint: str, m: Manifest,
+                     ranges: list[tuple[str, int, memoryview, Callable[[], None]]]) -> None:
+        """Fill each (file, offset, memory) from ``endpoint``, in ``frame``-sized parts
+        with ``window`` of them in flight, each received by libzmq straight into its
+        place; call a range's callable once all of it is in."""
         link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4)
+        prefault = Prefault([view for _, _, view, _ in ranges], self.cfg.frame)
         try:
-            in_flight: deque[tuple[int, memoryview]] = deque()
+            in_flight: deque[tuple[int, memoryview, Callable[[], None] | None]] = deque()
 
             def land() -> None:
-                rid, dst = in_flight.popleft()
-                _, payload = link.recv(rid, timeout=self.cfg.stall)
-                if payload is None or len(payload) != len(dst):
-                    raise ProtocolError(f"{endpoint}: a part of {0 if payload is None else len(payload)} bytes, "
-                                        f"not {len(dst)}")
-                dst[:] = payload.buffer
+                rid, dst, landed = in_flight.popleft()
+                link.recv_into(rid, dst, timeout=self.cfg.stall)
+                if landed is not None:
+                    landed()
 
-            for _, file, offset, view in ranges:
+            for file, offset, view, landed in ranges:
+                if not len(view):
+                    landed()
+                    continue
                 for off in range(0, len(view), self.cfg.frame):
                     if len(in_flight) >= self.cfg.window:
                         land()
                     dst = view[off:off + self.cfg.frame]
+                    last = off + self.cfg.frame >= len(view)
                     req = {"op": "read", "run": m.run, "step": m.step, "rank": m.rank, "file": file,
                            "offset": offset + off, "length": len(dst)}
-                    in_flight.append((link.send(req, timeout=self.cfg.stall), dst))
+                    in_flight.append((link.send(req, timeout=self.cfg.stall), dst, landed if last else None))
             while in_flight:
                 land()
         finally:
+            prefault.close()
             link.close()
 
-    def read_files(self, endpoint: str, m: Manifest, sizes: dict[str, int]) -> dict[str, bytearray]:
-        """The files of a share, read from ``endpoint`` in ``frame``-sized parts with
-        ``window`` of them in flight."""
-        out = {f: bytearray(n) for f, n in sizes.items()}
-        self._read_ranges(endpoint, m, [("", f, 0, memoryview(b)) for f, b in out.items()])
-        return out
+
+class _Checks:
+    """Checksums of tensors whose bytes are in, computed on a thread of their own while
+    the next parts arrive (xxh3 and libzmq's receive both release the GIL)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-peer-check")
+        self.pending: list[Future[None]] = []
+
+    def submit(self, name: str, view: memoryview, want: str) -> None:
+        self.pending.append(self.pool.submit(self._check, name, view, want))
+
+    def _check(self, name: str, view: memoryview, want: str) -> None:
+        if checksum([view] if len(view) else []) != want:
+            raise CheckpointCorrupt(f"{self.where}: tensor {name!r} does not match its checksum")
+
+    def wait(self) -> None:
+        """CheckpointCorrupt naming the first tensor that did not match."""
+        for f in self.pending:
+            f.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _segments(m: Manifest, file: str, buf: memoryview,
+              checks: _Checks) -> list[tuple[str, int, memoryview, Callable[[], None]]]:
+    """``file``'s bytes as consecutive ranges, each ending where a tensor of it ends,
+    whose callable checks the tensors that end there."""
+    ends: dict[int, list[tuple[str, TensorRecord]]] = {}
+    for name, t in m.tensors.items():
+        if t.file != file:
+            continue
+        if t.offset is None:
+            raise CheckpointCorrupt(f"tensor {name!r} is a chunked (compressed) HDF5 dataset, whose bytes the peer "
+                                    "tier cannot check")
+        if t.offset + t.nbytes > len(buf):
+            raise CheckpointCorrupt(f"tensor {name!r} lies beyond the end of {file}")
+        ends.setdefault(t.offset + t.nbytes, []).append((name, t))
+
+    def check(tensors: list[tuple[str, TensorRecord]]) -> Callable[[], None]:
+        return lambda: [checks.submit(name, buf[t.offset:t.offset + t.nbytes], t.checksum)  # type: ignore[operator]
+                        for name, t in tensors]
+
+    out, start = [], 0
+    for end in sorted(set(ends) | {len(buf)}):
+        out.append((file, start, buf[start:end], check(ends.get(end, []))))
+        start = end
+    return out
 
 
 class PeerSource:
