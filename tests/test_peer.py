@@ -287,3 +287,58 @@ def test_a_partner_list_naming_itself_or_an_unreachable_peer_is_reported_at_star
     with pytest.raises(RuntimeError, match="is not a tcp:// endpoint"):
         bad.start()
     bad.cleanup()
+
+
+def test_a_partner_lost_after_it_took_the_replica_is_replaced(tmp_path) -> None:
+    from ckptd.peer import partners
+
+    nodes = _nodes(tmp_path)
+    listens = [load_config(n.config).peer.listen for n in nodes]
+    cfg = dict(listen=listens[0], peers=listens[1:], memory="64MiB", heartbeat="0.5s", timeout="0.5s")
+    nodes[0] = Daemon(tmp_path / "node0b", tables={"peer": cfg})
+    first = partners.order(listens[1:], "job", 0, me=listens[0])[0]
+    holder, other = nodes[listens.index(first)], nodes[3 - listens.index(first)]
+    try:
+        for n in nodes:
+            n.start()
+        _save(nodes[0], range(1, 2))
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated")
+        assert _held(holder).get((1, 0)) == "memory" and (1, 0) not in _held(other)
+        holder.kill()  # it took the replica, then died: its memory is gone
+        _wait(lambda: _held(other).get((1, 0)) == "memory", "re-replicated to the next peer")
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated again")
+        status = _status(nodes[0])["peer"]
+        assert status["replicas_lost"] == 1 and status["holding"] == {first: 0, _listen(other): 1}, status
+        assert f"peer {first} held replicas of 1 of this node's newest shares and does not answer" \
+            in nodes[0].log_text()
+        # a partner restarted at the same address answers, but its memory is empty
+        holder.start()
+        other.kill()
+        _wait(lambda: _held(holder).get((1, 0)) == "memory", "re-replicated to the restarted peer")
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated once more")
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def _listen(node: Daemon) -> str:
+    return load_config(node.config).peer.listen
+
+
+def test_a_retry_goes_only_to_the_partners_lacking_the_share(tmp_path) -> None:
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]  # the third: nobody listens
+    sender = Daemon(tmp_path / "sender", tables={"peer": {
+        "listen": listens[0], "peers": listens[1:], "replicas": 2, "heartbeat": "0.3s", "timeout": "0.3s", "stall": "1s"}})
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
+    try:
+        holder.start()
+        sender.start()
+        _save(sender, range(1, 2))
+        # one of the two replicas it wants: retried every heartbeat, several times over
+        _wait(lambda: sender.log_text().count("has 1 of 2 replicas") >= 3, "retried")
+        status = _status(sender)["peer"]
+        assert status["under_replicated"] == 1 and status["replicated_shares"] == 1, status
+        assert _held(holder).get((1, 0)) == "memory"
+    finally:
+        for n in (sender, holder):
+            n.cleanup()

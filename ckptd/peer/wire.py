@@ -11,6 +11,8 @@ Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answ
 - ``part`` ``{xfer, file, offset}`` + bytes -> ``{}``: bytes of one file.
 - ``done`` ``{xfer}`` -> ``{}`` once every byte arrived and every tensor matched
   its checksum; only then does the holder serve the share.
+- ``holds`` ``{shares: [[run, step, rank], ...]}`` -> ``{held: [bool, ...]}``: which of
+  these shares this daemon holds in memory (a sender's liveness check of its partners).
 - ``drop`` ``{run, steps}`` -> ``{}``: the sender's retention deleted these steps.
 - ``list`` ``{run}`` -> ``{shares: [{step, rank, manifest, where}]}``: what this
   daemon can serve of a run, from memory (replicas) or its own disk.
