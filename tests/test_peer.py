@@ -342,3 +342,26 @@ def test_a_retry_goes_only_to_the_partners_lacking_the_share(tmp_path) -> None:
     finally:
         for n in (sender, holder):
             n.cleanup()
+
+
+def test_dead_peers_cost_a_reader_one_timeout_together_and_are_then_not_asked(tmp_path, caplog) -> None:
+    me = f"tcp://127.0.0.1:{free_port()}"
+    dead = [f"tcp://127.0.0.1:{free_port()}" for _ in range(6)]  # nobody listens there
+    node = Daemon(tmp_path / "node", tables={"peer": {"listen": me, "peers": dead, "timeout": "1s"}})
+    try:
+        node.start()
+        _save(node, range(1, 3))
+        tier = PeerTier(load_config(node.config))
+        with caplog.at_level("INFO", logger="ckptd.peer"):
+            t0 = time.monotonic()
+            held = tier.holdings("job")
+            first = time.monotonic() - t0
+            again = tier.holdings("job")
+        assert sorted(held) == sorted(again) == [(1, 0), (2, 0)]  # this node's own disk answered
+        assert first < 3.0, f"{first:.1f} s: the dead peers were waited for one after another"
+        for e in dead:
+            assert f"{e} did not answer within 1 s" in caplog.text
+            assert f"{e} not asked: it did not answer" in caplog.text
+        assert f"{me} did not answer" not in caplog.text
+    finally:
+        node.cleanup()

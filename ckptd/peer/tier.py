@@ -9,8 +9,9 @@ shares of the step it lacks: each from the first peer whose copy verifies (every
 tensor against the manifest's checksum; a bad copy is logged and the next peer
 asked), written through the durable path (data files fsynced, manifest last), so
 that the local rules hold for it as for a share the daemon wrote. Peers are asked
-together and given ``[peer] timeout`` to answer a list; one that does not is
-skipped (a dead node costs a recovery that long, no more).
+all at once and given ``[peer] timeout``, together, to answer a list; one that does
+not is skipped, and not asked again for ``DEAD_S`` seconds (a dead node costs a
+recovery that long, once, whatever the number of dead nodes).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from .pages import Prefault
 log = logging.getLogger("ckptd.peer")
 
 TIER = "peer"
+DEAD_S = 10.0  # a peer that did not answer a list is not asked again for this long
+_silent: dict[str, float] = {}  # endpoint -> monotonic time until which it is not asked
 
 
 def open_tier(config: Config | None = None) -> "PeerTier | None":
@@ -72,38 +75,71 @@ class PeerTier:
 
     # -- what the peers hold ---------------------------------------------------------------
     def holdings(self, run: str) -> dict[tuple[int, int], list[tuple[str, str, Manifest]]]:
-        """(step, rank) -> [(endpoint, "memory" or "disk", manifest)], memory first."""
-        links = {e: wire.Link(self.ctx, e, self.keys) for e in self.endpoints}
-        out: dict[tuple[int, int], list[tuple[str, str, Manifest]]] = {}
+        """(step, rank) -> [(endpoint, "memory" or "disk", manifest)], memory first.
+
+        Every endpoint is asked at once, with one deadline (``timeout``) for all of
+        them; one that does not answer is not asked again for ``DEAD_S`` seconds (a
+        reader calls this for ``latest`` and again for ``load``: a dead node costs the
+        first call ``timeout``, no more)."""
+        now = time.monotonic()
+        ask = [e for e in self.endpoints if _silent.get(e, 0) <= now]
+        for e in self.endpoints:
+            if e not in ask:
+                log.info("peer tier: %s not asked: it did not answer %.0f s ago", e, now - _silent[e] + DEAD_S)
+        links = {e: wire.Link(self.ctx, e, self.keys) for e in ask}
+        answers: dict[str, dict[str, Any]] = {}
         try:
-            sent = {}
-            for e, link in links.items():
-                try:
-                    sent[e] = link.send({"op": "list", "run": run}, timeout=self.cfg.timeout)
-                except wire.PeerDown as exc:
-                    log.info("peer tier: %s", exc)
-            deadline = time.monotonic() + self.cfg.timeout
-            for e, rid in sent.items():
-                try:
-                    answer, _ = links[e].recv(rid, timeout=max(0.01, deadline - time.monotonic()))
-                    shares = wire.field(answer, "shares", list)
-                except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                    log.info("peer tier: %s", exc)
-                    continue
-                for s in shares:
-                    try:
-                        m = Manifest.from_json(wire.field(s, "manifest", bytes), f"a manifest from {e}")
-                    except (CheckpointCorrupt, ProtocolError) as exc:
-                        log.warning("peer tier: %s", exc)
-                        continue
-                    if m.run == run and (m.step, m.rank) == (s.get("step"), s.get("rank")):
-                        out.setdefault((m.step, m.rank), []).append((e, str(s.get("where")), m))
+            self._ask_all(links, {"op": "list", "run": run}, answers, now + self.cfg.timeout)
         finally:
             for link in links.values():
                 link.close()
+        out: dict[tuple[int, int], list[tuple[str, str, Manifest]]] = {}
+        for e in ask:
+            if e not in answers:
+                _silent[e] = time.monotonic() + DEAD_S
+                log.info("peer tier: %s did not answer within %g s; not asked for %g s", e, self.cfg.timeout, DEAD_S)
+                continue
+            try:
+                shares = wire.field(answers[e], "shares", list)
+            except ProtocolError as exc:
+                log.info("peer tier: %s", exc)
+                continue
+            for s in shares:
+                try:
+                    m = Manifest.from_json(wire.field(s, "manifest", bytes), f"a manifest from {e}")
+                except (CheckpointCorrupt, ProtocolError) as exc:
+                    log.warning("peer tier: %s", exc)
+                    continue
+                if m.run == run and (m.step, m.rank) == (s.get("step"), s.get("rank")):
+                    out.setdefault((m.step, m.rank), []).append((e, str(s.get("where")), m))
         for copies in out.values():
             copies.sort(key=lambda c: c[1] != "memory")
         return out
+
+    @staticmethod
+    def _ask_all(links: dict[str, wire.Link], request: dict[str, Any], answers: dict[str, dict[str, Any]],
+                 deadline: float) -> None:
+        """Send ``request`` to every link as soon as it is connected and collect the
+        answers into ``answers`` until each answered or ``deadline`` passed."""
+        poller = zmq.Poller()
+        by_sock = {link.sock: e for e, link in links.items()}
+        for link in links.values():
+            poller.register(link.sock, zmq.POLLOUT)
+        sent: dict[str, int] = {}
+        while len(answers) < len(links) and (left := deadline - time.monotonic()) > 0:
+            for sock, event in poller.poll(int(left * 1000) + 1):
+                e = by_sock[sock]
+                try:
+                    if event & zmq.POLLOUT and e not in sent:
+                        sent[e] = links[e].send(request, timeout=0.001)
+                        poller.modify(sock, zmq.POLLIN)
+                    elif event & zmq.POLLIN:
+                        answers[e], _ = links[e].recv(sent[e], timeout=0.001)
+                        poller.unregister(sock)
+                except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                    log.info("peer tier: %s", exc)
+                    answers[e] = {}
+                    poller.unregister(sock)
 
     def latest(self, run: str, base: Path,
                held: dict[tuple[int, int], list[tuple[str, str, Manifest]]] | None = None) -> CheckpointInfo | None:
