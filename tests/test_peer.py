@@ -107,6 +107,13 @@ def _status(node: Daemon) -> dict:
     return json.loads(out.stdout)
 
 
+def _status_text(node: Daemon) -> str:
+    out = subprocess.run([sys.executable, "-m", "ckptd", "status", "-c", str(node.config)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -311,6 +318,11 @@ def test_a_partner_lost_after_it_took_the_replica_is_replaced(tmp_path) -> None:
         assert status["replicas_lost"] == 1 and status["holding"] == {first: 0, _listen(other): 1}, status
         assert f"peer {first} held replicas of 1 of this node's newest shares and does not answer" \
             in nodes[0].log_text()
+        text = _status_text(nodes[0])
+        assert "0 share(s) of this node under-replicated" in text and "1 lost with their holder" in text, text
+        assert f"partner {first}: not answering" in text or f"partner {first}: up; holds 0" in text, text
+        assert f"partner {_listen(other)}: up; holds 1 of this node's newest shares" in text, text
+        assert "holding 1 replica(s) of peers' shares" in _status_text(other)
         # a partner restarted at the same address answers, but its memory is empty
         holder.start()
         other.kill()
