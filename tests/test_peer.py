@@ -377,3 +377,37 @@ def test_dead_peers_cost_a_reader_one_timeout_together_and_are_then_not_asked(tm
         assert f"{me} did not answer" not in caplog.text
     finally:
         node.cleanup()
+
+
+def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, keys, monkeypatch) -> None:
+    import os as _os
+
+    _os.link(keys["server"], keys["clients"] / "daemon.key")  # the daemons' shared key pair is admitted
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    curve = {"curve_secret_key": str(keys["server_secret"]), "curve_clients": str(keys["clients"])}
+
+    def node(i: int, secret: str = "alice") -> Daemon:
+        peer = {"listen": listens[i], "peers": [listens[1 - i]], "timeout": "1s"}
+        producer = {"curve_server_key": str(keys["server"]), "curve_secret_key": str(keys[secret])}
+        return Daemon(tmp_path / f"node{i}-{secret}", tables={"peer": peer, "producer": producer}, **curve)
+
+    a, b = node(0), node(1)
+    try:
+        a.start()
+        b.start()
+        saved = _save(a, range(1, 2))
+        _wait(lambda: _status(a)["peer"]["under_replicated"] == 0, "replicated over CurveZMQ")
+        assert "serving peers on %s (CurveZMQ)" % listens[1] in b.log_text()
+        a.kill()
+        shutil.rmtree(a.root)
+        a.start()
+        monkeypatch.setenv("CKPTD_CONFIG", str(a.config))  # a reader with admitted keys
+        assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
+        monkeypatch.setattr("ckptd.peer.tier.DEAD_S", 0.0)  # each refused reader below asks afresh
+        stranger = PeerTier(load_config(node(0, "mallory").config))  # valid keys, not admitted
+        assert stranger.holdings("job") == {}
+        plain = Daemon(tmp_path / "plain", tables={"peer": {"listen": listens[0], "peers": [listens[1]]}})
+        assert PeerTier(load_config(plain.config)).holdings("job") == {}  # no keys: nothing answers
+    finally:
+        for n in (a, b):
+            n.cleanup()
