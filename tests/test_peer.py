@@ -256,6 +256,8 @@ def test_the_memory_budget_and_keep_last_hold_over_a_long_run(tmp_path) -> None:
         with sender.producer("job") as p:
             for step in range(1, 21):  # 256 KiB + headers a share: 3 fit in 1 MiB
                 p.save({"w": torch.full((65536,), float(step))}, step).wait(30)
+                # each step replicated (replication yields to saves: back to back, only the newest would be)
+                _wait(lambda: (step, 0) in _held(holder), f"step {step} held")
                 if step % 5 == 0:
                     peaks.append(_status(holder)["peer"]["held_bytes"])
         _wait(lambda: _status(sender)["peer"]["under_replicated"] == 0, "replicated")
@@ -264,11 +266,12 @@ def test_the_memory_budget_and_keep_last_hold_over_a_long_run(tmp_path) -> None:
         held = _held(holder)
         assert sorted(held) == [(18, 0), (19, 0), (20, 0)], held  # the newest steps that fit
         # a run whose retention keeps 2 steps: its partner drops what retention deleted
+        tier = PeerTier(load_config(holder.config))
+        tier.endpoints = [tier.cfg.listen]
         with pruned.producer("kept") as p:
             for step in range(1, 7):
                 p.save({"w": torch.full((1024,), float(step))}, step).wait(30)
-        tier = PeerTier(load_config(holder.config))
-        tier.endpoints = [tier.cfg.listen]
+                _wait(lambda: (step, 0) in tier.holdings("kept"), f"step {step} held")
         _wait(lambda: sorted(s for s, _ in tier.holdings("kept")) == [5, 6], "old replicas dropped")
     finally:
         for n in (holder, sender, pruned):

@@ -101,6 +101,8 @@ class Daemon:
         if removed:
             log.info("removed %d orphan file(s) left by an earlier crash", removed)
         self.upkeep = Upkeep(self.config)
+        if self.upkeep.peer is not None:  # replication pauses while a step is received or committed
+            self.upkeep.peer.yield_to(lambda: self.queued > 0 or bool(self.committing))
         self.upkeep.start()
         self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
                              hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate,

@@ -11,6 +11,11 @@ still queued when a newer commits is superseded. A share no partner took stays
 under-replicated and is tried again every ``heartbeat`` seconds while it is the
 newest, sent only to partners that do not hold it yet.
 
+Replication stays out of the next save's way: the thread runs at the lowest CPU
+priority (nice 19, for itself alone), and before each part it pauses while the daemon
+is receiving or committing a step (``busy``), for at most ``stall``/4 at a time, so
+that its partner never gives up on a transfer that is only waiting its turn.
+
 A replica can also be lost after it was taken: its holder dies, restarts (its memory
 empty) or evicts it. Every ``heartbeat`` seconds each partner holding one of this
 node's newest shares is asked which of them it still holds (``holds``, within
@@ -39,6 +44,7 @@ from .server import NODE_ID
 log = logging.getLogger("ckptd.peer")
 
 Key = tuple[str, int, int]
+YIELD_AFTER_S = 0.2  # the daemon idle this long after a step's messages: replication goes on
 
 
 class Replicator:
@@ -63,6 +69,8 @@ class Replicator:
         self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0,
                          "replicas_lost": 0}
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-send", daemon=True)
+        self.busy: Callable[[], bool] = lambda: False  # the daemon is receiving or committing a step
+        self._busy_seen = 0.0
 
     # -- from other threads ----------------------------------------------------------------
     def start(self) -> None:
@@ -108,6 +116,10 @@ class Replicator:
 
     # -- the thread ------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:  # this thread alone (Linux: a thread's own nice value); the daemon's others keep theirs
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError) as exc:
+            log.debug("ckptd-peer-send keeps the daemon's priority: %s", exc)
         self._check_peers()
         while True:
             with self._cv:
@@ -266,6 +278,18 @@ class Replicator:
                         "(under-replicated; retried every %g s)", run, step, rank, held, self.cfg.replicas,
                         self.cfg.heartbeat)
 
+    def _yield(self) -> None:
+        """Wait while the daemon is busy with a step (and a moment after: the gaps between
+        a save's tensors), at most ``stall``/4."""
+        deadline = time.monotonic() + self.cfg.stall / 4
+        while time.monotonic() < deadline and not self._stop:
+            now = time.monotonic()
+            if self.busy():
+                self._busy_seen = now
+            elif now - self._busy_seen > YIELD_AFTER_S:
+                return
+            time.sleep(0.02)
+
     def _send(self, peer: str, run: str, step: int, rank: int, manifest_json: bytes, share: "_Share") -> None:
         link, stall = self._link(peer), self.cfg.stall
         offer = {"op": "offer", "run": run, "step": step, "rank": rank, "manifest": manifest_json,
@@ -277,6 +301,7 @@ class Replicator:
             for off in range(0, size, self.cfg.frame):
                 if len(in_flight) >= self.cfg.window:
                     link.recv(in_flight.popleft(), timeout=stall)
+                self._yield()
                 part = {"op": "part", "xfer": xfer, "file": file, "offset": off}
                 in_flight.append(link.send(part, share.read(file, off, self.cfg.frame), timeout=stall))
         while in_flight:
