@@ -383,9 +383,7 @@ def test_dead_peers_cost_a_reader_one_timeout_together_and_are_then_not_asked(tm
 
 
 def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, keys, monkeypatch) -> None:
-    import os as _os
-
-    _os.link(keys["server"], keys["clients"] / "daemon.key")  # the daemons' shared key pair is admitted
+    os.link(keys["server"], keys["clients"] / "daemon.key")  # the daemons' shared key pair is admitted
     listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     curve = {"curve_secret_key": str(keys["server_secret"]), "curve_clients": str(keys["clients"])}
 

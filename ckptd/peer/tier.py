@@ -71,7 +71,7 @@ class PeerTier:
         self.cfg = config.peer
         self.endpoints = list(dict.fromkeys([self.cfg.listen, *self.cfg.peers]))
         self.keys = reader_keys(config)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
 
     # -- what the peers hold ---------------------------------------------------------------
     def holdings(self, run: str) -> dict[tuple[int, int], list[tuple[str, str, Manifest]]]:
@@ -247,9 +247,8 @@ class PeerTier:
                 if rec.offset is None:
                     raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
                 bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
-                view = memoryview(bufs[name].numpy())
-                ranges.append((rec.file, rec.offset, view,
-                               lambda name=name, view=view, rec=rec: checks.submit(name, view, rec.checksum)))
+                view = memoryview(bufs[name].numpy())  # type: ignore[arg-type]
+                ranges.append((rec.file, rec.offset, view, checks.later([(name, view, rec.checksum)])))
             self._read_ranges(endpoint, m, ranges)
             checks.wait()
         finally:
@@ -265,7 +264,7 @@ class PeerTier:
         import torch
 
         # torch.empty, not bytearray(n): no zero-filling pass over the pages before the bytes come
-        out = {f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in sizes.items()}
+        out = {f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in sizes.items()}  # type: ignore[arg-type]
         checks = _Checks(where)
         try:
             ranges = []
@@ -322,8 +321,12 @@ class _Checks:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-peer-check")
         self.pending: list[Future[None]] = []
 
-    def submit(self, name: str, view: memoryview, want: str) -> None:
-        self.pending.append(self.pool.submit(self._check, name, view, want))
+    def later(self, tensors: list[tuple[str, memoryview, str]]) -> Callable[[], None]:
+        """What checks ``tensors`` (name, bytes, checksum) once their bytes are in."""
+        def submit() -> None:
+            for name, view, want in tensors:
+                self.pending.append(self.pool.submit(self._check, name, view, want))
+        return submit
 
     def _check(self, name: str, view: memoryview, want: str) -> None:
         if checksum([view] if len(view) else []) != want:
@@ -353,13 +356,10 @@ def _segments(m: Manifest, file: str, buf: memoryview,
             raise CheckpointCorrupt(f"tensor {name!r} lies beyond the end of {file}")
         ends.setdefault(t.offset + t.nbytes, []).append((name, t))
 
-    def check(tensors: list[tuple[str, TensorRecord]]) -> Callable[[], None]:
-        return lambda: [checks.submit(name, buf[t.offset:t.offset + t.nbytes], t.checksum)  # type: ignore[operator]
-                        for name, t in tensors]
-
     out, start = [], 0
     for end in sorted(set(ends) | {len(buf)}):
-        out.append((file, start, buf[start:end], check(ends.get(end, []))))
+        tensors = [(name, buf[t.offset:end], t.checksum) for name, t in ends.get(end, [])]  # type: ignore[misc]
+        out.append((file, start, buf[start:end], checks.later(tensors)))
         start = end
     return out
 
