@@ -412,3 +412,33 @@ def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, 
     finally:
         for n in (a, b):
             n.cleanup()
+
+
+def test_a_lost_node_with_several_ranks_fetches_their_shares_from_several_peers(tmp_path, monkeypatch,
+                                                                                caplog) -> None:
+    nodes = _nodes(tmp_path)
+    listens = [load_config(n.config).peer.listen for n in nodes]
+    try:
+        for n in nodes:
+            n.start()
+        saved = {r: _save(nodes[0], range(1, 2), rank=r, world=3) for r in range(3)}  # one node, three ranks
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated")
+        nodes[0].kill()
+        shutil.rmtree(nodes[0].root)
+        nodes[0].start()
+        monkeypatch.setenv("CKPTD_CONFIG", str(nodes[0].config))
+        with caplog.at_level("INFO", logger="ckptd.peer"):
+            for r in range(3):
+                assert torch.equal(ckptd.load("job", 1, rank=r)["w"], saved[r][1])  # from memory, not the root
+            assert not (nodes[0].root / "job").exists()
+            out = torch.empty(65536)
+            ckptd.load("job", 1, rank=2, out={"w": out})  # reads local files: the root is filled first
+            assert torch.equal(out, saved[2][1])
+        sources = {line.split(" from ")[1].split()[0] for line in caplog.text.splitlines() if "fetched from" in line}
+        assert len([1 for line in caplog.text.splitlines() if "fetched from" in line]) == 3, caplog.text
+        assert sources <= set(listens[1:]) and len(sources) == 2, sources  # fanned in from both partners
+        for r in range(3):
+            assert (nodes[0].root / "job" / "step-000000000001" / f"manifest-r{r:05d}.json").is_file()
+    finally:
+        for n in nodes:
+            n.cleanup()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import mmap
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ Key = tuple[str, int, int]  # run, step, rank
 class Replica:
     manifest: Manifest
     manifest_json: bytes
-    files: dict[str, bytearray]
+    files: dict[str, Any]  # file -> its bytes (``_memory``)
     received: dict[str, int] = field(default_factory=dict)  # file -> bytes arrived (parts never overlap)
     touched: float = field(default_factory=time.monotonic)
     arrival: int = 0
@@ -84,7 +85,7 @@ class Holder:
                 self._keep_newest(m.run, keep_last, incoming=m.step)
             self._make_room(need, m.run, m.step)
             xfer = next(self._xfers)
-            self._incoming[xfer] = Replica(m, manifest_json, {f: bytearray(n) for f, n in files.items()},
+            self._incoming[xfer] = Replica(m, manifest_json, {f: _memory(n) for f, n in files.items()},
                                            {f: 0 for f in files})
             return xfer
 
@@ -188,6 +189,13 @@ class Holder:
                     "held_steps": len({(k[0], k[1]) for k in self._held}),
                     "receiving_bytes": sum(r.nbytes for r in self._incoming.values()),
                     "memory": self.budget, "evicted": self.evicted, "rejected": self.rejected}
+
+
+def _memory(n: int) -> Any:
+    """``n`` bytes for a file being received: anonymous memory whose pages come as the
+    parts are written (a bytearray would zero-fill every page first, under the
+    holder's lock, before the first part could land)."""
+    return mmap.mmap(-1, n) if n else bytearray()
 
 
 def verify(m: Manifest, files: dict[str, Any], where: str) -> None:

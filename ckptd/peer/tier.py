@@ -39,6 +39,7 @@ from .pages import Prefault
 log = logging.getLogger("ckptd.peer")
 
 TIER = "peer"
+FETCH_THREADS = 4  # shares fetched at once into the root
 DEAD_S = 10.0  # a peer that did not answer a list is not asked again for this long
 _silent: dict[str, float] = {}  # endpoint -> monotonic time until which it is not asked
 
@@ -197,21 +198,27 @@ class PeerTier:
         info = self.step_info(run, step, path, held)
         if info is None:
             return 0
-        fetched = 0
-        for rank in range(info.world_size):
-            if _read_share(path, rank) is not None:
+        missing = [r for r in range(info.world_size) if _read_share(path, r) is None]
+        if len(missing) <= 1:
+            return sum(self._fetch_one(run, step, r, base, held) for r in missing)
+        # several shares at once: the ranks' partners differ (partners.order), so a lost
+        # node's recovery fans in from several peers
+        with ThreadPoolExecutor(min(len(missing), FETCH_THREADS), thread_name_prefix="ckptd-peer-fetch") as pool:
+            return sum(pool.map(lambda r: self._fetch_one(run, step, r, base, held), missing))
+
+    def _fetch_one(self, run: str, step: int, rank: int, base: Path,
+                   held: dict[tuple[int, int], list[tuple[str, str, Manifest]]]) -> bool:
+        """Rank ``rank``'s share from the first peer whose copy verifies, into the root."""
+        for endpoint, where, m in held.get((step, rank), []):
+            try:
+                self.fetch_share(endpoint, m, base)
+            except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
+                            run, step, rank, endpoint, where, exc)
                 continue
-            for endpoint, where, m in held.get((step, rank), []):
-                try:
-                    self.fetch_share(endpoint, m, base)
-                except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                    log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
-                                run, step, rank, endpoint, where, exc)
-                    continue
-                log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", run, step, rank, endpoint, where)
-                fetched += 1
-                break
-        return fetched
+            log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", run, step, rank, endpoint, where)
+            return True
+        return False
 
     def fetch_share(self, endpoint: str, m: Manifest, base: Path) -> None:
         """One share from one peer, checked, then written into ``base`` (data files, then
