@@ -1,7 +1,10 @@
 """The peer tier's recovery and stall (docs/tiers.md), one run on one machine:
 
 1. floor: a plain pyzmq transfer of the share's bytes between two processes (PUSH
-   to PULL, 4 MiB frames, into preallocated memory);
+   to PULL, 4 MiB frames, into memory zero-filled before the clock starts), and the
+   same into memory allocated on the clock, as a load's tensors are (on a VM a page's
+   first write can cost as much as moving its bytes); each repeat measures every
+   row, and the ratios are given per repeat (the machine is shared and noisy);
 2. peer: a fresh node (empty root, new daemon) gets a lost node's share back with
    ``ckptd.load`` from the partner's memory: the fetch and check of the whole files
    alone, and ``ckptd.load`` (list the peers, read each tensor into its own memory,
@@ -11,7 +14,8 @@
 4. disk: ``ckptd.load`` from the node's own disk, cold (page cache dropped where this
    process may: ``/proc/sys/vm/drop_caches``, else posix_fadvise DONTNEED on the files);
 5. stall: ``producer.save``'s blocked time and time to durable (local commit) with
-   replication on against off; and with it on, time until the replica is held.
+   replication on against off, saves back to back (with it on, the previous step is
+   being replicated meanwhile); and with it on, time until the replica is held.
 
     .venv/bin/python benchmarks/peer_bench.py [--gib 1] [--repeats 3] [--json out.json]
 
@@ -61,8 +65,11 @@ push.close(linger=-1); ctx.term()
 """
 
 
-def plain_transfer(nbytes: int) -> float:
-    """Seconds for ``nbytes`` from another process into this one's memory over pyzmq."""
+def plain_transfer(nbytes: int, fresh: bool = False) -> float:
+    """Seconds for ``nbytes`` from another process into this one's memory over pyzmq:
+    memory zero-filled before the clock starts (its pages already faulted in), or with
+    ``fresh``, allocated on the clock as ``ckptd.load`` must (torch.empty: each page is
+    faulted in by the first byte written to it)."""
     import zmq
 
     ctx = zmq.Context()
@@ -73,9 +80,11 @@ def plain_transfer(nbytes: int) -> float:
     pull.bind(ep)
     child = subprocess.Popen([sys.executable, "-c", SENDER, str(nbytes), str(FRAME), ep])
     try:
-        out = bytearray(nbytes)
+        out: Any = None if fresh else bytearray(nbytes)
         pull.recv()
         t0 = time.perf_counter()
+        if fresh:
+            out = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
         off = 0
         while off < nbytes:
             frame = pull.recv(copy=False)
@@ -121,19 +130,27 @@ def measure_stall(work: Path, state: dict, repeats: int) -> dict[str, Any]:
             p.save(state, 0).wait(600)  # warm the arenas
         figures: dict[str, dict[str, list[float]]] = {k: {"blocked": [], "durable": [], "replica": []}
                                                        for k in daemons}
-        for step in range(1, repeats + 1):
-            for k in ("off", "on"):  # alternated: drift on the shared machine falls on both
-                p = producers[k]
+        step = {k: 0 for k in daemons}
+        # blocks of back-to-back saves (the next right after the last is durable, so that
+        # with replication on the previous step is being sent meanwhile), in the order
+        # off, on, on, off: drift on the shared machine falls on both alike
+        os.environ["CKPTD_CONFIG"] = str(daemons["on"].config)
+        for k in ("off", "on", "on", "off"):
+            if k == "off" and step["on"]:  # the "on" daemon's backlog sent first: no load on the "off" saves
+                producers["on"].wait_complete(step["on"], timeout=600, tier="peer")
+            for _ in range(repeats):
+                step[k] += 1
                 t0 = time.perf_counter()
-                h = p.save(state, step)
+                h = producers[k].save(state, step[k])
                 figures[k]["blocked"].append(time.perf_counter() - t0)
                 h.wait(600)
                 figures[k]["durable"].append(time.perf_counter() - t0)
-                if k == "on":
-                    os.environ["CKPTD_CONFIG"] = str(daemons["on"].config)
-                    p.wait_complete(step, timeout=600, tier="peer")
-                    figures[k]["replica"].append(time.perf_counter() - t0)
-                    os.environ.pop("CKPTD_CONFIG")
+        producers["on"].wait_complete(step["on"], timeout=600, tier="peer")  # the backlog sent
+        t0 = time.perf_counter()  # save -> replica held, alone
+        producers["on"].save(state, step["on"] + 1).wait(600)
+        producers["on"].wait_complete(step["on"] + 1, timeout=600, tier="peer")
+        figures["on"]["replica"].append(time.perf_counter() - t0)
+        os.environ.pop("CKPTD_CONFIG")
         for p in producers.values():
             p.close()
         for k, f in figures.items():
@@ -147,7 +164,6 @@ def measure_stall(work: Path, state: dict, repeats: int) -> dict[str, Any]:
 def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[str, Any]:
     import ckptd
     from ckptd.config import load as load_config
-    from ckptd.peer.holder import verify
     from ckptd.peer.tier import open_tier
 
     la, lb, lc = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(3))
@@ -183,11 +199,13 @@ def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[st
             held = tier.holdings("bench")
             (endpoint, where, m), = held[(1, 0)]
             sizes = dict(m.files)
-            res["peer_fetch"], res["peer_load"], res["bucket_load"] = [], [], []
-            for r in range(repeats):
+            for k in ("plain_transfer", "plain_fresh", "peer_fetch", "peer_load", "bucket_load"):
+                res[k] = []
+            for r in range(repeats):  # each repeat measures every row: ratios within one repeat
+                res["plain_transfer"].append(plain_transfer(size))
+                res["plain_fresh"].append(plain_transfer(size, fresh=True))
                 t0 = time.perf_counter()
-                data = tier.read_files(endpoint, m, sizes)
-                verify(m, data, "bench")
+                data = tier.read_files(endpoint, m, sizes)  # every tensor and header checked
                 res["peer_fetch"].append(time.perf_counter() - t0)
                 del data
                 shutil.rmtree(fresh.root / "bench", ignore_errors=True)
@@ -206,7 +224,11 @@ def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[st
         os.environ.pop("CKPTD_CONFIG", None)
         lost.close()
         partner.close()
-    return {k: statistics.median(v) if isinstance(v, list) else v for k, v in res.items()}
+    res["ratios"] = [{"fetch": res["plain_transfer"][i] / res["peer_fetch"][i],
+                      "load": res["plain_transfer"][i] / res["peer_load"][i],
+                      "load_fresh": res["plain_fresh"][i] / res["peer_load"][i],
+                      "bucket": res["bucket_load"][i] / res["peer_load"][i]} for i in range(repeats)]
+    return {k: statistics.median(v) if isinstance(v, list) and k != "ratios" else v for k, v in res.items()}
 
 
 def _drop_caches(files: list[Path]) -> str:
@@ -230,6 +252,7 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--only", choices=("recovery", "stall"), help="measure only these figures")
     args = ap.parse_args()
     nbytes = int(args.gib * 2**30)
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
@@ -239,9 +262,10 @@ def main() -> int:
     try:
         state = _state(nbytes, args.tensors)
         r: dict[str, Any] = {"bytes": nbytes, "repeats": args.repeats}
-        r["plain_transfer"] = statistics.median(plain_transfer(nbytes) for _ in range(args.repeats))
-        r.update(measure_recovery(work, state, args.repeats, f"s3://{BUCKET}/peer"))
-        r["stall"] = measure_stall(work, state, args.repeats)
+        if args.only != "stall":
+            r.update(measure_recovery(work, state, args.repeats, f"s3://{BUCKET}/peer"))
+        if args.only != "recovery":
+            r["stall"] = measure_stall(work, state, args.repeats)
     finally:
         server.cleanup()
         shutil.rmtree(work, ignore_errors=True)
@@ -253,17 +277,33 @@ def main() -> int:
 
 def report(r: dict[str, Any]) -> None:
     gb = r["bytes"] / 1e9
-    print(f"share: {r['bytes'] / 2**30:.2f} GiB of tensors ({r['file_bytes'] / 2**30:.2f} GiB of files); "
-          f"medians of {r['repeats']}; one noisy shared machine")
-    rows = [("plain pyzmq transfer (floor)", r["plain_transfer"]), ("peer memory: fetch + check", r["peer_fetch"]),
+    print(f"share: {r['bytes'] / 2**30:.2f} GiB of tensors; medians of {r['repeats']}; one noisy shared machine")
+    if "peer_load" in r:
+        report_recovery(r, gb)
+    if "stall" in r:
+        report_stall(r["stall"], r["repeats"])
+
+
+def report_recovery(r: dict[str, Any], gb: float) -> None:
+    print(f"recovery ({r['file_bytes'] / 2**30:.2f} GiB of files):")
+    rows = [("plain pyzmq transfer (floor)", r["plain_transfer"]),
+            ("plain pyzmq transfer into fresh memory", r["plain_fresh"]),
+            ("peer memory: fetch + check", r["peer_fetch"]),
             ("peer memory: ckptd.load(rank=0) into memory", r["peer_load"]),
             ("object store: ckptd.load", r["bucket_load"]), (f"own disk, cold ({r['drop_caches']})", r["disk_cold"])]
     for name, s in rows:
         print(f"  {name:<62} {s:7.2f} s  {gb / s:6.2f} GB/s")
+    for i, q in enumerate(r["ratios"]):
+        print(f"  repeat {i + 1}: peer fetch {q['fetch']:.2f}x and load {q['load']:.2f}x the plain transfer's "
+              f"throughput ({q['load_fresh']:.2f}x into fresh memory); load {q['bucket']:.1f}x the object store's")
     print(f"peer fetch vs plain transfer throughput: {r['plain_transfer'] / r['peer_fetch']:.2f}x (goal >= 0.9)")
-    print(f"peer load vs plain transfer throughput:  {r['plain_transfer'] / r['peer_load']:.2f}x")
+    print(f"peer load vs plain transfer throughput:  {r['plain_transfer'] / r['peer_load']:.2f}x "
+          f"({r['plain_fresh'] / r['peer_load']:.2f}x against the transfer into fresh memory)")
     print(f"peer load vs object store: {r['bucket_load'] / r['peer_load']:.1f}x faster (goal >= 5)")
-    s = r["stall"]
+
+
+def report_stall(s: dict[str, Any], repeats: int) -> None:
+    print(f"stall: {2 * repeats} saves back to back each, replication off and on, in blocks off, on, on, off")
     print(f"save blocked: {s['off']['blocked'] * 1e3:.0f} ms without replication, {s['on']['blocked'] * 1e3:.0f} ms "
           f"with: {s['on']['blocked'] / s['off']['blocked']:.2f}x (goal <= 1.05)")
     print(f"save -> durable: {s['off']['durable']:.2f} s without, {s['on']['durable']:.2f} s with "

@@ -223,8 +223,23 @@ def _status(args: argparse.Namespace) -> int:
               f"{speed}{copied}); {r['pending_shares']} pending ({_size(r['pending_bytes'])}), lag "
               f"{_duration(r['lag_seconds'])}; {r['failures']} failure(s)"
               + (f"; last error: {r['last_error']}" if r["failures"] and r["last_error"] else ""))
+    if s.get("peer"):
+        _print_peer(s["peer"])
     print(f"metrics:      {s['metrics'] or 'off'}")
     return 0
+
+
+def _print_peer(p: dict[str, Any]) -> None:
+    """The peer tier's lines of ``ckptd status`` (docs/tiers.md)."""
+    print(f"peer:         {p['listen']}: holding {p['held_shares']} replica(s) of peers' shares "
+          f"({_size(p['held_bytes'])} of {_size(p['memory'])}), {p['evicted']} evicted, {p['rejected']} rejected")
+    print(f"              {p['under_replicated']} share(s) of this node under-replicated (of {p['replicas']} "
+          f"replica(s) each); {p['replicated_shares']} sent ({_size(p['replicated_bytes'])}), "
+          f"{p['failures']} failed, {p.get('replicas_lost', 0)} lost with their holder")
+    down = set(p.get("down", ()))
+    for peer in p.get("peers", ()):
+        state = "not answering, skipped for now" if peer in down else "up"
+        print(f"  partner {peer}: {state}; holds {p.get('holding', {}).get(peer, 0)} of this node's newest shares")
 
 
 def _curve_keys(args: argparse.Namespace, endpoint: str) -> Any:

@@ -328,6 +328,9 @@ class PeerConfig:
     window: int = _opt(8, _positive(lambda v: _count(v)))  # messages of a transfer in flight
     stall: float = _opt(10.0, _positive(parse_duration))  # no answer this long: the peer is slow or dead
     timeout: float = _opt(1.0, _positive(parse_duration))  # a reader's wait for a peer's list
+    # how often partners holding this node's newest shares are asked whether they still do,
+    # and under-replicated shares are tried again (a failed peer is skipped this long)
+    heartbeat: float = _opt(5.0, _positive(parse_duration))
 
     @property
     def enabled(self) -> bool:

@@ -108,6 +108,13 @@ def _status(node: Daemon) -> dict:
     return json.loads(out.stdout)
 
 
+def _status_text(node: Daemon) -> str:
+    out = subprocess.run([sys.executable, "-m", "ckptd", "status", "-c", str(node.config)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -250,6 +257,8 @@ def test_the_memory_budget_and_keep_last_hold_over_a_long_run(tmp_path) -> None:
         with sender.producer("job") as p:
             for step in range(1, 21):  # 256 KiB + headers a share: 3 fit in 1 MiB
                 p.save({"w": torch.full((65536,), float(step))}, step).wait(30)
+                # each step replicated (replication yields to saves: back to back, only the newest would be)
+                _wait(lambda: (step, 0) in _held(holder), f"step {step} held")
                 if step % 5 == 0:
                     peaks.append(_status(holder)["peer"]["held_bytes"])
         _wait(lambda: _status(sender)["peer"]["under_replicated"] == 0, "replicated")
@@ -264,11 +273,12 @@ def test_the_memory_budget_and_keep_last_hold_over_a_long_run(tmp_path) -> None:
         assert f"ckptd_peer_held_bytes {float(status['held_bytes'])}" in scraped, scraped
         assert "ckptd_peer_under_replicated 0.0" in scraped
         # a run whose retention keeps 2 steps: its partner drops what retention deleted
+        tier = PeerTier(load_config(holder.config))
+        tier.endpoints = [tier.cfg.listen]
         with pruned.producer("kept") as p:
             for step in range(1, 7):
                 p.save({"w": torch.full((1024,), float(step))}, step).wait(30)
-        tier = PeerTier(load_config(holder.config))
-        tier.endpoints = [tier.cfg.listen]
+                _wait(lambda: (step, 0) in tier.holdings("kept"), f"step {step} held")
         _wait(lambda: sorted(s for s, _ in tier.holdings("kept")) == [5, 6], "old replicas dropped")
     finally:
         for n in (holder, sender, pruned):
@@ -294,3 +304,152 @@ def test_a_partner_list_naming_itself_or_an_unreachable_peer_is_reported_at_star
     with pytest.raises(RuntimeError, match="is not a tcp:// endpoint"):
         bad.start()
     bad.cleanup()
+
+
+def test_a_partner_lost_after_it_took_the_replica_is_replaced(tmp_path) -> None:
+    from ckptd.peer import partners
+
+    nodes = _nodes(tmp_path)
+    listens = [load_config(n.config).peer.listen for n in nodes]
+    cfg = dict(listen=listens[0], peers=listens[1:], memory="64MiB", heartbeat="0.5s", timeout="0.5s")
+    nodes[0] = Daemon(tmp_path / "node0b", tables={"peer": cfg})
+    first = partners.order(listens[1:], "job", 0, me=listens[0])[0]
+    holder, other = nodes[listens.index(first)], nodes[3 - listens.index(first)]
+    try:
+        for n in nodes:
+            n.start()
+        _save(nodes[0], range(1, 2))
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated")
+        assert _held(holder).get((1, 0)) == "memory" and (1, 0) not in _held(other)
+        holder.kill()  # it took the replica, then died: its memory is gone
+        _wait(lambda: _held(other).get((1, 0)) == "memory", "re-replicated to the next peer")
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated again")
+        status = _status(nodes[0])["peer"]
+        assert status["replicas_lost"] == 1 and status["holding"] == {first: 0, _listen(other): 1}, status
+        assert f"peer {first} held replicas of 1 of this node's newest shares and does not answer" \
+            in nodes[0].log_text()
+        text = _status_text(nodes[0])
+        assert "0 share(s) of this node under-replicated" in text and "1 lost with their holder" in text, text
+        assert f"partner {first}: not answering" in text or f"partner {first}: up; holds 0" in text, text
+        assert f"partner {_listen(other)}: up; holds 1 of this node's newest shares" in text, text
+        assert "holding 1 replica(s) of peers' shares" in _status_text(other)
+        # a partner restarted at the same address answers, but its memory is empty
+        holder.start()
+        other.kill()
+        _wait(lambda: _held(holder).get((1, 0)) == "memory", "re-replicated to the restarted peer")
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated once more")
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def _listen(node: Daemon) -> str:
+    return load_config(node.config).peer.listen
+
+
+def test_a_retry_goes_only_to_the_partners_lacking_the_share(tmp_path) -> None:
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]  # the third: nobody listens
+    sender = Daemon(tmp_path / "sender", tables={"peer": {
+        "listen": listens[0], "peers": listens[1:], "replicas": 2, "heartbeat": "0.3s", "timeout": "0.3s", "stall": "1s"}})
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
+    try:
+        holder.start()
+        sender.start()
+        _save(sender, range(1, 2))
+        # one of the two replicas it wants: retried every heartbeat, several times over
+        _wait(lambda: sender.log_text().count("has 1 of 2 replicas") >= 3, "retried")
+        status = _status(sender)["peer"]
+        assert status["under_replicated"] == 1 and status["replicated_shares"] == 1, status
+        assert _held(holder).get((1, 0)) == "memory"
+    finally:
+        for n in (sender, holder):
+            n.cleanup()
+
+
+def test_dead_peers_cost_a_reader_one_timeout_together_and_are_then_not_asked(tmp_path, caplog) -> None:
+    me = f"tcp://127.0.0.1:{free_port()}"
+    dead = [f"tcp://127.0.0.1:{free_port()}" for _ in range(6)]  # nobody listens there
+    node = Daemon(tmp_path / "node", tables={"peer": {"listen": me, "peers": dead, "timeout": "1s"}})
+    try:
+        node.start()
+        _save(node, range(1, 3))
+        tier = PeerTier(load_config(node.config))
+        with caplog.at_level("INFO", logger="ckptd.peer"):
+            t0 = time.monotonic()
+            held = tier.holdings("job")
+            first = time.monotonic() - t0
+            again = tier.holdings("job")
+        assert sorted(held) == sorted(again) == [(1, 0), (2, 0)]  # this node's own disk answered
+        assert first < 3.0, f"{first:.1f} s: the dead peers were waited for one after another"
+        for e in dead:
+            assert f"{e} did not answer within 1 s" in caplog.text
+            assert f"{e} not asked: it did not answer" in caplog.text
+        assert f"{me} did not answer" not in caplog.text
+    finally:
+        node.cleanup()
+
+
+def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, keys, monkeypatch) -> None:
+    os.link(keys["server"], keys["clients"] / "daemon.key")  # the daemons' shared key pair is admitted
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    curve = {"curve_secret_key": str(keys["server_secret"]), "curve_clients": str(keys["clients"])}
+
+    def node(i: int, secret: str = "alice") -> Daemon:
+        peer = {"listen": listens[i], "peers": [listens[1 - i]], "timeout": "1s"}
+        producer = {"curve_server_key": str(keys["server"]), "curve_secret_key": str(keys[secret])}
+        return Daemon(tmp_path / f"node{i}-{secret}", tables={"peer": peer, "producer": producer}, **curve)
+
+    a, b = node(0), node(1)
+    try:
+        a.start()
+        b.start()
+        saved = _save(a, range(1, 2))
+        _wait(lambda: _status(a)["peer"]["under_replicated"] == 0, "replicated over CurveZMQ")
+        assert "serving peers on %s (CurveZMQ)" % listens[1] in b.log_text()
+        a.kill()
+        shutil.rmtree(a.root)
+        a.start()
+        monkeypatch.setenv("CKPTD_CONFIG", str(a.config))  # a reader with admitted keys
+        assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
+        monkeypatch.setattr("ckptd.peer.tier.DEAD_S", 0.0)  # each refused reader below asks afresh
+        stranger = PeerTier(load_config(node(0, "mallory").config))  # valid keys, not admitted
+        assert stranger.holdings("job") == {}
+        plain = Daemon(tmp_path / "plain", tables={"peer": {"listen": listens[0], "peers": [listens[1]]}})
+        assert PeerTier(load_config(plain.config)).holdings("job") == {}  # no keys: nothing answers
+    finally:
+        for n in (a, b):
+            n.cleanup()
+
+
+def test_a_lost_node_with_several_ranks_fetches_their_shares_from_several_peers(tmp_path, monkeypatch,
+                                                                                caplog) -> None:
+    from ckptd.peer import partners
+
+    nodes = _nodes(tmp_path)
+    listens = [load_config(n.config).peer.listen for n in nodes]
+    try:
+        for n in nodes:
+            n.start()
+        saved = {r: _save(nodes[0], range(1, 2), rank=r, world=3) for r in range(3)}  # one node, three ranks
+        _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated")
+        nodes[0].kill()
+        shutil.rmtree(nodes[0].root)
+        nodes[0].start()
+        monkeypatch.setenv("CKPTD_CONFIG", str(nodes[0].config))
+        with caplog.at_level("INFO", logger="ckptd.peer"):
+            for r in range(3):
+                assert torch.equal(ckptd.load("job", 1, rank=r)["w"], saved[r][1])  # from memory, not the root
+            assert not (nodes[0].root / "job").exists()
+            out = torch.empty(65536)
+            ckptd.load("job", 1, rank=2, out={"w": out})  # reads local files: the root is filled first
+            assert torch.equal(out, saved[2][1])
+        sources = {line.split(" from ")[1].split()[0] for line in caplog.text.splitlines() if "fetched from" in line}
+        assert len([1 for line in caplog.text.splitlines() if "fetched from" in line]) == 3, caplog.text
+        # each rank from its own first partner: fanned in from every peer that the ranks' orders start with
+        firsts = {partners.order(listens[1:], "job", r, me=listens[0])[0] for r in range(3)}
+        assert sources == firsts, (sources, firsts)
+        for r in range(3):
+            assert (nodes[0].root / "job" / "step-000000000001" / f"manifest-r{r:05d}.json").is_file()
+    finally:
+        for n in nodes:
+            n.cleanup()

@@ -227,6 +227,9 @@ def _peer_families(p: dict[str, Any]) -> Iterator[Any]:
                               value=p["replicated_bytes"])
     yield CounterMetricFamily("ckptd_peer_failures", "Transfers a partner did not take (slow, full, dead).",
                               value=p["failures"])
+    yield CounterMetricFamily("ckptd_peer_replicas_lost", "Replicas of this node's shares that a partner no "
+                              "longer held (dead, restarted, evicted), sent again to the next peer.",
+                              value=p.get("replicas_lost", 0))
     yield CounterMetricFamily("ckptd_peer_evicted", "Replicas held that made room for newer ones.",
                               value=p["evicted"])
     yield CounterMetricFamily("ckptd_peer_rejected", "Replicas received whose bytes did not match their "

@@ -108,6 +108,8 @@ class Daemon:
         self.measuring = Measuring(self.root, self.config.advise.mtbf, tiers)
         if self.upkeep.uploader is not None:
             self.upkeep.uploader.on_uploaded = self.measuring.uploaded
+        if self.upkeep.peer is not None:  # replication pauses while a step is received or committed
+            self.upkeep.peer.yield_to(lambda: self.queued > 0 or bool(self.committing))
         self.upkeep.start()
         self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
                              hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import mmap
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ Key = tuple[str, int, int]  # run, step, rank
 class Replica:
     manifest: Manifest
     manifest_json: bytes
-    files: dict[str, bytearray]
+    files: dict[str, Any]  # file -> its bytes (``_memory``)
     received: dict[str, int] = field(default_factory=dict)  # file -> bytes arrived (parts never overlap)
     touched: float = field(default_factory=time.monotonic)
     arrival: int = 0
@@ -84,7 +85,7 @@ class Holder:
                 self._keep_newest(m.run, keep_last, incoming=m.step)
             self._make_room(need, m.run, m.step)
             xfer = next(self._xfers)
-            self._incoming[xfer] = Replica(m, manifest_json, {f: bytearray(n) for f, n in files.items()},
+            self._incoming[xfer] = Replica(m, manifest_json, {f: _memory(n) for f, n in files.items()},
                                            {f: 0 for f in files})
             return xfer
 
@@ -190,14 +191,19 @@ class Holder:
                     "memory": self.budget, "evicted": self.evicted, "rejected": self.rejected}
 
 
+def _memory(n: int) -> Any:
+    """``n`` bytes for a file being received: anonymous memory whose pages come as the
+    parts are written (a bytearray would zero-fill every page first, under the
+    holder's lock, before the first part could land)."""
+    return mmap.mmap(-1, n) if n else bytearray()
+
+
 def verify(m: Manifest, files: dict[str, Any], where: str) -> None:
     """Every tensor of ``m`` with a byte range against its checksum, in ``files``'
     bytes, and each chunk file's safetensors header against the manifest (the one
     part of a file no checksum covers); CheckpointCorrupt naming the first that does
     not match."""
-    for file, buf in files.items():
-        if layout.CHUNK.fullmatch(file):
-            _check_header(m, file, memoryview(buf), where)
+    check_headers(m, files, where)
     for name, t in m.tensors.items():
         if t.offset is None:
             raise CheckpointCorrupt(f"{where}: tensor {name!r} is a chunked (compressed) HDF5 dataset, "
@@ -206,6 +212,13 @@ def verify(m: Manifest, files: dict[str, Any], where: str) -> None:
         if checksum([view] if t.nbytes else []) != t.checksum:
             raise CheckpointCorrupt(f"{where}: run {m.run!r} step {m.step} rank {m.rank}: tensor {name!r} "
                                     "does not match its checksum")
+
+
+def check_headers(m: Manifest, files: dict[str, Any], where: str) -> None:
+    """Each chunk file's safetensors header in ``files`` against the manifest."""
+    for file, buf in files.items():
+        if layout.CHUNK.fullmatch(file):
+            _check_header(m, file, memoryview(buf), where)
 
 
 def _check_header(m: Manifest, file: str, buf: memoryview, where: str) -> None:

@@ -53,6 +53,10 @@ class PeerNode:
             self._curve.close()
         self.ctx.term()
 
+    def yield_to(self, busy: Callable[[], bool]) -> None:
+        """Replication pauses while ``busy()`` (a step is being received or committed)."""
+        self.replicator.busy = busy
+
     def committed(self, run: str, step: int, rank: int) -> None:
         self.replicator.enqueue(run, step, rank)
 

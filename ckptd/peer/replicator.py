@@ -5,10 +5,22 @@ the training loop's path (the share's files are read back, from the page cache).
 A transfer is an ``offer``, the files in ``frame``-sized parts with ``window`` of
 them in flight, and ``done``. A partner that takes no part for ``stall`` seconds,
 refuses, or is full is reported (log, ``ckptd status``, metrics) and the next peer
-of the order takes the share; a partner that failed is skipped for ``backoff``
+of the order takes the share; a partner that failed is skipped for ``heartbeat``
 seconds. Only the newest step of each (run, rank) is worth a replica: an older one
 still queued when a newer commits is superseded. A share no partner took stays
-under-replicated and is tried again every ``backoff`` seconds while it is the newest.
+under-replicated and is tried again every ``heartbeat`` seconds while it is the
+newest, sent only to partners that do not hold it yet.
+
+Replication stays out of the next save's way: the thread runs at the lowest CPU
+priority (nice 19, for itself alone), and before each part it pauses while the daemon
+is receiving or committing a step (``busy``), for at most ``stall``/4 at a time, so
+that its partner never gives up on a transfer that is only waiting its turn.
+
+A replica can also be lost after it was taken: its holder dies, restarts (its memory
+empty) or evicts it. Every ``heartbeat`` seconds each partner holding one of this
+node's newest shares is asked which of them it still holds (``holds``, within
+``timeout``); a share it no longer holds, or a partner that does not answer, counts
+as a replica lost, and the share goes to the next peer of its order.
 """
 
 from __future__ import annotations
@@ -31,9 +43,8 @@ from .server import NODE_ID
 
 log = logging.getLogger("ckptd.peer")
 
-BACKOFF_S = 5.0
-
 Key = tuple[str, int, int]
+YIELD_AFTER_S = 0.2  # the daemon idle this long after a step's messages: replication goes on
 
 
 class Replicator:
@@ -48,13 +59,18 @@ class Replicator:
         self._cv = threading.Condition()
         self._queue: deque[Key] = deque()
         self._drops: deque[tuple[str, list[int]]] = deque()
-        self._pending: dict[Key, int] = {}  # committed here, fewer than `replicas` replicas yet: how many
+        # the newest share of each (run, rank) committed here -> the partners holding it
+        self._holders: dict[Key, set[str]] = {}
         self._newest: dict[tuple[str, int], int] = {}  # (run, rank) -> newest step committed
+        self._checked = time.monotonic()  # when the holders were last asked
         self._down: dict[str, float] = {}  # peer -> monotonic time until which it is skipped
         self._links: dict[str, wire.Link] = {}
         self._stop = False
-        self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0}
+        self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0,
+                         "replicas_lost": 0}
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-send", daemon=True)
+        self.busy: Callable[[], bool] = lambda: False  # the daemon is receiving or committing a step
+        self._busy_seen = 0.0
 
     # -- from other threads ----------------------------------------------------------------
     def start(self) -> None:
@@ -71,47 +87,97 @@ class Replicator:
         with self._cv:
             if step >= self._newest.get((run, rank), -1):
                 self._newest[(run, rank)] = step
-            for k in [k for k in self._pending if k[0] == run and k[2] == rank and k[1] < step]:
-                del self._pending[k]  # superseded: its newer step is what a recovery wants
-            self._pending[(run, step, rank)] = 0
+            for k in [k for k in self._holders if k[0] == run and k[2] == rank and k[1] < step]:
+                del self._holders[k]  # superseded: its newer step is what a recovery wants
+            self._holders[(run, step, rank)] = set()
             self._queue.append((run, step, rank))
             self._cv.notify()
 
     def dropped(self, run: str, steps: list[int]) -> None:
         """Retention deleted ``steps`` of ``run`` here: partners drop their replicas."""
         with self._cv:
-            for k in [k for k in self._pending if k[0] == run and k[1] in set(steps)]:
-                del self._pending[k]
+            for k in [k for k in self._holders if k[0] == run and k[1] in set(steps)]:
+                del self._holders[k]
             self._drops.append((run, steps))
             self._cv.notify()
 
     def figures(self) -> dict[str, Any]:
         with self._cv:
             now = time.monotonic()
-            return dict(self.figures_, under_replicated=len(self._pending), peers=list(self.peers),
-                        down=sorted(p for p, t in self._down.items() if t > now))
+            holding: dict[str, int] = {p: 0 for p in self.peers}
+            for peers in self._holders.values():
+                for p in peers:
+                    holding[p] = holding.get(p, 0) + 1
+            return dict(self.figures_, under_replicated=len(self._under_replicated()), peers=list(self.peers),
+                        down=sorted(p for p, t in self._down.items() if t > now), holding=holding)
+
+    def _under_replicated(self) -> list[Key]:
+        return [k for k, peers in self._holders.items() if len(peers) < self.cfg.replicas]
 
     # -- the thread ------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:  # this thread alone (Linux: a thread's own nice value); the daemon's others keep theirs
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError) as exc:
+            log.debug("ckptd-peer-send keeps the daemon's priority: %s", exc)
         self._check_peers()
         while True:
             with self._cv:
-                while not (self._stop or self._queue or self._drops):
-                    if not self._cv.wait(BACKOFF_S) and self._pending:
-                        self._queue.extend(k for k in self._pending if k not in self._queue)
+                while not (self._stop or self._queue or self._drops or self._check_due()):
+                    self._cv.wait(max(0.01, self._checked + self.cfg.heartbeat - time.monotonic()))
                 if self._stop:
                     break
                 drop = self._drops.popleft() if self._drops else None
-                key = self._queue.popleft() if drop is None else None
+                key = self._queue.popleft() if drop is None and self._queue else None
             try:
                 if drop is not None:
                     self._send_drop(*drop)
-                elif key is not None and key in self._pending:
-                    self._replicate(key)
+                elif key is not None:
+                    if key in self._under_replicated():
+                        self._replicate(key)
+                else:
+                    self._check_holders()
             except Exception:  # a bug: reported, and the next share is still replicated
                 log.exception("replicating %s failed", drop or key)
         for link in self._links.values():
             link.close()
+
+    def _check_due(self) -> bool:
+        return time.monotonic() >= self._checked + self.cfg.heartbeat
+
+    def _check_holders(self) -> None:
+        """Ask each partner holding one of this node's newest shares which it still
+        holds; forget the replicas of one that does not answer or no longer holds them,
+        and queue every under-replicated share again (to the partners it lacks)."""
+        self._checked = time.monotonic()
+        with self._cv:
+            by_peer: dict[str, list[Key]] = {}
+            for key, peers in self._holders.items():
+                for p in peers:
+                    by_peer.setdefault(p, []).append(key)
+        for peer, keys in by_peer.items():
+            try:
+                answer, _ = self._link(peer).request({"op": "holds", "shares": [list(k) for k in keys]},
+                                                     timeout=self.cfg.timeout)
+                held = wire.field(answer, "held", list)
+                if len(held) != len(keys):
+                    raise ProtocolError(f"{peer}: holds answered {len(held)} of {len(keys)} shares")
+                lost = [k for k, h in zip(keys, held) if h is not True]
+                why = "no longer holds them (restarted, or evicted them for newer steps)"
+            except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                self._forget(peer)
+                self._down[peer] = time.monotonic() + self.cfg.heartbeat
+                lost, why = keys, f"does not answer ({exc})"
+            if not lost:
+                continue
+            with self._cv:
+                for k in lost:
+                    self._holders.get(k, set()).discard(peer)
+                self.figures_["replicas_lost"] += len(lost)
+            log.warning("peer %s held replicas of %d of this node's newest shares and %s: they go to the "
+                        "next peers", peer, len(lost), why)
+        with self._cv:
+            self._queue.extend(k for k in self._under_replicated() if k not in self._queue)
 
     def _check_peers(self) -> None:
         """Say at start which peers cannot be reached, and drop any that is this daemon."""
@@ -150,7 +216,7 @@ class Replicator:
         run, step, rank = key
         with self._cv:
             if step < self._newest.get((run, rank), -1):
-                self._pending.pop(key, None)
+                self._holders.pop(key, None)
                 return
         step_path = layout.step_dir(self.root, run, step)
         try:
@@ -166,7 +232,7 @@ class Replicator:
                         "whose bytes a holder cannot check (docs/tiers.md)", run, step, rank)
         if share is None:  # deleted meanwhile
             with self._cv:
-                self._pending.pop(key, None)
+                self._holders.pop(key, None)
             return
         try:
             self._to_partners(key, share)
@@ -177,12 +243,14 @@ class Replicator:
         run, step, rank = key
         step_path = share.path
         manifest_json = layout.read_small(step_path / layout.manifest_name(rank), 64 * 2**20)
-        want, done = self.cfg.replicas, 0
+        with self._cv:
+            have = set(self._holders.get(key, ()))
+        want, done = self.cfg.replicas - len(have), 0
         now = time.monotonic()
         for peer in partners.order(self.peers, run, rank, me=self.cfg.listen):
             if done >= want:
                 break
-            if self._down.get(peer, 0) > now:
+            if self._down.get(peer, 0) > now or peer in have:  # a partner holding it already is not sent it again
                 continue
             t0 = time.monotonic()
             try:
@@ -190,23 +258,37 @@ class Replicator:
             except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
                 self.figures_["failures"] += 1
                 if not isinstance(exc, wire.PeerRefused):  # slow or dead: skipped for a while
-                    self._down[peer] = time.monotonic() + BACKOFF_S
+                    self._down[peer] = time.monotonic() + self.cfg.heartbeat
                 self._forget(peer)
                 log.warning("peer %s did not take run %r step %d rank %d (%s); trying the next peer",
                             peer, run, step, rank, exc)
                 continue
             done += 1
+            with self._cv:
+                if key in self._holders:
+                    self._holders[key].add(peer)
             self.figures_["replicated_shares"] += 1
             self.figures_["replicated_bytes"] += sum(share.sizes.values())
             self.figures_["send_seconds"] += time.monotonic() - t0
             log.debug("run %r step %d rank %d replicated to %s", run, step, rank, peer)
         with self._cv:
-            if done >= want:
-                self._pending.pop(key, None)
-            elif key in self._pending:
-                self._pending[key] = done
-                log.warning("run %r step %d rank %d has %d of %d replicas: no other peer took it "
-                            "(under-replicated; retried every %.0f s)", run, step, rank, done, want, BACKOFF_S)
+            held = len(self._holders[key]) if key in self._holders else None
+        if held is not None and held < self.cfg.replicas:
+            log.warning("run %r step %d rank %d has %d of %d replicas: no other peer took it "
+                        "(under-replicated; retried every %g s)", run, step, rank, held, self.cfg.replicas,
+                        self.cfg.heartbeat)
+
+    def _yield(self) -> None:
+        """Wait while the daemon is busy with a step (and a moment after: the gaps between
+        a save's tensors), at most ``stall``/4."""
+        deadline = time.monotonic() + self.cfg.stall / 4
+        while time.monotonic() < deadline and not self._stop:
+            now = time.monotonic()
+            if self.busy():
+                self._busy_seen = now
+            elif now - self._busy_seen > YIELD_AFTER_S:
+                return
+            time.sleep(0.02)
 
     def _send(self, peer: str, run: str, step: int, rank: int, manifest_json: bytes, share: "_Share") -> None:
         link, stall = self._link(peer), self.cfg.stall
@@ -219,6 +301,7 @@ class Replicator:
             for off in range(0, size, self.cfg.frame):
                 if len(in_flight) >= self.cfg.window:
                     link.recv(in_flight.popleft(), timeout=stall)
+                self._yield()
                 part = {"op": "part", "xfer": xfer, "file": file, "offset": off}
                 in_flight.append(link.send(part, share.read(file, off, self.cfg.frame), timeout=stall))
         while in_flight:

@@ -109,6 +109,11 @@ class PeerServer:
             key = self.holder.done(xfer)
             log.info("holding run %r step %d rank %d for a peer", *key)
             return {}, None
+        if op == "holds":
+            shares = wire.field(h, "shares", list)
+            if len(shares) > 100_000:
+                raise ProtocolError(f"holds: {len(shares)} shares asked at once")
+            return {"held": [self._holds(s) for s in shares]}, None
         if op == "drop":
             steps = wire.field(h, "steps", list)
             n = self.holder.drop(check_run(wire.field(h, "run", str)), [s for s in steps if isinstance(s, int)])
@@ -118,6 +123,13 @@ class PeerServer:
         if op == "read":
             return {}, self._read(h)
         raise ProtocolError(f"unknown peer request {op!r}")
+
+    def _holds(self, share: Any) -> bool:
+        """Whether ``share`` ([run, step, rank]) is held here in memory."""
+        if not (isinstance(share, list) and len(share) == 3 and isinstance(share[0], str)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in share[1:])):
+            raise ProtocolError(f"holds: {share!r} is not [run, step, rank]")
+        return self.holder.get((share[0], share[1], share[2])) is not None
 
     def _list(self, run: str) -> list[dict[str, Any]]:
         out = [{"step": r.manifest.step, "rank": r.manifest.rank, "manifest": r.manifest_json, "where": "memory"}

@@ -9,8 +9,9 @@ shares of the step it lacks: each from the first peer whose copy verifies (every
 tensor against the manifest's checksum; a bad copy is logged and the next peer
 asked), written through the durable path (data files fsynced, manifest last), so
 that the local rules hold for it as for a share the daemon wrote. Peers are asked
-together and given ``[peer] timeout`` to answer a list; one that does not is
-skipped (a dead node costs a recovery that long, no more).
+all at once and given ``[peer] timeout``, together, to answer a list; one that does
+not is skipped, and not asked again for ``DEAD_S`` seconds (a dead node costs a
+recovery that long, once, whatever the number of dead nodes).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,11 +33,15 @@ from ..durable import atomic_write, replacing, write_all
 from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from . import wire
-from .holder import verify
+from .holder import check_headers
+from .pages import Prefault
 
 log = logging.getLogger("ckptd.peer")
 
 TIER = "peer"
+FETCH_THREADS = 4  # shares fetched at once into the root
+DEAD_S = 10.0  # a peer that did not answer a list is not asked again for this long
+_silent: dict[str, float] = {}  # endpoint -> monotonic time until which it is not asked
 
 
 def open_tier(config: Config | None = None) -> "PeerTier | None":
@@ -70,38 +76,71 @@ class PeerTier:
 
     # -- what the peers hold ---------------------------------------------------------------
     def holdings(self, run: str) -> dict[tuple[int, int], list[tuple[str, str, Manifest]]]:
-        """(step, rank) -> [(endpoint, "memory" or "disk", manifest)], memory first."""
-        links = {e: wire.Link(self.ctx, e, self.keys) for e in self.endpoints}
-        out: dict[tuple[int, int], list[tuple[str, str, Manifest]]] = {}
+        """(step, rank) -> [(endpoint, "memory" or "disk", manifest)], memory first.
+
+        Every endpoint is asked at once, with one deadline (``timeout``) for all of
+        them; one that does not answer is not asked again for ``DEAD_S`` seconds (a
+        reader calls this for ``latest`` and again for ``load``: a dead node costs the
+        first call ``timeout``, no more)."""
+        now = time.monotonic()
+        ask = [e for e in self.endpoints if _silent.get(e, 0) <= now]
+        for e in self.endpoints:
+            if e not in ask:
+                log.info("peer tier: %s not asked: it did not answer %.0f s ago", e, now - _silent[e] + DEAD_S)
+        links = {e: wire.Link(self.ctx, e, self.keys) for e in ask}
+        answers: dict[str, dict[str, Any]] = {}
         try:
-            sent = {}
-            for e, link in links.items():
-                try:
-                    sent[e] = link.send({"op": "list", "run": run}, timeout=self.cfg.timeout)
-                except wire.PeerDown as exc:
-                    log.info("peer tier: %s", exc)
-            deadline = time.monotonic() + self.cfg.timeout
-            for e, rid in sent.items():
-                try:
-                    answer, _ = links[e].recv(rid, timeout=max(0.01, deadline - time.monotonic()))
-                    shares = wire.field(answer, "shares", list)
-                except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                    log.info("peer tier: %s", exc)
-                    continue
-                for s in shares:
-                    try:
-                        m = Manifest.from_json(wire.field(s, "manifest", bytes), f"a manifest from {e}")
-                    except (CheckpointCorrupt, ProtocolError) as exc:
-                        log.warning("peer tier: %s", exc)
-                        continue
-                    if m.run == run and (m.step, m.rank) == (s.get("step"), s.get("rank")):
-                        out.setdefault((m.step, m.rank), []).append((e, str(s.get("where")), m))
+            self._ask_all(links, {"op": "list", "run": run}, answers, now + self.cfg.timeout)
         finally:
             for link in links.values():
                 link.close()
+        out: dict[tuple[int, int], list[tuple[str, str, Manifest]]] = {}
+        for e in ask:
+            if e not in answers:
+                _silent[e] = time.monotonic() + DEAD_S
+                log.info("peer tier: %s did not answer within %g s; not asked for %g s", e, self.cfg.timeout, DEAD_S)
+                continue
+            try:
+                shares = wire.field(answers[e], "shares", list)
+            except ProtocolError as exc:
+                log.info("peer tier: %s", exc)
+                continue
+            for s in shares:
+                try:
+                    m = Manifest.from_json(wire.field(s, "manifest", bytes), f"a manifest from {e}")
+                except (CheckpointCorrupt, ProtocolError) as exc:
+                    log.warning("peer tier: %s", exc)
+                    continue
+                if m.run == run and (m.step, m.rank) == (s.get("step"), s.get("rank")):
+                    out.setdefault((m.step, m.rank), []).append((e, str(s.get("where")), m))
         for copies in out.values():
             copies.sort(key=lambda c: c[1] != "memory")
         return out
+
+    @staticmethod
+    def _ask_all(links: dict[str, wire.Link], request: dict[str, Any], answers: dict[str, dict[str, Any]],
+                 deadline: float) -> None:
+        """Send ``request`` to every link as soon as it is connected and collect the
+        answers into ``answers`` until each answered or ``deadline`` passed."""
+        poller = zmq.Poller()
+        by_sock = {link.sock: e for e, link in links.items()}
+        for link in links.values():
+            poller.register(link.sock, zmq.POLLOUT)
+        sent: dict[str, int] = {}
+        while len(answers) < len(links) and (left := deadline - time.monotonic()) > 0:
+            for sock, event in poller.poll(int(left * 1000) + 1):
+                e = by_sock[sock]
+                try:
+                    if event & zmq.POLLOUT and e not in sent:
+                        sent[e] = links[e].send(request, timeout=0.001)
+                        poller.modify(sock, zmq.POLLIN)
+                    elif event & zmq.POLLIN:
+                        answers[e], _ = links[e].recv(sent[e], timeout=0.001)
+                        poller.unregister(sock)
+                except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                    log.info("peer tier: %s", exc)
+                    answers[e] = {}
+                    poller.unregister(sock)
 
     def latest(self, run: str, base: Path,
                held: dict[tuple[int, int], list[tuple[str, str, Manifest]]] | None = None) -> CheckpointInfo | None:
@@ -159,21 +198,27 @@ class PeerTier:
         info = self.step_info(run, step, path, held)
         if info is None:
             return 0
-        fetched = 0
-        for rank in range(info.world_size):
-            if _read_share(path, rank) is not None:
+        missing = [r for r in range(info.world_size) if _read_share(path, r) is None]
+        if len(missing) <= 1:
+            return sum(self._fetch_one(run, step, r, base, held) for r in missing)
+        # several shares at once: the ranks' partners differ (partners.order), so a lost
+        # node's recovery fans in from several peers
+        with ThreadPoolExecutor(min(len(missing), FETCH_THREADS), thread_name_prefix="ckptd-peer-fetch") as pool:
+            return sum(pool.map(lambda r: self._fetch_one(run, step, r, base, held), missing))
+
+    def _fetch_one(self, run: str, step: int, rank: int, base: Path,
+                   held: dict[tuple[int, int], list[tuple[str, str, Manifest]]]) -> bool:
+        """Rank ``rank``'s share from the first peer whose copy verifies, into the root."""
+        for endpoint, where, m in held.get((step, rank), []):
+            try:
+                self.fetch_share(endpoint, m, base)
+            except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
+                            run, step, rank, endpoint, where, exc)
                 continue
-            for endpoint, where, m in held.get((step, rank), []):
-                try:
-                    self.fetch_share(endpoint, m, base)
-                except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                    log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
-                                run, step, rank, endpoint, where, exc)
-                    continue
-                log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", run, step, rank, endpoint, where)
-                fetched += 1
-                break
-        return fetched
+            log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", run, step, rank, endpoint, where)
+            return True
+        return False
 
     def fetch_share(self, endpoint: str, m: Manifest, base: Path) -> None:
         """One share from one peer, checked, then written into ``base`` (data files, then
@@ -182,7 +227,6 @@ class PeerTier:
         if any(size is None for size in files.values()):
             raise CheckpointCorrupt("its manifest does not list its files' sizes")
         data = self.read_files(endpoint, m, files)  # type: ignore[arg-type]
-        verify(m, data, f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}")
         step_dir = layout.step_dir(base, m.run, m.step)
         layout.ensure_real_dir(step_dir, base)
         for file, buf in data.items():
@@ -204,54 +248,127 @@ class PeerTier:
 
         bufs = {}
         ranges = []
-        for name, rec in records.items():
-            if rec.offset is None:
-                raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
-            bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
-            ranges.append((name, rec.file, rec.offset, memoryview(bufs[name].numpy())))
-        self._read_ranges(endpoint, m, ranges)
-        out = {}
-        for name, rec in records.items():
-            if checksum([memoryview(bufs[name].numpy())] if rec.nbytes else []) != rec.checksum:
-                raise CheckpointCorrupt(f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}: tensor "
-                                        f"{name!r} does not match its checksum")
-            out[name] = as_tensor(bufs[name], rec)
+        checks = _Checks(f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}")
+        try:
+            for name, rec in records.items():
+                if rec.offset is None:
+                    raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
+                bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
+                view = memoryview(bufs[name].numpy())  # type: ignore[arg-type]
+                ranges.append((rec.file, rec.offset, view, checks.later([(name, view, rec.checksum)])))
+            self._read_ranges(endpoint, m, ranges)
+            checks.wait()
+        finally:
+            checks.close()
+        return {name: as_tensor(bufs[name], rec) for name, rec in records.items()}
+
+    def read_files(self, endpoint: str, m: Manifest, sizes: dict[str, int]) -> dict[str, memoryview]:
+        """The files of a share, read from ``endpoint`` and checked: every tensor against
+        its checksum (each as soon as its bytes are in, while the next ones arrive) and
+        each chunk file's header against the manifest. CheckpointCorrupt if one does not
+        match."""
+        where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
+        import torch
+
+        # torch.empty, not bytearray(n): no zero-filling pass over the pages before the bytes come
+        out = {f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in sizes.items()}  # type: ignore[arg-type]
+        checks = _Checks(where)
+        try:
+            ranges = []
+            for file, buf in out.items():
+                ranges += _segments(m, file, buf, checks)
+            self._read_ranges(endpoint, m, ranges)
+            checks.wait()
+        finally:
+            checks.close()
+        check_headers(m, out, where)
         return out
 
-    def _read_ranges(self, endpoint: str, m: Manifest, ranges: list[tuple[str, str, int, memoryview]]) -> None:
-        """Fill each (name, file, offset, memory) from ``endpoint``, in ``frame``-sized
-        parts with ``window`` of them in flight."""
+    def _read_ranges(self, endpoint: str, m: Manifest,
+                     ranges: list[tuple[str, int, memoryview, Callable[[], None]]]) -> None:
+        """Fill each (file, offset, memory) from ``endpoint``, in ``frame``-sized parts
+        with ``window`` of them in flight, each received by libzmq straight into its
+        place; call a range's callable once all of it is in."""
         link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4)
+        prefault = Prefault([view for _, _, view, _ in ranges], self.cfg.frame)
         try:
-            in_flight: deque[tuple[int, memoryview]] = deque()
+            in_flight: deque[tuple[int, memoryview, Callable[[], None] | None]] = deque()
 
             def land() -> None:
-                rid, dst = in_flight.popleft()
-                _, payload = link.recv(rid, timeout=self.cfg.stall)
-                if payload is None or len(payload) != len(dst):
-                    raise ProtocolError(f"{endpoint}: a part of {0 if payload is None else len(payload)} bytes, "
-                                        f"not {len(dst)}")
-                dst[:] = payload.buffer
+                rid, dst, landed = in_flight.popleft()
+                link.recv_into(rid, dst, timeout=self.cfg.stall)
+                if landed is not None:
+                    landed()
 
-            for _, file, offset, view in ranges:
+            for file, offset, view, landed in ranges:
+                if not len(view):
+                    landed()
+                    continue
                 for off in range(0, len(view), self.cfg.frame):
                     if len(in_flight) >= self.cfg.window:
                         land()
                     dst = view[off:off + self.cfg.frame]
+                    last = off + self.cfg.frame >= len(view)
                     req = {"op": "read", "run": m.run, "step": m.step, "rank": m.rank, "file": file,
                            "offset": offset + off, "length": len(dst)}
-                    in_flight.append((link.send(req, timeout=self.cfg.stall), dst))
+                    in_flight.append((link.send(req, timeout=self.cfg.stall), dst, landed if last else None))
             while in_flight:
                 land()
         finally:
+            prefault.close()
             link.close()
 
-    def read_files(self, endpoint: str, m: Manifest, sizes: dict[str, int]) -> dict[str, bytearray]:
-        """The files of a share, read from ``endpoint`` in ``frame``-sized parts with
-        ``window`` of them in flight."""
-        out = {f: bytearray(n) for f, n in sizes.items()}
-        self._read_ranges(endpoint, m, [("", f, 0, memoryview(b)) for f, b in out.items()])
-        return out
+
+class _Checks:
+    """Checksums of tensors whose bytes are in, computed on a thread of their own while
+    the next parts arrive (xxh3 and libzmq's receive both release the GIL)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-peer-check")
+        self.pending: list[Future[None]] = []
+
+    def later(self, tensors: list[tuple[str, memoryview, str]]) -> Callable[[], None]:
+        """What checks ``tensors`` (name, bytes, checksum) once their bytes are in."""
+        def submit() -> None:
+            for name, view, want in tensors:
+                self.pending.append(self.pool.submit(self._check, name, view, want))
+        return submit
+
+    def _check(self, name: str, view: memoryview, want: str) -> None:
+        if checksum([view] if len(view) else []) != want:
+            raise CheckpointCorrupt(f"{self.where}: tensor {name!r} does not match its checksum")
+
+    def wait(self) -> None:
+        """CheckpointCorrupt naming the first tensor that did not match."""
+        for f in self.pending:
+            f.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _segments(m: Manifest, file: str, buf: memoryview,
+              checks: _Checks) -> list[tuple[str, int, memoryview, Callable[[], None]]]:
+    """``file``'s bytes as consecutive ranges, each ending where a tensor of it ends,
+    whose callable checks the tensors that end there."""
+    ends: dict[int, list[tuple[str, TensorRecord]]] = {}
+    for name, t in m.tensors.items():
+        if t.file != file:
+            continue
+        if t.offset is None:
+            raise CheckpointCorrupt(f"tensor {name!r} is a chunked (compressed) HDF5 dataset, whose bytes the peer "
+                                    "tier cannot check")
+        if t.offset + t.nbytes > len(buf):
+            raise CheckpointCorrupt(f"tensor {name!r} lies beyond the end of {file}")
+        ends.setdefault(t.offset + t.nbytes, []).append((name, t))
+
+    out, start = [], 0
+    for end in sorted(set(ends) | {len(buf)}):
+        tensors = [(name, buf[t.offset:end], t.checksum) for name, t in ends.get(end, [])]  # type: ignore[misc]
+        out.append((file, start, buf[start:end], checks.later(tensors)))
+        start = end
+    return out
 
 
 class PeerSource:

@@ -11,6 +11,8 @@ Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answ
 - ``part`` ``{xfer, file, offset}`` + bytes -> ``{}``: bytes of one file.
 - ``done`` ``{xfer}`` -> ``{}`` once every byte arrived and every tensor matched
   its checksum; only then does the holder serve the share.
+- ``holds`` ``{shares: [[run, step, rank], ...]}`` -> ``{held: [bool, ...]}``: which of
+  these shares this daemon holds in memory (a sender's liveness check of its partners).
 - ``drop`` ``{run, steps}`` -> ``{}``: the sender's retention deleted these steps.
 - ``list`` ``{run}`` -> ``{shares: [{step, rank, manifest, where}]}``: what this
   daemon can serve of a run, from memory (replicas) or its own disk.
@@ -113,6 +115,33 @@ class Link:
             if not header.get("ok"):
                 raise PeerRefused(f"{self.endpoint}: {header.get('error', 'refused')}")
             return header, frames[1] if len(frames) > 1 else None
+
+    def recv_into(self, rid: int, dst: memoryview, *, timeout: float) -> dict[str, Any]:
+        """The answer to request ``rid``, its bytes received straight into ``dst`` by
+        libzmq (no frame allocated, no copy under the GIL): exactly ``len(dst)`` of them,
+        else ProtocolError. PeerDown and PeerRefused as ``recv``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                raise PeerDown(f"{self.endpoint}: no answer in {timeout:g} s")
+            header = unpack(self.sock.recv())
+            if header.get("id") != rid or not header.get("ok"):
+                self._discard_rest()
+                if header.get("id") != rid:
+                    if isinstance(header.get("id"), int) and header["id"] > rid:
+                        raise ProtocolError(f"{self.endpoint}: answers out of order")
+                    continue
+                raise PeerRefused(f"{self.endpoint}: {header.get('error', 'refused')}")
+            n = self.sock.recv_into(dst) if self.sock.getsockopt(zmq.RCVMORE) else -1
+            if n != len(dst) or self.sock.getsockopt(zmq.RCVMORE):
+                self._discard_rest()
+                raise ProtocolError(f"{self.endpoint}: a part of {max(n, 0)} bytes, not {len(dst)}")
+            return header
+
+    def _discard_rest(self) -> None:
+        while self.sock.getsockopt(zmq.RCVMORE):
+            self.sock.recv_into(bytearray())
 
     def request(self, header: dict[str, Any], payload: Any = None, *, timeout: float) -> tuple[dict[str, Any], Any]:
         return self.recv(self.send(header, payload, timeout=timeout), timeout=timeout)
