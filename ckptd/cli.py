@@ -489,7 +489,8 @@ def _advise(args: argparse.Namespace) -> int:
     if not m["saves"]:  # no daemon recorded this run's saves: the step time from its manifests at least
         m["saves"] = [{"step": i.step, "rank": 0, "attempt": None, "time": i.time}
                       for i in reader.list_checkpoints(run, root=root)]
-    tiers = ("local", "remote") if m["uploads"] else ("local",)
+    seen = {u.get("tier", "remote") for u in m["uploads"]}
+    tiers = ("local",) + tuple(t for t in ("remote", "peer") if t in seen)
     advice = measures.advice(m, config_mod.load(args.config).advise.mtbf, tiers)
     if args.json:
         print(json.dumps({"run": run, **advice}))

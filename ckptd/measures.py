@@ -12,8 +12,9 @@ The file (version 1) holds, most recent last and each list bounded:
   time the daemon received the commit, i.e. when the save returned), ``stall_s`` (the
   producer's measure of how long its save blocked the training loop), ``persist_s``
   (the daemon's: first byte received to manifest durable);
-- ``uploads``: ``step``, ``rank``, ``persist_s`` (commit received to uploaded) per share
-  uploaded to the remote tier;
+- ``uploads``: ``step``, ``rank``, ``persist_s`` (commit received to uploaded, or to
+  replicated) and ``tier`` ("remote" where absent, or "peer") per share that reached the
+  remote tier or its partners' memory;
 - ``restores``: ``attempt``, ``rank``, ``seconds`` of the loads (``ckptd.load``,
   ``ckptd.load_into``) a producer's process made before its first save;
 - ``failures``: ``attempt``, ``time``, ``why``: an attempt of the job whose producers
@@ -134,14 +135,15 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
               tier: str = "local") -> tuple[Inputs, int | None]:
     """The advice's inputs from a run's merged measures, and the interval (in steps) it
     saves at now. ``mtbf``: ``[advise] mtbf``, or None. ``tier``: "local" (persist =
-    durable on the root) or "remote" (persist = uploaded)."""
+    durable on the root), "remote" (persist = uploaded) or "peer" (persist = held in
+    ``[peer] replicas`` partners' memory)."""
     inputs = Inputs()
     steps = by_step(m["saves"])
     recent = steps[-RECENT:]
     stalls = [s["stall_s"] for s in recent if s["stall_s"] is not None]
     inputs.stall_s = statistics.median(stalls) if stalls else None
-    if tier == "remote":
-        got = [_num(u.get("persist_s")) for u in m["uploads"][-RECENT * 8:]]
+    if tier != "local":
+        got = [_num(u.get("persist_s")) for u in m["uploads"][-RECENT * 8:] if u.get("tier", "remote") == tier]
         ups = [u for u in got if u is not None]
         inputs.persist_s = statistics.median(ups) if ups else None
     else:

@@ -453,3 +453,30 @@ def test_a_lost_node_with_several_ranks_fetches_their_shares_from_several_peers(
     finally:
         for n in nodes:
             n.cleanup()
+
+
+def test_the_peer_tier_has_its_own_persist_time_and_interval(tmp_path) -> None:
+    """The interval advice (docs/advise.md) gives the peer tier its own persist time: from
+    the local commit to every replica held."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    sender = Daemon(tmp_path / "sender", tables={"peer": {"listen": listens[0], "peers": [listens[1]]}})
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
+    try:
+        holder.start()
+        sender.start()
+        with sender.producer("job") as p:
+            for step in (10, 20, 30):
+                p.save({"w": torch.full((65536,), float(step))}, step).wait(30)
+                _wait(lambda: _status(sender)["peer"]["under_replicated"] == 0, "replicated")
+        out = subprocess.run([sys.executable, "-m", "ckptd", "advise", "job", "--root", str(sender.root), "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        a = json.loads(out.stdout)
+        local, peer = a["tiers"]["local"], a["tiers"]["peer"]
+        assert "remote" not in a["tiers"]
+        assert peer["persist_s"] > local["persist_s"] > 0  # held by the partner after durable here
+        assert peer["interval_seconds"] >= local["interval_seconds"]
+        assert set(_status(sender)["advice"]["job"]["tiers"]) == {"local", "peer"}
+    finally:
+        for n in (sender, holder):
+            n.cleanup()

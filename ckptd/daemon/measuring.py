@@ -89,13 +89,15 @@ class Measuring:
             self._dirty.add(run)
         self._wake.set()
 
-    def uploaded(self, run: str, step: int, rank: int, lag_s: float) -> None:
-        """A share reached the remote tier ``lag_s`` after its local commit (the uploader thread)."""
+    def uploaded(self, run: str, step: int, rank: int, lag_s: float, tier: str = "remote") -> None:
+        """A share reached ``tier`` (the remote tier: the uploader thread; "peer": its
+        partners' memory, the peer sender thread) ``lag_s`` after its local commit."""
         with self._lock:
             m = self._run(run)
             local = next((r.get("persist_s") or 0.0 for r in reversed(m["saves"])
                           if r["step"] == step and r["rank"] == rank), 0.0)
-            m["uploads"].append({"step": step, "rank": rank, "time": time.time(), "persist_s": local + lag_s})
+            m["uploads"].append({"step": step, "rank": rank, "time": time.time(), "persist_s": local + lag_s,
+                                 "tier": tier})
             self._trim(m)
             self._dirty.add(run)
         self._wake.set()

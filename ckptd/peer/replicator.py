@@ -70,6 +70,10 @@ class Replicator:
                          "replicas_lost": 0}
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-send", daemon=True)
         self.busy: Callable[[], bool] = lambda: False  # the daemon is receiving or committing a step
+        # (run, step, rank, seconds from local commit to held by `replicas` partners): the
+        # peer tier's persist time for the interval advice (ckptd.daemon.measuring)
+        self.on_replicated: Callable[[str, int, int, float], None] | None = None
+        self._committed_at: dict[Key, float] = {}  # shares not yet fully replicated -> commit time
         self._busy_seen = 0.0
 
     # -- from other threads ----------------------------------------------------------------
@@ -89,7 +93,9 @@ class Replicator:
                 self._newest[(run, rank)] = step
             for k in [k for k in self._holders if k[0] == run and k[2] == rank and k[1] < step]:
                 del self._holders[k]  # superseded: its newer step is what a recovery wants
+                self._committed_at.pop(k, None)
             self._holders[(run, step, rank)] = set()
+            self._committed_at[(run, step, rank)] = time.time()
             self._queue.append((run, step, rank))
             self._cv.notify()
 
@@ -98,6 +104,7 @@ class Replicator:
         with self._cv:
             for k in [k for k in self._holders if k[0] == run and k[1] in set(steps)]:
                 del self._holders[k]
+                self._committed_at.pop(k, None)
             self._drops.append((run, steps))
             self._cv.notify()
 
@@ -217,6 +224,7 @@ class Replicator:
         with self._cv:
             if step < self._newest.get((run, rank), -1):
                 self._holders.pop(key, None)
+                self._committed_at.pop(key, None)
                 return
         step_path = layout.step_dir(self.root, run, step)
         try:
@@ -233,6 +241,7 @@ class Replicator:
         if share is None:  # deleted meanwhile
             with self._cv:
                 self._holders.pop(key, None)
+                self._committed_at.pop(key, None)
             return
         try:
             self._to_partners(key, share)
@@ -273,6 +282,9 @@ class Replicator:
             log.debug("run %r step %d rank %d replicated to %s", run, step, rank, peer)
         with self._cv:
             held = len(self._holders[key]) if key in self._holders else None
+            first = self._committed_at.pop(key, None) if held is not None and held >= self.cfg.replicas else None
+        if first is not None and self.on_replicated is not None:
+            self.on_replicated(run, step, rank, max(0.0, time.time() - first))
         if held is not None and held < self.cfg.replicas:
             log.warning("run %r step %d rank %d has %d of %d replicas: no other peer took it "
                         "(under-replicated; retried every %g s)", run, step, rank, held, self.cfg.replicas,
