@@ -61,7 +61,7 @@ from typing import Any, Callable
 import torch
 
 import ckptd
-from ckptd import CheckpointError, layout
+from ckptd import CheckpointError, layout, measures
 from ckptd.config import parse_size
 from ckptd.errors import CheckpointCorrupt, CheckpointNotFound
 from ckptd.manifest import Manifest
@@ -382,10 +382,15 @@ def producer_main(args: argparse.Namespace) -> int:
 
 
 # -- checking the root ------------------------------------------------------------------------------
+def _is_measures(name: str) -> bool:
+    return name.startswith(measures.PREFIX) and name.endswith(".json")
+
+
 def orphans(root: Path) -> list[str]:
     """Files that the start-up clean-up should have removed: in a step folder, anything no
     manifest names; in a run folder, anything but step folders, `latest` and the run's
-    retention file; leftover trash folders; empty step folders."""
+    retention file and the daemons' measures files (ckptd/measures.py); leftover trash
+    folders; empty step folders."""
     found = []
     for run_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         for entry in sorted(run_dir.iterdir()):
@@ -401,7 +406,7 @@ def orphans(root: Path) -> list[str]:
                     found.append(f"orphans in {entry}: {sorted(names - referenced)}")
                 if not names:
                     found.append(f"empty step folder left: {entry}")
-            elif entry.name not in ("latest", POLICY_FILE):
+            elif entry.name not in ("latest", POLICY_FILE) and not _is_measures(entry.name):
                 found.append(f"stray entry in a run folder: {entry}")
     return found
 

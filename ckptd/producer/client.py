@@ -861,6 +861,7 @@ class Producer:
                 self._send_batch()
         except CheckpointError as exc:
             self._finish(step, handle, error=str(exc))
+            handle.observed = True  # raised here, to the caller: flush() and close() do not raise it again
             raise
         # what this save cost the training loop, and the loads before it (docs/advise.md)
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
