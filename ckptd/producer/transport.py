@@ -114,12 +114,7 @@ class Transport:
                     if fd == self._wake.fd:
                         self._wake.drain()
                 self._idle = False
-                while True:
-                    try:
-                        outbox.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
-                outbox = self._ship(sock, outbox)
+                outbox = self._ship(sock, self._take_queued(outbox))
                 while True:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -137,12 +132,7 @@ class Transport:
                 if self._stop:
                     # what was queued before close() set _stop (the bye) may have come after
                     # this pass took the queue: take it, or it is never sent
-                    while True:
-                        try:
-                            outbox.append(self._queue.get_nowait())
-                        except queue.Empty:
-                            break
-                    outbox = self._ship(sock, outbox)
+                    outbox = self._ship(sock, self._take_queued(outbox))
                     if not outbox or time.monotonic() - last_heard > 1.0:
                         return
                 now = time.monotonic()
@@ -168,6 +158,14 @@ class Transport:
             # LINGER 0 would drop it, and the daemon would count this producer until
             # its session timed out. A lost connection has nobody to deliver to.
             sock.close(linger=CLOSE_LINGER_MS if self.lost is None else 0)
+
+    def _take_queued(self, outbox: list[tuple[bytes, Any, Any]]) -> list[tuple[bytes, Any, Any]]:
+        """``outbox`` with every message queued so far appended (the sender thread only)."""
+        while True:
+            try:
+                outbox.append(self._queue.get_nowait())
+            except queue.Empty:
+                return outbox
 
     def _ship(self, sock: zmq.Socket, outbox: list[tuple[bytes, Any, Any]]) -> list[tuple[bytes, Any, Any]]:
         for i, (header, payload, event) in enumerate(outbox):
