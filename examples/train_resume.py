@@ -402,8 +402,12 @@ def demo(args: argparse.Namespace, workdir: Path) -> int:
             print(f"FAILED: step {crash.durable[-1]} was reported durable, but the newest checkpoint "
                   f"after the crash is step {resumed_step}")
             return 1
-        print(f"[parent] the resumed run replayed steps {resumed_step + 1}..{crash.killed_during} "
-              f"that the crash lost, then went on to step {args.steps}")
+        lost_to = min(crash.killed_during, args.steps)
+        if resumed_step < lost_to:
+            print(f"[parent] the resumed run replayed steps {resumed_step + 1}..{lost_to} "
+                  f"that the crash lost, then went on to step {args.steps}")
+        else:  # the kill landed after the last step's checkpoint was durable
+            print(f"[parent] the crash lost no step: step {resumed_step} was checkpointed before it")
         problems = compare(resumed_out, reference_out)
         if problems:
             print("RESULT: MISMATCH between the resumed and the uninterrupted run:")

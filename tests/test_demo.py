@@ -30,7 +30,8 @@ def demo_config(tmp_path: Path):
     shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def run_demo(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+def run_demo(*args: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
+    # a bound against a hang: the demo takes 10-20 s alone, over a minute beside other tests on 2 cores
     # Its own session, so a hung demo can be killed together with its daemon and workers.
     proc = subprocess.Popen([sys.executable, str(DEMO), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
