@@ -135,7 +135,10 @@ def test_a_lost_node_resumes_from_peer_memory(tmp_path, request, monkeypatch, bu
         for n in nodes[:2]:
             peer = _status(n)["peer"]
             assert peer["under_replicated"] == 0, peer
-        assert sum(_status(n)["peer"]["held_shares"] for n in nodes) >= 2 * 3
+        # the newest step of each rank is in a peer's memory (an older one may have been
+        # skipped for it: replication yields to saves, docs/tiers.md)
+        in_memory = {k for n in nodes for k, where in _held(n).items() if where == "memory"}
+        assert {(3, 0), (3, 1)} <= in_memory, in_memory
 
         # node 0 is lost with its disk; a fresh one takes its place, address and config
         nodes[0].kill()

@@ -83,6 +83,8 @@ class Measuring:
                 m["first_seen"] = now
             m["saves"].append({"step": step, "rank": rank, "attempt": attempt, "time": now,
                                "stall_s": stall, "persist_s": persist_s})
+            if len(m["saves"]) == 1:  # an answer cached before any save (the welcome's) measured nothing
+                self._cache.pop(run, None)
             if restore is not None:
                 m["restores"].append({"attempt": attempt, "rank": rank, "time": now, "seconds": restore})
             self._trim(m)
