@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+
+from . import env
 
 MAX_LENGTH = 200
 _PATTERN = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_LENGTH)  # printable ASCII, no spaces
@@ -38,14 +39,14 @@ def check_attempt(value: str) -> str:
     return value
 
 
-def current(explicit: str, world_size: int, environ: Mapping[str, str] = os.environ) -> str | None:
-    """This process's attempt (see the module's docstring); ``explicit``: the configured one, or ""."""
+def current(explicit: str, world_size: int, elastic: env.Elastic | None) -> str | None:
+    """This process's attempt (see the module's docstring); ``explicit``: the configured one,
+    or ""; ``elastic``: torchrun's identity, ``env.elastic()``."""
     if explicit:
         return check_attempt(explicit)
-    restart = environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is not None:
-        attempt = f"torchelastic:{environ.get('TORCHELASTIC_RUN_ID', 'none')}:{restart}"
-        if environ.get("GROUP_WORLD_SIZE", "1") == "1":
+    if elastic is not None:
+        attempt = f"torchelastic:{elastic.run_id}:{elastic.restart_count}"
+        if elastic.one_node:
             agent = _process(os.getppid())
             if agent is not None:
                 attempt += f":agent-{agent}"

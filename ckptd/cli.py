@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import __version__, config as config_mod, index, reader, retention
+from . import __version__, config as config_mod, env, index, reader, retention
 from .units import duration as _duration, rate, size as _size
 from .errors import CheckpointError
 from .manifest import CheckpointInfo
@@ -163,12 +163,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    import os
 
     from . import wire
     from .producer.transport import request
 
-    endpoint = args.endpoint or os.environ.get("CKPTD_ENDPOINT")
+    endpoint = args.endpoint or env.endpoint()
     endpoint = (config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint
                 else config_mod.load(args.config).endpoint)
     s = request(endpoint, wire.encode("status", seq=1), args.timeout, _curve_keys(args, endpoint))["status"]
@@ -405,7 +404,7 @@ def _export(args: argparse.Namespace) -> int:
     root = _root(args)
     _, manifests = reader.find(args.run, args.step, root)  # the step and share it names, for the report
     world = manifests[0].world_size
-    if args.rank is None and world > 1 and not os.environ.get("RANK", "").isdigit():
+    if args.rank is None and world > 1 and env.rank() is None:
         raise ValueError(f"step {manifests[0].step} of run {args.run!r} has {world} ranks; export one "
                          f"rank's share with --rank R (0 to {world - 1}), or set RANK")
     manifest = reader.pick_rank(manifests, args.rank)

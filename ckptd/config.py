@@ -27,6 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from . import env as environment
 from .errors import ConfigError
 
 FORMATS = ("chunk", "hdf5")  # storage formats of new checkpoints ([daemon] format, Producer(format=))
@@ -420,13 +421,11 @@ SYSTEM_CONFIG = Path("/etc/ckptd/config.toml")
 
 def user_config() -> Path:
     """``$XDG_CONFIG_HOME/ckptd/config.toml``, where ``ckptd install-systemd --user`` writes."""
-    base = os.environ.get("XDG_CONFIG_HOME")
-    if not base:
-        try:
-            base = Path.home() / ".config"
-        except RuntimeError:  # no home folder to be found (a bare service environment)
-            base = Path("/nonexistent")
-    return Path(base) / "ckptd" / "config.toml"
+    try:
+        home = Path.home() / ".config"
+    except RuntimeError:  # no home folder to be found (a bare service environment)
+        home = Path("/nonexistent")
+    return Path(environment.xdg("XDG_CONFIG_HOME", str(home))) / "ckptd" / "config.toml"
 
 
 def discover(path: str | os.PathLike[str] | None = None) -> tuple[Path | None, str]:
@@ -436,7 +435,7 @@ def discover(path: str | os.PathLike[str] | None = None) -> tuple[Path | None, s
     not); the places searched after them are used only when a file is there."""
     if path is not None:
         return Path(path).expanduser().absolute(), "given with -c"
-    env = os.environ.get("CKPTD_CONFIG")
+    env = environment.config_path()
     if env == "none":  # a job (or a test) that wants the defaults whatever files lie about
         return None, "CKPTD_CONFIG=none: built-in defaults"
     if env:
@@ -515,7 +514,7 @@ def default_root(root: str | os.PathLike[str] | None = None) -> Path:
     """``root`` if given, else ``$CKPTD_ROOT``, else the config's root."""
     if root is not None:
         return Path(root).expanduser().absolute()
-    env = os.environ.get("CKPTD_ROOT")
+    env = environment.root()
     if env:
         return Path(env).expanduser().absolute()
     return load().root

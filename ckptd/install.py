@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import env
 from .durable import replacing
 
 SOURCE = Path(__file__).resolve().parent.parent / "systemd"
@@ -92,9 +93,9 @@ def _exec_word(path: str) -> str:
 def user_paths() -> dict[str, Path]:
     """Where the user unit's files go, per the XDG base directory variables."""
     home = Path.home()
-    config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
-    state = Path(os.environ.get("XDG_STATE_HOME") or home / ".local/state")
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
+    config = Path(env.xdg("XDG_CONFIG_HOME", str(home / ".config")))
+    state = Path(env.xdg("XDG_STATE_HOME", str(home / ".local/state")))
+    runtime = env.xdg("XDG_RUNTIME_DIR", f"/run/user/{os.getuid()}")
     return {
         "unit": config / "systemd/user/ckptd.service",
         "config": config / "ckptd/config.toml",  # %E/ckptd/config.toml in the unit

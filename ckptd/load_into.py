@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import dtypes, layout, measures, reader, state as state_mod
+from . import dtypes, env, layout, measures, reader, state as state_mod
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from .sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
@@ -91,7 +91,7 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     checked), then read as a local step is.
     """
     path, manifests, store = reader.find_in_tiers(run, step, root, remote)
-    rank = _own_rank(manifests[0].world_size)
+    rank = env.group_rank()  # per-rank values stored whole: this rank's own copy is preferred
     pieces = pieces_of(manifests)
     saved = _saved_structure(path, manifests, rank)
     targets: dict[str, Any] = {}
@@ -154,20 +154,6 @@ def load_whole(path: Path, manifests: list[Manifest], *, names: Iterable[str] | 
 
 
 # -- what is stored, what is wanted -----------------------------------------------------------
-def _own_rank(world: int) -> int:
-    """This process's rank, for per-rank values stored whole (the same rank's copy is
-    preferred on a resume at the same world size)."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:
-        pass
-    env = os.environ.get("RANK", "")
-    return int(env) if env.isdigit() else 0
-
-
 def pieces_of(manifests: list[Manifest]) -> dict[str, list[Piece]]:
     """Every stored piece, by the name of its tensor (a rank may hold several pieces of
     one: its later ones are kept under other keys, docs/format.md)."""

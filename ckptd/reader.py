@@ -28,7 +28,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterable, Iterator
 
-from . import devicecopy, dtypes, index, layout, measures, state as state_mod
+from . import devicecopy, dtypes, env, index, layout, measures, state as state_mod
 from .config import default_root
 from .errors import CheckpointCorrupt, CheckpointNotFound
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
@@ -153,11 +153,11 @@ def pick_rank(manifests: list[Manifest], rank: int | None) -> Manifest:
     """The manifest of ``rank`` (None: ``$RANK``, or 0 in a one-rank checkpoint)."""
     world = manifests[0].world_size
     if rank is None:
-        env = os.environ.get("RANK")
+        given = env.rank()
         if world == 1:
             rank = 0
-        elif env is not None and env.isdigit():
-            rank = int(env)
+        elif given is not None:
+            rank = given
         else:
             raise ValueError(f"this checkpoint has {world} ranks; pass rank= (or set RANK)")
     if not 0 <= rank < world:
@@ -205,7 +205,7 @@ def load(
         raise ValueError(f"load(mmap=True) maps the files into CPU memory; map_location={map_location!r} "
                          "would copy every byte at once: load without mmap=True")
     path, manifests, store = find_in_tiers(run, step, root, remote, fill=False)
-    whole = rank is None and manifests[0].world_size > 1 and not os.environ.get("RANK", "").isdigit()
+    whole = rank is None and manifests[0].world_size > 1 and env.rank() is None
     if isinstance(store, peer_tier.PeerSource) and (whole or out is not None or mmap):
         store.fill()  # these read local files: the peers' shares come into the root first
         path, manifests, store = find_in_tiers(run, manifests[0].step, root, remote)
@@ -244,7 +244,7 @@ def load(
                          "without $RANK), or fill your own tensors with ckptd.load_into")
     if rebuild:  # a malformed structure fails now, before gigabytes are read
         check_structure(path, manifest)
-    if rank is None and os.environ.get("RANK", "").isdigit():
+    if rank is None and env.rank() is not None:
         _refuse_pieces_by_default(run, manifest, {n: records[n] for n in wanted})
     wanted_records = {n: records[n] for n in wanted}
     # from the bucket unless every file it needs was written here (the node that wrote it)

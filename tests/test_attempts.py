@@ -10,7 +10,12 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.attempt import current
+from ckptd import env as environment
+from ckptd.attempt import current as current_attempt
+
+
+def current(explicit: str, world_size: int, environ: dict[str, str]) -> str | None:
+    return current_attempt(explicit, world_size, environment.elastic(environ))
 
 
 def save(daemon, rank: int, step: int, attempt: str | None, value: float) -> ckptd.CheckpointInfo:

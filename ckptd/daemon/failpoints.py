@@ -12,8 +12,9 @@ the tensors that the failed job was writing.
 
 from __future__ import annotations
 
-import os
 import threading
+
+from .. import env
 
 _ARMED: dict[str, int] = {}  # point -> the first pass that raises (1-based)
 _passes: dict[str, int] = {}
@@ -40,4 +41,4 @@ def hit(point: str) -> None:
         raise Failpoint(f"failpoint {point} (pass {n}), armed by CKPTD_FAILPOINTS")
 
 
-_arm(os.environ.get("CKPTD_FAILPOINTS", ""))
+_arm(env.failpoints())

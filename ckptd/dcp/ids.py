@@ -17,24 +17,6 @@ def step_of(value: Any) -> int:
     raise ValueError(f"ckptd.dcp: {value!r} is not a step; pass a step number (an int >= 0)")
 
 
-def rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    env = os.environ.get("RANK", "")
-    return int(env) if env.isdigit() else 0
-
-
-def world_size() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    env = os.environ.get("WORLD_SIZE", "")
-    return int(env) if env.isdigit() else 1
-
-
 def is_checkpoint_id(checkpoint_id: Any) -> bool:
     """Whether DCP's ``checkpoint_id`` names a step (``validate_checkpoint_id``)."""
     try:

@@ -19,7 +19,8 @@ from ..errors import CheckpointCorrupt
 from ..load_into import Piece, Target, fill  # ckptd.load_into's reader: byte ranges into targets
 from ..manifest import CheckpointInfo, Manifest
 from ..sharding import Box
-from .ids import is_checkpoint_id, rank as _rank, step_of as _step_of
+from .. import env
+from .ids import is_checkpoint_id, step_of as _step_of
 from .metadata import METADATA_KEY, decode_metadata, synthesize_metadata
 
 
@@ -31,7 +32,7 @@ class StorageReader(_Reader):
     def __init__(self, run: str | None = None, step: int | None = None, *,
                  root: str | os.PathLike[str] | None = None, verify: bool = False) -> None:
         super().__init__()
-        self.run = run if run is not None else os.environ.get("CKPTD_RUN") or None
+        self.run = run if run is not None else env.run()
         if self.run is None:
             raise ValueError("ckptd.dcp.StorageReader: pass the run (or set CKPTD_RUN)")
         self.step = None if step is None else _step_of(step)
@@ -55,7 +56,7 @@ class StorageReader(_Reader):
         self.info = CheckpointInfo.from_manifests(str(path), manifests)
         stored = manifests[0].metadata.get(METADATA_KEY)
         metadata = decode_metadata(stored, str(path)) if stored is not None else synthesize_metadata(
-            manifests, _rank())
+            manifests, env.group_rank())
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = uuid.uuid4().hex
         return metadata
@@ -93,7 +94,7 @@ class StorageReader(_Reader):
             # DCP's FileSystemReader does (its read_data ends in target.copy_(stored))
             targets.append(Target.of(key, dest, Box(tuple(origin), tuple(req.lengths))))
             commits.append((req, dest))
-        fill(self._path, targets, pieces, _rank(), self.verify)
+        fill(self._path, targets, pieces, env.group_rank(), self.verify)
         for req, dest in commits:
             planner.commit_tensor(req, dest)
         future: Future[None] = Future()

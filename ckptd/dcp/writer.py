@@ -18,7 +18,8 @@ from torch.futures import Future
 
 from .. import config as config_mod, state as state_mod
 from ..attempt import current as current_attempt
-from .ids import is_checkpoint_id, rank as _rank, step_of as _step_of, world_size as _world_size
+from .. import env
+from .ids import is_checkpoint_id, step_of as _step_of
 from .metadata import METADATA_KEY, encode_metadata
 
 
@@ -37,7 +38,7 @@ class StorageWriter(_Writer):
                  producer: Any = None, durable: bool = True, metadata: dict[str, Any] | None = None,
                  timeout: float | None = None, **options: Any) -> None:
         super().__init__()
-        self.run = run if run is not None else os.environ.get("CKPTD_RUN") or None
+        self.run = run if run is not None else env.run()
         self.step = None if step is None else _step_of(step)
         self.endpoint = endpoint
         self.durable = durable
@@ -46,9 +47,9 @@ class StorageWriter(_Writer):
         self.options = options
         # Decided here, in the training process: a process executor's helper process has
         # another parent, and every rank of one attempt must agree (ckptd.attempt).
-        world = _world_size()
+        world = env.group_world_size()
         self.options.setdefault("attempt", current_attempt(
-            str(options.get("attempt") or config_mod.load().producer.attempt), world) or "")
+            str(options.get("attempt") or config_mod.load().producer.attempt), world, env.elastic()) or "")
         self._producer = producer
         self._own_producer = producer is None
         self.rank = 0
@@ -77,7 +78,7 @@ class StorageWriter(_Writer):
             raise ValueError("ckptd.dcp.StorageWriter needs DCP's collectives (use_collectives=True): rank 0 "
                              "commits the step last, with the global metadata")
         self.is_coordinator = is_coordinator
-        self.rank = kwargs.get("rank") if kwargs.get("rank") is not None else _rank()
+        self.rank = kwargs.get("rank") if kwargs.get("rank") is not None else env.group_rank()
         if self.step is None:
             raise ValueError("ckptd.dcp.StorageWriter: no step; pass StorageWriter(run=..., step=N) "
                              "(or dcp.save(..., checkpoint_id=N))")
@@ -158,7 +159,7 @@ class StorageWriter(_Writer):
 
     def _get_producer(self) -> Any:
         if self._producer is None:
-            self._producer = _shared_producer(self.endpoint, self.run, self.rank, _world_size(), self.options)
+            self._producer = _shared_producer(self.endpoint, self.run, self.rank, env.group_world_size(), self.options)
         return self._producer
 
 
@@ -190,7 +191,7 @@ class AsyncStorageWriter(StorageWriter):
             raise ValueError("ckptd.dcp.AsyncStorageWriter stages at async_save: pass AsyncStorageWriter(step=N)")
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict)
-        self.rank = _rank()
+        self.rank = env.group_rank()
         producer = self._get_producer()
         self._emitted, self._keys, self._staged_structure = set(), {}, None
         try:

@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any
 
-from .. import index, reader
+from .. import env, index, reader
 from ..errors import CheckpointNotFound
 from ..manifest import CheckpointInfo
 from ..producer import CommitHandle, Producer
@@ -109,7 +109,7 @@ def close() -> None:
 
 
 def _run(run: str | None) -> str:
-    run = run if run is not None else os.environ.get("CKPTD_RUN")
+    run = run if run is not None else env.run()
     if not run:
         raise ValueError("pass run=\"name\" or set CKPTD_RUN")
     return run

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from .. import reader, retention
+from .. import env, reader, retention
 from ..config import default_root
 from ..durable import atomic_write
 from ..errors import CheckpointError
@@ -69,7 +69,7 @@ class CkptdCheckpointIO(_io.CheckpointIO):
 
     def __init__(self, run: str | None = None, *, endpoint: str | None = None,
                  root: str | os.PathLike[str] | None = None, **producer_options: Any) -> None:
-        run = run if run is not None else os.environ.get("CKPTD_RUN")
+        run = run if run is not None else env.run()
         if not run:
             raise ValueError("CkptdCheckpointIO needs a run: pass run=\"name\" or set CKPTD_RUN")
         self.run = check_run(run)

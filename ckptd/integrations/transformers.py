@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import reader
+from .. import env, reader
 from ..durable import atomic_write
 from ..names import check_run
 from ..producer import Producer
@@ -65,7 +65,7 @@ class CkptdCallback(TrainerCallback):
     def __init__(self, run: str | None = None, *, endpoint: str | None = None,
                  root: str | os.PathLike[str] | None = None, every: str | None = None,
                  bounds: dict[str, Any] | None = None, **producer_options: Any) -> None:
-        run = run if run is not None else os.environ.get("CKPTD_RUN")
+        run = run if run is not None else env.run()
         if not run:
             raise ValueError("CkptdCallback needs a run: pass run=\"name\" or set CKPTD_RUN")
         if every not in (None, "auto"):

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from .. import config as config_mod
 from .. import curve
-from .. import dtypes, handoff, measures, unixsock, wire
+from .. import dtypes, env, handoff, measures, unixsock, wire
 from ..attempt import current as current_attempt
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, Shard, check_json
@@ -144,23 +144,26 @@ class Producer:
         self.options: config_mod.ProducerConfig = config_mod.build(
             config_mod.ProducerConfig, merged, "Producer options"
         )
-        if endpoint is None and os.environ.get("CKPTD_ENDPOINT"):
-            endpoint = os.environ["CKPTD_ENDPOINT"]
+        if endpoint is None:
+            endpoint = env.endpoint()
         self.endpoint = (
             config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint else cfg.endpoint
         )
         self._curve_keys = curve.client_keys(self.endpoint, cfg, options)  # tcp:// only; files checked now
         # the config that starts a daemon at this endpoint, for "start one with ..." hints
         self._serve_config = cfg.path if cfg.path is not None and self.endpoint == cfg.endpoint else None
-        run = run if run is not None else os.environ.get("CKPTD_RUN") or None
+        run = run if run is not None else env.run()
         self.run = check_run(run) if run is not None else None
-        rank = rank if rank is not None else int(os.environ.get("RANK", 0))
-        world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+        if rank is None:
+            rank = 0 if env.rank() is None else env.rank()
+        if world_size is None:
+            world_size = 1 if env.world_size() is None else env.world_size()
         self.rank, self.world_size = check_rank(rank, world_size)
         # the launcher's node-local identity (torchrun, Slurm's wrappers): information only,
         # each node's ranks reach their own node's daemon through its endpoint
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        local_rank, local_world_size = env.local_rank(), env.local_world_size()
+        self.local_rank = self.rank if local_rank is None else local_rank
+        self.local_world_size = self.world_size if local_world_size is None else local_world_size
         # this run's own [retention] keys, checked here and applied by the daemon
         self.retention = retention
         if retention is not None:
@@ -172,7 +175,7 @@ class Producer:
             raise ValueError(f"format={format!r}: use one of {', '.join(map(repr, config_mod.FORMATS))}, "
                              "or None for the daemon's [daemon] format")
         self.format = format
-        self.attempt = current_attempt(self.options.attempt, self.world_size)  # elastic restarts
+        self.attempt = current_attempt(self.options.attempt, self.world_size, env.elastic())  # elastic restarts
 
         self._lock = threading.Lock()  # bookkeeping shared with the sender thread
         self._emit_lock = threading.Lock()  # one emit at a time: regions go out in order

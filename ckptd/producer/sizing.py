@@ -26,6 +26,7 @@ import os
 import threading
 from pathlib import Path
 
+from .. import env
 from .staging import ALIGN, PAGE, Arena
 
 log = logging.getLogger("ckptd.producer")
@@ -51,10 +52,7 @@ def machine_memory() -> int:
 
 def default_limit() -> int:
     """The largest arena ``"auto"`` grows to: ``MEMORY_SHARE`` of memory per local rank."""
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
+    local_ranks = max(1, env.local_world_size() or 1)
     return max(INITIAL, _round_up(int(machine_memory() * MEMORY_SHARE / local_ranks), PAGE))
 
 
