@@ -18,7 +18,6 @@ itself may be a symlink.
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap as mmap_mod
 import os
@@ -28,9 +27,11 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterable, Iterator
 
-from . import devicecopy, dtypes, index, layout, measures, state as state_mod
+from . import devicecopy, dtypes, format as formats, index, layout, measures, state as state_mod
 from .config import default_root
 from .errors import CheckpointCorrupt, CheckpointNotFound
+from .format import DataReader
+from .format.chunk import pread_into
 from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from .names import check_run
 from .peer import tier as peer_tier
@@ -39,7 +40,6 @@ from .remote.store import RemoteError
 
 log = logging.getLogger("ckptd.reader")
 
-_MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors' own limit
 # Files read at once by a load: preadv releases the GIL, so the copies out of the page
 # cache (and the first touch of fresh memory, which costs more than the copy) run on
 # several cores, and a cold read keeps several requests in flight on the device.
@@ -504,8 +504,10 @@ def _tensors(step_path: Path, records: dict[str, TensorRecord], *, verify: bool,
 
 
 class _DataFile:
-    """One chunk or HDF5 file of a step, opened without following a symlink; its
-    header (safetensors) or HDF5 structure is only looked at when needed."""
+    """One data file of a step, opened without following a symlink. A record with a
+    byte offset is read here (``preadv``, or a mapping), whatever the format; the
+    file's format (``ckptd.format``) checks its own structure and reads a record
+    without one, and is only asked when needed."""
 
     def __init__(self, dir_fd: int, step_path: Path, file: str, *, into: dict[str, Any] | None = None,
                  mapped: bool = False) -> None:
@@ -514,14 +516,12 @@ class _DataFile:
         self.mapped = mapped
         self._map: Any = None  # the file mapped copy-on-write (load(mmap=True)), once needed
         self.path = step_path / file
-        self.is_h5 = bool(layout.H5.fullmatch(file))
+        fmt = formats.for_file(file)
+        assert fmt is not None  # (the manifest's parser accepts data file names only)
+        self.format = fmt
         self.fd = -1
         self.size = 0
-        self._header: dict[str, Any] | None = None
-        self._data_start = 0
-        self._h5: Any = None
-        self._h5_source: Any = None
-        self._error: CheckpointCorrupt | None = None  # the header or HDF5 file is unreadable
+        self._reader: DataReader | None = None
 
     def tensors(self, items: list[tuple[str, TensorRecord]],
                 verify: bool) -> Iterator[tuple[str, Any, CheckpointCorrupt | None]]:
@@ -544,9 +544,16 @@ class _DataFile:
     def _corrupt(self, name: str, what: str) -> CheckpointCorrupt:
         return CheckpointCorrupt(f"{self.path}: tensor {name!r}: {what}")
 
+    def _file(self) -> DataReader:
+        if self._reader is None:
+            self._reader = self.format.open(self.fd, self.size)
+        return self._reader
+
     def _read(self, name: str, rec: TensorRecord, verify: bool) -> Any:
         import torch
 
+        dst = self.into.get(name) if self.into is not None else None
+        buf: Any  # a torch uint8 tensor, or None where the bytes went into dst
         if rec.offset is not None:
             end = rec.offset + rec.nbytes
             if end > self.size:  # checked before allocating: the manifest's sizes are untrusted
@@ -554,14 +561,12 @@ class _DataFile:
                                           f"but the file has {self.size} bytes")
             if verify:
                 self._check_structure(name, rec)
-            dst = self.into.get(name) if self.into is not None else None
-            buf: Any  # a torch uint8 tensor, or None where the bytes went into dst
             if dst is None and self.mapped and rec.nbytes and rec.offset % dtypes.lookup(rec.dtype).itemsize == 0:
                 buf = self._mapped(rec)
             else:
                 buf = torch.empty(rec.nbytes, dtype=torch.uint8) if dst is None else None
                 view = memoryview(buf.numpy()) if dst is None else _bytes_of(dst)
-                got = _pread_into(self.fd, view, rec.offset) if rec.nbytes else 0
+                got = pread_into(self.fd, view, rec.offset) if rec.nbytes else 0
                 if got != rec.nbytes:
                     raise self._corrupt(name, f"is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}")
                 if dst is not None:
@@ -571,16 +576,13 @@ class _DataFile:
         else:
             import numpy as np
 
-            from . import hdf5file
-
-            ds = self._dataset(name, rec)  # checks its size against its storage first
-            dst = self.into.get(name) if self.into is not None else None
+            self._check_structure(name, rec)  # its size against its storage, before allocating by it
             buf = torch.empty(rec.nbytes, dtype=torch.uint8) if dst is None else None
             target = buf.numpy() if dst is None else np.frombuffer(_bytes_of(dst), dtype=np.uint8)
             try:
-                hdf5file.read_into(ds, dtypes.lookup(rec.dtype), rec.shape, target)
-            except (OSError, ValueError, RuntimeError, TypeError) as exc:
-                raise self._corrupt(name, f"cannot read dataset {rec.key!r}: {exc}") from None
+                self._file().read_into(name, rec, target)
+            except CheckpointCorrupt as exc:
+                raise self._corrupt(name, str(exc)) from None
             if dst is not None:
                 if verify and checksum([_as_bytes(target)] if rec.nbytes else []) != rec.checksum:
                     raise self._corrupt(name, "does not match its checksum")
@@ -589,73 +591,11 @@ class _DataFile:
             raise self._corrupt(name, "does not match its checksum")
         return as_tensor(buf, rec)
 
-    # -- the file's own structure: what a reader without ckptd would see --------------------
     def _check_structure(self, name: str, rec: TensorRecord) -> None:
-        if self.is_h5:
-            self._dataset(name, rec)
-            return
-        header = self._safetensors_header(name)
-        entry = header.get(rec.key) if rec.key != "__metadata__" else None
-        info = dtypes.lookup(rec.dtype)
-        begin = rec.offset - self._data_start  # type: ignore[operator]
-        want = {"dtype": info.st_code, "shape": info.stored_shape(rec.shape),
-                "data_offsets": [begin, begin + rec.nbytes]}
-        if not isinstance(entry, dict) or {k: entry.get(k) for k in want} != want:
-            raise self._corrupt(name, f"the file's safetensors header says {_short(entry)}, "
-                                      f"the manifest {_short(want)}")
-
-    def _safetensors_header(self, name: str) -> dict[str, Any]:
-        if self._header is None:
-            if self._error is None:
-                try:
-                    self._header = self._parse_header()
-                except CheckpointCorrupt as exc:
-                    self._error = exc
-            if self._error is not None:
-                raise self._corrupt(name, str(self._error))
-        assert self._header is not None
-        return self._header
-
-    def _parse_header(self) -> dict[str, Any]:
-        head = os.pread(self.fd, 8, 0)
-        if len(head) < 8:
-            raise CheckpointCorrupt("the file is too short for a safetensors header")
-        n = int.from_bytes(head, "little")
-        if n > min(self.size - 8, _MAX_SAFETENSORS_HEADER):
-            raise CheckpointCorrupt(f"its safetensors header claims {n} bytes; the file has {self.size}")
-        view = memoryview(bytearray(n))
-        if _pread_into(self.fd, view, 8) != n:
-            raise CheckpointCorrupt("its safetensors header is truncated")
+        """The file's own structure agrees with the record: what a reader without ckptd sees."""
         try:
-            header = json.loads(bytes(view), parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:
-            raise CheckpointCorrupt(f"its safetensors header is not valid JSON: {exc}") from None
-        if not isinstance(header, dict):
-            raise CheckpointCorrupt("its safetensors header is not a JSON object")
-        self._data_start = 8 + n
-        return header
-
-    def _dataset(self, name: str, rec: TensorRecord) -> Any:
-        from . import hdf5file  # h5py loads only for a checkpoint that needs it
-
-        if rec.key != hdf5file.dataset_key(name):
-            raise self._corrupt(name, f"its dataset key {rec.key!r} is not the one its name maps to")
-        if self._h5 is None:
-            if self._error is None:
-                # h5py reads through the descriptor already opened (and checked),
-                # never by the path, which could be replaced meanwhile
-                self._h5_source = os.fdopen(os.dup(self.fd), "rb")
-                try:
-                    self._h5 = hdf5file.open_file(self._h5_source)
-                except (OSError, ValueError, RuntimeError, TypeError, KeyError) as exc:
-                    self._error = CheckpointCorrupt(f"not a readable HDF5 file: {exc}")
-            if self._error is not None:
-                raise self._corrupt(name, str(self._error))
-        try:
-            return hdf5file.find_dataset(self._h5, rec.key, dtypes.lookup(rec.dtype), rec.shape, rec.offset)
-        except KeyError:
-            raise self._corrupt(name, f"the file has no dataset {rec.key!r}") from None
-        except (OSError, ValueError, RuntimeError, TypeError) as exc:
+            self._file().check(name, rec)
+        except CheckpointCorrupt as exc:
             raise self._corrupt(name, str(exc)) from None
 
     def _mapped(self, rec: TensorRecord) -> Any:
@@ -670,15 +610,9 @@ class _DataFile:
 
     def _close(self) -> None:
         self._map = None  # the tensors hold it open as long as they live
-        if self._h5 is not None:
-            try:
-                self._h5.close()
-            except (OSError, ValueError, RuntimeError):
-                pass
-            self._h5 = None
-        if self._h5_source is not None:
-            self._h5_source.close()
-            self._h5_source = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -694,7 +628,7 @@ def read_range(fd: int, path: Path, name: str, rec: TensorRecord, start: int, ds
     if rec.offset + rec.nbytes > size:
         raise CheckpointCorrupt(f"{path}: tensor {name!r}: is truncated: the manifest puts it at bytes "
                                 f"{rec.offset}..{rec.offset + rec.nbytes}, but the file has {size} bytes")
-    got = _pread_into(fd, dst, rec.offset + start)
+    got = pread_into(fd, dst, rec.offset + start)
     if got != len(dst):
         raise CheckpointCorrupt(f"{path}: tensor {name!r}: is truncated: {got} of {len(dst)} bytes "
                                 f"at offset {rec.offset + start}")
@@ -717,22 +651,3 @@ def as_tensor(raw: Any, rec: TensorRecord) -> Any:
     """View raw uint8 bytes as the record's dtype and shape."""
     dtype = dtypes.torch_dtype(rec.dtype)
     return raw.view(dtype).reshape(rec.shape)
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> int:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
