@@ -139,6 +139,10 @@ class TensorRecord:
     def offsets(self) -> list[int]:
         return self.shard.offsets if self.shard is not None else [0] * len(self.shape)
 
+    def as_tensor(self, raw: Any) -> Any:
+        """Its bytes, ``raw`` (a torch uint8 tensor), viewed as its dtype and shape."""
+        return raw.view(dtypes.torch_dtype(self.dtype)).reshape(self.shape)
+
     def tensor_name(self, key: str) -> str:
         """The name of the tensor this record (kept under ``key`` in its manifest) holds
         all or a piece of."""

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections import deque
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .. import dtypes, layout
 from ..errors import CheckpointCorrupt
+from .fileio import pread_into
 from .protocol import DataFile, Entry, Ref, WriteIO
 
 if TYPE_CHECKING:
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 ALIGN = 4096
 MAX_HEADER = 100_000_000  # safetensors' own limit
-_IOV_MAX = 1024
 _METADATA = {"format": "pt", "writer": "ckptd"}
 
 
@@ -70,41 +69,6 @@ def read_header(fd: int, size: int) -> tuple[dict[str, Any], int]:
     if not isinstance(parsed, dict):
         raise CheckpointCorrupt("its safetensors header is not a JSON object")
     return parsed, 8 + n
-
-
-def buffer_address(view: memoryview) -> int:
-    """The address of a buffer's first byte (O_DIRECT wants it page-aligned)."""
-    import numpy as np
-
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
-
-
-def write_buffers(fd: int, buffers: Sequence[Any]) -> None:
-    """Write every buffer in order with as few syscalls as the kernel allows."""
-    pending = deque(v for b in buffers if len(v := memoryview(b).cast("B")))
-    while pending:
-        batch = [pending[i] for i in range(min(len(pending), _IOV_MAX))]
-        n = os.writev(fd, batch)
-        # drop what was fully written; trim a partly written buffer
-        while n and pending:
-            head = pending[0]
-            if n >= len(head):
-                n -= len(head)
-                pending.popleft()
-            else:
-                pending[0] = head[n:]
-                n = 0
-
-
-def pread_into(fd: int, view: memoryview, offset: int) -> int:
-    """Read into ``view`` from ``offset`` until it is full or the file ends; the bytes read."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
 
 
 class ChunkFormat:

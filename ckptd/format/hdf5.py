@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
 from .. import dtypes, layout
 from ..dtypes import Dtype
 from ..errors import CheckpointCorrupt
-from .chunk import buffer_address, write_buffers
+from .fileio import buffer_address, write_buffers
 from .protocol import Entry, WriteIO
 
 if TYPE_CHECKING:

@@ -20,10 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..dtypes import Dtype
-
 if TYPE_CHECKING:
     from ..config import Hdf5Config
+    from ..dtypes import Dtype
     from ..daemon.writer import Share, Stream
     from ..manifest import TensorRecord
 
