@@ -125,9 +125,9 @@ class Base:
         r = self.manifest.tensors.get(name)
         if r is None or r.dtype != dtype or r.shape != shape or r.numpy != numpy:
             return None
-        if (r.shard is None) != (shard is None) or (shard is not None and r.shard.to_dict() != shard.to_dict()):
-            return None
-        return r
+        if r.shard is None or shard is None:
+            return r if r.shard is shard else None  # both whole, or one a piece: not the same
+        return r if r.shard.to_dict() == shard.to_dict() else None
 
     def match(self, e: Entry) -> TensorRecord | None:
         return self.record(e.name, e.dtype.name, e.shape, e.numpy, e.shard)
