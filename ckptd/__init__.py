@@ -14,8 +14,7 @@ from . import producer  # noqa: E402
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from .manifest import CheckpointInfo
 from .producer import CommitHandle, Producer
-from .load_into import load_into
-from .reader import latest, list_checkpoints, load
+from .reader import latest, list_checkpoints, load, load_into
 
 __all__ = [
     "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointNotFound",

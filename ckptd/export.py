@@ -3,7 +3,7 @@
     .safetensors  the tensors, flat, by their names; the saved structure with its
                   plain values, the run, step and metadata as JSON under the
                   header's metadata key ``ckptd``
-    .h5           one dataset per tensor, as the daemon writes them (``hdf5file``);
+    .h5           one dataset per tensor, as the daemon writes them (``format.hdf5``);
                   the same JSON in the root attribute ``ckptd``
     .pt           ``torch.save`` of the restored state, as ``ckptd.load`` returns it;
                   ``torch.load(path, weights_only=True)`` loads it
@@ -100,7 +100,7 @@ def _safetensors(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None
 
 
 def _h5(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None:
-    from .hdf5file import H5Writer
+    from .format.hdf5 import H5Writer
 
     h5 = H5Writer(tmp, Hdf5Config(), attrs={"ckptd": _about(manifest)})
     try:

@@ -16,8 +16,9 @@ from typing import Any, Iterable
 
 import xxhash
 
-from . import dtypes, layout, names
+from . import dtypes, format as formats, layout, names
 from .errors import CheckpointCorrupt
+from .format import FORMATS
 
 FORMAT_VERSION = 1  # a manifest without sharded or replicated tensors
 SHARDED_FORMAT_VERSION = 2  # one whose records carry "shard" or that lists "replicas"
@@ -138,6 +139,10 @@ class TensorRecord:
     def offsets(self) -> list[int]:
         return self.shard.offsets if self.shard is not None else [0] * len(self.shape)
 
+    def as_tensor(self, raw: Any) -> Any:
+        """Its bytes, ``raw`` (a torch uint8 tensor), viewed as its dtype and shape."""
+        return raw.view(dtypes.torch_dtype(self.dtype)).reshape(self.shape)
+
     def tensor_name(self, key: str) -> str:
         """The name of the tensor this record (kept under ``key`` in its manifest) holds
         all or a piece of."""
@@ -249,7 +254,6 @@ MAX_MANIFEST_BYTES = 1 << 30  # far above any real one (64 MiB of state plus ~30
 MAX_DIMS = 64
 _MAX_INT = (1 << 63) - 1  # offsets and sizes end up in off_t and int64 shapes
 _CHECKSUM = re.compile(rf"{CHECKSUM_ALGORITHM}:[0-9a-f]{{16}}")
-FORMATS = ("chunk", "hdf5")
 
 
 def _no_constant(name: str) -> Any:
@@ -349,7 +353,7 @@ class _Parser:
                             "(r<rank>-<seq>.safetensors, r<rank>.h5 or r<rank>-<step>.h5, inside the step folder)")
         if layout.file_rank(file) != rank:
             raise self.fail(f"{what}file {file!r} belongs to another rank than this manifest's ({rank})")
-        if (fmt == "hdf5") != bool(layout.H5.fullmatch(file)):
+        if not formats.get(fmt).owns(file):
             raise self.fail(f"{what}file {file!r} is not a file of format {fmt!r}")
         return file
 
@@ -379,13 +383,12 @@ class _Parser:
                             f"({expected} bytes)")
         file = self.data_file(t.get("file"), rank, fmt, what)
         key = self.typed(t, "key", str, what)
-        if fmt == "chunk" and key != name:
-            raise self.fail(f"{what}key {_short(key)} is not the tensor's name (a chunk file's key is)")
         offset = t.get("offset")
-        if offset is None:
-            if fmt == "chunk":
-                raise self.fail(f"{what}has no offset in its chunk file")
-        elif isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= _MAX_INT - nbytes:
+        problem = formats.get(fmt).record_problem(name, key, offset)
+        if problem is not None:
+            raise self.fail(what + problem)
+        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int)
+                                   or not 0 <= offset <= _MAX_INT - nbytes):
             raise self.fail(f"{what}offset {_short(offset)} is not a byte offset")
         digest = self.typed(t, "checksum", str, what)
         if not _CHECKSUM.fullmatch(digest):

@@ -20,7 +20,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import ckptd
-from ckptd import CheckpointError, hdf5file, index, layout
+from ckptd import CheckpointError, index, layout
+from ckptd.format import hdf5 as hdf5_format
 from ckptd.config import ConfigError, load as load_config
 from test_crash import referenced_files_only
 from test_roundtrip import cases, same_bits
@@ -99,9 +100,9 @@ def test_hostile_names_survive_and_stay_distinct(make_daemon) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.text(min_size=1, max_size=12, alphabet=st.sampled_from("ab/.%25FE ü")), min_size=2, max_size=6))
 def test_name_mapping_is_injective(names: list[str]) -> None:
-    keys = [hdf5file.dataset_key(n) for n in names]
+    keys = [hdf5_format.dataset_key(n) for n in names]
     for n, k in zip(names, keys):
-        assert "/" not in k and k != "." and hdf5file.tensor_name(k) == n
+        assert "/" not in k and k != "." and hdf5_format.tensor_name(k) == n
     assert len(set(keys)) == len(set(names))
 
 

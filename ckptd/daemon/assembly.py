@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes
-from ..chunkfile import Entry
+from ..format import Entry
 from ..manifest import Shard
 from ..names import check_name
 from .writer import Share, Stream, Writer

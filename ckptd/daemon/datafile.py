@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-from ..chunkfile import buffer_address
+from ..format.fileio import buffer_address
 
 BLOCK = 4096  # O_DIRECT alignment of addresses, offsets and lengths (the common logical block size)
 BOUNCE = 8 * 2**20  # the bounce buffer; measured: 8 MiB writes are as fast as larger ones

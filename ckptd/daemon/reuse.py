@@ -54,19 +54,18 @@ shape in consecutive steps collide with probability 2**-64.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import stat
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import chunkfile, dtypes, layout, manifestcache
-from ..chunkfile import Entry
+from .. import dtypes, format as formats, layout, manifestcache
 from ..durable import write_all
 from ..errors import CheckpointCorrupt
+from ..format import Entry, Ref, chunk
 from ..manifest import Manifest, TensorRecord
 
 log = logging.getLogger("ckptd.writer")
@@ -126,9 +125,9 @@ class Base:
         r = self.manifest.tensors.get(name)
         if r is None or r.dtype != dtype or r.shape != shape or r.numpy != numpy:
             return None
-        if (r.shard is None) != (shard is None) or (shard is not None and r.shard.to_dict() != shard.to_dict()):
-            return None
-        return r
+        if r.shard is None or shard is None:
+            return r if r.shard is shard else None  # both whole, or one a piece: not the same
+        return r if r.shard.to_dict() == shard.to_dict() else None
 
     def match(self, e: Entry) -> TensorRecord | None:
         return self.record(e.name, e.dtype.name, e.shape, e.numpy, e.shard)
@@ -144,12 +143,7 @@ class Base:
         with self._lock:
             name = self._links.get(file)
             if name is None:
-                if file == layout.h5_name(share.rank):  # named for the step that wrote it
-                    name = layout.h5_link_name(share.rank, self.step)
-                elif layout.H5.fullmatch(file):  # linked there already: the same name here
-                    name = file
-                else:
-                    name = share.new_file()
+                name = formats.get(self.manifest.format).link_name(share, self.step, file)
                 if self._place(file, share, name):
                     share.files.append(name)
                 self._links[file] = name
@@ -178,18 +172,11 @@ class Base:
         """The tensor keys the chunk file ``file`` holds, as its own header lists them."""
         fd = layout.open_regular(file, dir_fd=self._dir_fd)
         try:
-            size = int.from_bytes(os.pread(fd, 8, 0), "little")
-            body = os.pread(fd, size, 8) if size <= _MAX_HEADER else b""
+            keys, _ = chunk.read_header(fd, os.fstat(fd).st_size)
+        except CheckpointCorrupt as exc:
+            raise OSError(errno.EIO, f"{self.path / file} has no readable safetensors header ({exc})") from None
         finally:
             os.close(fd)
-        try:
-            if len(body) != size:
-                raise ValueError("truncated")
-            keys = json.loads(body)
-            if not isinstance(keys, dict):
-                raise ValueError("not a map")
-        except ValueError as exc:
-            raise OSError(errno.EIO, f"{self.path / file} has no readable safetensors header ({exc})") from None
         return set(keys) - {"__metadata__"}
 
     def _place(self, file: str, share: Any, name: str) -> bool:
@@ -239,19 +226,6 @@ class Base:
             os.close(src)
 
 
-_MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header
-
-
-@dataclass(eq=False)
-class Ref:
-    """A tensor of a chunk-format share that refers to a stored copy: placed at commit."""
-
-    name: str
-    base: Base
-    record: TensorRecord  # the base's
-    ident: tuple[int, int]  # (device, inode) of the base's file that holds it (Base.check)
-
-
 def place(share: Any, refs: list[Ref], fsync: bool, written: Callable[[int], None]) -> tuple[
         dict[str, TensorRecord], int, int]:
     """Put the stored copies ``refs`` into the share's folder: each base file whose every
@@ -294,7 +268,7 @@ def _copy(share: Any, groups: list[list[Ref]], fsync: bool, written: Callable[[i
     """The tensors of ``groups`` (each group's in one base file) copied into a new chunk
     file of the share, which holds only them."""
     refs = [r for group in groups for r in group]
-    head = chunkfile.header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes,
+    head = chunk.header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes,
                                    []) for r in refs])
     name = share.new_file()
     share.files.append(name)  # before it exists: a failed step removes it

@@ -4,6 +4,11 @@
         ^       \\-jobs--> ckptd-hdf5 (HDF5 files) --fds, commits--/      |
         +------- results (bytes freed, failures, commits) --------------+
 
+What is written, and how, is the share's storage format's (``ckptd.format``): this
+module keeps the threads, the queues, the unchanged tensors' bookkeeping and the
+commit, and asks the format to write a batch, a streamed piece or a reference, and
+to finish its files before the commit; it never tests which format a share is in.
+
 The writers write (O_DIRECT, or to the page cache); the syncer fsyncs and, last,
 writes the manifest. A chunk of small tensors is checksummed as soon as the main
 loop hands it over, on ``ckptd-hash``, so that its checksums are computed while
@@ -17,7 +22,7 @@ job's future for the syncer instead of the descriptor: chunk files are written
 side by side (the checksum of one overlaps the write of another; a fast device
 sees several writes in flight), and the syncer still commits only after every
 one of its share's futures is done.
-A share goes to one writer by its format. HDF5 has its own thread, which does
+A share goes to the writer thread its format names. HDF5 has its own thread, which does
 nothing else, so that a slow file (gzip) never delays chunk files, and h5py's
 global lock is only ever taken there (docs/hdf5.md says why a thread, not a
 process). Nothing here touches sockets; results go back through ``notify``.
@@ -36,13 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import chunkfile, layout, manifestcache
+from .. import format as formats, layout, manifestcache
 from . import failpoints, reuse
-from ..chunkfile import Entry
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
 from ..manifest import Checksum, CheckpointInfo, Manifest, TensorRecord, checksum
 from ..errors import CheckpointCorrupt
+from ..format import Entry, Format
 from ..index import read_manifests
 from .attempts import read_manifest
 from .datafile import Bounce, DataFile, Throttle
@@ -68,9 +73,9 @@ class Share:
     next_file: int = 0  # chunk sequence numbers, assigned by the main thread
     started: float = field(default_factory=time.monotonic)
     dir_ready: bool = False
-    format: str = "chunk"  # "hdf5": one r<rank>.h5, written on the ckptd-hdf5 thread
+    format: str = "chunk"  # its storage format (ckptd.format), which writes it on the thread it names
     chunk_size: int = 64 * 2**20  # ``[daemon] chunk_size``: the most a file of copied tensors holds (reuse)
-    h5: Any = None  # that file while it is open (an hdf5file.H5Writer)
+    open_file: Any = None  # the format's file kept open across batches (HDF5's r<rank>.h5)
     owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
     dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
     attempt: str | None = None  # the job's attempt that writes it (ckptd.attempt)
@@ -79,11 +84,11 @@ class Share:
     base: Any = None  # the earlier share it refers to (reuse.Base), once looked for
     base_sought: bool = False
     bases: list = field(default_factory=list)  # other steps frozen= tensors refer to (reuse.Base)
-    refs: list = field(default_factory=list)  # its tensors stored already (reuse.Ref), placed at commit
+    refs: list = field(default_factory=list)  # its tensors stored already (format.Ref), placed at commit
     reused: int = 0  # bytes of its tensors that refer to an earlier step's copy (reuse)
     recognised: int = 0  # bytes the daemon received and did not write from memory (reuse)
     copied: int = 0  # bytes of stored copies copied into files of its own (reuse.place)
-    _names: threading.Lock = field(default_factory=threading.Lock)  # file names, records
+    lock: threading.Lock = field(default_factory=threading.Lock)  # file names, records, refs
     _seeking: threading.Lock = field(default_factory=threading.Lock)  # the base, looked for once
     settled: threading.Event = field(default_factory=threading.Event)  # committed or failed, for good
     before: "Share | None" = None  # this rank's share committing when this one's first chunk came
@@ -112,9 +117,14 @@ class Share:
     def new_file(self) -> str:
         """A new chunk-file name of this share. The main thread names the chunk files it
         hands over; the I/O threads name those they link from an earlier step (reuse)."""
-        with self._names:
+        with self.lock:
             seq, self.next_file = self.next_file, self.next_file + 1
         return layout.chunk_name(self.rank, seq)
+
+    def record(self, e: Entry, file: str, key: str, offset: int | None, digest: str) -> TensorRecord:
+        """The manifest's record of ``e``, written to ``file`` under ``key`` at ``offset``."""
+        return TensorRecord(dtype=e.dtype.name, shape=e.shape, file=file, key=key, offset=offset,
+                            nbytes=e.nbytes, checksum=digest, numpy=e.numpy, shard=e.shard)
 
 
 @dataclass
@@ -135,10 +145,9 @@ class Stream:
     share: Share
     entry: Entry
     file: str
-    out: DataFile | None = None
+    out: Any = None  # where its pieces go, while it is open: the format's (a DataFile, an HDF5 dataset)
     hasher: Checksum | None = None
-    header_len: int = 0
-    dataset: Any = None  # format "hdf5": its hdf5file.Slot (dataset) in the share's file
+    header_len: int = 0  # bytes before its data in its file (a chunk file's header)
 
 
 class Writer:
@@ -152,22 +161,31 @@ class Writer:
         self._committing_lock = threading.Lock()  # the main loop sets, the syncer clears
         self._after_commit = after_commit  # (share, step now complete), on the syncer thread
         self._fsync = fsync
-        self._hdf5 = hdf5
-        self._direct = direct_io
+        self.hdf5_options = hdf5  # (format.WriteIO)
+        self.direct_io = direct_io
         self._bounces = threading.local()  # each writing thread's bounce buffer, for O_DIRECT writes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-writer") if threads > 1 else None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckptd-hash")
         self._throttle = Throttle(write_rate) if write_rate else None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._h5jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # one thread per name a format gives (format.Format.thread), all started now
+        self._queues: dict[str, queue.SimpleQueue] = {f.thread: queue.SimpleQueue()
+                                                      for f in formats.BY_NAME.values()}
         self._syncs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [  # closed in this order: the writers feed the syncer
-            threading.Thread(target=self._loop, args=(self._jobs,), name="ckptd-writer", daemon=True),
-            threading.Thread(target=self._loop, args=(self._h5jobs,), name="ckptd-hdf5", daemon=True),
+            *(threading.Thread(target=self._loop, args=(jobs,), name=name, daemon=True)
+              for name, jobs in self._queues.items()),
             threading.Thread(target=self._loop, args=(self._syncs,), name="ckptd-syncer", daemon=True),
         ]
         for t in self._threads:
             t.start()
+
+    @staticmethod
+    def _format(share: Share) -> Format:
+        return formats.get(share.format)
+
+    def _jobs(self, share: Share) -> queue.SimpleQueue:
+        """The queue of the thread that writes ``share``."""
+        return self._queues[self._format(share).thread]
 
     # -- called by the main loop -------------------------------------------------
     def write_chunk(self, share: Share, entries: list[Entry], held: int, seqs: list[int]) -> None:
@@ -180,30 +198,21 @@ class Writer:
         if share.before is None:
             before = self._committing.get((share.run, share.rank))
             share.before = before if before is not share else None
-        if share.format == "hdf5":
-            self._h5jobs.put((self._do_h5_batch, (share, entries, held, seqs, ahead)))
-        else:
-            self._jobs.put((self._do_chunk, (share, share.new_file(), entries, held, seqs, ahead)))
+        name = self._format(share).next_file(share)  # named here, in the order they came
+        self._jobs(share).put((self._do_batch, (share, name, entries, held, seqs, ahead)))
 
     def open_stream(self, share: Share, entry: Entry) -> Stream:
-        if share.format == "hdf5":
-            stream = Stream(share, entry, layout.h5_name(share.rank))
-            self._h5jobs.put((self._do_h5_stream_open, (stream,)))
-        else:
-            stream = Stream(share, entry, share.new_file())
-            self._jobs.put((self._do_stream_open, (stream,)))
+        stream = Stream(share, entry, self._format(share).next_file(share))
+        self._jobs(share).put((self._do_stream_open, (stream,)))
         return stream
 
     def stream_piece(self, stream: Stream, piece: Any, last: bool, held: int, seqs: list[int]) -> None:
-        if stream.share.format == "hdf5":
-            self._h5jobs.put((self._do_h5_stream_piece, (stream, piece, last, held, seqs)))
-        else:
-            self._jobs.put((self._do_stream_piece, (stream, piece, last, held, seqs)))
+        self._jobs(stream.share).put((self._do_stream_piece, (stream, piece, last, held, seqs)))
 
     def link_same(self, share: Share, base_step: int, items: list[Entry]) -> None:
         """Tensors the producer declared unchanged since ``base_step`` (``frozen=``):
         refer to that step's stored copies (reuse), on the thread that writes the share."""
-        (self._h5jobs if share.format == "hdf5" else self._jobs).put((self._do_same, (share, base_step, items)))
+        self._jobs(share).put((self._do_same, (share, base_step, items)))
 
     def commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
         with self._committing_lock:
@@ -214,7 +223,7 @@ class Writer:
     def replace_earlier(self, share: Share) -> None:
         """Before any write of ``share``: remove its rank's share of the step that an earlier
         attempt of the job committed (``ckptd.daemon.attempts``), on the thread that writes it."""
-        (self._h5jobs if share.format == "hdf5" else self._jobs).put((self._do_replace, (share,)))
+        self._jobs(share).put((self._do_replace, (share,)))
 
     def discard(self, share: Share) -> None:
         # On the writer thread itself, not the syncer: a step aborted and at once sent
@@ -223,16 +232,15 @@ class Writer:
         self._after_writes(share, (self._do_discard, (share,)))
 
     def _after_writes(self, share: Share, job: tuple) -> None:
-        """Queue ``job`` on the share's writer thread, after every write of the share."""
-        if share.format == "hdf5":  # the file is closed (and queued for fsync) first
-            self._h5jobs.put((self._do_h5_close, (share,)))
-            self._h5jobs.put(job)
-        else:
-            self._jobs.put(job)
+        """Queue ``job`` on the share's writer thread, after every write of the share (and
+        once its format has closed its files and queued them for fsync)."""
+        jobs = self._jobs(share)
+        jobs.put((self._do_close, (share,)))
+        jobs.put(job)
 
     def close(self) -> None:
         """Finish every queued job, then stop the threads."""
-        for jobs, thread in zip((self._jobs, self._h5jobs, self._syncs), self._threads):
+        for jobs, thread in zip((*self._queues.values(), self._syncs), self._threads):
             jobs.put(None)
             thread.join()
         if self._pool is not None:
@@ -261,12 +269,13 @@ class Writer:
         kind = "freed" if share.error is None else "failed"
         self._notify(Result(kind, share, held, seqs, message=share.error or ""))
 
-    def _fail(self, share: Share, what: str, exc: OSError) -> None:
+    # -- what the formats ask of the writer (format.WriteIO), on its threads ----------------
+    def fail(self, share: Share, what: str, exc: OSError) -> None:
         if share.error is None:
             share.error = f"{what}: {exc.strerror or exc}"
             log.error("run=%s step=%d rank=%d failed: %s", share.run, share.step, share.rank, share.error)
 
-    def _ensure_dir(self, share: Share) -> None:
+    def ensure_dir(self, share: Share) -> None:
         if not share.dir_ready:
             layout.ensure_real_dir(share.dir, share.root)
             share.dir_fd = layout.open_step_dir(share.dir)  # from now on, files are made through it
@@ -281,11 +290,21 @@ class Writer:
                 os.close(fd)
             share.dir_ready = True
 
-    def _create(self, share: Share, name: str) -> DataFile:
-        """A new chunk file of ``share``, written on the ckptd-writer thread."""
-        self._ensure_dir(share)
-        share.files.append(name)
-        return DataFile.create(share.at(name), direct=self._direct, bounce=self._bounce(), throttle=self._throttle)
+    def create(self, share: Share, name: str, *, listed: bool = False) -> DataFile:
+        """A new data file of ``share`` (O_DIRECT where it can be). ``listed``: it is in
+        ``share.files`` already, in a folder made already (the pool's case)."""
+        if not listed:
+            self.ensure_dir(share)
+            share.files.append(name)
+        return DataFile.create(share.at(name), direct=self.direct_io, bounce=self._bounce(),
+                               throttle=self._throttle)
+
+    def sync(self, share: Share, name: str, fd: int) -> None:
+        self._syncs.put((self._do_sync, (share, name, fd)))
+
+    def throttled(self, nbytes: int) -> None:
+        if self._throttle is not None:
+            self._throttle.take(nbytes)
 
     def _bounce(self) -> Bounce:
         bounce = getattr(self._bounces, "buffer", None)
@@ -293,37 +312,38 @@ class Writer:
             bounce = self._bounces.buffer = Bounce()
         return bounce
 
-    def _do_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int],
+    # -- the threads' jobs -----------------------------------------------------------------
+    def _do_batch(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int],
                   ahead: Future | None = None) -> None:
-        if self._pool is not None and share.error is None:
+        if self._pool is not None and share.error is None and self._format(share).parallel:
             try:
-                self._ensure_dir(share)  # here, once: the pool's threads only make files in it
+                self.ensure_dir(share)  # here, once: the pool's threads only make files in it
                 share.files.append(name)  # (in order, before any pool thread appends)
             except OSError as exc:
-                self._fail(share, f"writing {share.dir / name}", exc)
+                self.fail(share, f"writing {share.dir / name}", exc)
             else:
-                future = self._pool.submit(self._pooled_chunk, share, name, entries, held, seqs, ahead)
+                future = self._pool.submit(self._pooled_batch, share, name, entries, held, seqs, ahead)
                 share.inflight.append(future)
                 self._syncs.put((self._await, (share, future)))
                 return
         try:
             if share.error is None:
-                fd = self._write_chunk(share, name, entries, ahead=ahead)
+                fd = self._write_batch(share, name, entries, ahead=ahead)
                 if fd is not None:
-                    self._syncs.put((self._do_sync, (share, name, fd)))
+                    self.sync(share, name, fd)
         finally:
             _settled(ahead)  # ckptd-hash is done with the buffers too
             entries.clear()  # drop the received buffers before reporting them freed
             self._report_freed(share, held, seqs)
 
-    def _pooled_chunk(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int],
+    def _pooled_batch(self, share: Share, name: str, entries: list[Entry], held: int, seqs: list[int],
                       ahead: Future | None) -> None:
-        """On a pool thread: the whole chunk file, fsync included (after its buffers are
+        """On a pool thread: the whole file, fsync included (after its buffers are
         reported free: the producer may reuse them while the disk syncs)."""
         fd = None
         try:
             if share.error is None:
-                fd = self._write_chunk(share, name, entries, listed=True, ahead=ahead)
+                fd = self._write_batch(share, name, entries, listed=True, ahead=ahead)
         finally:
             _settled(ahead)
             entries.clear()
@@ -342,45 +362,17 @@ class Writer:
         finally:
             share.inflight.remove(future)
 
-    def _write_chunk(self, share: Share, name: str, entries: list[Entry], *, listed: bool = False,
+    def _write_batch(self, share: Share, name: str, entries: list[Entry], *, listed: bool = False,
                      ahead: Future | None = None) -> int | None:
-        """Write one chunk file; its descriptor, to fsync and close, or None (failed).
-        ``listed``: the file is in ``share.files`` already (the pool's case); ``ahead``:
-        the entries' checksums, being computed on ckptd-hash (a share that had failed
-        when its chunk came has none, and is not written)."""
+        """Have the share's format write ``entries`` into file ``name``; a descriptor to
+        fsync and close, or None. ``listed``: the file is in ``share.files`` already (the
+        pool's case); ``ahead``: the entries' checksums, being computed on ckptd-hash (a
+        share that had failed when its batch came has none, and is not written)."""
         assert ahead is not None
         digests = ahead.result()
-        try:
-            entries = self._recognise(share, entries, digests)
-        except OSError as exc:
-            self._fail(share, f"linking unchanged tensors into {share.dir}", exc)
-            return None
-        if not entries:  # every tensor of it is stored already
-            return None
-        failpoints.hit("writer.chunk")
-        head = chunkfile.header(entries)
-        records = {}
-        out = None
-        try:
-            if listed:
-                out = DataFile.create(share.at(name), direct=self._direct, bounce=self._bounce(),
-                                      throttle=self._throttle)
-            else:
-                out = self._create(share, name)
-            out.write([head])
-            offset = len(head)
-            for e in entries:
-                records[e.name] = _record(e, name, e.name, offset, digests[e.name])
-                out.write(e.buffers)
-                offset += e.nbytes
-            fd = out.finish()
-        except OSError as exc:
-            if out is not None:
-                out.close()
-            self._fail(share, f"writing {share.dir / name}", exc)
-            return None
-        share.records.update(records)
-        return fd
+        fmt = self._format(share)
+        failpoints.hit(f"writer.{fmt.name}")
+        return fmt.write_batch(self, share, name, entries, digests, listed=listed)
 
     # -- reuse: tensors stored already, in the base step ---------------------------------
     def _base(self, share: Share, at: int | None = None) -> Any:
@@ -395,12 +387,12 @@ class Writer:
                         and not before.settled.wait(SETTLE_TIMEOUT_S):
                     log.warning("run=%s step=%d rank=%d: step %d is still committing after %.0f s; not waiting "
                                 "to refer to it", share.run, share.step, share.rank, before.step, SETTLE_TIMEOUT_S)
-                self._ensure_dir(share)
+                self.ensure_dir(share)
                 share.base = reuse.Base.find(share.root, share.run, share.rank, share.step, share.world_size,
                                              share.format, at=at)
             return share.base
 
-    def _recognise(self, share: Share, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
+    def recognise(self, share: Share, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
         """Refer to the base's copy of each entry unchanged since it (``digests``: their
         checksums); return the others, to write."""
         if not self._reuse:
@@ -422,28 +414,15 @@ class Writer:
         return left
 
     def _refer(self, share: Share, base: Any, name: str, old: TensorRecord, received: bool = False) -> None:
-        """Tensor ``name`` is ``old``, stored in ``base``. HDF5: link the base's file now,
-        and show the tensor in r<rank>.h5 through an external link. Chunk files: once the
-        step's every unchanged tensor is known, at its commit (reuse.place), each base
-        file is linked or its tensors copied; the file is checked to be there now."""
-        if share.format == "hdf5":
-            record = base.link(share, old)
-            self._h5_file(share).link_external(record.key, record.file)  # plain h5py sees it there
-            with share._names:
-                share.records[name] = record
-                share.reused += record.nbytes
-                share.recognised += record.nbytes if received else 0
-            return
-        ref = reuse.Ref(name, base, old, base.check(old.file))
-        with share._names:
-            share.refs.append(ref)
-            share.recognised += old.nbytes if received else 0
+        """Tensor ``name`` is ``old``, stored in ``base``: the share's format links or
+        copies it (now, or at the commit: ``_place_refs``)."""
+        self._format(share).refer(self, share, base, name, old, received)
 
     def _place_refs(self, share: Share) -> None:
         """On the syncer, before the manifest: the share's stored copies, linked or copied
         into its folder (reuse.place)."""
         refs, share.refs = share.refs, []
-        records, linked, copied = reuse.place(share, refs, self._fsync, self._throttled)
+        records, linked, copied = reuse.place(share, refs, self._fsync, self.throttled)
         share.records.update(records)
         share.reused += linked
         share.copied += copied
@@ -474,7 +453,7 @@ class Writer:
                            "them again with its next save")
             log.error("run=%s step=%d rank=%d failed: %s", share.run, share.step, share.rank, share.error)
         except OSError as exc:
-            self._fail(share, f"linking frozen tensors into {share.dir}", exc)
+            self.fail(share, f"linking frozen tensors into {share.dir}", exc)
         finally:
             if own is not None:
                 own.close()
@@ -482,132 +461,27 @@ class Writer:
     def _do_stream_open(self, stream: Stream) -> None:
         if stream.share.error is not None:
             return
-        head = chunkfile.header([stream.entry])
-        try:
-            stream.out = self._create(stream.share, stream.file)
-            stream.out.write([head])
-        except OSError as exc:
-            self._close_stream(stream)
-            self._fail(stream.share, f"writing {stream.share.dir / stream.file}", exc)
-            return
-        stream.header_len = len(head)
-        stream.hasher = Checksum()
+        if self._format(stream.share).open_stream(self, stream):
+            stream.hasher = Checksum()
 
     def _do_stream_piece(self, stream: Stream, piece: Any, last: bool, held: int, seqs: list[int]) -> None:
         share = stream.share
         try:
-            if share.error is None and stream.out is not None:
-                stream.hasher.update(piece)
-                stream.out.write([piece])
-                if last:
-                    fd = stream.out.finish()
-                    share.records[stream.entry.name] = _record(
-                        stream.entry, stream.file, stream.entry.name, stream.header_len, stream.hasher.text())
-                    self._syncs.put((self._do_sync, (share, stream.file, fd)))
-                    stream.out = None
-        except OSError as exc:
-            self._close_stream(stream)
-            self._fail(share, f"writing {share.dir / stream.file}", exc)
-        finally:
-            del piece
-            if share.error is not None:
-                self._close_stream(stream)
-            self._report_freed(share, held, seqs)
-
-    @staticmethod
-    def _close_stream(stream: Stream) -> None:
-        if stream.out is not None:
-            stream.out.close()
-            stream.out = None
-
-    # -- format "hdf5", on the ckptd-hdf5 thread: one file per share -----------------------
-    def _h5_file(self, share: Share) -> Any:
-        """The share's open HDF5 file, created on first use."""
-        if share.h5 is None:
-            from ..hdf5file import H5Writer  # h5py loads only in a daemon that writes HDF5
-
-            self._ensure_dir(share)
-            name = layout.h5_name(share.rank)
-            share.files.append(name)
-            share.h5 = H5Writer(Path(share.at(name)), self._hdf5, shown=share.dir / name, direct=self._direct,
-                                attrs={"run": share.run, "step": share.step, "rank": share.rank})
-        return share.h5
-
-    def _h5_record(self, share: Share, e: Entry, dataset: Any, digest: str) -> None:
-        share.records[e.name] = _record(e, layout.h5_name(share.rank), dataset.key, dataset.offset, digest)
-
-    def _do_h5_batch(self, share: Share, entries: list[Entry], held: int, seqs: list[int],
-                     ahead: Future | None = None) -> None:
-        try:
-            if share.error is None:
-                failpoints.hit("writer.hdf5")
-                h5 = self._h5_file(share)
-                assert ahead is not None  # (a share failed when its chunk came is not written)
-                digests = ahead.result()
-                for e in self._recognise(share, entries, digests):
-                    dataset = h5.add(e.name, e.dtype, e.shape)
-                    h5.write(dataset, e.buffers)
-                    self._throttled(e.nbytes)
-                    self._h5_record(share, e, dataset, digests[e.name])
-        except OSError as exc:
-            self._fail(share, f"writing {share.dir / layout.h5_name(share.rank)}", exc)
-        finally:
-            _settled(ahead)
-            entries.clear()  # drop the received buffers before reporting them freed
-            self._report_freed(share, held, seqs)
-
-    def _throttled(self, nbytes: int) -> None:
-        if self._throttle is not None:
-            self._throttle.take(nbytes)
-
-    def _do_h5_stream_open(self, stream: Stream) -> None:
-        share, e = stream.share, stream.entry
-        if share.error is not None:
-            return
-        try:
-            stream.dataset = self._h5_file(share).add(e.name, e.dtype, e.shape)
-        except OSError as exc:
-            self._fail(share, f"writing {share.dir / stream.file}", exc)
-            return
-        stream.hasher = Checksum()
-
-    def _do_h5_stream_piece(self, stream: Stream, piece: Any, last: bool, held: int, seqs: list[int]) -> None:
-        share = stream.share
-        try:
-            if share.error is None and stream.dataset is not None:
-                stream.hasher.update(piece)
-                share.h5.write(stream.dataset, [piece])
-                self._throttled(len(memoryview(piece)))
-                if last:
-                    self._h5_record(share, stream.entry, stream.dataset, stream.hasher.text())
-        except OSError as exc:
-            self._fail(share, f"writing {share.dir / stream.file}", exc)
+            self._format(share).stream_piece(self, stream, piece, last)
         finally:
             del piece
             self._report_freed(share, held, seqs)
 
-    def _do_h5_close(self, share: Share) -> None:
-        """Before a commit or discard: finish the file (HDF5 writes its metadata now) and
-        queue it for fsync; a failed share's file is only let go of."""
-        h5, share.h5 = share.h5, None
-        if h5 is None:
-            return
-        if share.error is not None:
-            h5.abort()
-            return
-        try:
-            fd = h5.close()
-        except OSError as exc:
-            self._fail(share, f"writing {share.dir / h5.path.name}", exc)
-            return
-        self._syncs.put((self._do_sync, (share, h5.path.name, fd)))
+    def _do_close(self, share: Share) -> None:
+        """Before a commit or discard: the format finishes the share's open files."""
+        self._format(share).close(self, share)
 
     def _do_sync(self, share: Share, name: str, fd: int) -> None:
         try:
             if self._fsync and share.error is None:
                 os.fsync(fd)
         except OSError as exc:
-            self._fail(share, f"fsync of {share.dir / name}", exc)
+            self.fail(share, f"fsync of {share.dir / name}", exc)
         finally:
             os.close(fd)
 
@@ -621,12 +495,12 @@ class Writer:
             try:
                 self._place_refs(share)
             except OSError as exc:
-                self._fail(share, f"placing unchanged tensors in {share.dir}", exc)
+                self.fail(share, f"placing unchanged tensors in {share.dir}", exc)
         if share.error is None:
             try:
                 info = self._write_manifest(share, state, metadata)
             except OSError as exc:
-                self._fail(share, f"writing the manifest in {share.dir}", exc)
+                self.fail(share, f"writing the manifest in {share.dir}", exc)
             except Exception as exc:  # a bug: the commit must still be answered, as failed
                 log.exception("committing run=%s step=%d rank=%d", share.run, share.step, share.rank)
                 share.error = share.error or f"internal error while committing: {type(exc).__name__}: {exc}"
@@ -640,7 +514,7 @@ class Writer:
         self._notify(Result("commit_failed", share, message=share.error or "", token=token))
 
     def _write_manifest(self, share: Share, state: Any, metadata: dict) -> CheckpointInfo:
-        self._ensure_dir(share)  # a step with no tensors has no chunk files
+        self.ensure_dir(share)  # a step with no tensors has no data files
         data_files = {r.file for r in share.records.values()}
         manifest = Manifest(
             run=share.run, step=share.step, rank=share.rank, world_size=share.world_size,
@@ -751,8 +625,3 @@ def _settled(ahead: Future | None) -> None:
 
 class _NotThere(Exception):
     """A tensor declared unchanged has no stored copy to refer to."""
-
-
-def _record(e: Entry, file: str, key: str, offset: int | None, digest: str) -> TensorRecord:
-    return TensorRecord(dtype=e.dtype.name, shape=e.shape, file=file, key=key, offset=offset,
-                        nbytes=e.nbytes, checksum=digest, numpy=e.numpy, shard=e.shard)

@@ -16,8 +16,8 @@ from torch.futures import Future
 
 from .. import reader, state as state_mod
 from ..errors import CheckpointCorrupt
-from ..load_into import Piece, Target, fill  # ckptd.load_into's reader: byte ranges into targets
 from ..manifest import CheckpointInfo, Manifest
+from ..reader import Piece, Target, fill  # ckptd.load_into's reader: byte ranges into targets
 from ..sharding import Box
 from .. import env
 from .ids import is_checkpoint_id, step_of as _step_of

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import zmq
 
@@ -244,8 +244,6 @@ class PeerTier:
         each checked against its checksum (CheckpointCorrupt if one does not match)."""
         import torch
 
-        from ..reader import as_tensor
-
         bufs = {}
         ranges = []
         checks = _Checks(f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}")
@@ -260,7 +258,7 @@ class PeerTier:
             checks.wait()
         finally:
             checks.close()
-        return {name: as_tensor(bufs[name], rec) for name, rec in records.items()}
+        return {name: rec.as_tensor(bufs[name]) for name, rec in records.items()}
 
     def read_files(self, endpoint: str, m: Manifest, sizes: dict[str, int]) -> dict[str, memoryview]:
         """The files of a share, read from ``endpoint`` and checked: every tensor against
@@ -373,9 +371,11 @@ def _segments(m: Manifest, file: str, buf: memoryview,
 
 class PeerSource:
     """A step that the local root and the peers hold together: ``ckptd.load`` reads a
-    rank's tensors from here, straight into memory (no file written)."""
+    rank's tensors from here, straight into memory (no file written). A source of the
+    reader's (``ckptd.reader.tiers.Source``)."""
 
     url = "the peers' memory"
+    fills_root = True  # loads that read local files fetch the peers' shares first
 
     def __init__(self, tier: PeerTier, run: str, step: int, base: Path,
                  held: dict[tuple[int, int], list[tuple[str, str, Manifest]]], manifests: list[Manifest]) -> None:
@@ -383,10 +383,11 @@ class PeerSource:
         self.held = held
         self.manifests = manifests
 
-    def fill(self) -> int:
-        return self.tier.fill(self.run, self.step, self.base, self.held)
+    def fill(self, ranks: Iterable[int] | None = None) -> None:
+        """Fetch the shares the local root lacks (of every rank: the peers serve whole shares)."""
+        self.tier.fill(self.run, self.step, self.base, self.held)
 
-    def read_tensors(self, records: dict[str, TensorRecord],
+    def read_tensors(self, manifest: Manifest, records: dict[str, TensorRecord],
                      local: Callable[[dict[str, TensorRecord]], dict[str, Any]]) -> dict[str, Any]:
         """``records`` (of one rank's share, its replicated tensors included): those of
         shares in the local root through ``local``, the others from the first peer whose

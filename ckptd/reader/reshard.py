@@ -1,4 +1,4 @@
-"""``ckptd.load_into``: fill a state's tensors and DTensors in place from a checkpoint,
+"""Resharding loads. ``ckptd.load_into``: fill a state's tensors and DTensors in place from a checkpoint,
 whatever layout (world size, sharding) it was saved in; and ``load`` of a whole
 multi-rank checkpoint, every sharded tensor assembled to its global shape.
 
@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import dtypes, env, layout, measures, reader, state as state_mod
-from .errors import CheckpointCorrupt, CheckpointNotFound
-from .manifest import CheckpointInfo, Manifest, TensorRecord, checksum
-from .sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
+from .. import dtypes, env, layout, measures, state as state_mod
+from ..errors import CheckpointCorrupt, CheckpointNotFound
+from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
+from ..sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
+from .files import read_range, read_tensors
+from .steps import find_in_tiers
 
 READ_THREADS = 8
 SPLIT_BYTES = 32 << 20  # a direct read larger than this is shared out between threads
@@ -90,7 +92,7 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     targets, and only those, are fetched into the local root first (checksums
     checked), then read as a local step is.
     """
-    path, manifests, store = reader.find_in_tiers(run, step, root, remote)
+    path, manifests, source = find_in_tiers(run, step, root, remote)
     rank = env.group_rank()  # per-rank values stored whole: this rank's own copy is preferred
     pieces = pieces_of(manifests)
     saved = _saved_structure(path, manifests, rank)
@@ -109,13 +111,8 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
             f"step {manifests[0].step} of run {run!r} has no " + ", ".join(map(repr, missing[:5]))
             + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
             + "; pass strict=False to load what it has and leave the rest as it is")
-    if store is not None:  # complete only in the bucket: fetch what this process reads
-        from .config import default_root
-        from .remote import fetch
-
-        needed = {p.rank for t in plans for p, _ in _choose(t, pieces[t.name], rank)}
-        for r in sorted(needed):
-            fetch.fetch_share(store, run, manifests[0].step, r, default_root(root))
+    if source is not None:  # complete only in another tier: fetch what this process reads
+        source.fill({p.rank for t in plans for p, _ in _choose(t, pieces[t.name], rank)})
     fill(path, plans, pieces, rank, verify)
     return CheckpointInfo.from_manifests(str(path), manifests)
 
@@ -361,7 +358,7 @@ def _flat_bytes(target: Target) -> memoryview:
 
 
 def _direct(files: _Files, fd: int, piece: Piece, start: int, dst: memoryview) -> Any:
-    return lambda: reader.read_range(fd, files.path / piece.rec.file, piece.key, piece.rec, start, dst)
+    return lambda: read_range(fd, files.path / piece.rec.file, piece.key, piece.rec, start, dst)
 
 
 def _span(files: _Files, fd: int, piece: Piece, box: Box, target: Target, start: int, length: int) -> Any:
@@ -369,7 +366,7 @@ def _span(files: _Files, fd: int, piece: Piece, box: Box, target: Target, start:
         import torch
 
         raw = torch.empty(length, dtype=torch.uint8)
-        reader.read_range(fd, files.path / piece.rec.file, piece.key, piece.rec, start, memoryview(raw.numpy()))
+        read_range(fd, files.path / piece.rec.file, piece.key, piece.rec, start, memoryview(raw.numpy()))
         _copy_out(raw, piece, box, target)
     return run
 
@@ -380,12 +377,12 @@ def _whole(files: _Files, piece: Piece, wanted: list[tuple[Target, Box]], verify
 
         rec = piece.rec
         if rec.offset is None:
-            raw = reader.read_tensors(files.path, {piece.key: rec}, verify=verify)[piece.key]
+            raw = read_tensors(files.path, {piece.key: rec}, verify=verify)[piece.key]
             raw = raw.reshape(-1).view(torch.uint8)
         else:
             raw = torch.empty(rec.nbytes, dtype=torch.uint8)
             if rec.nbytes:
-                reader.read_range(files.fd(rec.file), files.path / rec.file, piece.key, rec, 0,
+                read_range(files.fd(rec.file), files.path / rec.file, piece.key, rec, 0,
                                   memoryview(raw.numpy()))
             if verify and checksum([memoryview(raw.numpy())] if rec.nbytes else []) != rec.checksum:
                 raise CheckpointCorrupt(f"{files.path / rec.file}: tensor {piece.key!r}: does not match "

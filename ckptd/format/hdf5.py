@@ -26,33 +26,47 @@ The rest (a last partial page, small pieces) goes through the page cache. A
 chunked dataset (``chunk_shape = "auto"``, compression, fletcher32) is written
 through h5py, whole rows at a time, since HDF5's filters run inside the library.
 
-Only this module and the reader path it serves import h5py; its errors become
-``OSError`` (writing) or are left to the reader to translate.
+**Reusing.** An unchanged tensor of an earlier step is there at once: the earlier
+step's whole file is linked into the folder (``r<rank>-<step>.h5``) and the tensor's
+dataset shows in ``r<rank>.h5`` as an external link to it (``ckptd.daemon.reuse``).
+
+Only this module imports h5py, and only once a file is written or read (the format
+object itself needs none: a daemon or reader that never meets an HDF5 file never loads
+it). Its errors become ``OSError`` (writing) or ``CheckpointCorrupt`` (reading).
+It is longer than most modules because it is the whole format, both sides, in the one
+place h5py may be used.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
 
-import h5py
-import numpy as np
+from .. import dtypes, layout
+from ..dtypes import Dtype
+from ..errors import CheckpointCorrupt
+from .fileio import buffer_address, write_buffers
+from .protocol import Entry, WriteIO
 
-from .chunkfile import buffer_address, write_buffers
-from .config import Hdf5Config
-from .dtypes import Dtype
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..config import Hdf5Config
+    from ..daemon.writer import Share, Stream
+    from ..manifest import TensorRecord
 
 ATTR_NAME = "name"  # the exact tensor name
 ATTR_DTYPE = "torch_dtype"  # the torch dtype, e.g. "bfloat16" (stored as uint16)
 _ALIGN_THRESHOLD = 64 * 2**10  # datasets this large start on a page boundary...
 _ALIGN = 4096  # ...like chunk files' data
 _LIBVER = ("v108", "v108")  # readable by HDF5 >= 1.8 (Debian's h5dump, HDFView); large attributes
-_H5PY_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError)
+_H5PY_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError)  # h5py's, as Python's
 _ESCAPE = re.compile("%(25|2F)")  # every "%" in a key starts one of these
 
 
@@ -72,6 +86,8 @@ def tensor_name(key: str) -> str:
 
 def stored_dtype(dtype: Dtype) -> np.dtype:
     """The numpy dtype a dataset of ``dtype`` holds: its own, or same-width unsigned."""
+    import numpy as np
+
     return np.dtype(dtype.numpy) if dtype.numpy else np.dtype(f"<u{dtype.itemsize}")
 
 
@@ -97,6 +113,8 @@ class H5Writer:
 
     def __init__(self, path: Path, options: Hdf5Config, attrs: dict[str, Any] | None = None,
                  shown: Path | None = None, direct: bool = False) -> None:
+        import h5py
+
         self.path = path
         self.shown = shown or path  # in messages (``path`` may go through /proc/self/fd)
         self.options = options
@@ -124,6 +142,8 @@ class H5Writer:
 
     def add(self, name: str, dtype: Dtype, shape: Sequence[int]) -> Slot:
         """Create the dataset of tensor ``name``; its bytes follow through ``write``."""
+        import h5py
+
         key, shape = dataset_key(name), tuple(shape)
         stored = stored_dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
@@ -221,6 +241,8 @@ class H5Writer:
     def _contiguous(self, key: str, stored: np.dtype, shape: tuple[int, ...]) -> Any:
         """A contiguous dataset whose space is allocated now and never filled: its offset
         is final, and HDF5 never writes to it."""
+        import h5py
+
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_layout(h5py.h5d.CONTIGUOUS)
         dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
@@ -270,6 +292,8 @@ class _Rows:
             self.carry += view[whole:]
 
     def _put(self, view: memoryview) -> None:
+        import numpy as np
+
         n = len(view) // self.row_bytes
         rows = np.frombuffer(view, dtype=self.dtype).reshape((n, *self.shape[1:]))
         self.ds[self.done:self.done + n] = rows
@@ -296,15 +320,29 @@ def _os_error(what: str, exc: BaseException) -> OSError:
 # folder, and a filter can expand a few bytes into gigabytes. Only what the writer
 # itself makes is accepted: hard links in this file, contiguous, compact or
 # chunked storage, and the filters below.
-_SAFE_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32,
-                 h5py.h5z.FILTER_LZF}
 _EXPANSION = 1032  # the most that deflate expands (lzf: about 90); shuffle and fletcher32 do not
-_LAYOUTS = {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.COMPACT: "compact", h5py.h5d.CHUNKED: "chunked"}
+
+
+@functools.cache
+def _safe_filters() -> frozenset[int]:
+    import h5py
+
+    return frozenset({h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32,
+                      h5py.h5z.FILTER_LZF})
+
+
+@functools.cache
+def _layouts() -> dict[int, str]:
+    import h5py
+
+    return {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.COMPACT: "compact", h5py.h5d.CHUNKED: "chunked"}
 
 
 def open_file(source: Path | BinaryIO) -> Any:
     """Open an HDF5 file for reading: a path, or a file object (an already opened,
     already checked file; h5py then reads only through it). The caller closes it."""
+    import h5py
+
     if isinstance(source, Path):
         return h5py.File(source, "r", locking="best-effort")
     return h5py.File(source, "r")
@@ -315,6 +353,9 @@ def find_dataset(file: Any, key: str, dtype: Dtype, shape: Sequence[int], offset
     is allocated by its size: ``KeyError`` if it is missing, ``ValueError`` saying
     what is wrong if it is not a plain dataset of this file with the manifest's type
     and shape (and, where the manifest has one, offset)."""
+    import h5py
+
+    layouts, safe = _layouts(), _safe_filters()
     link = file.get(key, getlink=True)
     if link is None:
         raise KeyError(key)
@@ -328,23 +369,23 @@ def find_dataset(file: Any, key: str, dtype: Dtype, shape: Sequence[int], offset
         raise ValueError(f"dataset {key!r} is {ds.dtype}{list(ds.shape)}, not {stored} "
                          f"({dtype.name}){list(shape)} as the manifest says")
     plist = ds.id.get_create_plist()
-    layout = plist.get_layout()
-    if layout not in _LAYOUTS or plist.get_external_count():
+    storage = plist.get_layout()
+    if storage not in layouts or plist.get_external_count():
         raise ValueError(f"dataset {key!r} keeps its data outside this file (external or virtual "
                          "storage), which ckptd never writes and never reads")
     filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
-    unknown = [f for f in filters if f not in _SAFE_FILTERS]
+    unknown = [f for f in filters if f not in safe]
     if unknown:
         raise ValueError(f"dataset {key!r} uses HDF5 filter(s) {unknown}, which ckptd does not write")
     nbytes = math.prod(shape) * dtype.itemsize
-    if layout == h5py.h5d.CHUNKED and nbytes:
+    if storage == h5py.h5d.CHUNKED and nbytes:
         limit = ds.id.get_storage_size() * (_EXPANSION if filters else 1)
         chunk = math.prod(ds.chunks) * stored.itemsize
         if nbytes > limit or chunk > nbytes:
             raise ValueError(f"dataset {key!r} declares {nbytes} bytes (chunks of {chunk}) but stores "
                              f"{ds.id.get_storage_size()}: not a file that ckptd wrote")
-    if offset is not None and (layout != h5py.h5d.CONTIGUOUS or ds.id.get_offset() != offset):
-        where = ds.id.get_offset() if layout == h5py.h5d.CONTIGUOUS else f"{_LAYOUTS[layout]} storage"
+    if offset is not None and (storage != h5py.h5d.CONTIGUOUS or ds.id.get_offset() != offset):
+        where = ds.id.get_offset() if storage == h5py.h5d.CONTIGUOUS else f"{layouts[storage]} storage"
         raise ValueError(f"dataset {key!r} is at {where}, not at offset {offset} as the manifest says")
     return ds
 
@@ -353,3 +394,164 @@ def read_into(ds: Any, dtype: Dtype, shape: Sequence[int], out: np.ndarray) -> N
     """Read dataset ``ds`` (from ``find_dataset``) into ``out`` (uint8, the tensor's size)."""
     if out.size:
         ds.read_direct(out.view(stored_dtype(dtype)).reshape(tuple(shape)))
+
+
+class Hdf5Format:
+    """HDF5 files (``r<rank>.h5``): one per share, open across its batches, written on a
+    thread of its own (docs/hdf5.md says why a thread)."""
+
+    name = "hdf5"
+    thread = "ckptd-hdf5"
+    parallel = False
+
+    def owns(self, file: str) -> bool:
+        return bool(layout.H5.fullmatch(file))
+
+    def record_problem(self, name: str, key: str, offset: int | None) -> str | None:
+        return None  # the key and offset are checked against the file when it is read
+
+    def next_file(self, share: Share) -> str:
+        return layout.h5_name(share.rank)
+
+    def link_name(self, share: Share, base_step: int, file: str) -> str:
+        if file == layout.h5_name(share.rank):  # named for the step that wrote it
+            return layout.h5_link_name(share.rank, base_step)
+        return file  # linked there already: the same name here
+
+    # -- writing, on ckptd-hdf5 ---------------------------------------------------------------
+    def _file(self, io: WriteIO, share: Share) -> H5Writer:
+        """The share's open HDF5 file, created on first use."""
+        if share.open_file is None:
+            io.ensure_dir(share)
+            name = layout.h5_name(share.rank)
+            share.files.append(name)
+            share.open_file = H5Writer(Path(share.at(name)), io.hdf5_options, shown=share.dir / name,
+                                       direct=io.direct_io,
+                                       attrs={"run": share.run, "step": share.step, "rank": share.rank})
+        return share.open_file
+
+    def write_batch(self, io: WriteIO, share: Share, name: str, entries: list[Entry], digests: dict[str, str],
+                    *, listed: bool = False) -> int | None:
+        try:
+            h5 = self._file(io, share)
+            for e in io.recognise(share, entries, digests):
+                dataset = h5.add(e.name, e.dtype, e.shape)
+                h5.write(dataset, e.buffers)
+                io.throttled(e.nbytes)
+                share.records[e.name] = share.record(e, name, dataset.key, dataset.offset, digests[e.name])
+        except OSError as exc:
+            io.fail(share, f"writing {share.dir / name}", exc)
+        return None  # fsynced once, when the file is closed
+
+    def open_stream(self, io: WriteIO, stream: Stream) -> bool:
+        share, e = stream.share, stream.entry
+        try:
+            stream.out = self._file(io, share).add(e.name, e.dtype, e.shape)
+        except OSError as exc:
+            io.fail(share, f"writing {share.dir / stream.file}", exc)
+            return False
+        return True
+
+    def stream_piece(self, io: WriteIO, stream: Stream, piece: Any, last: bool) -> None:
+        share = stream.share
+        try:
+            if share.error is None and stream.out is not None:
+                assert stream.hasher is not None
+                stream.hasher.update(piece)
+                share.open_file.write(stream.out, [piece])
+                io.throttled(len(memoryview(piece)))
+                if last:
+                    share.records[stream.entry.name] = share.record(
+                        stream.entry, stream.file, stream.out.key, stream.out.offset, stream.hasher.text())
+        except OSError as exc:
+            io.fail(share, f"writing {share.dir / stream.file}", exc)
+
+    def refer(self, io: WriteIO, share: Share, base: Any, name: str, old: TensorRecord, received: bool) -> None:
+        """Link the base's file now, and show the tensor in r<rank>.h5 through an external
+        link (plain h5py sees it there)."""
+        record = base.link(share, old)
+        self._file(io, share).link_external(record.key, record.file)
+        with share.lock:
+            share.records[name] = record
+            share.reused += record.nbytes
+            share.recognised += record.nbytes if received else 0
+
+    def close(self, io: WriteIO, share: Share) -> None:
+        """HDF5 writes its metadata now; the file is then queued for fsync."""
+        h5, share.open_file = share.open_file, None
+        if h5 is None:
+            return
+        if share.error is not None:
+            h5.abort()
+            return
+        try:
+            fd = h5.close()
+        except OSError as exc:
+            io.fail(share, f"writing {share.dir / h5.path.name}", exc)
+            return
+        io.sync(share, h5.path.name, fd)
+
+    # -- reading ----------------------------------------------------------------------------
+    def open(self, fd: int, size: int) -> Hdf5Reader:
+        return Hdf5Reader(fd)
+
+
+class Hdf5Reader:
+    """An HDF5 file open for reading, through h5py once a record needs it. h5py reads
+    through the descriptor already opened (and checked), never by the path, which
+    could be replaced meanwhile."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._file: Any = None
+        self._source: Any = None
+        self._error: CheckpointCorrupt | None = None  # not a readable HDF5 file
+        self._checked: tuple[str, Any] | None = None  # the last dataset checked: (key, dataset)
+
+    def check(self, name: str, rec: TensorRecord) -> None:
+        self._checked = (rec.key, self._dataset(name, rec))
+
+    def read_into(self, name: str, rec: TensorRecord, out: Any) -> None:
+        if self._checked is not None and self._checked[0] == rec.key:  # (check just found it)
+            ds = self._checked[1]
+        else:
+            ds = self._dataset(name, rec)
+        self._checked = None
+        try:
+            read_into(ds, dtypes.lookup(rec.dtype), rec.shape, out)
+        except (OSError, ValueError, RuntimeError, TypeError) as exc:
+            raise CheckpointCorrupt(f"cannot read dataset {rec.key!r}: {exc}") from None
+
+    def _dataset(self, name: str, rec: TensorRecord) -> Any:
+        if rec.key != dataset_key(name):
+            raise CheckpointCorrupt(f"its dataset key {rec.key!r} is not the one its name maps to")
+        if self._file is None:
+            if self._error is None:
+                self._source = os.fdopen(os.dup(self.fd), "rb")
+                try:
+                    self._file = open_file(self._source)
+                except (OSError, ValueError, RuntimeError, TypeError, KeyError) as exc:
+                    self._error = CheckpointCorrupt(f"not a readable HDF5 file: {exc}")
+            if self._error is not None:
+                raise CheckpointCorrupt(str(self._error))
+        try:
+            return find_dataset(self._file, rec.key, dtypes.lookup(rec.dtype), rec.shape, rec.offset)
+        except KeyError:
+            raise CheckpointCorrupt(f"the file has no dataset {rec.key!r}") from None
+        except (OSError, ValueError, RuntimeError, TypeError) as exc:
+            raise CheckpointCorrupt(str(exc)) from None
+
+    def close(self) -> None:
+        self._checked = None
+        if self._file is not None:
+            try:
+                self._file.close()
+            except (OSError, ValueError, RuntimeError):
+                pass
+            self._file = None
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+
+FORMAT = Hdf5Format()
