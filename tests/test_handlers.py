@@ -62,3 +62,13 @@ def test_a_handlers_other_methods_cannot_be_named(daemon, dealer) -> None:
         assert reply["op"] == "error" and reply["message"] == f"protocol error: unknown op {op!r}"
     with daemon.producer() as p:
         assert p.save({"w": torch.ones(4)}, 1).wait(30).step == 1
+
+
+def test_list_needs_no_session_and_names_a_bad_run(daemon, dealer) -> None:
+    with daemon.producer("r") as p:
+        p.save({"w": torch.ones(4)}, 3).wait(30)
+    reply = _ask(dealer, wire.encode("list", seq=1, run="r"))
+    assert reply["op"] == "listing" and reply["root"] == str(daemon.root)
+    assert [(c["step"], c["pinned"], c["tiers"]) for c in reply["checkpoints"]] == [(3, False, ["local"])]
+    reply = _ask(dealer, wire.encode("list", seq=2, run="../r"))
+    assert reply["op"] == "error" and reply["message"].startswith("list: ") and "'../r'" in reply["message"]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from .. import state as state_mod, units, wire
+from .. import retention, state as state_mod, units, wire
 from ..attempt import check_attempt
 from ..config import FORMATS, ConfigError
 from ..errors import ProtocolError
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptd.daemon")
 
 # A producer's first message, and the command line's questions: no session needed.
-SESSIONLESS = frozenset({"hello", "latest", "status"})
+SESSIONLESS = frozenset({"hello", "latest", "list", "status"})
 # The rest of what a producer sends, within its session.
 IN_SESSION = frozenset({"ping", "tensor", "tensors", "same", "commit", "abort", "drain", "bye"})
 
@@ -164,6 +164,26 @@ class Handlers:
         assert self.d.upkeep is not None
         info = self.d.upkeep.latest(h["run"])  # from the index: no disk access
         self.d.send(identity, "answer", seq=h["seq"], info=info.to_dict() if info else None)
+
+    def on_list(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
+        """Every complete checkpoint of a run, from the index, each with whether it is
+        pinned: what ``ckptd list --json`` prints (docs/cli.md)."""
+        try:
+            run = check_run(h["run"])
+        except ValueError as exc:
+            raise ProtocolError(f"list: {exc}") from None
+        d = self.d
+        assert d.upkeep is not None
+        infos = d.upkeep.list(run)  # from the index; pins are one stat per step
+        pinned = retention.pinned_steps(d.root / run, [i.step for i in infos])
+        fields = {"seq": h["seq"], "root": str(d.root),
+                  "checkpoints": [{**i.to_dict(), "pinned": i.step in pinned} for i in infos]}
+        size = len(wire.encode("listing", **fields))
+        if size > wire.MAX_HEADER_BYTES:  # no reader would take it (their metadata, at most 64 MiB each)
+            raise ProtocolError(f"list: the {len(infos)} checkpoints of run {run!r} take {size} bytes, more "
+                                f"than a reply may ({wire.MAX_HEADER_BYTES}); read the root instead "
+                                "(`ckptd list RUN` without --endpoint)")
+        d.send(identity, "listing", **fields)
 
     def on_status(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
         self.d.send(identity, "report", seq=h["seq"], status=status.report(self.d))
