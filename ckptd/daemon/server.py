@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from .. import handoff, unixsock, wire
+from .. import __version__, handoff, unixsock, wire
 from ..config import Config, ConfigError, load as load_config, writer_threads
 from ..curve import CurveServer
 from ..errors import CheckpointError
@@ -58,6 +58,7 @@ STALL_S = 60.0
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.version = __version__  # ckptd's, in the status report (daemon.status)
         self.cfg = config.daemon
         self.root = config.root
         self.endpoint = config.endpoint

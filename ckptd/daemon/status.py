@@ -11,8 +11,6 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
-
 if TYPE_CHECKING:
     from .server import Daemon
 
@@ -47,7 +45,7 @@ def report(d: Daemon) -> dict[str, Any]:
     """What `ckptd status` prints (the wire's ``report``)."""
     snap, now = d.figures.snapshot(), time.time()
     return {
-        "version": __version__, "pid": os.getpid(), "state": "stopping" if d.stopping else "serving",
+        "version": d.version, "pid": os.getpid(), "state": "stopping" if d.stopping else "serving",
         "endpoint": d.endpoint, "root": str(d.root), "time": now, "started": snap["started"],
         "metrics": d.metrics.url if d.metrics else None,
         "queued_bytes": d.queued, "memory_budget": d.cfg.memory_budget,
