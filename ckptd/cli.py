@@ -118,8 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     prune.set_defaults(func=_prune)
     reading("pin", "protect a checkpoint from every retention rule", True).set_defaults(func=_pin, pin=True)
     reading("unpin", "release a pinned checkpoint", True).set_defaults(func=_pin, pin=False)
-    reading("list", "list the complete checkpoints of RUN, oldest first (* = pinned)", False,
-            run="optional").set_defaults(func=_list)
+    listing = reading("list", "list the complete checkpoints of RUN, oldest first (* = pinned)", False,
+                      run="optional")
+    listing.add_argument("--endpoint", help="ask the daemon at this endpoint (its index) instead of reading "
+                         "every manifest under the root")
+    listing.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
+    listing.set_defaults(func=_list)
     reading("runs", "list the runs under the root with their newest step, size and age", False,
             run="none").set_defaults(func=_runs, run=None)
     reading("show", "describe one checkpoint and its tensors", True).set_defaults(func=_show)
@@ -314,9 +318,15 @@ def _latest(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    if args.endpoint and args.run is None:
+        raise ValueError("--endpoint lists one run: name it (`ckptd list RUN --endpoint EP`)")
+    if args.endpoint and args.remote is not None:
+        raise ValueError("--remote reads the remote tier; leave out --endpoint")
     if args.run is None:
         return _runs(args)
-    if args.remote is not None:
+    if args.endpoint:
+        root, infos, pinned = _list_from_daemon(args)
+    elif args.remote is not None:
         from .remote import catalog
 
         store = _remote_store(args)
@@ -337,6 +347,27 @@ def _list(args: argparse.Namespace) -> int:
         print(f"{i.step:>12}  {_time(i.time):<19}  {_size(i.nbytes):>10}  {i.ntensors:>7}  {i.format:<6}  "
               f"{','.join(i.tiers):<12}  {'pinned' if i.step in pinned else ''}".rstrip())
     return 0
+
+
+def _list_from_daemon(args: argparse.Namespace) -> tuple[str, list[CheckpointInfo], set[int]]:
+    """What ``_list`` reads from the root, from the daemon's index instead (its ``list``
+    message: no manifest is read here); the remote tier's steps merged in as
+    ``reader.list_checkpoints`` merges them."""
+    from . import wire
+    from .producer.transport import request
+    from .remote import catalog, tiers
+
+    run = check_run(args.run)
+    endpoint = config_mod.resolve_endpoint(args.endpoint, Path.cwd())
+    reply = request(endpoint, wire.encode("list", seq=1, run=run), args.timeout, _curve_keys(args, endpoint))
+    if reply["op"] != "listing":
+        raise CheckpointError(f"the daemon at {endpoint} answered list with {reply['op']!r}, not a listing")
+    listed = reply["checkpoints"]
+    infos = [CheckpointInfo.from_dict(c) for c in listed]
+    store = tiers.open_store(_config_remote(args))
+    if store is not None:
+        infos = tiers.merge(infos, catalog.list_checkpoints(store, run))
+    return reply["root"], infos, {c["step"] for c in listed if c["pinned"]}
 
 
 def _runs(args: argparse.Namespace) -> int:

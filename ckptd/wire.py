@@ -25,7 +25,8 @@ _MAX_CONTAINER = 1_000_000
 _MAX_DIMS = 64
 
 # op -> {field: type}. "int" is a non-negative int that is not a bool; "shape" a
-# list of such ints; "json" a str that holds JSON text; "any?" marks optional.
+# list of such ints; "json" a str that holds JSON text; "maps" a list of maps;
+# "any?" marks optional.
 SCHEMAS: dict[str, dict[str, str]] = {
     # producer -> daemon
     "hello": {"v": "int", "run": "str", "rank": "int", "world_size": "int", "pid": "int",
@@ -50,6 +51,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "drain": {"seq": "int"},
     "ping": {"seq": "int"},
     "latest": {"seq": "int", "run": "str"},
+    "list": {"seq": "int", "run": "str"},  # from `ckptd list --endpoint`, without a session
     "status": {"seq": "int"},  # also from `ckptd status`, without a session
     "bye": {},
     # daemon -> producer
@@ -61,6 +63,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "error": {"seq": "int?", "step": "int?", "message": "str", "code": "str?"},
     "pong": {"seq": "int"},
     "answer": {"seq": "int", "info": "map?"},
+    # answer to list: each checkpoint's CheckpointInfo map with "pinned", oldest first
+    "listing": {"seq": "int", "root": "str", "checkpoints": "maps"},
     "report": {"seq": "int", "status": "map"},  # answer to status
 }
 # error codes; an error without a code concerns one message or one step only
@@ -193,6 +197,7 @@ def _check_field(op: str, header: dict[str, Any], key: str, kind: str) -> None:
         "bool": lambda v: isinstance(v, bool),
         "json": lambda v: isinstance(v, str),
         "map": lambda v: isinstance(v, dict),
+        "maps": lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v),
         "shape": _is_shape,
     }[kind](value)
     if not ok:

@@ -48,6 +48,29 @@ def test_latest_and_list(two_steps) -> None:
     assert r.returncode == 0 and "step 200" in r.stdout
 
 
+def test_list_from_the_daemons_index_is_the_list_read_from_the_root(two_steps) -> None:
+    """`ckptd list RUN --endpoint EP` asks the daemon's index (no manifest read): the same
+    output, text and JSON, pins included, as reading every manifest under the root."""
+    root, endpoint = str(two_steps.root), two_steps.endpoint
+    with two_steps.producer("u") as p:  # another run, and a step with no metadata
+        p.save({"w": torch.ones(2)}, 7).wait(30)
+    assert cli("pin", "t", "100", "--root", root).returncode == 0
+    for run in ("t", "u"):
+        for json_flag in ([], ["--json"]):
+            from_root = cli("list", run, "--root", root, *json_flag)
+            from_daemon = cli("list", run, "--endpoint", endpoint, *json_flag)
+            assert from_daemon.returncode == 0, from_daemon.stderr
+            assert from_daemon.stdout == from_root.stdout and from_daemon.stderr == from_root.stderr
+    listed = json.loads(cli("list", "t", "--endpoint", endpoint, "--json").stdout)
+    assert [(i["step"], i["pinned"]) for i in listed] == [(100, True), (200, False)]
+    none = cli("list", "nope", "--endpoint", endpoint)  # a run without checkpoints: said the same way
+    assert none.returncode == 0 and none.stdout == "" and none.stderr == cli("list", "nope", "--root", root).stderr
+    bad = cli("list", "../x", "--endpoint", endpoint)
+    assert bad.returncode == 1 and "../x" in bad.stderr and bad.stdout == ""
+    no_run = cli("list", "--endpoint", endpoint)
+    assert no_run.returncode == 1 and "--endpoint lists one run" in no_run.stderr
+
+
 def test_show(two_steps) -> None:
     r = cli("show", "t", "100", "--root", str(two_steps.root))
     assert r.returncode == 0 and "model.w  float32[2x3]" in r.stdout

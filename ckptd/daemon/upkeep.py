@@ -71,6 +71,10 @@ class Upkeep:
     def latest(self, run: str) -> CheckpointInfo | None:
         return self.index.latest(run)
 
+    def list(self, run: str) -> list[CheckpointInfo]:
+        """Every complete checkpoint of ``run``, oldest first, as the index knows them."""
+        return self.index.list(run)
+
     def set_run_policy(self, run: str, overrides: dict[str, Any]) -> None:
         """Validate and store a run's own retention overrides (from its producer's hello)."""
         retention.merge(self.policy, overrides, f"the retention of run {run!r}")  # ConfigError if bad
