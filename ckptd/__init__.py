@@ -20,7 +20,7 @@ __all__ = [
     "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointNotFound",
     "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "load_into", "producer",
 ]
-__version__ = "0.1.0"
+from .version import __version__ as __version__  # re-exported
 
 
 def __getattr__(name: str):  # ckptd.dcp: imported on first use (it imports torch.distributed.checkpoint)

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import __version__, config as config_mod, env, index, reader, retention
+from . import config as config_mod, env, index, reader, retention
+from .version import __version__
 from .units import duration as _duration, rate, size as _size
 from .errors import CheckpointError
 from .manifest import CheckpointInfo

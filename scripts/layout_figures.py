@@ -133,6 +133,26 @@ def levels(graph: dict[str, set[str]], comps: list[list[str]]) -> int:
     return max((d(m) for m in dag), default=0)
 
 
+def longest_chain(graph: dict[str, set[str]], comps: list[list[str]]) -> list[str]:
+    """One longest chain of imports, importer first (a cycle counts as one module)."""
+    rep = {m: c[0] for c in comps for m in c}
+    dag: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        dag.setdefault(rep.get(m, m), set()).update(rep.get(d, d) for d in deps)
+    for m, deps in dag.items():
+        deps.discard(m)
+    best: dict[str, list[str]] = {}
+
+    def chain(m: str) -> list[str]:
+        if m not in best:
+            best[m] = [m]
+            tails = [chain(x) for x in sorted(dag.get(m, ()))]
+            best[m] = [m] + max(tails, key=len, default=[])
+        return best[m]
+
+    return max((chain(m) for m in sorted(dag)), key=len, default=[])
+
+
 def format_branches(mods: dict[str, Path]) -> list[str]:
     """Comparisons with a format's name (``x == "hdf5"``) outside the format package:
     each is a branch that a new storage format would have to grow."""
@@ -160,6 +180,7 @@ def figures(root: Path) -> dict:
         "longest": [{"module": m, "lines": n} for n, m in sizes[:8]],
         "over_500_lines": [m for n, m in sizes if n > 500],
         "import_levels": levels(graph, comps),
+        "longest_chain": longest_chain(graph, comps),
         "cycles": comps,
         "private_imports": [f"{a} imports {c} from {b}" for a, b, c in sorted(private)],
         "format_branches": format_branches(mods),
@@ -178,7 +199,7 @@ def main() -> None:
     print(f"modules: {f['modules']} ({f['top_level_modules']} at the top of {PACKAGE}/)")
     print("longest: " + ", ".join(f"{x['module']} {x['lines']}" for x in f["longest"]))
     print(f"over 500 lines: {len(f['over_500_lines'])}")
-    print(f"import levels: {f['import_levels']}")
+    print(f"import levels: {f['import_levels']} ({' -> '.join(f['longest_chain'])})")
     print(f"cycles: {len(f['cycles'])}" + "".join(f"\n  {' <-> '.join(c)}" for c in f["cycles"]))
     print(f"private names imported across modules: {len(f['private_imports'])}"
           + "".join(f"\n  {p}" for p in f["private_imports"]))

@@ -26,7 +26,8 @@ from typing import Any
 
 import zmq
 
-from .. import __version__, handoff, unixsock, wire
+from .. import handoff, unixsock, wire
+from ..version import __version__
 from ..config import Config, ConfigError, load as load_config, writer_threads
 from ..curve import CurveServer
 from ..errors import CheckpointError

@@ -57,7 +57,7 @@ def reader_keys(config: Config) -> Any:
     if p.curve_server_key and p.curve_secret_key:
         return client_keys(config.peer.listen, config)
     if d.curve_secret_key:
-        from .node import daemon_curve
+        from .keys import daemon_curve
 
         try:
             return daemon_curve(config)[1]
