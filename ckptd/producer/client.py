@@ -138,13 +138,14 @@ class Producer:
                 kept = self._book.place(step, *piece)
                 if kept != name:  # this rank's second piece of it: its shard names the tensor
                     name, item = kept, dataclasses.replace(item, shard=dataclasses.replace(item.shard, tensor=name))
-            self._book.claim(step, name)
+            room = sizing.room_for([item.nbytes])
+            st = self._book.claim(step, name, room=room, piece=piece)
             try:
-                self._stage(step, name, item)
+                self._connection.ensure()
+                self._copier.stage(self._connection, st, step, name, item)
             except BaseException:
-                self._book.unclaim(step, name)
+                self._book.unclaim(step, name, room, piece)
                 raise
-            self._book.staged(step, sizing.room_for([item.nbytes]), piece)
         return name
 
     def commit(self, step: int, *, metadata: dict[str, Any] | None = None, structure: Any = None,
@@ -196,12 +197,14 @@ class Producer:
                     self._grow_between_steps()
                     for name, writer in planned.replicas.items():
                         self._book.claim(step, name, replica_of=writer)
-                    self._book.claim(step, *items)
+                    st = self._book.claim(step, *items)
                     if pattern is not None:
                         self._send_same(step, items, pattern)
                         items = frozen_first(items, pattern)
+                    conn = self._connection
                     for name, item in items.items():
-                        self._stage(step, name, item)
+                        conn.ensure()
+                        self._copier.stage(conn, st, step, name, item)
             except BaseException:
                 self.abort(step)
                 raise
@@ -246,8 +249,7 @@ class Producer:
                 except BaseException:
                     arena.release(region)
                     raise
-                self._book.opened(step)
-                self._book.set_room(step, plan.room)
+                self._book.opened(step, room=plan.room)
                 conn.send_planned(step, region, messages)
                 self._plans.remove(plan)
                 self._plans.append(plan)  # the newest used
@@ -397,11 +399,6 @@ class Producer:
                 )
             return self._current_step
         return check_step(step)
-
-    def _stage(self, step: int, name: str, item: Item) -> None:
-        """Copy ``item`` into staging and queue it (under ``_emit_lock``)."""
-        self._connection.ensure()
-        self._copier.stage(self._connection, self._book.get(step), step, name, item)
 
     def _grow_between_steps(self) -> None:
         """Swap in a grown arena (sizing) while no step is in flight; under _emit_lock.

@@ -112,7 +112,7 @@ class Plan:
         if len(parts) != _count_slots(layout) + 1:
             return None  # a key or value spells the placeholder: no template, no plan
         sizes = [t.nbytes for t in values]
-        if max(sizes) > capacity // 4:  # such a tensor travels in pieces (Producer._stage)
+        if max(sizes) > capacity // 4:  # such a tensor travels in pieces (Copier.stage)
             return None
         offsets, end = [], 0
         for n in sizes:

@@ -83,18 +83,18 @@ class StepBook:
         self._on_done = on_done
 
     # -- the training thread: emit, save, commit, abort --------------------------------------
-    def get(self, step: int) -> Step | None:
-        """The step, if open (read without the lock: the training thread alone adds steps)."""
-        return self._steps.get(step)
-
     def idle(self) -> bool:
         """No step in flight: none of their bytes is in staging."""
         with self._lock:
             return not self._steps
 
-    def claim(self, step: int, *names: str, replica_of: int | None = None) -> None:
+    def claim(self, step: int, *names: str, replica_of: int | None = None, room: int = 0,
+              piece: tuple[str, Box] | None = None) -> Step:
         """Record ``names`` as emitted in ``step`` (or, ``replica_of``, written by that
-        rank); ValueError if the step is committed or a name was emitted in it before."""
+        rank), taking ``room`` more bytes of staging; ``piece``: the one name is the
+        hand-placed piece (tensor, box) that ``place`` named. Return the step (the
+        training thread stages into it); ValueError if the step is committed or a
+        name was emitted in it before."""
         with self._lock:
             st = self._steps.get(step)
             if st is None:
@@ -112,23 +112,20 @@ class StepBook:
                 st.names.update(names)
             else:
                 st.replicas.update(dict.fromkeys(names, replica_of))
+            st.room += room
+            if piece is not None:
+                st.pieces.setdefault(piece[0], []).append(piece[1])
+            return st
 
-    def unclaim(self, step: int, name: str) -> None:
-        """``name`` was not staged after all (its copy failed): it may be emitted again."""
+    def unclaim(self, step: int, name: str, room: int = 0, piece: tuple[str, Box] | None = None) -> None:
+        """Undo ``claim`` of ``name`` (its copy into staging failed): it may be emitted again."""
         with self._lock:
             st = self._steps.get(step)
             if st is not None:
                 st.names.discard(name)
-
-    def staged(self, step: int, room: int, piece: tuple[str, Box] | None = None) -> None:
-        """An emitted tensor took ``room`` more bytes of staging; ``piece``: it is the
-        hand-placed piece (tensor, box) that ``place`` named."""
-        with self._lock:
-            st = self._steps.get(step)
-            if st is not None:
-                st.room += room
+                st.room -= room
                 if piece is not None:
-                    st.pieces.setdefault(piece[0], []).append(piece[1])
+                    st.pieces[piece[0]].remove(piece[1])
 
     def place(self, step: int, tensor: str, box: Box) -> str:
         """The name a hand-placed piece ``box`` of ``tensor`` is kept under: ``tensor``
@@ -145,12 +142,15 @@ class StepBook:
                                  f"{list(other.sizes)} emitted before in step {step}; emit each block once")
         return piece_name(tensor, box.offsets) if earlier else tensor
 
-    def opened(self, step: int) -> None:
-        """The daemon knows ``step`` is open: a message of it went out alone."""
+    def opened(self, step: int, room: int | None = None) -> None:
+        """The daemon knows ``step`` is open (a message of it went out alone); ``room``:
+        the staging its tensors take at once, as a save plan counted it."""
         with self._lock:
             st = self._steps.get(step)
             if st is not None:
                 st.opened = True
+                if room is not None:
+                    st.room = room
 
     def set_room(self, step: int, room: int) -> None:
         """The staging ``step``'s tensors take at once, as a save counted it."""
