@@ -27,7 +27,7 @@ from . import dtypes
 def flatten(state: Any) -> tuple[Any, dict[str, Any]]:
     """Return ``(structure, {name: tensor or ndarray})`` for a nested state."""
     tensors: dict[str, Any] = {}
-    structure = _encode(state, (), tensors)
+    structure = encode(state, (), tensors)
     return structure, tensors
 
 
@@ -61,7 +61,10 @@ def _where(path: tuple[Any, ...]) -> str:
     return f"state[{']['.join(repr(p) for p in path)}]" if path else "the state"
 
 
-def _encode(value: Any, path: tuple[Any, ...], tensors: dict[str, Any]) -> Any:
+def encode(value: Any, path: tuple[Any, ...], tensors: dict[str, Any]) -> Any:
+    """The structure node of ``value`` found at ``path``; its tensors and arrays go into
+    ``tensors`` by name (``flatten`` is this from the root; a save plan encodes a
+    state's plain values with it, producer/plan.py)."""
     import numpy as np
     import torch
 
@@ -89,7 +92,7 @@ def _encode(value: Any, path: tuple[Any, ...], tensors: dict[str, Any]) -> Any:
         return {"size": list(value)}
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         tag = "list" if type(value) is list else "tuple"
-        return {tag: [_encode(v, path + (i,), tensors) for i, v in enumerate(value)]}
+        return {tag: [encode(v, path + (i,), tensors) for i, v in enumerate(value)]}
     if type(value) in (dict, OrderedDict):
         return _encode_dict(value, path, tensors)
     raise TypeError(
@@ -118,14 +121,14 @@ def _encode_dict(value: dict, path: tuple[Any, ...], tensors: dict[str, Any]) ->
                 f"{_where(path)} has a key {key!r} of type {type(key).__name__}; "
                 "dict keys must be str or int"
             )
-        items.append([key, _encode(item, path + (key,), tensors)])
+        items.append([key, encode(item, path + (key,), tensors)])
     node: dict[str, Any] = {"dict": items, "ordered": type(value) is OrderedDict}
     # nn.Module.state_dict() carries per-module versions in ._metadata, which
     # load_state_dict uses to upgrade old layouts; keep it when it is plain data.
     meta = getattr(value, "_metadata", None)
     if isinstance(meta, dict):
         try:
-            node["meta"] = _encode(meta, path + ("_metadata",), {})
+            node["meta"] = encode(meta, path + ("_metadata",), {})
         except TypeError:
             pass
     return node
@@ -148,7 +151,7 @@ def _claim(path: tuple[Any, ...], value: Any, tensors: dict[str, Any]) -> str:
 def _decode(node: Any, lookup: Callable[[str], Any]) -> Any:
     if not isinstance(node, (dict, list)):
         return node
-    if isinstance(node, list):  # not produced by _encode; tolerate as a list
+    if isinstance(node, list):  # not produced by encode; tolerate as a list
         return [_decode(v, lookup) for v in node]
     if "tensor" in node:
         return lookup(node["tensor"])

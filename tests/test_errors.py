@@ -192,6 +192,26 @@ def test_staging_full_with_on_full_raise(daemon) -> None:
     p.close()
 
 
+def test_a_piece_that_found_no_staging_may_be_emitted_again(daemon) -> None:
+    """A failed emit leaves nothing of itself in its step: neither its name nor its piece's place."""
+    p = daemon.producer(staging_size="1MiB", on_full="raise", timeout=30)
+    w = torch.arange(64.0)
+    assert p.latest() is None  # connected
+    os.kill(daemon.proc.pid, signal.SIGSTOP)  # a daemon that drains nothing
+    try:
+        p.emit("a", torch.ones(2**18 - 16), step=1)  # nearly fills staging
+        with pytest.raises(CheckpointError, match="staging memory is full"):
+            p.emit("w", w[:32], step=2, global_shape=[64], offset=[0])
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    p.commit(1).wait(30)  # staging is free again
+    assert p.emit("w", w[:32], step=2, global_shape=[64], offset=[0]) == "w"
+    assert p.emit("w", w[32:], step=2, global_shape=[64], offset=[32]) != "w"  # its second piece
+    assert p.commit(2).wait(30).ntensors == 2
+    p.close()
+    assert torch.equal(ckptd.load("t", 2, root=daemon.root, verify=True)["w"], w)
+
+
 def test_staging_full_with_on_full_block_waits_then_times_out(daemon) -> None:
     p = daemon.producer(staging_size="1MiB", emit_timeout=0.5, timeout=30)
     assert p.latest() is None

@@ -96,7 +96,7 @@ def test_small_tensors_travel_in_batches_bit_exact_and_as_snapshots(make_daemon,
             s = small_state(step)
             want[step] = {"optim": {k: (v.clone() if isinstance(v, torch.Tensor) else v.copy())
                                     for k, v in s["optim"].items()}, "epoch": step}
-            seq = p._seq
+            seq = p._connection.seq
             if step == 1:
                 handle = p.save(s, step)
             else:
@@ -107,7 +107,7 @@ def test_small_tensors_travel_in_batches_bit_exact_and_as_snapshots(make_daemon,
             for t in s["optim"].values():
                 mutate(t)  # right after save returned
             handle.wait(60)
-            assert p._seq - seq < len(s["optim"]) // 10  # one message per batch, not per tensor
+            assert p._connection.seq - seq < len(s["optim"]) // 10  # one message per batch, not per tensor
     same_state(ckptd.load("b", 1, root=d.root, verify=True), want[1])
     flat = ckptd.load("b", 2, root=d.root, verify=True)
     same_state({"optim": {k.removeprefix("optim."): v for k, v in flat.items()}, "epoch": 2}, want[2])
@@ -118,11 +118,9 @@ def test_a_batch_that_names_memory_outside_the_arena_fails_its_step_only(make_da
     daemon = shm_daemon(make_daemon)
     with daemon.producer("bad", transport="shm", staging_size="1MiB") as p:
         p.save({"x": torch.ones(3)}, 1).wait(30)
-        with p._lock:  # a hand-made message through the producer's own connection
-            p._seq += 1
-            seq = p._seq
-        p._transport.send(wire.encode("tensors", seq=seq, step=2,
-                                      items=[["y", "float32", [4], 16, False, 2**40]]))
+        seq = p._connection.number()  # a hand-made message through the producer's own connection
+        p._connection.transport.send(wire.encode("tensors", seq=seq, step=2,
+                                                 items=[["y", "float32", [4], 16, False, 2**40]]))
         with pytest.raises(ckptd.CheckpointError, match="outside the .* bytes of shared staging memory"):
             p.commit(2).wait(30)
         assert p.save({"z": torch.ones(2)}, 3).wait(30).step == 3  # the session serves on

@@ -146,7 +146,7 @@ def test_staging_grows_to_fit_in_the_background(daemon) -> None:
         p.save(state, 1).wait(60)  # streams through the 32 MiB it starts with
         first = p.stats()
         assert first["staging_bytes"] == 32 * 2**20 and first["blocked_seconds"] > 0
-        eventually(lambda: p._growth._ready is not None, 30)  # grown in the background
+        eventually(lambda: p._copier.growth._ready is not None, 30)  # grown in the background
         p.save(state, 2).wait(60)
         grown = p.stats()
         assert grown["staging_bytes"] >= 96 * 2**20
@@ -166,7 +166,7 @@ def test_staging_never_exceeds_what_was_asked(daemon, monkeypatch) -> None:
         assert p.stats()["staging_bytes"] == 16 * 2**20 and p.stats()["staging_limit"] == 16 * 2**20
     with daemon.producer(run="cap", staging_size="auto", staging_limit="40MiB") as p:
         p.save(state, 1).wait(60)
-        eventually(lambda: p._growth._ready is not None, 30)
+        eventually(lambda: p._copier.growth._ready is not None, 30)
         p.save(state, 2).wait(60)
         assert p.stats()["staging_bytes"] == 40 * 2**20
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # eight ranks on this node share the machine's memory
@@ -182,7 +182,7 @@ def test_a_missing_daemon_is_reported_at_start(tmp_path) -> None:
     endpoint = f"ipc://{tmp_path}/nobody.sock"
     with pytest.warns(RuntimeWarning, match="no ckptd daemon answered .* on_no_daemon"):
         p = Producer(endpoint, "early", timeout=0.5)
-        p._connector.join(10)  # the warning comes from the background connect, within the timeout
+        p._connection.wait_started(10)  # the warning comes from the background connect, within the timeout
     p.close()
     t0 = time.monotonic()
     with pytest.raises(CheckpointError, match="no ckptd daemon answered"):

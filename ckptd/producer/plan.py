@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes, wire
-from ..state import _encode
+from ..state import encode
 from .batch import BATCH_BYTES, BATCH_ITEMS, SMALL
 from .staging import ALIGN, LARGE, PAGE, Arena, Region
 
@@ -112,7 +112,7 @@ class Plan:
         if len(parts) != _count_slots(layout) + 1:
             return None  # a key or value spells the placeholder: no template, no plan
         sizes = [t.nbytes for t in values]
-        if max(sizes) > capacity // 4:  # such a tensor travels in pieces (Producer._stage)
+        if max(sizes) > capacity // 4:  # such a tensor travels in pieces (Copier.stage)
             return None
         offsets, end = [], 0
         for n in sizes:
@@ -299,7 +299,7 @@ def _collect(value: Any, layout: Any, tensors: list[Any], plains: list[str]) -> 
     if tag == _PLAIN:
         if type(value) in _CONTAINERS or isinstance(value, _arrays()):
             return False  # was a plain value, is now a container, tensor or array
-        plains.append(_json(_encode(value, layout[1], {})))
+        plains.append(_json(encode(value, layout[1], {})))
         return True
     if tag == _TDICT or tag == _DICT:
         if type(value) is not layout[1] or tuple(value) != layout[2] \
@@ -330,7 +330,7 @@ def _collect_meta(value: Any, had_meta: bool, path: tuple[Any, ...], plains: lis
     if not isinstance(meta, dict):
         return False
     try:
-        plains.append(_json(_encode(meta, path + ("_metadata",), {})))
+        plains.append(_json(encode(meta, path + ("_metadata",), {})))
     except TypeError:
         return False
     return True
