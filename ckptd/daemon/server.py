@@ -43,7 +43,8 @@ from .assembly import OpenStep, StepError
 from .attempts import resave
 from .recovery import remove_orphans
 from .upkeep import Upkeep
-from .writer import Result, Share, Writer
+from .share import Result, Share
+from .writer import Writer
 
 log = logging.getLogger("ckptd.daemon")
 

@@ -24,7 +24,7 @@ from .fileio import pread_into
 from .protocol import DataFile, Entry, Ref, WriteIO
 
 if TYPE_CHECKING:
-    from ..daemon.writer import Share, Stream
+    from ..daemon.share import Share, Stream
     from ..manifest import TensorRecord
 
 ALIGN = 4096

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..config import Hdf5Config
-    from ..daemon.writer import Share, Stream
+    from ..daemon.share import Share, Stream
     from ..manifest import TensorRecord
 
 ATTR_NAME = "name"  # the exact tensor name

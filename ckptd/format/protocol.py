@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..config import Hdf5Config
     from ..dtypes import Dtype
-    from ..daemon.writer import Share, Stream
+    from ..daemon.share import Share, Stream
     from ..manifest import TensorRecord
 
 
