@@ -51,7 +51,7 @@ class Share:
     refs: list = field(default_factory=list)  # its tensors stored already (format.Ref), placed at commit
     reused: int = 0  # bytes of its tensors that refer to an earlier step's copy (reuse)
     recognised: int = 0  # bytes the daemon received and did not write from memory (reuse)
-    copied: int = 0  # bytes of stored copies copied into files of its own (reuse.place)
+    copied: int = 0  # bytes of stored copies copied into files of its own (Format.place)
     lock: threading.Lock = field(default_factory=threading.Lock)  # file names, records, refs
     _seeking: threading.Lock = field(default_factory=threading.Lock)  # the base, looked for once
     settled: threading.Event = field(default_factory=threading.Event)  # committed or failed, for good

@@ -65,7 +65,7 @@ class Writer:
         self._committing: dict[tuple[str, int], Share] = {}  # (run, rank) -> its share committed last
         self._committing_lock = threading.Lock()  # the main loop sets, the syncer clears
         self._after_commit = after_commit  # (share, step now complete), on the syncer thread
-        self._fsync = fsync
+        self.fsync = fsync  # (format.WriteIO)
         self.hdf5_options = hdf5  # (format.WriteIO)
         self.direct_io = direct_io
         self._bounces = threading.local()  # each writing thread's bounce buffer, for O_DIRECT writes
@@ -325,9 +325,9 @@ class Writer:
 
     def _place_refs(self, share: Share) -> None:
         """On the syncer, before the manifest: the share's stored copies, linked or copied
-        into its folder (reuse.place)."""
+        into its folder by its format (``Format.place``)."""
         refs, share.refs = share.refs, []
-        records, linked, copied = reuse.place(share, refs, self._fsync, self.throttled)
+        records, linked, copied = self._format(share).place(self, share, refs)
         share.records.update(records)
         share.reused += linked
         share.copied += copied
@@ -383,7 +383,7 @@ class Writer:
 
     def _do_sync(self, share: Share, name: str, fd: int) -> None:
         try:
-            if self._fsync and share.error is None:
+            if self.fsync and share.error is None:
                 os.fsync(fd)
         except OSError as exc:
             self.fail(share, f"fsync of {share.dir / name}", exc)
@@ -428,13 +428,13 @@ class Writer:
             attempt=share.attempt,
             replicas=share.replicas,
         )
-        atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self._fsync)
+        atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self.fsync)
         manifestcache.remember(share.at(layout.manifest_name(share.rank)), manifest)  # read back below
         try:  # committed: the claim is over (a leftover is harmless and removed at start-up)
             os.unlink(share.at(layout.writing_marker(share.rank)))
         except FileNotFoundError:
             pass
-        if self._fsync:  # the step folder's own entry, and the run folder's
+        if self.fsync:  # the step folder's own entry, and the run folder's
             fsync_dir(share.dir.parent)
             fsync_dir(share.root)
         try:
@@ -460,7 +460,7 @@ class Writer:
             fd = layout.open_step_dir(share.dir)
             try:
                 os.unlink(name, dir_fd=fd)  # first: from now on no manifest names the old files
-                if self._fsync:
+                if self.fsync:
                     os.fsync(fd)
                 for file in sorted({t.file for t in old.tensors.values()} | set(old.files)):
                     try:
