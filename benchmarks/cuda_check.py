@@ -69,7 +69,7 @@ def checkpoint(p: ckptd.Producer, state: dict[str, torch.Tensor], step: int) -> 
 
 
 def check_cuda_load(root: Path, run: str, step: int, originals: list[torch.Tensor], total: int) -> bool:
-    """``load(map_location="cuda")`` (ckptd.reader.devicecopy: pinned buffers, copies overlapped)
+    """``load(map_location="cuda")`` (ckptd.devicecopy: pinned buffers, copies overlapped)
     against ``load()`` then ``.to("cuda")``, warm page cache; True if a tensor is wrong."""
     ckptd.load(run, step, root=root)  # the files into the page cache
     for _ in range(2):

@@ -298,7 +298,7 @@ def test_a_replaced_manifest_is_read_again_not_from_the_cache(tmp_path: Path) ->
 def test_load_to_cuda_goes_through_pinned_buffers_or_says_there_is_no_device(daemon, monkeypatch) -> None:
     """Here (no GPU) the clear error; on a machine with one, the path itself, small
     buffers so that a tensor crosses several of them (benchmarks/cuda_check.py measures it)."""
-    from ckptd.reader import devicecopy
+    from ckptd import devicecopy
 
     state = {"w": torch.randn(3000), "b": torch.tensor([True, False]), "z": torch.zeros(0), "c": torch.randn(5, dtype=torch.complex64)}
     with daemon.producer() as p:

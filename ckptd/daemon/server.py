@@ -43,8 +43,7 @@ from .assembly import OpenStep, StepError
 from .attempts import resave
 from .recovery import remove_orphans
 from .upkeep import Upkeep
-from .share import Result, Share
-from .writer import Writer
+from .writer import Result, Share, Writer
 
 log = logging.getLogger("ckptd.daemon")
 

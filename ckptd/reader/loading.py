@@ -11,10 +11,9 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from .. import dtypes, measures, state as state_mod
+from .. import devicecopy, dtypes, measures, state as state_mod
 from ..errors import CheckpointNotFound
 from ..manifest import Manifest, TensorRecord
-from . import devicecopy
 from .checks import check, check_structure, share_records, unflatten_state
 from .files import read_tensors
 from .reshard import load_whole
@@ -112,7 +111,7 @@ def load(
     else:
         into = destinations(out, records, manifest.step) if out is not None else None
         if into is None and devicecopy.is_cuda(map_location):
-            # onto the GPU as each tensor is read, through pinned buffers (ckptd.reader.devicecopy)
+            # onto the GPU as each tensor is read, through pinned buffers (ckptd.devicecopy)
             copier = devicecopy.DeviceCopier(map_location)
             tensors = read_tensors(path, wanted_records, verify=verify,  # numpy arrays stay on the host
                                    convert=lambda n, t: t if records[n].numpy else copier.to_device(t))
