@@ -431,7 +431,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import export
+    from .reader.export import export
 
     root = _root(args)
     _, manifests = reader.find(args.run, args.step, root)  # the step and share it names, for the report

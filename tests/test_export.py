@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 import ckptd
-from ckptd.export import export
+from ckptd.reader.export import export
 from test_roundtrip import random_tensor, same_bits
 
 

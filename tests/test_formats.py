@@ -25,7 +25,8 @@ import torch
 
 import ckptd
 from ckptd import dtypes, format as formats, layout
-from ckptd.daemon.writer import Result, Share, Writer
+from ckptd.daemon.share import Result, Share
+from ckptd.daemon.writer import Writer
 from ckptd.errors import CheckpointCorrupt
 from ckptd.format import Entry
 from ckptd.index import read_manifests

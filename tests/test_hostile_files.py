@@ -23,7 +23,7 @@ from conftest import Daemon
 
 import ckptd
 from ckptd import CheckpointCorrupt, CheckpointError, cli, layout, reader
-from ckptd.export import export
+from ckptd.reader.export import export
 
 STEP1, STEP2 = layout.step_dir_name(1), layout.step_dir_name(2)
 M0 = layout.manifest_name(0)

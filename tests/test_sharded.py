@@ -10,7 +10,7 @@ import torch
 
 import ckptd
 from ckptd.completion import wait_complete
-import ckptd.export
+import ckptd.reader.export
 import ckptd.reader
 
 
@@ -81,7 +81,7 @@ def test_replicated_state_is_written_once_and_loads_on_every_rank(daemon) -> Non
     # rank 1's share, exported, holds what rank 0 wrote for it
     from safetensors.torch import load_file
 
-    exported = ckptd.export.export("t", None, daemon.root.parent / "r1.safetensors", root=daemon.root, rank=1)
+    exported = ckptd.reader.export.export("t", None, daemon.root.parent / "r1.safetensors", root=daemon.root, rank=1)
     assert torch.equal(load_file(str(exported))["big"], state["big"])
 
 

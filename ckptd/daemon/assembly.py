@@ -21,7 +21,8 @@ from .. import dtypes
 from ..format import Entry
 from ..manifest import Shard
 from ..names import check_name
-from .writer import Share, Stream, Writer
+from .share import Share, Stream
+from .writer import Writer
 
 
 class StepError(Exception):

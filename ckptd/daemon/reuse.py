@@ -10,7 +10,7 @@ refers to the stored bytes instead.
 Every data file of a step folder holds only tensors of that step, with that
 step's values: ``safetensors`` opened on the folder's files sees exactly the step.
 So a chunk file is placed once the step's whole set of unchanged tensors is known,
-at its commit (``place``), before the manifest:
+at its commit (``ckptd.format.chunk``'s ``place``), before the manifest:
 
 - a base chunk file whose every tensor is unchanged in this step, under the same
   name, is **hard-linked** into the new step folder under a new data-file name of
@@ -60,12 +60,11 @@ import stat
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .. import dtypes, format as formats, layout, manifestcache
-from ..durable import write_all
+from .. import format as formats, layout, manifestcache
 from ..errors import CheckpointCorrupt
-from ..format import Entry, Ref, chunk
+from ..format import Entry
 from ..manifest import Manifest, TensorRecord
 
 log = logging.getLogger("ckptd.writer")
@@ -168,16 +167,10 @@ class Base:
                 ident = self._idents[file] = (st.st_dev, st.st_ino)
         return ident
 
-    def keys(self, file: str) -> set[str]:
-        """The tensor keys the chunk file ``file`` holds, as its own header lists them."""
-        fd = layout.open_regular(file, dir_fd=self._dir_fd)
-        try:
-            keys, _ = chunk.read_header(fd, os.fstat(fd).st_size)
-        except CheckpointCorrupt as exc:
-            raise OSError(errno.EIO, f"{self.path / file} has no readable safetensors header ({exc})") from None
-        finally:
-            os.close(fd)
-        return set(keys) - {"__metadata__"}
+    def open(self, file: str) -> int:
+        """The base's data file ``file``, opened without following a symlink (the caller
+        closes it)."""
+        return layout.open_regular(file, dir_fd=self._dir_fd)
 
     def _place(self, file: str, share: Any, name: str) -> bool:
         """Link (or copy) ``file`` as ``name``; False if it was there already (the same
@@ -224,99 +217,3 @@ class Base:
                 os.close(dst)
         finally:
             os.close(src)
-
-
-def place(share: Any, refs: list[Ref], fsync: bool, written: Callable[[int], None]) -> tuple[
-        dict[str, TensorRecord], int, int]:
-    """Put the stored copies ``refs`` into the share's folder: each base file whose every
-    tensor is among them is linked; the tensors of the others are copied into new chunk
-    files of the share (each of at most ``share.chunk_size`` bytes, save one tensor
-    larger). Return their records, the bytes linked and the bytes copied (``written(n)``
-    is told of each copy first: the write throttle). Raises OSError naming what failed."""
-    by_file: dict[tuple[int, int], list[Ref]] = {}
-    for ref in refs:
-        by_file.setdefault(ref.ident, []).append(ref)
-    records: dict[str, TensorRecord] = {}
-    linked = copied = 0
-    batch: list[list[Ref]] = []  # whole groups, each a base file's tensors in its order
-    size = 0
-    for group in by_file.values():
-        first = group[0]
-        if first.base.keys(first.record.file) == {r.record.key for r in group}:
-            name = first.base.link_file(share, first.record.file)
-            for r in group:
-                records[r.name] = replace(r.record, file=name)
-                linked += r.record.nbytes
-            continue
-        group.sort(key=lambda r: r.record.offset or 0)
-        nbytes = sum(r.record.nbytes for r in group)
-        if batch and size + nbytes > share.chunk_size:
-            records.update(_copy(share, batch, fsync, written))
-            batch, size = [], 0
-        batch.append(group)
-        size += nbytes
-        copied += nbytes
-    if batch:
-        records.update(_copy(share, batch, fsync, written))
-    log.debug("run=%s step=%d rank=%d: %d bytes unchanged linked, %d copied into files of the step",
-              share.run, share.step, share.rank, linked, copied)
-    return records, linked, copied
-
-
-def _copy(share: Any, groups: list[list[Ref]], fsync: bool, written: Callable[[int], None]) -> dict[
-        str, TensorRecord]:
-    """The tensors of ``groups`` (each group's in one base file) copied into a new chunk
-    file of the share, which holds only them."""
-    refs = [r for group in groups for r in group]
-    head = chunk.header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes,
-                                   []) for r in refs])
-    name = share.new_file()
-    share.files.append(name)  # before it exists: a failed step removes it
-    dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                  dir_fd=share.dir_fd)
-    records = {}
-    try:
-        write_all(dst, head)
-        at = len(head)
-        for group in groups:
-            first = group[0]
-            src = layout.open_regular(first.record.file, dir_fd=first.base._dir_fd)
-            try:
-                st = os.fstat(src)
-                if (st.st_dev, st.st_ino) != first.ident:
-                    raise OSError(errno.ESTALE, f"{first.base.path / first.record.file} was replaced while step "
-                                                f"{share.step} was written")
-                for r in group:
-                    assert r.record.offset is not None  # (a chunk file's tensors all have one)
-                    written(r.record.nbytes)
-                    _copy_range(src, dst, r.record.offset, at, r.record.nbytes)
-                    records[r.name] = replace(r.record, file=name, offset=at)
-                    at += r.record.nbytes
-            except OSError as exc:
-                raise OSError(exc.errno, f"copying unchanged tensors of {first.base.path / first.record.file} "
-                                         f"into {share.dir / name}: {exc.strerror or exc}") from None
-            finally:
-                os.close(src)
-        if fsync:
-            os.fsync(dst)
-    finally:
-        os.close(dst)
-    return records
-
-
-def _copy_range(src: int, dst: int, src_at: int, dst_at: int, n: int) -> None:
-    """Bytes ``[src_at, src_at + n)`` of ``src`` to ``dst_at`` of ``dst``, in the kernel
-    where it can (``copy_file_range``), else through a buffer."""
-    while n > 0:
-        try:
-            done = os.copy_file_range(src, dst, n, src_at, dst_at)
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            done = 0
-        if done == 0:  # not in the kernel (or past the end: then pread says so)
-            data = os.pread(src, min(n, 8 * 2**20), src_at)
-            if not data:
-                raise OSError(errno.EIO, f"the file ends {n} bytes early")
-            done = os.pwrite(dst, data, dst_at)
-        src_at, dst_at, n = src_at + done, dst_at + done, n - done

@@ -25,7 +25,7 @@ from ..index import Index, write_pointer
 from ..manifest import CheckpointInfo
 from ..peer.node import PeerNode
 from ..remote.uploader import Uploader
-from .writer import Share
+from .share import Share
 
 log = logging.getLogger("ckptd.retention")
 

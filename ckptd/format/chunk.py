@@ -6,7 +6,9 @@ with spaces so the data starts page-aligned, then every tensor's bytes in order,
 with no holes between them, as safetensors requires. A tensor too large to batch is
 streamed into a chunk file of its own: its header first, then its bytes as they
 arrive. An unchanged tensor of an earlier step is placed at the commit, once the
-step's every unchanged tensor is known (``ckptd.daemon.reuse.place``).
+step's every unchanged tensor is known (``place``; ``ckptd.daemon.reuse`` says why):
+a base file whose every tensor is unchanged is linked whole, the unchanged tensors of
+the others are copied into new chunk files of the step.
 
 This module is the only one that knows the safetensors layout: it writes the
 header, and reads it back to check a file against its manifest.
@@ -14,18 +16,24 @@ header, and reads it back to check a file against its manifest.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .. import dtypes, layout
+from ..durable import write_all
 from ..errors import CheckpointCorrupt
 from .fileio import pread_into
 from .protocol import DataFile, Entry, Ref, WriteIO
 
 if TYPE_CHECKING:
-    from ..daemon.writer import Share, Stream
+    from ..daemon.share import Share, Stream
     from ..manifest import TensorRecord
+
+log = logging.getLogger("ckptd.writer")
 
 ALIGN = 4096
 MAX_HEADER = 100_000_000  # safetensors' own limit
@@ -164,12 +172,15 @@ class ChunkFormat:
             stream.out = None
 
     def refer(self, io: WriteIO, share: Share, base: Any, name: str, old: TensorRecord, received: bool) -> None:
-        """Once the step's every unchanged tensor is known, at its commit (reuse.place), each
+        """Once the step's every unchanged tensor is known, at its commit (``place``), each
         base file is linked or its tensors copied; the file is checked to be there now."""
         ref = Ref(name, base, old, base.check(old.file))
         with share.lock:
             share.refs.append(ref)
             share.recognised += old.nbytes if received else 0
+
+    def place(self, io: WriteIO, share: Share, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
+        return place(share, refs, io.fsync, io.throttled)
 
     def close(self, io: WriteIO, share: Share) -> None:
         """Nothing stays open between a share's chunk files."""
@@ -177,6 +188,116 @@ class ChunkFormat:
     # -- reading ----------------------------------------------------------------------------
     def open(self, fd: int, size: int) -> ChunkReader:
         return ChunkReader(fd, size)
+
+
+# -- unchanged tensors, placed at the commit -----------------------------------------------
+def place(share: Share, refs: list[Ref], fsync: bool, written: Callable[[int], None]) -> tuple[
+        dict[str, TensorRecord], int, int]:
+    """Put the stored copies ``refs`` into the share's folder: each base file whose every
+    tensor is among them is linked; the tensors of the others are copied into new chunk
+    files of the share (each of at most ``share.chunk_size`` bytes, save one tensor
+    larger). Return their records, the bytes linked and the bytes copied (``written(n)``
+    is told of each copy first: the write throttle). Raises OSError naming what failed."""
+    by_file: dict[tuple[int, int], list[Ref]] = {}
+    for ref in refs:
+        by_file.setdefault(ref.ident, []).append(ref)
+    records: dict[str, TensorRecord] = {}
+    linked = copied = 0
+    batch: list[list[Ref]] = []  # whole groups, each a base file's tensors in its order
+    size = 0
+    for group in by_file.values():
+        first = group[0]
+        if _keys(first.base, first.record.file) == {r.record.key for r in group}:
+            name = first.base.link_file(share, first.record.file)
+            for r in group:
+                records[r.name] = replace(r.record, file=name)
+                linked += r.record.nbytes
+            continue
+        group.sort(key=lambda r: r.record.offset or 0)
+        nbytes = sum(r.record.nbytes for r in group)
+        if batch and size + nbytes > share.chunk_size:
+            records.update(_copy(share, batch, fsync, written))
+            batch, size = [], 0
+        batch.append(group)
+        size += nbytes
+        copied += nbytes
+    if batch:
+        records.update(_copy(share, batch, fsync, written))
+    log.debug("run=%s step=%d rank=%d: %d bytes unchanged linked, %d copied into files of the step",
+              share.run, share.step, share.rank, linked, copied)
+    return records, linked, copied
+
+
+def _copy(share: Share, groups: list[list[Ref]], fsync: bool, written: Callable[[int], None]) -> dict[
+        str, TensorRecord]:
+    """The tensors of ``groups`` (each group's in one base file) copied into a new chunk
+    file of the share, which holds only them."""
+    refs = [r for group in groups for r in group]
+    head = header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes, [])
+                   for r in refs])
+    name = share.new_file()
+    share.files.append(name)  # before it exists: a failed step removes it
+    dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                  dir_fd=share.dir_fd)
+    records = {}
+    try:
+        write_all(dst, head)
+        at = len(head)
+        for group in groups:
+            first = group[0]
+            src = first.base.open(first.record.file)
+            try:
+                st = os.fstat(src)
+                if (st.st_dev, st.st_ino) != first.ident:
+                    raise OSError(errno.ESTALE, f"{first.base.path / first.record.file} was replaced while step "
+                                                f"{share.step} was written")
+                for r in group:
+                    assert r.record.offset is not None  # (a chunk file's tensors all have one)
+                    written(r.record.nbytes)
+                    _copy_range(src, dst, r.record.offset, at, r.record.nbytes)
+                    records[r.name] = replace(r.record, file=name, offset=at)
+                    at += r.record.nbytes
+            except OSError as exc:
+                raise OSError(exc.errno, f"copying unchanged tensors of {first.base.path / first.record.file} "
+                                         f"into {share.dir / name}: {exc.strerror or exc}") from None
+            finally:
+                os.close(src)
+        if fsync:
+            os.fsync(dst)
+    finally:
+        os.close(dst)
+    return records
+
+
+def _copy_range(src: int, dst: int, src_at: int, dst_at: int, n: int) -> None:
+    """Bytes ``[src_at, src_at + n)`` of ``src`` to ``dst_at`` of ``dst``, in the kernel
+    where it can (``copy_file_range``), else through a buffer."""
+    while n > 0:
+        try:
+            done = os.copy_file_range(src, dst, n, src_at, dst_at)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            done = 0
+        if done == 0:  # not in the kernel (or past the end: then pread says so)
+            data = os.pread(src, min(n, 8 * 2**20), src_at)
+            if not data:
+                raise OSError(errno.EIO, f"the file ends {n} bytes early")
+            done = os.pwrite(dst, data, dst_at)
+        src_at, dst_at, n = src_at + done, dst_at + done, n - done
+
+
+def _keys(base: Any, file: str) -> set[str]:
+    """The tensor keys chunk file ``file`` of ``base`` (a ``ckptd.daemon.reuse.Base``)
+    holds, as its own header lists them."""
+    fd = base.open(file)
+    try:
+        keys, _ = read_header(fd, os.fstat(fd).st_size)
+    except CheckpointCorrupt as exc:
+        raise OSError(errno.EIO, f"{base.path / file} has no readable safetensors header ({exc})") from None
+    finally:
+        os.close(fd)
+    return set(keys) - {"__metadata__"}
 
 
 class ChunkReader:

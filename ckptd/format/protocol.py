@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..config import Hdf5Config
     from ..dtypes import Dtype
-    from ..daemon.writer import Share, Stream
+    from ..daemon.share import Share, Stream
     from ..manifest import TensorRecord
 
 
@@ -65,6 +65,7 @@ class WriteIO(Protocol):
     """What a format's write side asks of the daemon's writer (``ckptd.daemon.writer``)."""
 
     direct_io: bool  # O_DIRECT where the filesystem takes it
+    fsync: bool  # files are fsynced before the commit ([daemon] fsync)
     hdf5_options: Hdf5Config
 
     def ensure_dir(self, share: Share) -> None: ...
@@ -132,6 +133,11 @@ class Format(Protocol):
     def refer(self, io: WriteIO, share: Share, base: Any, name: str, old: TensorRecord, received: bool) -> None:
         """Tensor ``name`` is ``old``, stored in ``base``: link or copy it, now or at commit
         (``share.refs``)."""
+
+    def place(self, io: WriteIO, share: Share, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
+        """At the commit, on the syncer, before the manifest: the references ``refer``
+        left for it, put in the share's folder (linked or copied); their records, the
+        bytes linked and the bytes copied. Raises OSError naming what failed."""
 
     def close(self, io: WriteIO, share: Share) -> None:
         """Before a commit or discard: finish the share's open file (queued for fsync); a

@@ -5,6 +5,7 @@
     tiers     the tiers other than the local root, behind one interface (Source)
     files     a step's data files: records into memory, into tensors, mapped, byte ranges
     checks    a step checked: checksums, each file's own structure, saved structures
+    export    one checkpoint to one .safetensors, .h5 or .pt file (`ckptd export`)
     reshard   load_into, and the whole state of a multi-rank step (Piece, Target, fill)
     loading   load and verify
 

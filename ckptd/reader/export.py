@@ -22,11 +22,14 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from . import dtypes, reader, state as state_mod
-from .config import Hdf5Config
-from .durable import replacing
-from .manifest import Manifest
-from .progress import bytes_bar
+from .. import dtypes, state as state_mod
+from ..config import Hdf5Config
+from ..durable import replacing
+from ..manifest import Manifest
+from ..progress import bytes_bar
+from .checks import check_structure, share_records
+from .files import read_tensors
+from .steps import find, pick_rank
 
 SUFFIXES = (".safetensors", ".h5", ".pt")
 
@@ -45,15 +48,15 @@ def export(run: str, step: int | None, out: str | os.PathLike[str], *,
                          f"name the file with one of {', '.join(SUFFIXES)}")
     if not out.parent.is_dir():
         raise ValueError(f"cannot export to {out}: folder {out.parent} does not exist")
-    path, manifests = reader.find(run, step, root)
-    manifest = reader.pick_rank(manifests, rank)
+    path, manifests = find(run, step, root)
+    manifest = pick_rank(manifests, rank)
     # the rank's replicated tensors, written by other ranks, belong to its share too
-    manifest = dataclasses.replace(manifest, tensors=reader.share_records(path, manifests, manifest), replicas={})
-    reader.check_structure(path, manifest)  # every format carries the structure
+    manifest = dataclasses.replace(manifest, tensors=share_records(path, manifests, manifest), replicas={})
+    check_structure(path, manifest)  # every format carries the structure
     if write is _pt:  # refuse before reading gigabytes
         _check_pt(manifest)
     with bytes_bar(manifest.nbytes, f"export step {manifest.step}", enabled=progress) as advance:
-        tensors = reader.read_tensors(path, manifest.tensors, verify=True, progress=advance)
+        tensors = read_tensors(path, manifest.tensors, verify=True, progress=advance)
     with replacing(out) as tmp:
         write(tmp, manifest, tensors)
         os.chmod(tmp, 0o666 & ~_umask())  # safetensors makes 0600, h5py and torch.save 0644
@@ -100,7 +103,7 @@ def _safetensors(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None
 
 
 def _h5(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None:
-    from .format.hdf5 import H5Writer
+    from ..format.hdf5 import H5Writer
 
     h5 = H5Writer(tmp, Hdf5Config(), attrs={"ckptd": _about(manifest)})
     try:

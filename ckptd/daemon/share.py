@@ -1,0 +1,114 @@
+"""What the daemon's writer works on: a rank's share of a step (``Share``), a tensor
+streamed into it (``Stream``), and what the I/O threads report back (``Result``).
+The main loop makes them; ``ckptd.daemon.writer``'s threads and the share's storage
+format (``ckptd.format``) fill them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import layout
+from ..format import Entry
+from ..manifest import Checksum, CheckpointInfo, TensorRecord
+
+_PROC_FD = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else ""
+
+
+@dataclass(eq=False)
+class Share:
+    """One rank's part of one step. Main thread creates it; the I/O threads fill it."""
+
+    root: Path
+    run: str
+    rank: int
+    world_size: int
+    step: int
+    records: dict[str, TensorRecord] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    error: str | None = None
+    reported: bool = False  # the producer was told of ``error``
+    next_file: int = 0  # chunk sequence numbers, assigned by the main thread
+    started: float = field(default_factory=time.monotonic)
+    dir_ready: bool = False
+    format: str = "chunk"  # its storage format (ckptd.format), which writes it on the thread it names
+    chunk_size: int = 64 * 2**20  # ``[daemon] chunk_size``: the most a file of copied tensors holds (reuse)
+    open_file: Any = None  # the format's file kept open across batches (HDF5's r<rank>.h5)
+    owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
+    dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
+    attempt: str | None = None  # the job's attempt that writes it (ckptd.attempt)
+    replicas: dict[str, int] = field(default_factory=dict)  # tensors of its state another rank wrote
+    inflight: list[Future] = field(default_factory=list)  # its chunk files in the writer pool
+    base: Any = None  # the earlier share it refers to (reuse.Base), once looked for
+    base_sought: bool = False
+    bases: list = field(default_factory=list)  # other steps frozen= tensors refer to (reuse.Base)
+    refs: list = field(default_factory=list)  # its tensors stored already (format.Ref), placed at commit
+    reused: int = 0  # bytes of its tensors that refer to an earlier step's copy (reuse)
+    recognised: int = 0  # bytes the daemon received and did not write from memory (reuse)
+    copied: int = 0  # bytes of stored copies copied into files of its own (Format.place)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # file names, records, refs
+    _seeking: threading.Lock = field(default_factory=threading.Lock)  # the base, looked for once
+    settled: threading.Event = field(default_factory=threading.Event)  # committed or failed, for good
+    before: "Share | None" = None  # this rank's share committing when this one's first chunk came
+
+    @property
+    def dir(self) -> Path:
+        return layout.step_dir(self.root, self.run, self.step)
+
+    def at(self, name: str) -> str:
+        """A path to ``name`` in the step folder that resolves through the folder's open
+        descriptor, not its name: a run or step folder swapped for a symlink after it was
+        checked redirects nothing (docs/guarantees.md). h5py and ``atomic_write`` take it too."""
+        if self.dir_fd >= 0 and _PROC_FD:
+            return f"{_PROC_FD}/{self.dir_fd}/{name}"
+        return str(self.dir / name)
+
+    def close_dir(self) -> None:
+        for base in (self.base, *self.bases):
+            if base is not None:
+                base.close()
+        self.bases.clear()
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+
+    def new_file(self) -> str:
+        """A new chunk-file name of this share. The main thread names the chunk files it
+        hands over; the I/O threads name those they link from an earlier step (reuse)."""
+        with self.lock:
+            seq, self.next_file = self.next_file, self.next_file + 1
+        return layout.chunk_name(self.rank, seq)
+
+    def record(self, e: Entry, file: str, key: str, offset: int | None, digest: str) -> TensorRecord:
+        """The manifest's record of ``e``, written to ``file`` under ``key`` at ``offset``."""
+        return TensorRecord(dtype=e.dtype.name, shape=e.shape, file=file, key=key, offset=offset,
+                            nbytes=e.nbytes, checksum=digest, numpy=e.numpy, shard=e.shard)
+
+
+@dataclass
+class Result:
+    kind: str  # "freed" | "failed" | "committed" | "commit_failed" | "discarded"
+    share: Share
+    nbytes: int = 0  # of the daemon's own memory, let go of
+    seqs: list[int] = field(default_factory=list)  # shared-memory pieces no longer used
+    info: CheckpointInfo | None = None
+    message: str = ""
+    token: Any = None  # the caller's, passed back with commit results
+
+
+@dataclass
+class Stream:
+    """A tensor too large to batch: it gets a chunk file of its own, written as it arrives."""
+
+    share: Share
+    entry: Entry
+    file: str
+    out: Any = None  # where its pieces go, while it is open: the format's (a DataFile, an HDF5 dataset)
+    hasher: Checksum | None = None
+    header_len: int = 0  # bytes before its data in its file (a chunk file's header)
