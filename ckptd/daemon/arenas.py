@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from .. import handoff
-from .writer import Share
+from .share import Share
 
 log = logging.getLogger("ckptd.daemon")
 

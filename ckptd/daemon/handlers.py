@@ -32,7 +32,7 @@ from .attempts import resave
 from .liveness import peer_pid
 from .owners import NotOwner, principal
 from .session import Session
-from .writer import Result, Share
+from .share import Result, Share
 
 if TYPE_CHECKING:
     from .server import Daemon

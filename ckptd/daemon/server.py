@@ -45,7 +45,8 @@ from .process import keep_freed_memory, lock_root, lower_priority
 from .recovery import remove_orphans
 from .session import Session
 from .upkeep import Upkeep
-from .writer import Result, Writer
+from .share import Result
+from .writer import Writer
 
 log = logging.getLogger("ckptd.daemon")
 
