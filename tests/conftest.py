@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
+import logging
 import os
+import subprocess
 import socket
 from pathlib import Path
 from typing import Iterator
@@ -13,6 +18,45 @@ from ckptd import Producer, curve
 from ckptd.daemon.launcher import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files with the most multi-process jobs (``slow``: torchrun, the frameworks)
+    first. pytest-xdist hands out whole files in collection order (scripts/test.sh:
+    ``--dist loadfile``), so the longest start at once and the last file to finish is a
+    short one rather than a two-minute torchrun job started at the end."""
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: each file's own order stays
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``ckptd ARGS`` in this process (``ckptd.cli.main``), as a CompletedProcess: its
+    exit status, stdout and stderr, with the logging a fresh process would set up (the
+    CLI's warnings go to its stderr). ``env``: variables set for the call. A process
+    costs ~2 s of imports on a loaded machine; a few tests (``ckptd serve``, a pipe
+    closed early, tests/test_newcomer.py) still run the real command."""
+    from ckptd.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = []  # as in a fresh process, so that the CLI's basicConfig applies
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(list(args))
+            except SystemExit as exc:  # argparse: --help, usage errors
+                status = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        root.handlers, root.level = handlers, level
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return subprocess.CompletedProcess(["ckptd", *args], status, out.getvalue(), err.getvalue())
 
 
 class Daemon(ServeProcess):
