@@ -154,17 +154,33 @@ def start_tcp(make_daemon, keys: dict[str, Path]):
 
 
 # -- the remote tier: a real S3 server (SeaweedFS) on 127.0.0.1 ------------------------------
-@pytest.fixture
-def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
-    """A started SeaweedFS S3 server with a bucket ``ckptd`` and the standard AWS variables
-    pointing at it (daemons started by the test inherit them); stopped at teardown."""
-    from seaweed import SeaweedS3, make_bucket
+@pytest.fixture(scope="session")
+def _seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """One SeaweedFS per test process, started when a test first asks for ``s3``: a
+    start and a stop cost ~4 s, and each test gets an empty bucket of its own anyway."""
+    from seaweed import SeaweedS3
 
-    server = SeaweedS3(tmp_path / "s3").start()
+    server = SeaweedS3(tmp_path_factory.mktemp("s3"))
     try:
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-        make_bucket(server, "ckptd")
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def s3(_seaweed, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """A started SeaweedFS S3 server with an empty bucket ``ckptd`` and the standard AWS
+    variables pointing at it (daemons started by the test inherit them). A test may stop,
+    kill and start it (same ports, same data folder); the next test finds it started and
+    the bucket emptied."""
+    from seaweed import empty_bucket, make_bucket
+
+    server = _seaweed
+    if server.proc is None or server.proc.poll() is not None:
+        server.stop()  # what a kill left: its socket files
+        server.start()
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    make_bucket(server, "ckptd")
+    empty_bucket(server, "ckptd")
+    yield server
