@@ -20,13 +20,26 @@ from ckptd.daemon.launcher import ServeProcess
 REPO = Path(__file__).resolve().parent.parent
 
 
+# The files that took longest (``pytest --durations=60`` of the whole suite, 2 cores),
+# longest first; re-measure when the suite changes. Other files follow, those with
+# more multi-process jobs (``slow``) first.
+LONGEST = ("test_example_ddp.py", "test_lightning.py", "test_peer.py", "test_docs.py", "test_multinode.py",
+           "test_sharded_training.py", "test_accelerate.py", "test_writer_death.py", "test_demo.py",
+           "test_transformers.py", "test_advise.py", "test_reuse.py", "test_newcomer.py", "test_model.py",
+           "test_dcp.py", "test_elastic.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files with the most multi-process jobs (``slow``: torchrun, the frameworks)
-    first. pytest-xdist hands out whole files in collection order (scripts/test.sh:
-    ``--dist loadfile``), so the longest start at once and the last file to finish is a
-    short one rather than a two-minute torchrun job started at the end."""
+    """The longest files first. pytest-xdist hands out whole files in collection order
+    (scripts/test.sh: ``--dist loadfile``), so the longest start at once and the last
+    file to finish is a short one rather than a one-minute torchrun job started at the end."""
     slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])  # stable: each file's own order stays
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        return (LONGEST.index(name) if name in LONGEST else len(LONGEST), -slow[item.path])
+
+    items.sort(key=rank)  # stable: each file's own order stays
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
