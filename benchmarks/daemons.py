@@ -8,7 +8,6 @@ its daemon maps, is counted in no other variant's daemon.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shutil
@@ -16,14 +15,15 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from ckptd.daemon.launcher import ServeProcess
+
 # Variables that would make a producer or daemon read another config or run id; the
 # report configures everything explicitly and must not pick them up.
-ENV_ISOLATE = ("CKPTD_CONFIG", "CKPTD_ENDPOINT", "CKPTD_RUN", "CKPTD_ROOT", "RANK", "WORLD_SIZE")
+ENV_ISOLATE = ("CKPTD_CONFIG", "CKPTD_ENDPOINT", "CKPTD_RUN", "CKPTD_ROOT", "RANK", "WORLD_SIZE", "NOTIFY_SOCKET")
 
 
 def isolated_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -39,47 +39,28 @@ def free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(value)  # strings and numbers: JSON's spelling is TOML's
-
-
-class DaemonProcess:
+class DaemonProcess(ServeProcess):
     """``python -m ckptd serve`` with its own config and root under ``base`` (or
-    ``base/name``). The endpoint is a short ipc socket path under /tmp (sun_path holds
-    107 bytes) unless ``endpoint`` says otherwise (``tcp://127.0.0.1:PORT``). ``keys``:
-    more ``[daemon]`` keys; ``tables``: other tables, {"producer": {...}}. Always stopped
-    and cleaned up by ``close`` (SIGTERM, then SIGKILL)."""
+    ``base/name``), started by ckptd's launcher (ckptd/daemon/launcher.py: ready means
+    READY=1). The endpoint is a short ipc socket path under /tmp (sun_path holds 107
+    bytes) unless ``endpoint`` says otherwise (``tcp://127.0.0.1:PORT``). ``keys``: more
+    ``[daemon]`` keys; ``tables``: other tables, {"producer": {...}}. Always stopped and
+    cleaned up by ``close`` (SIGTERM, then SIGKILL)."""
 
     def __init__(self, base: Path, chunk_size: str | None, log_level: str = "info", *,
                  nice: int = 0, extra_env: dict[str, str] | None = None, name: str | None = None,
                  endpoint: str | None = None, keys: dict[str, Any] | None = None,
                  tables: dict[str, dict[str, Any]] | None = None) -> None:
-        folder = base / name if name else base
-        folder.mkdir(parents=True, exist_ok=True)
         self.name = name or "daemon"
-        self.root = folder / "ckpt"
         self.nice = nice
         self.extra_env = extra_env or {}
-        self.sock_dir: Path | None = None
-        if endpoint is None:
-            self.sock_dir = Path(tempfile.mkdtemp(prefix="ckb", dir="/tmp"))
-            endpoint = f"ipc://{self.sock_dir / 'd.sock'}"
-        self.endpoint = endpoint
-        daemon_keys = {"endpoint": endpoint, "root": str(self.root), "log_level": log_level}
+        daemon_keys: dict[str, Any] = {"log_level": log_level}
+        if endpoint is not None:
+            daemon_keys["endpoint"] = endpoint
         if chunk_size is not None:  # otherwise the daemon's own default applies
             daemon_keys["chunk_size"] = chunk_size
         daemon_keys.update(keys or {})
-        self.config = folder / "daemon.toml"
-        text = "[daemon]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in daemon_keys.items())
-        for table, values in (tables or {}).items():
-            text += f"[{table}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
-        self.config.write_text(text)
-        self.log = folder / "daemon.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(base / name if name else base, {"daemon": daemon_keys, **(tables or {})})
 
     def settings(self) -> Any:
         """The daemon's config as ckptd parses it (memory_budget etc. with defaults filled in)."""
@@ -87,62 +68,24 @@ class DaemonProcess:
 
         return load(self.config).daemon
 
-    def start(self, timeout: float = 60.0, *, wait: bool = True) -> None:
-        """Start it; with ``wait``, return once it serves (``wait_ready``)."""
+    def start(self, timeout: float = 60.0, *, wait: bool = True) -> "DaemonProcess":  # type: ignore[override]
+        """Start it; with ``wait``, return once it serves (READY=1)."""
         nice = self.nice
-        with open(self.log, "ab") as log:
-            # a niced daemon shows what emit costs when the writer yields the CPU to training
-            self.proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "-c", str(self.config)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=isolated_env(self.extra_env),
-                                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
-        if wait:
-            self.wait_ready(timeout)
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until it logs "serving" (after the root is locked and cleaned, the socket bound)."""
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while "serving " not in self._text():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ckptd daemon {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ckptd daemon {self.name} not ready after {timeout} s:\n{self.log_tail()}")
-            time.sleep(0.02)
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def _text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self._text().splitlines()[-lines:])
+        # a niced daemon shows what emit costs when the writer yields the CPU to training
+        super().start(wait=wait, timeout=timeout, env=isolated_env(self.extra_env),
+                      preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        return self
 
     def commit_seconds(self) -> dict[tuple[str, int], float]:
         """(run, step) -> seconds the daemon itself took, first byte received to manifest
         durable (its ``committed ... seconds=`` log line)."""
         return {(m[1], int(m[2])): float(m[3]) for m in
-                re.finditer(r"committed run=(\S+) step=(\d+) .*?seconds=([\d.]+)", self._text())}
+                re.finditer(r"committed run=(\S+) step=(\d+) .*?seconds=([\d.]+)", self.log_text())}
 
     def problems(self) -> list[str]:
         """Warnings, errors and tracebacks the daemon logged: a benchmark of a failing
         daemon is no benchmark."""
-        return [line for line in self._text().splitlines() if re.match(r"(WARNING|ERROR|CRITICAL|Traceback)", line)]
-
-    def close(self) -> None:
-        try:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)  # drains and exits 0
-                try:
-                    self.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-        finally:
-            if self.sock_dir is not None:
-                shutil.rmtree(self.sock_dir, ignore_errors=True)
+        return [line for line in self.log_text().splitlines() if re.match(r"(WARNING|ERROR|CRITICAL|Traceback)", line)]
 
 
 # -- tcp:// endpoints and their CurveZMQ keys ------------------------------------------------

@@ -47,7 +47,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,7 @@ import torch
 import ckptd
 from ckptd import CheckpointError, layout, measures
 from ckptd.config import parse_size
+from ckptd.daemon.launcher import ServeProcess
 from ckptd.errors import CheckpointCorrupt, CheckpointNotFound
 from ckptd.manifest import Manifest
 from ckptd.reader import read_tensors
@@ -131,57 +131,23 @@ def mismatch(got: dict[str, Any], want: dict[str, torch.Tensor]) -> str | None:
 
 
 # -- the daemon -------------------------------------------------------------------------------
-class Daemon:
-    """A ``ckptd serve`` subprocess. Ready means READY=1 on its NOTIFY_SOCKET: the daemon
-    sends it only after the start-up clean-up (docs/service.md)."""
+class Daemon(ServeProcess):
+    """A ``ckptd serve`` subprocess (ckptd/daemon/launcher.py: ready means READY=1, sent
+    only after the start-up clean-up, docs/service.md), its root ``base/root``, and the
+    peak RSS of all its incarnations."""
 
     def __init__(self, base: Path, tables: dict[str, dict[str, Any]] | None = None, *, nofile: int | None = None,
                  **keys: Any) -> None:
         self.base = base
         self.nofile = nofile  # its RLIMIT_NOFILE soft limit; systemd's default for services is 1024
-        base.mkdir(parents=True, exist_ok=True)
-        self.root = base / "root"
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="cks", dir="/tmp"))  # ipc paths are short
-        self.endpoint = f"ipc://{self.sock_dir}/d.sock"
-        keys = {"endpoint": self.endpoint, "root": str(self.root), **keys}
+        super().__init__(base, {"daemon": {"root": str(base / "root"), **keys}, **(tables or {})})
         self.memory_budget = parse_size(keys.get("memory_budget", 2 * 2**30))
-        lines = ["[daemon]"] + [f"{k} = {_toml(v)}" for k, v in keys.items()]
-        for table, values in (tables or {}).items():
-            lines += [f"[{table}]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
-        self.config = base / "config.toml"
-        self.config.write_text("\n".join(lines) + "\n")
-        self.log = base / "daemon.log"
-        self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.peak_rss = 0  # VmHWM, the kernel's own peak, over every incarnation
 
-    def start(self, timeout: float = 60.0) -> "Daemon":
-        notify_path = self.sock_dir / "notify"
-        notify_path.unlink(missing_ok=True)
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(notify_path))
-        notify.settimeout(0.1)
+    def start(self, timeout: float = 60.0) -> "Daemon":  # type: ignore[override]
         env = {k: v for k, v in os.environ.items() if k not in _ENV_ISOLATE}
-        env.update(PYTHONUNBUFFERED="1", NOTIFY_SOCKET=str(notify_path))
-        try:
-            with open(self.log, "ab") as log:
-                self.proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "-c", str(self.config)],
-                                             stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
-                                             preexec_fn=self._limits)
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    if b"READY=1" in notify.recv(4096).split(b"\n"):
-                        break
-                except socket.timeout:
-                    pass
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the daemon sent no READY=1 within {timeout:g} s:\n{self.log_tail()}")
-        finally:
-            notify.close()  # its later STATUS= lines fail quietly (one warning in its log)
-            notify_path.unlink(missing_ok=True)
+        super().start(timeout=timeout, env=env, preexec_fn=self._limits)
         self.starts += 1
         return self
 
@@ -191,14 +157,6 @@ class Daemon:
 
             hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
             resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, hard))
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def memory(self) -> tuple[int, int]:
         """(VmRSS, VmHWM) in bytes, from /proc; (0, 0) once it is gone."""
@@ -217,36 +175,17 @@ class Daemon:
 
     def kill(self) -> None:
         """kill -9, as a crash would; the stale socket file stays, as after a real crash."""
-        assert self.proc is not None
         self.memory()
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+        super().kill()
 
     def stop(self, timeout: float = 60.0) -> int:
-        assert self.proc is not None
         self.memory()
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def status(self, timeout: float = 10.0) -> dict[str, Any]:
-        """The daemon's `status` report (what `ckptd status --json` prints)."""
-        from ckptd import wire
-        from ckptd.producer.transport import request
-
-        return request(self.endpoint, wire.encode("status", seq=1), timeout)["status"]
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except FileNotFoundError:
-            return ""
+        return super().stop(timeout)
 
     def cleanup(self) -> None:
         if self.alive():
-            assert self.proc is not None
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
+            super().kill()
+        self.close()
 
 
 class RssSampler:
@@ -270,14 +209,6 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
         return max(self.samples, default=0)
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 # -- producer processes ---------------------------------------------------------------------------

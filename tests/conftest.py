@@ -2,86 +2,93 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
+import logging
 import os
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
-import time
+import socket
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from ckptd import Producer, curve
+from ckptd.daemon.launcher import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-class Daemon:
-    """A ``ckptd serve`` subprocess with its own config, root and socket."""
+# The files that took longest (``pytest --durations=60`` of the whole suite, 2 cores),
+# longest first; re-measure when the suite changes. Other files follow, those with
+# more multi-process jobs (``slow``) first.
+LONGEST = ("test_example_ddp.py", "test_lightning.py", "test_peer.py", "test_docs.py", "test_multinode.py",
+           "test_sharded_training.py", "test_accelerate.py", "test_writer_death.py", "test_demo.py",
+           "test_transformers.py", "test_advise.py", "test_reuse.py", "test_newcomer.py", "test_model.py",
+           "test_dcp.py", "test_elastic.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first. pytest-xdist hands out whole files in collection order
+    (scripts/test.sh: ``--dist loadfile``), so the longest start at once and the last
+    file to finish is a short one rather than a one-minute torchrun job started at the end."""
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        return (LONGEST.index(name) if name in LONGEST else len(LONGEST), -slow[item.path])
+
+    items.sort(key=rank)  # stable: each file's own order stays
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``ckptd ARGS`` in this process (``ckptd.cli.main``), as a CompletedProcess: its
+    exit status, stdout and stderr, with the logging a fresh process would set up (the
+    CLI's warnings go to its stderr). ``env``: variables set for the call. A process
+    costs ~2 s of imports on a loaded machine; a few tests (``ckptd serve``, a pipe
+    closed early, tests/test_newcomer.py) still run the real command."""
+    from ckptd.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = []  # as in a fresh process, so that the CLI's basicConfig applies
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(list(args))
+            except SystemExit as exc:  # argparse: --help, usage errors
+                status = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        root.handlers, root.level = handlers, level
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return subprocess.CompletedProcess(["ckptd", *args], status, out.getvalue(), err.getvalue())
+
+
+class Daemon(ServeProcess):
+    """A ``ckptd serve`` subprocess with its own config, root (``base/ckpt``) and socket,
+    started by the one launcher the tests and benchmarks share (ckptd/daemon/launcher.py)."""
 
     def __init__(self, base: Path, tables: dict[str, dict[str, object]] | None = None, **daemon_keys: object) -> None:
         self.base = base
-        base.mkdir(parents=True, exist_ok=True)
-        self.root = base / "ckpt"
-        # ipc paths are limited to 107 bytes: keep the socket in a short temp folder
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="ckd", dir="/tmp"))
-        self.endpoint = f"ipc://{self.sock_dir}/d.sock"
-        keys = {"endpoint": self.endpoint, "root": str(self.root), "chunk_size": "4MiB",
-                "log_level": "debug", **daemon_keys}
-        lines = ["[daemon]"] + [f"{k} = {_toml(v)}" for k, v in keys.items()]
-        for table, values in (tables or {}).items():  # e.g. {"index": {"observer": "polling"}}
-            lines += [f"[{table}]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
-        self.config = base / "config.toml"
-        self.config.write_text("\n".join(lines) + "\n")
-        self.log = base / "daemon.log"
-        self.proc: subprocess.Popen | None = None
-        self.wrap: list[str] = []  # a command the daemon runs under, e.g. unshare
+        keys = {"chunk_size": "4MiB", "log_level": "debug", **daemon_keys}
+        super().__init__(base, {"daemon": keys, **(tables or {})})  # tables: e.g. {"index": {"observer": "polling"}}
 
-    @property
-    def command(self) -> list[str]:
-        return [*self.wrap, sys.executable, "-m", "ckptd", "serve", "-c", str(self.config)]
-
-    def start(self, wait: bool = True) -> "Daemon":
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.command,
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            )
-        if wait:
-            self.wait_ready()
+    def start(self, wait: bool = True, timeout: float = 30.0) -> "Daemon":  # type: ignore[override]
+        super().start(wait=wait, timeout=timeout)
         return self
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        """The socket exists once the daemon has cleaned the root and bound."""
-        sock = self.sock_dir / "d.sock"
-        deadline = time.monotonic() + timeout
-        while not sock.exists():
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_text()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"daemon not ready after {timeout} s:\n{self.log_text()}")
-            time.sleep(0.02)
-
     def kill(self) -> None:
-        """kill -9, as a crash would."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+        """kill -9, as a crash would; its socket file goes too."""
+        super().kill()
         (self.sock_dir / "d.sock").unlink(missing_ok=True)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def producer(self, run: str = "t", **options: object) -> Producer:
         options.setdefault("staging_size", "64MiB")
@@ -89,20 +96,10 @@ class Daemon:
         return Producer(self.endpoint, run, **options)
 
     def cleanup(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
-
-
-def _toml(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):  # e.g. [peer] peers
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        """At teardown: kill -9 (what a test left running need not drain), then close."""
+        if self.alive():
+            super().kill()
+        self.close()
 
 
 @pytest.fixture
@@ -165,27 +162,38 @@ def start_tcp(make_daemon, keys: dict[str, Path]):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     d = make_daemon(start=False, endpoint=endpoint, curve_secret_key=str(keys["server_secret"]),
                     curve_clients=str(keys["clients"]))
-    d.start(wait=False)
-    deadline = time.monotonic() + 30
-    while f"serving {endpoint}" not in d.log_text():  # no socket file to wait for, as with ipc://
-        assert d.proc.poll() is None, d.log_text()
-        assert time.monotonic() < deadline, d.log_text()
-        time.sleep(0.02)
+    d.start()  # READY=1 once it listens (ckptd/daemon/launcher.py)
     return d, endpoint
 
 
 # -- the remote tier: a real S3 server (SeaweedFS) on 127.0.0.1 ------------------------------
-@pytest.fixture
-def s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
-    """A started SeaweedFS S3 server with a bucket ``ckptd`` and the standard AWS variables
-    pointing at it (daemons started by the test inherit them); stopped at teardown."""
-    from seaweed import SeaweedS3, make_bucket
+@pytest.fixture(scope="session")
+def _seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """One SeaweedFS per test process, started when a test first asks for ``s3``: a
+    start and a stop cost ~4 s, and each test gets an empty bucket of its own anyway."""
+    from seaweed import SeaweedS3
 
-    server = SeaweedS3(tmp_path / "s3").start()
+    server = SeaweedS3(tmp_path_factory.mktemp("s3"))
     try:
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-        make_bucket(server, "ckptd")
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def s3(_seaweed, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """A started SeaweedFS S3 server with an empty bucket ``ckptd`` and the standard AWS
+    variables pointing at it (daemons started by the test inherit them). A test may stop,
+    kill and start it (same ports, same data folder); the next test finds it started and
+    the bucket emptied."""
+    from seaweed import empty_bucket, make_bucket
+
+    server = _seaweed
+    if server.proc is None or server.proc.poll() is not None:
+        server.stop()  # what a kill left: its socket files
+        server.start()
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    make_bucket(server, "ckptd")
+    empty_bucket(server, "ckptd")
+    yield server

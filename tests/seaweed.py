@@ -138,20 +138,38 @@ class SeaweedS3:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
 
-def make_bucket(server: SeaweedS3, bucket: str, timeout: float = 30.0) -> None:
-    """Create ``bucket`` (retrying while the filer behind S3 is still starting)."""
+def _client(server: SeaweedS3):
     import boto3
 
-    client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=ACCESS_KEY,
-                          aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+    return boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=ACCESS_KEY,
+                        aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+
+
+def make_bucket(server: SeaweedS3, bucket: str, timeout: float = 30.0) -> None:
+    """Create ``bucket`` (retrying while the filer behind S3 is still starting)."""
+    client = _client(server)
     deadline = time.monotonic() + timeout
     while True:
         try:
             client.create_bucket(Bucket=bucket)
             return
-        except client.exceptions.BucketAlreadyOwnedByYou:
+        except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
+            # a restarted server says "exists" for a bucket it made before: ours if we may use it
+            client.head_bucket(Bucket=bucket)
             return
         except Exception:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def empty_bucket(server: SeaweedS3, bucket: str) -> None:
+    """Delete every object in ``bucket`` (what an earlier test on the same server left)."""
+    client = _client(server)
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    left = client.list_objects_v2(Bucket=bucket).get("KeyCount", 0)
+    if left:
+        raise RuntimeError(f"bucket {bucket} still holds {left} object(s) after emptying it")

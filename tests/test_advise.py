@@ -21,12 +21,9 @@ from ckptd.producer.pacing import Pacer, check_bounds
 
 import advise_agree_job
 import advise_job as job
+from conftest import cli as ckptd_cli  # ckptd.cli.main in this process
 
 MIN, HOUR = 60.0, 3600.0
-
-
-def ckptd_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
 
 
 def advice_json(root: Path, run: str, *extra: str) -> dict:

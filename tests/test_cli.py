@@ -12,9 +12,13 @@ import torch
 
 import ckptd
 from ckptd import CheckpointCorrupt
+from conftest import cli
 
 
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def real_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The real command, in a process of its own: what a terminal shows (Python's own
+    warnings included), and ``serve``. Other tests here call ``ckptd.cli.main`` in this
+    process (conftest.cli), the same code without ~2 s of imports each."""
     return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=60)
 
@@ -81,10 +85,10 @@ def test_show(two_steps) -> None:
 def test_failures_are_one_line_and_non_zero(two_steps) -> None:
     root = str(two_steps.root)
     for args in (["latest", "nope"], ["show", "t", "150"], ["verify", "nope"], ["latest", "../x"]):
-        r = cli(*args, "--root", root)
+        r = real_cli(*args, "--root", root)
         assert r.returncode != 0, args
         assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr, (args, r.stderr)
-    r = cli("show", "t", "150", "--root", root)
+    r = real_cli("show", "t", "150", "--root", root)
     assert "complete steps: 100, 200" in r.stderr
 
 
@@ -125,12 +129,12 @@ def test_help_and_usage_errors() -> None:
 def test_serve_rejects_a_bad_config(tmp_path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[daemon]\nchunk_size = "lots"\n')
-    r = cli("serve", "-c", str(bad))
+    r = real_cli("serve", "-c", str(bad))
     assert r.returncode == 1 and "chunk_size" in r.stderr and str(bad) in r.stderr
 
 
 def test_second_daemon_on_the_same_root_refuses(daemon) -> None:
-    r = cli("serve", "-c", str(daemon.config))
+    r = real_cli("serve", "-c", str(daemon.config))
     assert r.returncode == 1 and "already serving" in r.stderr
     assert daemon.proc.poll() is None
 

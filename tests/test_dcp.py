@@ -22,10 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptd
 import ckptd.dcp
 import dcp_job as job
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
+from conftest import cli  # ckptd.cli.main in this process
 
 
 @pytest.mark.slow

@@ -22,10 +22,7 @@ import ckptd
 import ckptd.dcp
 import dcp_chunks_job as job
 from ckptd.errors import CheckpointCorrupt
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
+from conftest import cli  # ckptd.cli.main in this process
 
 
 def manifest(root: Path, run: str, step: int, rank: int) -> dict:

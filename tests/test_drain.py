@@ -48,7 +48,7 @@ def test_sigterm_mid_checkpoint_completes_it(make_daemon) -> None:
 def test_drain_finishes_open_steps_and_refuses_new_work(make_daemon, tmp_path, monkeypatch) -> None:
     notify = Listener(str(tmp_path / "notify.sock"))
     monkeypatch.setenv("NOTIFY_SOCKET", notify.address)
-    d = make_daemon()
+    d = make_daemon(start=False).start(wait=False)  # its READY=1 goes to this test's socket
     notify.wait_for("READY")
     a = d.producer("a")
     try:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -19,10 +17,7 @@ from safetensors import safe_open
 import ckptd
 from ckptd.reader.export import export
 from test_roundtrip import random_tensor, same_bits
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
+from conftest import cli  # ckptd.cli.main in this process
 
 
 def tensors_of(dtype_names: list[str]) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import time
 import torch
 
 import ckptd
-from conftest import start_tcp
+from conftest import cli, start_tcp
 
 CHILD = textwrap.dedent("""
     import os, sys, time, torch
@@ -47,8 +47,7 @@ CHILD = textwrap.dedent("""
 
 
 def status(d) -> dict:
-    out = subprocess.run([sys.executable, "-m", "ckptd", "status", "--json", "--endpoint", d.endpoint],
-                         capture_output=True, text=True, timeout=30)
+    out = cli("status", "--json", "--endpoint", d.endpoint)  # ckptd.cli.main in this process
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -58,8 +57,7 @@ def status_tcp(endpoint: str, keys: dict, folder) -> dict:
     cfg = folder / "alice.toml"
     cfg.write_text(f'[daemon]\nendpoint = "{endpoint}"\n[producer]\n'
                    f'curve_server_key = "{keys["server"]}"\ncurve_secret_key = "{keys["alice"]}"\n')
-    out = subprocess.run([sys.executable, "-m", "ckptd", "status", "--json", "-c", str(cfg)],
-                         capture_output=True, text=True, timeout=30)
+    out = cli("status", "--json", "-c", str(cfg))
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

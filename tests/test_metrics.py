@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -15,10 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd import CheckpointError
 from ckptd.config import ConfigError, build, DaemonConfig
-
-
-def ckptd_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
+from conftest import cli as ckptd_cli  # ckptd.cli.main in this process
 
 
 def status(d) -> dict:

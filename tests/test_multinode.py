@@ -77,9 +77,9 @@ TRAIN = textwrap.dedent("""
 
 
 def _torchrun(tmp_path: Path, out: Path, configs: list[Path], run: str, **env: str) -> subprocess.Popen:
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
     out.mkdir(parents=True, exist_ok=True)
+    script = out / "train.py"  # one per job: two may start at once
+    script.write_text(TRAIN)
     full_env = dict(os.environ, NODE_CONFIGS=",".join(map(str, configs)), RUN=run, OUT=str(out),
                     STEPS=str(STEPS), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **env)
     return subprocess.Popen(
@@ -114,16 +114,17 @@ def test_two_nodes_kill_one_resume_a_fresh_node_from_the_bucket(s3, make_daemon,
     node_b = make_daemon(tables=tables)
     store = Store(URL)
 
-    # uninterrupted: the reference final weights; every step complete in the bucket
-    ref = tmp_path / "ref"
-    proc = _torchrun(tmp_path, ref, [node_a.config, node_b.config], "ref")
-    assert _finish(proc, ref) == 0, (ref / "torchrun.log").read_text()[-4000:]
+    # the uninterrupted run (the reference final weights; every step complete in the
+    # bucket) and the one that node 1 will leave run side by side: the second waits at
+    # step KILL_AT until the reference has finished
+    ref, job = tmp_path / "ref", tmp_path / "job"
+    reference = _torchrun(tmp_path, ref, [node_a.config, node_b.config], "ref")
+    proc = _torchrun(tmp_path, job, [node_a.config, node_b.config], "job", KILL_AT=str(KILL_AT))
+    assert _finish(reference, ref) == 0, (ref / "torchrun.log").read_text()[-4000:]
     assert [i.step for i in catalog.list_checkpoints(store, "ref")] == list(range(1, STEPS + 1))
     assert ckptd.latest("ref", root=node_a.root, remote="") is None  # no node alone holds a whole step
 
     # node 1 (its daemon and its two ranks) dies mid-step KILL_AT
-    job = tmp_path / "job"
-    proc = _torchrun(tmp_path, job, [node_a.config, node_b.config], "job", KILL_AT=str(KILL_AT))
     marks = [job / f"midstep-r{r}" for r in (2, 3)] + [job / f"incomplete-r{r}" for r in (0, 1)]
     _wait_for(marks, proc, job)
     assert "is not complete in s3://ckptd/multinode" in (job / "incomplete-r0").read_text()

@@ -24,6 +24,7 @@ import torch
 
 import ckptd
 from ckptd import CheckpointError, Producer, config, producer
+from conftest import cli as in_process_cli  # ckptd.cli.main in this process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -266,28 +267,28 @@ def test_version_runs_and_pins(daemon) -> None:
         p.save({"w": torch.ones(256)}, 2).wait(30)
     with daemon.producer(run="bb") as p:
         p.save({"w": torch.ones(4)}, 7).wait(30)
-    r = cli("--version")
+    r = in_process_cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"ckptd {ckptd.__version__}"
-    r = cli("runs", "--root", root, "--json")
+    r = in_process_cli("runs", "--root", root, "--json")
     assert [(x["run"], x["step"], x["checkpoints"], x["bytes"]) for x in json.loads(r.stdout)] == [
         ("a", 2, 2, 2048), ("bb", 7, 1, 16)]
-    table = cli("list", "--root", root).stdout.splitlines()  # no RUN: the runs
+    table = in_process_cli("list", "--root", root).stdout.splitlines()  # no RUN: the runs
     assert table[0].split() == ["RUN", "NEWEST", "STEP", "CHECKPOINTS", "SIZE", "AGE"]
     assert table[1].split()[:5] == ["a", "2", "2", "2.0", "KiB"]
-    assert cli("pin", "a", "1", "--root", root).stdout.startswith("pinned ")
-    assert "already pinned; nothing changed" in cli("pin", "a", "1", "--root", root).stdout
-    listed = cli("list", "a", "--root", root).stdout.splitlines()
+    assert in_process_cli("pin", "a", "1", "--root", root).stdout.startswith("pinned ")
+    assert "already pinned; nothing changed" in in_process_cli("pin", "a", "1", "--root", root).stdout
+    listed = in_process_cli("list", "a", "--root", root).stdout.splitlines()
     assert listed[1].endswith("pinned") and not listed[2].endswith("pinned")
-    assert [x["pinned"] for x in json.loads(cli("list", "a", "--root", root, "--json").stdout)] == [True, False]
-    assert cli("show", "a", "1", "--root", root).stdout.splitlines()[0].endswith("(pinned)")
-    assert cli("unpin", "a", "1", "--root", root).stdout.startswith("unpinned ")
-    assert "was not pinned; nothing changed" in cli("unpin", "a", "1", "--root", root).stdout
+    assert [x["pinned"] for x in json.loads(in_process_cli("list", "a", "--root", root, "--json").stdout)] == [True, False]
+    assert in_process_cli("show", "a", "1", "--root", root).stdout.splitlines()[0].endswith("(pinned)")
+    assert in_process_cli("unpin", "a", "1", "--root", root).stdout.startswith("unpinned ")
+    assert "was not pinned; nothing changed" in in_process_cli("unpin", "a", "1", "--root", root).stdout
 
 
 def test_show_aligns_its_columns(daemon) -> None:
     with daemon.producer() as p:
         p.save({"a": torch.ones(1), "a_much_longer_name": torch.ones(100, 100, dtype=torch.float64)}, 1).wait(30)
-    lines = cli("show", "t", "--root", str(daemon.root)).stdout.splitlines()[1:]
+    lines = in_process_cli("show", "t", "--root", str(daemon.root)).stdout.splitlines()[1:]
     assert len({line.index("float") for line in lines}) == 1
     assert len({line.index("r00000") for line in lines}) == 1
 

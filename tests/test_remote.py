@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 import ckptd
 from ckptd.remote import catalog, fetch
 from ckptd.remote.store import RemoteAuthError, Store
+from conftest import cli as in_process_cli  # ckptd.cli.main in this process
 
 URL = "s3://ckptd/ckpts"
 
@@ -64,13 +64,11 @@ def test_upload_then_resume_on_an_empty_disk(s3, make_daemon, monkeypatch, tmp_p
     both = ckptd.list_checkpoints("r", root=d.root, remote=URL)
     assert [(i.step, i.tiers) for i in both] == [(1, ("local", "remote")), (2, ("local", "remote"))]
     assert both[1].path == str(d.root / "r" / "step-000000000002")
-    status = subprocess.run([sys.executable, "-m", "ckptd", "status", "-c", str(d.config), "--json"],
-                            capture_output=True, text=True, timeout=60)
+    status = in_process_cli("status", "-c", str(d.config), "--json")
     remote = json.loads(status.stdout)["remote"]
     assert remote["shares_uploaded"] == 2 and remote["pending_shares"] == 0 and remote["failures"] == 0
     assert remote["bytes_uploaded"] > 2 * 2048 * 1024 * 4  # 8 MiB tensors: multipart uploads
-    text = subprocess.run([sys.executable, "-m", "ckptd", "status", "-c", str(d.config)],
-                          capture_output=True, text=True, timeout=60).stdout
+    text = in_process_cli("status", "-c", str(d.config)).stdout
     assert f"remote:       {URL}: 2 share(s) uploaded" in text and "0 pending" in text
 
 
@@ -82,8 +80,7 @@ def test_cli_reads_the_remote_tier(s3, make_daemon, monkeypatch, tmp_path) -> No
     monkeypatch.delenv("CKPTD_CONFIG")
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ckptd", *args, "--root", str(tmp_path / "none")],
-                              capture_output=True, text=True, timeout=60)
+        return in_process_cli(*args, "--root", str(tmp_path / "none"))
 
     got = cli("latest", "c", "--remote", URL, "--json")
     assert got.returncode == 0, got.stderr
@@ -156,8 +153,7 @@ def test_a_frozen_base_is_copied_inside_the_bucket_not_uploaded_again(s3, make_d
             states[step] = {"base": base, "lora": torch.full((256,), float(step)), "step": step}
             p.save(states[step], step, frozen=["base.*"]).wait(30)
             p.wait_complete(step, timeout=60)
-    remote = json.loads(subprocess.run([sys.executable, "-m", "ckptd", "status", "-c", str(d.config), "--json"],
-                                       capture_output=True, text=True, timeout=60).stdout)["remote"]
+    remote = json.loads(in_process_cli("status", "-c", str(d.config), "--json").stdout)["remote"]
     base_bytes = sum(t.nbytes for t in base.values())
     assert remote["shares_uploaded"] == 3 and remote["failures"] == 0
     assert remote["bytes_copied"] >= 2 * base_bytes  # steps 2 and 3: copied in the bucket

@@ -4,8 +4,6 @@ the server killed mid-upload, the daemon killed mid-upload; retention in both ti
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import torch
@@ -14,6 +12,7 @@ import ckptd
 from ckptd import layout
 from ckptd.remote import catalog
 from ckptd.remote.store import Store
+from conftest import cli  # ckptd.cli.main in this process
 
 URL = "s3://ckptd/faults"
 NFILES = 16
@@ -38,8 +37,7 @@ def _state(step: int) -> dict:
 
 
 def _status(d) -> dict:
-    r = subprocess.run([sys.executable, "-m", "ckptd", "status", "-c", str(d.config), "--json"],
-                       capture_output=True, text=True, timeout=60)
+    r = cli("status", "-c", str(d.config), "--json")  # ckptd.cli.main in this process
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)["remote"]
 

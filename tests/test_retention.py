@@ -18,6 +18,7 @@ import ckptd
 from ckptd import CheckpointError, retention
 from ckptd.config import RetentionConfig
 from ckptd.manifest import CheckpointInfo
+from conftest import cli  # ckptd.cli.main in this process
 
 NOW = 1_000_000.0
 
@@ -143,10 +144,6 @@ def test_failed_commit_deletes_nothing(make_daemon) -> None:
         assert [i.step for i in ckptd.list_checkpoints("t", root=d.root)] == [2, 5]
         p.save(state(6), 6).wait(30)
     assert [i.step for i in ckptd.list_checkpoints("t", root=d.root)] == [6]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_pin_prune_and_dry_run(make_daemon, tmp_path) -> None:
