@@ -34,7 +34,7 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from ckptd import wire
+from ckptd.transport import wire
 
 # The daemon accepts frames up to max(max_frame, the 64 MiB header limit); a frame
 # larger than that makes libzmq drop the peer before Python sees it.

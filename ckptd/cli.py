@@ -169,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
 
-    from . import wire
+    from .transport import wire
     from .producer.transport import request
 
     endpoint = args.endpoint or env.endpoint()
@@ -249,13 +249,13 @@ def _print_peer(p: dict[str, Any]) -> None:
 def _curve_keys(args: argparse.Namespace, endpoint: str) -> Any:
     """A tcp:// endpoint's CurveZMQ keys: the [producer] ones of the config file (-c, else
     $CKPTD_CONFIG), as a producer's. None for ipc://, without reading any config."""
-    from . import curve
+    from .transport import curve
 
     return curve.client_keys(endpoint, config_mod.load(args.config)) if curve.is_tcp(endpoint) else None
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from . import curve
+    from .transport import curve
 
     for line in curve.keygen_instructions(*curve.keygen(args.name, args.dir)):
         print(line)
@@ -300,7 +300,7 @@ def _latest(args: argparse.Namespace) -> int:
         raise ValueError("--verify reads the checkpoint root; leave out --endpoint")
     if args.endpoint:
         from .producer.transport import request
-        from . import wire
+        from .transport import wire
 
         check_run(args.run)
         endpoint = config_mod.resolve_endpoint(args.endpoint, Path.cwd())
@@ -354,7 +354,7 @@ def _list_from_daemon(args: argparse.Namespace) -> tuple[str, list[CheckpointInf
     """What ``_list`` reads from the root, from the daemon's index instead (its ``list``
     message: no manifest is read here); the remote tier's steps merged in as
     ``reader.list_checkpoints`` merges them."""
-    from . import wire
+    from .transport import wire
     from .producer.transport import request
     from .remote import catalog, tiers
 

@@ -498,7 +498,7 @@ def resolve_endpoint(endpoint: str, base: Path) -> str:
         return "ipc://" + str(resolve_path(endpoint[len("ipc://"):], base))
     if endpoint.startswith("tcp://"):
         # docs/security.md: only with CurveZMQ keys, which the daemon and producers load and
-        # require where they open the socket (ckptd/curve.py, docs/security.md).
+        # require where they open the socket (ckptd/transport/curve.py, docs/security.md).
         try:
             _, port = split_host_port(endpoint[len("tcp://"):])
         except ValueError as exc:

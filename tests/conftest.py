@@ -14,7 +14,8 @@ from typing import Iterator
 
 import pytest
 
-from ckptd import Producer, curve
+from ckptd import Producer
+from ckptd.transport import curve
 from ckptd.daemon.launcher import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ckptd
-from ckptd import CheckpointError, measures, wire
+from ckptd import CheckpointError, measures
+from ckptd.transport import wire
 from ckptd.producer.transport import request
 
 

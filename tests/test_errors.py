@@ -12,7 +12,8 @@ import torch
 import zmq
 
 import ckptd
-from ckptd import CheckpointError, CheckpointNotFound, Producer, wire
+from ckptd import CheckpointError, CheckpointNotFound, Producer
+from ckptd.transport import wire
 
 
 def test_daemon_not_running_times_out_naming_the_endpoint(tmp_path) -> None:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ckptd
-from ckptd import CheckpointCorrupt, handoff, layout, manifestcache, reader, wire
+from ckptd import CheckpointCorrupt, layout, manifestcache, reader
+from ckptd.transport import handoff, wire
 from ckptd.errors import ProtocolError
 from ckptd.manifest import Manifest
 

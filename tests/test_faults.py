@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import ckptd
-from ckptd import CheckpointError, wire
+from ckptd import CheckpointError
+from ckptd.transport import wire
 from ckptd.producer.transport import request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

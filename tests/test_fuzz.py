@@ -18,7 +18,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ckptd
-from ckptd import wire
+from ckptd.transport import wire
 from ckptd.errors import ProtocolError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from ckptd import wire
+from ckptd.transport import wire
 from ckptd.daemon import handlers
 
 

@@ -12,7 +12,8 @@ import torch
 import zmq
 
 import ckptd
-from ckptd import CheckpointError, Producer, cli, layout, reader, wire
+from ckptd import CheckpointError, Producer, cli, layout, reader
+from ckptd.transport import wire
 
 BAD_RUNS = [
     "", ".", "..", "../x", "x/..", "a/b", "/abs", "a\\b", "nul\0x", "x" * 129, "x" * 100_000,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptd
-from ckptd import wire
+from ckptd.transport import wire
 from ckptd.state import flatten
 
 from test_fastpaths import shm_daemon

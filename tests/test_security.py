@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import ckptd
-from ckptd import CheckpointError, Producer, config, curve
+from ckptd import CheckpointError, Producer, config
+from ckptd.transport import curve
 from ckptd.cli import main as cli
 from ckptd.config import ConfigError
 

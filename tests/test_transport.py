@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 
 import ckptd
-from ckptd import CheckpointError, Producer, handoff, wire
+from ckptd import CheckpointError, Producer
+from ckptd.transport import handoff, wire
 from ckptd.daemon.datafile import BLOCK, Bounce, DataFile
 
 from conftest import start_tcp

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ckptd import wire
+from ckptd.transport import wire
 from ckptd.errors import ProtocolError
 
 GOOD_TENSOR = dict(seq=1, step=1, name="w", dtype="float32", shape=[2], nbytes=8, start=0, numpy=False)

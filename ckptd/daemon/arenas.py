@@ -1,7 +1,7 @@
 """Staging arenas handed over by local producers, as the daemon keeps them.
 
 A producer on the daemon's host passes its staging arena's descriptor over a unix
-socket beside the ZeroMQ one (``ckptd.handoff``); its hello names it by token, and
+socket beside the ZeroMQ one (``ckptd.transport.handoff``); its hello names it by token, and
 the daemon maps it read-only, so tensors arrive as offsets into it, not as bytes on
 the socket (docs/protocol.md). ``Arenas`` owns that socket's connections and which
 commits are still being written out of which arena.
@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from .. import handoff
+from ..transport import handoff
 from .share import Share
 
 log = logging.getLogger("ckptd.daemon")

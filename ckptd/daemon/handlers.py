@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from .. import retention, state as state_mod, units, wire
+from .. import retention, state as state_mod, units
+from ..transport import wire
 from ..attempt import check_attempt
 from ..config import FORMATS, ConfigError
 from ..errors import ProtocolError

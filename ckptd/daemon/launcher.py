@@ -179,8 +179,8 @@ class ServeProcess:
 
     def status(self, timeout: float = 10.0, curve_keys: Any = None) -> dict[str, Any]:
         """The daemon's status report, as ``ckptd status --json`` prints it
-        (``curve_keys``: a tcp:// endpoint's, ``ckptd.curve.ClientKeys``)."""
-        from .. import wire
+        (``curve_keys``: a tcp:// endpoint's, ``ckptd.transport.curve.ClientKeys``)."""
+        from ..transport import wire
         from ..producer.transport import request
 
         return request(self.endpoint, wire.encode("status", seq=1), timeout, curve_keys)["status"]

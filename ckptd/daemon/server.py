@@ -26,12 +26,12 @@ from typing import Any
 
 import zmq
 
-from .. import handoff, unixsock, wire
+from ..transport import handoff, unixsock, wire
 from ..version import __version__
 from ..config import Config, ConfigError, load as load_config, writer_threads
-from ..curve import CurveServer
+from ..transport.curve import CurveServer
 from ..errors import CheckpointError
-from ..wakeup import WakePipe
+from ..transport.wakeup import WakePipe
 from . import status
 from .arenas import Arenas
 from .assembly import OpenStep

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import Config, ConfigError
-from ..curve import ClientKeys, CurveServer, load_secret
+from ..transport.curve import ClientKeys, CurveServer, load_secret
 
 
 def daemon_curve(config: Config) -> tuple[CurveServer | None, ClientKeys | None]:

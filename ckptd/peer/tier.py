@@ -28,7 +28,7 @@ import zmq
 
 from .. import index, layout
 from ..config import Config, ConfigError, load as load_config
-from ..curve import client_keys
+from ..transport.curve import client_keys
 from ..durable import atomic_write, replacing, write_all
 from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum

@@ -78,7 +78,7 @@ class Link:
     _ids = itertools.count(1)
 
     def __init__(self, ctx: zmq.Context, endpoint: str, keys: Any = None, *, hwm: int = 64) -> None:
-        from ..curve import secure_client
+        from ..transport.curve import secure_client
 
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.DEALER)

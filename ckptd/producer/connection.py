@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import config as config_mod
-from .. import curve, env, handoff, unixsock, wire
+from ..transport import curve, handoff, unixsock, wire
+from .. import env
 from ..attempt import current as current_attempt
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo

@@ -39,7 +39,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import dtypes, wire
+from .. import dtypes
+from ..transport import wire
 from ..state import encode
 from .batch import BATCH_BYTES, BATCH_ITEMS, SMALL
 from .staging import ALIGN, LARGE, PAGE, Arena, Region

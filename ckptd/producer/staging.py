@@ -9,7 +9,7 @@ the daemon acknowledges them, which is exactly the order they were sent in.
 The arena lives in a memfd: anonymous shared memory with no name in any
 filesystem, so a crash of either process leaks nothing (the kernel frees it with
 the last mapping or descriptor). Its descriptor is what the shared-memory
-transport hands to the daemon (``ckptd.handoff``); it is sealed against
+transport hands to the daemon (``ckptd.transport.handoff``); it is sealed against
 shrinking, so the daemon can map it without fear that a later ``ftruncate``
 turns its reads into SIGBUS.
 """

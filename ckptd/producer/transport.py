@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 import zmq
 
-from .. import wire
-from .. import curve, unixsock
-from ..wakeup import WakePipe
+from ..transport import wire
+from ..transport import curve, unixsock
+from ..transport.wakeup import WakePipe
 from ..errors import ProtocolError
 
 log = logging.getLogger("ckptd.producer")

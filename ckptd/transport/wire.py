@@ -2,7 +2,7 @@
 
 Every message is one msgpack-encoded header frame; a ``tensor`` message carries
 its bytes in a second frame, unless it names them by ``offset`` and ``length`` in
-the producer's shared staging arena (``ckptd.handoff``). Headers are maps with an ``op`` key. The full
+the producer's shared staging arena (``ckptd.transport.handoff``). Headers are maps with an ``op`` key. The full
 message list, with field types, is ``SCHEMAS`` below and ``docs/protocol.md``.
 
 Decoding trusts nothing: frame counts, header size, msgpack container sizes,
@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 VERSION = 1
 MAX_HEADER_BYTES = 64 * 2**20  # a commit header carries the state's structure

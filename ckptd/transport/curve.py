@@ -31,7 +31,7 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from .config import Config, ConfigError, resolve_path
+from ..config import Config, ConfigError, resolve_path
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
