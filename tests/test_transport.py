@@ -275,7 +275,10 @@ def test_data_files_hold_exactly_the_bytes_written(tmp_path: Path, direct: bool)
     assert (tmp_path / "f").read_bytes() == want
 
 
-def test_o_direct_refused_midway_carries_on_buffered(tmp_path: Path) -> None:
+def test_o_direct_refused_midway_carries_on_buffered(tmp_path: Path, monkeypatch) -> None:
+    from ckptd.daemon import datafile
+
+    monkeypatch.setattr(datafile, "_no_direct", set())  # the refusal is remembered for this test only
     out = DataFile.create(tmp_path / "f", direct=True, bounce=Bounce(2**20))
     if not out.direct:
         pytest.fail("this filesystem refuses O_DIRECT at open; the test needs one that allows it")
@@ -343,3 +346,21 @@ def test_a_reconnect_with_the_same_arena_never_completes_a_step_from_reused_memo
     old.close(0)
     new.close(0)
     arena.close()
+
+
+def test_a_file_opened_after_a_refusal_midway_is_written_buffered(tmp_path: Path, monkeypatch) -> None:
+    """Once a filesystem refused O_DIRECT midway, later files there are written buffered,
+    unaligned bytes included (they were opened with O_DIRECT and failed with EINVAL)."""
+    from ckptd.daemon import datafile
+
+    monkeypatch.setattr(datafile, "_no_direct", set())  # this process's memory of refusals
+    first = DataFile.create(tmp_path / "f", direct=True, bounce=Bounce(2**20))
+    if not first.direct:
+        pytest.fail("this filesystem refuses O_DIRECT at open; the test needs one that allows it")
+    first._write_all(memoryview(b"y" * 100))  # misaligned: the kernel answers EINVAL
+    assert not first.direct
+    os.close(first.finish())
+    later = DataFile.create(tmp_path / "g", direct=True, bounce=Bounce(2**20))
+    later.write([b"h" * 10, b"i" * (BLOCK + 3)])
+    os.close(later.finish())
+    assert (tmp_path / "g").read_bytes() == b"h" * 10 + b"i" * (BLOCK + 3)

@@ -64,6 +64,8 @@ class DataFile:
         self._error: OSError | None = None
         self._throttle = throttle
         self.direct = direct and _direct_allowed(fd)
+        if direct and not self.direct:  # opened with O_DIRECT on a filesystem that refused it before
+            _clear_direct(fd)
 
     @classmethod
     def create(cls, path: Any, *, direct: bool, bounce: "Bounce", throttle: Throttle | None = None) -> "DataFile":
@@ -166,9 +168,7 @@ class DataFile:
 
     def _refuse_direct(self) -> None:
         """This filesystem will not do O_DIRECT: carry on buffered, and remember."""
-        import fcntl
-
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        _clear_direct(self.fd)
         self.direct = False
         with _no_direct_lock:
             _no_direct.add(os.fstat(self.fd).st_dev)
@@ -181,6 +181,12 @@ class Bounce:
         self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
         self.view = memoryview(self._mm)
         self.owner: DataFile | None = None  # the file whose bytes wait in it
+
+
+def _clear_direct(fd: int) -> None:
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
 
 def _direct_allowed(fd: int) -> bool:
