@@ -33,6 +33,9 @@ VALUES = {
     "json": st.text(max_size=12),
     "map": st.dictionaries(st.text(max_size=4), st.integers(-5, 5) | st.text(max_size=3), max_size=3),
     "shape": st.lists(st.integers(0, 2**63 - 1), max_size=64),
+    # a ``listing``'s checkpoints: a list of maps
+    "maps": st.lists(st.dictionaries(st.text(max_size=4), st.integers(-5, 5) | st.text(max_size=3), max_size=3),
+                     max_size=3),
     # a ``tensors`` batch: [name, dtype, shape, nbytes, numpy, offset] items
     "batch": st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6), st.lists(st.integers(0, 2**63 - 1), max_size=4),
                                 st.integers(0, 2**63 - 1), st.booleans(), st.integers(0, 2**63 - 1)).map(list),
@@ -62,6 +65,8 @@ def conforms(kind: str, v: object) -> bool:
         return type(v) is bool
     if kind == "map":
         return type(v) is dict
+    if kind == "maps":
+        return type(v) is list and all(type(m) is dict for m in v)
     if kind == "shape":
         return type(v) is list and len(v) <= 64 and all(type(d) is int and 0 <= d < 2**63 for d in v)
     if kind == "batch":
