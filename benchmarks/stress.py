@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import random
 import shutil
 import signal
@@ -317,11 +318,26 @@ def _is_measures(name: str) -> bool:
     return name.startswith(measures.PREFIX) and name.endswith(".json")
 
 
+def _in_flight(name: str) -> bool:
+    """A file being replaced right now by a live process of this host
+    (``.<name>~<host>-<pid>.tmp``, ckptd/durable.py): the daemon's own, not an orphan."""
+    host, _, pid = name.removesuffix(".tmp").rpartition("~")[2].rpartition("-")
+    if not (name.startswith(".") and name.endswith(".tmp") and host == socket.gethostname() and pid.isdigit()):
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def orphans(root: Path) -> list[str]:
     """Files that the start-up clean-up should have removed: in a step folder, anything no
     manifest names; in a run folder, anything but step folders, `latest` and the run's
-    retention file and the daemons' measures files (ckptd/measures.py); leftover trash
-    folders; empty step folders."""
+    retention file and the daemons' measures files (ckptd/measures.py), and the files a live
+    daemon is replacing right now; leftover trash folders; empty step folders."""
     found = []
     for run_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         for entry in sorted(run_dir.iterdir()):
@@ -337,7 +353,8 @@ def orphans(root: Path) -> list[str]:
                     found.append(f"orphans in {entry}: {sorted(names - referenced)}")
                 if not names:
                     found.append(f"empty step folder left: {entry}")
-            elif entry.name not in ("latest", POLICY_FILE) and not _is_measures(entry.name):
+            elif entry.name not in ("latest", POLICY_FILE) and not _is_measures(entry.name) \
+                    and not _in_flight(entry.name):
                 found.append(f"stray entry in a run folder: {entry}")
     return found
 

@@ -30,7 +30,7 @@ CHILD = textwrap.dedent("""
         time.sleep(600)
     elif mode == "commit-and-die":  # a raw DEALER sends a whole step and exits before any answer
         import socket, zmq
-        from ckptd import wire
+        from ckptd.transport import wire
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(endpoint)
         sock.send(wire.encode("hello", v=wire.VERSION, run="t", rank=0, world_size=1, pid=os.getpid(),
