@@ -29,7 +29,7 @@ from ckptd import Producer
 from ckptd.state import flatten
 
 LAYERS = 20
-OPTIONS = dict(staging_size="4MiB", emit_timeout=5, timeout=20)  # a hang fails in 5 s, not 300
+OPTIONS = dict(staging_size="4MiB", emit_timeout=30, timeout=20)  # a hang fails in 30 s, not 300 (5 s was short for a loaded 2-core machine)
 
 
 def main(endpoint: str, out: Path) -> None:
