@@ -114,33 +114,21 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def levels(graph: dict[str, set[str]], comps: list[list[str]]) -> int:
-    """The longest chain of imports (a cycle counts as one module)."""
+def _condensed(graph: dict[str, set[str]], comps: list[list[str]]) -> dict[str, set[str]]:
+    """The import graph with each cycle taken as one module (its first)."""
     rep = {m: c[0] for c in comps for m in c}
     dag: dict[str, set[str]] = {}
     for m, deps in graph.items():
         dag.setdefault(rep.get(m, m), set()).update(rep.get(d, d) for d in deps)
     for m, deps in dag.items():
         deps.discard(m)
-    depth: dict[str, int] = {}
-
-    def d(m: str) -> int:
-        if m not in depth:
-            depth[m] = 0
-            depth[m] = 1 + max((d(x) for x in dag.get(m, ())), default=0)
-        return depth[m]
-
-    return max((d(m) for m in dag), default=0)
+    return dag
 
 
 def longest_chain(graph: dict[str, set[str]], comps: list[list[str]]) -> list[str]:
-    """One longest chain of imports, importer first (a cycle counts as one module)."""
-    rep = {m: c[0] for c in comps for m in c}
-    dag: dict[str, set[str]] = {}
-    for m, deps in graph.items():
-        dag.setdefault(rep.get(m, m), set()).update(rep.get(d, d) for d in deps)
-    for m, deps in dag.items():
-        deps.discard(m)
+    """One longest chain of imports, importer first (a cycle counts as one module); its
+    length is the number of import levels."""
+    dag = _condensed(graph, comps)
     best: dict[str, list[str]] = {}
 
     def chain(m: str) -> list[str]:
@@ -151,7 +139,6 @@ def longest_chain(graph: dict[str, set[str]], comps: list[list[str]]) -> list[st
         return best[m]
 
     return max((chain(m) for m in sorted(dag)), key=len, default=[])
-
 
 def format_branches(mods: dict[str, Path]) -> list[str]:
     """Comparisons with a format's name (``x == "hdf5"``) outside the format package:
@@ -179,8 +166,8 @@ def figures(root: Path) -> dict:
         "top_level_modules": len(top),
         "longest": [{"module": m, "lines": n} for n, m in sizes[:8]],
         "over_500_lines": [m for n, m in sizes if n > 500],
-        "import_levels": levels(graph, comps),
-        "longest_chain": longest_chain(graph, comps),
+        "import_levels": len(chain := longest_chain(graph, comps)),
+        "longest_chain": chain,
         "cycles": comps,
         "private_imports": [f"{a} imports {c} from {b}" for a, b, c in sorted(private)],
         "format_branches": format_branches(mods),
