@@ -58,7 +58,10 @@ class KillAfter(L.Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step == self.step + 1:  # ModelCheckpoint saved `step` a batch ago
-            self.plugin.flush(60)
+            self.plugin.flush(60)  # on rank 0, which saved; the other ranks have nothing to flush
+            # under DDP, a rank that dies makes Lightning SIGKILL the others: no rank dies
+            # before rank 0's save is durable
+            trainer.strategy.barrier("ckptd-kill-after")
             os.kill(os.getpid(), signal.SIGKILL)
 
 
