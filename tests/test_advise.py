@@ -254,11 +254,17 @@ def test_torchrun_restarts_are_counted_and_resumes_timed(daemon, tmp_path) -> No
     the same steps (rank 0's plan, broadcast over gloo)."""
     flags = tmp_path / "flags"
     flags.mkdir()
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "--max-restarts=2", "--monitor-interval=0.1", str(Path(job.__file__)), daemon.endpoint,
-         str(daemon.root), str(flags), "25"],
-        capture_output=True, text=True, timeout=300)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             "--max-restarts=2", "--monitor-interval=0.1", str(Path(job.__file__)), daemon.endpoint,
+             str(daemon.root), str(flags), "25"],
+            capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:  # say where it hung: the job's output, the flags it left
+        out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                      for x in (exc.stdout, exc.stderr))[-9000:]
+        pytest.fail(f"the torchrun job ran past 300 s; flags: {sorted(f.name for f in flags.iterdir())}\n{out}\n"
+                    f"daemon log:\n{daemon.log_tail(60)}")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert daemon.stop() == 0  # the measures are written before it exits
     # every 5 steps from each resume (should_save's max_steps); the failed attempts' last
