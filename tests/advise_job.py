@@ -52,7 +52,11 @@ def main(endpoint: str, root: str, flags: Path, steps: int) -> None:
             p.save({"model": model.state_dict(), "step": step}, step).wait(60)
             with open(saves, "a") as f:
                 f.write(f"{step}\n")
+            deadline = time.monotonic() + 120
             while (info := ckptd.latest(RUN, root=root)) is None or info.step < step:
+                if time.monotonic() > deadline:  # say so, rather than hang until the test's timeout
+                    raise RuntimeError(f"rank {rank}, attempt {attempt}: step {step} was not complete after "
+                                       f"120 s (newest: {info.step if info else None}); did the other rank save it?")
                 time.sleep(0.01)  # the other rank's share of it (a rank that died: torchrun stops us)
     p.close()
 
