@@ -75,6 +75,33 @@ def test_list_from_the_daemons_index_is_the_list_read_from_the_root(two_steps) -
     assert no_run.returncode == 1 and "--endpoint lists one run" in no_run.stderr
 
 
+def test_plain_list_asks_the_daemon_serving_that_root(two_steps, monkeypatch, tmp_path) -> None:
+    """`ckptd list RUN` without --endpoint takes the listing from this host's daemon
+    (CKPTD_ENDPOINT, else the config's) when that daemon serves the root being read, and
+    reads the root itself otherwise: the same output either way."""
+    root, endpoint = str(two_steps.root), two_steps.endpoint
+    from_root = cli("list", "t", "--root", root, "--json")
+    from ckptd import reader
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("read every manifest though the daemon serving this root could answer")
+
+    with monkeypatch.context() as m:
+        m.setattr(reader, "list_checkpoints", no_reading)
+        asked = cli("list", "t", "--root", root, "--json", env={"CKPTD_ENDPOINT": endpoint})
+    assert asked.returncode == 0, asked.stderr
+    assert asked.stdout == from_root.stdout and [i["step"] for i in json.loads(asked.stdout)] == [100, 200]
+    # a daemon that serves another root is not asked about this one: its listing would be wrong
+    other = tmp_path / "other"
+    (other / "t").mkdir(parents=True)
+    r = cli("list", "t", "--root", str(other), env={"CKPTD_ENDPOINT": endpoint})
+    assert r.returncode == 0 and r.stdout == "" and str(other) in r.stderr
+    # and a daemon that is gone: the root is read, at once
+    two_steps.kill()
+    r = cli("list", "t", "--root", root, "--json", env={"CKPTD_ENDPOINT": endpoint})
+    assert r.returncode == 0 and r.stdout == from_root.stdout
+
+
 def test_show(two_steps) -> None:
     r = cli("show", "t", "100", "--root", str(two_steps.root))
     assert r.returncode == 0 and "model.w  float32[2x3]" in r.stdout
