@@ -16,7 +16,7 @@ from .client import CommitHandle, Producer
 
 __all__ = [
     "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "flush",
-    "latest", "save", "should_save", "stats", "wait_complete",
+    "latest", "prepare", "save", "should_save", "stats", "wait_complete",
 ]
 
 _default: Producer | None = None
@@ -62,6 +62,10 @@ def checkpoint(step: int, metadata: dict[str, Any] | None = None) -> AbstractCon
 def save(state: Any, step: int, *, metadata: dict[str, Any] | None = None,
          replicated: Any = None, frozen: Any = None) -> CommitHandle:
     return _get().save(state, step, metadata=metadata, replicated=replicated, frozen=frozen)
+
+
+def prepare(state: Any, *, replicated: Any = None) -> int:
+    return _get().prepare(state, replicated=replicated)
 
 
 def flush(timeout: float | None = None) -> None:

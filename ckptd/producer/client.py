@@ -214,6 +214,27 @@ class Producer:
         self._book.set_room(step, room)
         return self._commit(step, metadata, meta_json, state_json, began=began)
 
+    def prepare(self, state: Any, *, replicated: Any = None) -> int:
+        """Make staging ready for checkpoints of ``state`` (as ``save`` takes it) or of
+        ``state`` bytes (an int), now, in the background; nothing is copied or sent.
+
+        With ``staging_size = "auto"`` staging starts at 32 MiB and would grow only
+        after the first larger checkpoint went through it; call this once, early (after
+        building the model and optimizer, before training), and the first checkpoint
+        finds staging allocated and pre-faulted at its size (it waits for it, if it is
+        still being made). Returns the staging bytes a checkpoint of ``state`` takes.
+        A fixed ``staging_size`` is left as it is."""
+        if isinstance(state, int) and not isinstance(state, bool):
+            if state < 0:
+                raise ValueError(f"prepare({state}): a size cannot be negative")
+            room = state
+        else:
+            _, tensors = flatten(state)  # TypeError/ValueError, as save would raise them
+            planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
+            room = sizing.room_for([describe(name, t).nbytes for name, (t, _) in planned.stage.items()])
+        self._copier.prepare(room)
+        return room
+
     def _save_by_plan(self, state: Any, step: int, metadata: Any, replicated: Any,
                       began: float) -> CommitHandle | None:
         """``save`` by the cached plan of the last state saved (plan.py), or None (nothing
