@@ -167,6 +167,17 @@ def time_emit(p: Any, state: dict[str, torch.Tensor], step: int, timeout: float)
     return blocked, time.perf_counter() - t0
 
 
+def time_emit_many(p: Any, state: dict[str, torch.Tensor], step: int, timeout: float) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    with p.checkpoint(step) as handle:
+        a, c = time.perf_counter(), time.thread_time()
+        p.emit_many(state)
+        blocked = time.perf_counter() - a
+        CPU["blocked"] = time.thread_time() - c
+    handle.wait(timeout)
+    return blocked, time.perf_counter() - t0
+
+
 def step_files(root: Path, step: int) -> list[Path]:
     folder = root / RUN / f"step-{step:012d}"
     return sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".h5"))
@@ -319,6 +330,8 @@ def one_round(lab: Lab, record: bool) -> None:
         rec(f"memcpy.{kind}.cpu", floor_cpu)
         p = lab.producers["disk"]
         calls = [("save", time_save), ("emit", time_emit)]
+        if hasattr(p, "emit_many"):
+            calls.append(("emit_many", time_emit_many))
         for api, fn in calls if lab.rounds % 2 else calls[::-1]:  # which goes first alternates
             os.sync()
             blocked, durable = fn(p, state, lab.next_step(), t)
@@ -568,6 +581,12 @@ GOALS: list[tuple[str, str, str, float, str]] = [
 ]
 
 
+GOALS += [  # part 1: emit_many, the plan for blocks that emit the same tensors
+    ("emit_many blocked, 64 large / memcpy", "emit_many.large.x_memcpy", "emit_many.large.blocked memcpy.large",
+     1.1, "<="),
+    ("emit_many blocked, small / memcpy", "emit_many.small.x_memcpy", "emit_many.small.blocked memcpy.small",
+     1.5, "<="),
+]
 GOALS += [  # part 6: the first save of a job, against the same job's later saves
     ("first save, auto: blocked / later saves'", "first.auto.blocked_x", "first.auto.blocked later.auto.blocked",
      2.0, "<="),
@@ -626,7 +645,7 @@ def report(lab: Lab) -> list[dict[str, Any]]:
           f"from disk, a plain read of the range {med(lab, 'select.raw_mb'):.1f} MB")
     print("the stall in CPU seconds of the calling thread (immune to waiting for a busy CPU): "
           + ", ".join(f"{api} {kind} {med(lab, f'{api}.{kind}.cpu_x_memcpy'):.2f}x memcpy's"
-                      for kind in lab.states for api in ("save", "emit") if f"{api}.{kind}.cpu_x_memcpy" in lab.samples))
+                      for kind in lab.states for api in ("save", "emit", "emit_many") if f"{api}.{kind}.cpu_x_memcpy" in lab.samples))
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for note in lab.notes:
         print(f"note: {note}")

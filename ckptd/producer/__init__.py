@@ -15,7 +15,7 @@ from ..manifest import CheckpointInfo
 from .client import CommitHandle, Producer
 
 __all__ = [
-    "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "flush",
+    "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "emit_many", "flush",
     "latest", "prepare", "save", "should_save", "stats", "wait_complete",
 ]
 
@@ -49,6 +49,10 @@ def _get() -> Producer:
 def emit(name: str, tensor: Any, *, step: int | None = None,
          global_shape: Any = None, offset: Any = None) -> str:
     return _get().emit(name, tensor, step=step, global_shape=global_shape, offset=offset)
+
+
+def emit_many(tensors: dict[str, Any], *, step: int | None = None) -> list[str]:
+    return _get().emit_many(tensors, step=step)
 
 
 def commit(step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
