@@ -24,6 +24,13 @@ goal:
    and ``load(mmap=True)`` (tensors mapped from the chunk files, then every byte
    read once); ``load(names=[one])`` cold against a plain read of the same byte
    range, in bytes read from the disk (``/proc/self/io``) and in time;
+6. the first save of a job (``--first-save``, on by default): a new producer with
+   ``staging_size = "auto"`` saves the large state three times; the first save's
+   blocked and durable times against the median of the two later saves' (which
+   use the staging the first one grew). Twice: with no hint (staging starts at
+   32 MiB), and with ``Producer(expected_bytes=)`` (staging made at that size in the
+   background; the save starts once ``stats()`` shows it made, standing for the
+   training steps before a first checkpoint, whose length is reported);
 5. what changed: a LoRA-style state (the large state as a frozen base, plus an
    adapter of ``--adapter``, 5%, of the bytes that changes every step) saved with
    ``frozen=["base.*"]`` and saved plain (the daemon recognises the unchanged
@@ -156,6 +163,17 @@ def time_emit(p: Any, state: dict[str, torch.Tensor], step: int, timeout: float)
             blocked += time.perf_counter() - a
             cpu += time.thread_time() - c
     CPU["blocked"] = cpu
+    handle.wait(timeout)
+    return blocked, time.perf_counter() - t0
+
+
+def time_emit_many(p: Any, state: dict[str, torch.Tensor], step: int, timeout: float) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    with p.checkpoint(step) as handle:
+        a, c = time.perf_counter(), time.thread_time()
+        p.emit_many(state)
+        blocked = time.perf_counter() - a
+        CPU["blocked"] = time.thread_time() - c
     handle.wait(timeout)
     return blocked, time.perf_counter() - t0
 
@@ -312,6 +330,8 @@ def one_round(lab: Lab, record: bool) -> None:
         rec(f"memcpy.{kind}.cpu", floor_cpu)
         p = lab.producers["disk"]
         calls = [("save", time_save), ("emit", time_emit)]
+        if hasattr(p, "emit_many"):
+            calls.append(("emit_many", time_emit_many))
         for api, fn in calls if lab.rounds % 2 else calls[::-1]:  # which goes first alternates
             os.sync()
             blocked, durable = fn(p, state, lab.next_step(), t)
@@ -367,6 +387,47 @@ def one_round(lab: Lab, record: bool) -> None:
     measure_loads(lab, rec)
     # -- part 5: a checkpoint costs what changed ------------------------------------------
     measure_frozen(lab, rec)
+    # -- part 6: the first save of a job -------------------------------------------------
+    if args.first_save:
+        measure_first_save(lab, rec)
+
+
+def measure_first_save(lab: Lab, rec: Callable[[str, float | None], None]) -> None:
+    """A job's first save with ``staging_size = "auto"`` against its later saves, with no
+    hint and with ``expected_bytes=`` (module docstring, 6)."""
+    import ckptd
+
+    t, large = lab.args.timeout, lab.states["large"]
+    nbytes = nbytes_of(large)
+    d = lab.daemons["disk"]
+    from ckptd import config as ckptd_config
+
+    has_expected = "expected_bytes" in {f.name for f in dataclasses.fields(ckptd_config.ProducerConfig)}
+    for kind, extra in (("auto", {}), ("expected", {"expected_bytes": nbytes})):
+        if extra and not has_expected:
+            if "first save: this ckptd has no expected_bytes" not in lab.notes:
+                lab.notes.append("first save: this ckptd has no expected_bytes")
+            continue
+        p = ckptd.Producer(d.endpoint, f"{RUN}-first-{kind}", rank=0, world_size=1, transport="shm",
+                           staging_size="auto", timeout=60, **extra)
+        try:
+            t0 = time.perf_counter()
+            while extra and p.stats()["staging_bytes"] < nbytes and time.perf_counter() - t0 < t:
+                time.sleep(0.01)  # the training steps before a job's first checkpoint
+            rec(f"first.{kind}.ready_s", time.perf_counter() - t0)
+            times = []
+            for _ in range(3):
+                os.sync()
+                times.append(time_save(p, large, lab.next_step(), t))
+        finally:
+            p.close()
+        (b1, d1), later = times[0], times[1:]
+        rec(f"first.{kind}.blocked", b1)
+        rec(f"first.{kind}.durable", d1)
+        rec(f"later.{kind}.blocked", statistics.median(b for b, _ in later))
+        rec(f"later.{kind}.durable", statistics.median(x for _, x in later))
+        rec(f"first.{kind}.blocked_x", b1 / statistics.median(b for b, _ in later))
+        rec(f"first.{kind}.durable_x", d1 / statistics.median(x for _, x in later))
 
 
 def lora_state(lab: Lab) -> dict[str, Any]:
@@ -520,6 +581,24 @@ GOALS: list[tuple[str, str, str, float, str]] = [
 ]
 
 
+GOALS += [  # part 1: emit_many, the plan for blocks that emit the same tensors
+    ("emit_many blocked, 64 large / memcpy", "emit_many.large.x_memcpy", "emit_many.large.blocked memcpy.large",
+     1.1, "<="),
+    ("emit_many blocked, small / memcpy", "emit_many.small.x_memcpy", "emit_many.small.blocked memcpy.small",
+     1.5, "<="),
+]
+GOALS += [  # part 6: the first save of a job, against the same job's later saves
+    ("first save, auto: blocked / later saves'", "first.auto.blocked_x", "first.auto.blocked later.auto.blocked",
+     2.0, "<="),
+    ("first save, auto: durable / later saves'", "first.auto.durable_x", "first.auto.durable later.auto.durable",
+     1.5, "<="),
+    ("first save, expected_bytes: blocked / later", "first.expected.blocked_x",
+     "first.expected.blocked later.expected.blocked", 2.0, "<="),
+    ("first save, expected_bytes: durable / later", "first.expected.durable_x",
+     "first.expected.durable later.expected.durable", 1.5, "<="),
+]
+
+
 def med(lab: Lab, key: str) -> float | None:
     xs = lab.samples.get(key)
     return statistics.median(xs) if xs else None
@@ -556,6 +635,9 @@ def report(lab: Lab) -> list[dict[str, Any]]:
               f"{nbytes / med(lab, 'raw.direct') / 1e9 if 'raw.direct' in lab.samples else float('nan'):.2f} GB/s, "
               f"buffered {nbytes / med(lab, 'raw.buffered') / 1e9:.2f} GB/s; hdf5 durable "
               f"{nbytes / med(lab, 'hdf5.durable') / 1e9:.2f} GB/s, naive h5py {nbytes / med(lab, 'h5py.naive') / 1e9:.2f} GB/s")
+    if "first.expected.ready_s" in lab.samples:
+        print(f"first save, expected_bytes: staging made {med(lab, 'first.expected.ready_s'):.2f} s after the "
+              "producer, in the background (the training steps before a first checkpoint)")
     if "load_mmap.warm.open" in lab.samples:
         print(f"load(mmap=True) open only: warm {med(lab, 'load_mmap.warm.open'):.4f} s, "
               f"cold {med(lab, 'load_mmap.cold.open'):.4f} s")
@@ -563,7 +645,7 @@ def report(lab: Lab) -> list[dict[str, Any]]:
           f"from disk, a plain read of the range {med(lab, 'select.raw_mb'):.1f} MB")
     print("the stall in CPU seconds of the calling thread (immune to waiting for a busy CPU): "
           + ", ".join(f"{api} {kind} {med(lab, f'{api}.{kind}.cpu_x_memcpy'):.2f}x memcpy's"
-                      for kind in lab.states for api in ("save", "emit") if f"{api}.{kind}.cpu_x_memcpy" in lab.samples))
+                      for kind in lab.states for api in ("save", "emit", "emit_many") if f"{api}.{kind}.cpu_x_memcpy" in lab.samples))
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for note in lab.notes:
         print(f"note: {note}")
@@ -586,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", default="64MiB", help="write size of the raw writes")
     ap.add_argument("--adapter", type=float, default=0.05,
                     help="part 5: the share of a LoRA-style state's bytes that changes per step (default 0.05)")
+    ap.add_argument("--first-save", action=argparse.BooleanOptionalAction, default=True,
+                    help="part 6: a job's first save with staging_size=\"auto\" (default on)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--json", type=Path, default=None, help="write every sample and the table here")
     args = ap.parse_args(argv)

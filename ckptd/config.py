@@ -135,6 +135,9 @@ class ProducerConfig:
     # staging_limit (ckptd.producer.sizing); a size: exactly that, allocated at start
     staging_size: int | None = _opt(None, lambda v: _auto(v, _positive(parse_size)))
     staging_limit: int | None = _opt(None, lambda v: _auto(v, _positive(parse_size)))  # None: from RAM
+    # "auto" staging: a checkpoint's bytes per rank, where known at start; staging is made
+    # at that size in the background at once (sizing.size_for), not grown into. 0: unknown
+    expected_bytes: int = _opt(0, parse_size)
     on_no_daemon: str = _opt("warn", _choice("warn", "raise"))
     on_full: str = _opt("block", _choice("block", "raise"))
     emit_timeout: float = _opt(300.0, _positive(parse_duration))

@@ -311,3 +311,94 @@ def test_load_to_cuda_goes_through_pinned_buffers_or_says_there_is_no_device(dae
     out = ckptd.load("t", root=daemon.root, map_location="cuda", verify=True)
     for k, v in state.items():
         assert out[k].device.type == "cuda" and torch.equal(out[k].cpu(), v)
+
+
+# -- randomized: save, emit and emit_many, layouts that repeat or change, staging made ahead ------
+def _random_state(rng, names: list[str], g: torch.Generator) -> dict[str, object]:
+    """Tensors of ``names``: mostly small (batched), some large (alone), a few numpy arrays
+    or strided views (the general way), each of a dtype and shape drawn per name."""
+    out: dict[str, object] = {}
+    kinds = ["small", "small", "small", "large", "strided"] + ["numpy"] * (rng.random() < 0.3)  # no plan with numpy
+    for name in names:
+        kind = rng.choice(kinds)
+        if kind == "large":
+            out[name] = torch.randn(2**17 + rng.randint(0, 999), generator=g)
+        elif kind == "numpy":
+            out[name] = np.arange(rng.randint(1, 40), dtype=np.int16)
+        elif kind == "strided":
+            out[name] = torch.randn(7, rng.randint(1, 9), generator=g).t()
+        else:
+            dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64])
+            out[name] = (torch.randn(rng.randint(0, 300), generator=g) * 50).to(dtype)
+    return out
+
+
+def _change(rng, state: dict[str, object], g: torch.Generator) -> str:
+    """Keep the layout (new values, in place), or change one thing of it."""
+    how = rng.choice(["same", "same", "same", "dtype", "shape", "added", "removed", "replaced"])
+    name = rng.choice(list(state))
+    t = state[name]
+    if how == "same" or not isinstance(t, torch.Tensor) or not t.is_contiguous():
+        for v in state.values():
+            mutate(v)
+        return "same"
+    if how == "dtype":
+        state[name] = t.double() if t.dtype != torch.float64 else t.float()
+    elif how == "shape" and t.numel() > 1:
+        state[name] = t.reshape(1, -1).clone()
+    elif how == "added":
+        state[f"n{rng.randint(0, 10**6)}"] = torch.randn(rng.randint(1, 99), generator=g)
+    elif how == "removed" and len(state) > 2:
+        del state[name]
+    else:
+        state[name] = torch.randn(t.shape, generator=g).to(t.dtype)  # another tensor, same signature
+    return how
+
+
+@pytest.mark.parametrize("seed", [1, 2, 5])  # 2: numpy arrays (no plan); 5: prepare(), no expected_bytes
+def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    d = shm_daemon(make_daemon, chunk_size="1MiB")
+    ahead = rng.choice([{"expected_bytes": "6MiB"}, {}])  # staging made at its size, or grown into
+    expected: dict[int, dict[str, object]] = {}
+    with d.producer("rnd", transport="shm", staging_size="auto", **ahead) as p:
+        state = _random_state(rng, [f"t{i}" for i in range(rng.randint(20, 40))], g)
+        served = 0  # emit_many calls the plan of an earlier call served
+        if not ahead:
+            p.prepare(state)
+        planned = not any(isinstance(v, np.ndarray) for v in state.values())
+        for step in range(1, 9):
+            if step == 8:  # the last two: the same layout, so that a plan serves the last
+                for v in state.values():
+                    mutate(v)
+            elif step > 1:
+                _change(rng, state, g)
+            want = {k: (v.clone() if isinstance(v, torch.Tensor) else v.copy()) for k, v in state.items()}
+            api = rng.choice(["save", "emit", "emit_many", "emit_many"]) if step < 7 else "emit_many"
+            if api == "save":
+                handle = p.save(state, step)
+            else:
+                with p.checkpoint(step) as handle:
+                    if api == "emit":
+                        for name, t in state.items():
+                            p.emit(name, t)
+                    else:
+                        uses = sum(pl.uses for pl in p._many_plans)
+                        p.emit_many(state)
+                        served += sum(pl.uses for pl in p._many_plans) > uses
+            for v in state.values():
+                mutate(v)  # right after the call: must not reach the checkpoint
+            expected[step] = want
+            if step >= 7 or rng.random() < 0.5:
+                handle.wait(60)  # else several steps in flight: plans find staging busy
+        p.flush(60)
+        assert p.stats()["transport"] == "shm"
+        assert served >= planned  # step 8 at least
+    for step, want in expected.items():
+        got = ckptd.load("rnd", step, root=d.root, verify=True)
+        assert got.keys() == want.keys(), step
+        for name, v in want.items():
+            assert equal(got[name], v), (step, name)

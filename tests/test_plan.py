@@ -172,3 +172,48 @@ def test_prepacked_messages_decode_as_plain_ones() -> None:
     fields = dict(name="w", dtype="float32", shape=[2], nbytes=8, numpy=False, start=0, offset=4096, length=8)
     packed = wire.encode_packed("tensor", wire.pack_fields(**fields), seq=1, step=2)
     assert wire.decode([packed])[0] == wire.decode([wire.encode("tensor", seq=1, step=2, **fields)])[0]
+
+
+# -- emit_many: the plan for blocks that emit the same tensors (issue 22) ------------------------
+def test_emit_many_reuses_a_blocks_layout_and_falls_back_when_it_changes(make_daemon) -> None:
+    d = shm_daemon(make_daemon)
+    state: dict[str, object] = {"a": torch.arange(6.0).reshape(2, 3), "d": torch.randn(2**18), **optimizer_like(300, 3)}
+    with d.producer() as p:
+        expected = {}
+        for step in range(1, 9):
+            if step == 4:
+                state["a"] = torch.arange(6.0).reshape(3, 2)  # same bytes, another shape
+            if step == 5:
+                state["d"] = torch.randn(2**18).double()  # another dtype
+            if step == 6:
+                state["new"] = torch.ones(5)  # a name added
+            if step == 7:
+                del state["new"], state["optim.state.0.exp_avg"]  # names removed
+            expected[step] = {**{k: v.clone() for k, v in state.items()}, "extra": torch.full((3,), float(step))}
+            with p.checkpoint(step):
+                assert p.emit_many(state) == list(state)
+                p.emit("extra", torch.full((3,), float(step)))  # a plain emit in the same block
+                for t in state.values():
+                    if isinstance(t, torch.Tensor):
+                        t.add_(1)  # right after emit_many: must not reach the checkpoint
+            if step == 3:
+                assert p._many_plans[-1].uses == 2  # steps 2 and 3 by step 1's layout
+        p.flush(60)
+        assert p._many_plans[-1].uses == 1  # step 8 by step 7's layout
+        with pytest.raises(ValueError, match="already emitted in step 9"):
+            with p.checkpoint(9):
+                p.emit("a", torch.ones(1))
+                p.emit_many(state)  # by the plan: the clash is found, the region given back
+        with p.checkpoint(10):
+            p.emit_many(state)  # the arena is consistent after the refusal
+        with pytest.raises(TypeError, match="dict of"):
+            p.emit_many([("a", torch.ones(1))], step=11)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="'bad' is a object, not a torch.Tensor"):
+            p.emit_many({"ok": torch.ones(2), "bad": object()}, step=11)
+        p.commit(11).wait(30)
+    for step in range(1, 9):
+        got = ckptd.load("t", step, root=d.root, verify=True)
+        assert got.keys() == expected[step].keys()
+        for k, v in expected[step].items():
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), (step, k)
+    assert ckptd.load("t", 11, root=d.root) == {}

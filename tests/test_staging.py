@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -202,3 +203,100 @@ def test_fsdp2_dcp_and_producer_saves_of_20_layers_with_4mib_staging(daemon, tmp
     reference = load_file(str(tmp_path / "reference.safetensors"))
     whole = ckptd.load("ps", 1, root=daemon.root, names=list(reference))  # assembled from both ranks
     assert all(torch.equal(whole[k], v) for k, v in reference.items())
+
+
+# -- the first checkpoint: staging made at its size before it (issue 22) ------------------------
+def _rss_shmem() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssShmem:"))
+
+
+@pytest.mark.parametrize("madvise", [True, False], ids=["madvise", "memset"])
+def test_a_large_arena_is_prefaulted_by_threads(madvise: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptd.producer import staging
+
+    size = 2 * staging.PREFAULT_SPLIT
+    monkeypatch.setattr(staging, "_madvise_refused", not madvise)  # memset: a kernel older than 5.14
+    monkeypatch.setattr(staging, "_prefault_threads", lambda n: 3)  # ranges that do not divide evenly
+    before = _rss_shmem()
+    a = Arena(size + PAGE)
+    assert _rss_shmem() - before >= size  # every page is resident before any copy
+    if madvise and tuple(map(int, os.uname().release.split(".")[:2])) >= (5, 14):
+        assert not staging._madvise_refused  # MADV_POPULATE_WRITE served: no page written from here
+    t = a.tensor()
+    t[-5:] = 7
+    assert int(t[0]) == 0 and int(t[-1]) == 7 and t.numel() == size + PAGE
+    del t
+    a.close()
+
+
+def _state(n: int = 24) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    return {f"t{i}": torch.rand(2**20, generator=gen) for i in range(n)}  # 4 MiB each
+
+
+def _loaded_equal(root, run: str, step: int, state: dict[str, torch.Tensor]) -> bool:
+    import ckptd
+
+    got = ckptd.load(run, step, root=root)
+    return got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_expected_bytes_makes_staging_at_that_size_before_the_first_save(daemon) -> None:
+    from ckptd.producer import sizing
+
+    state = _state()  # 96 MiB
+    with daemon.producer(run="exp", staging_size="auto", expected_bytes="96MiB") as p:
+        p._copier.ready()
+        need = sizing.room_for([t.nbytes for t in state.values()])
+        assert p.stats()["staging_bytes"] >= need  # before the first checkpoint
+        p.save(state, 1).wait(60)
+        assert p.stats()["blocked_seconds"] == 0  # the whole of it fitted: no wait for the daemon
+        p.save(state, 2).wait(60)
+        assert p.stats()["staging_bytes"] == sizing.size_for(96 * 2**20, p.stats()["staging_limit"])  # never regrown
+    assert _loaded_equal(daemon.root, "exp", 1, state) and _loaded_equal(daemon.root, "exp", 2, state)
+
+
+def test_prepare_makes_staging_for_the_first_save_and_emit(daemon) -> None:
+    import ckptd
+
+    state = _state()
+    with daemon.producer(run="prep", staging_size="auto") as p:
+        p._connection.wait_started()  # connected with the first, small arena
+        assert p.stats()["staging_bytes"] == 32 * 2**20
+        room = p.prepare({"model": state, "epoch": 3})
+        assert room >= 96 * 2**20
+        p.save({"model": state, "epoch": 3}, 1).wait(60)  # takes the arena prepare made (a new connection)
+        assert p.stats()["staging_bytes"] >= room and p.stats()["blocked_seconds"] == 0
+        assert p.stats()["transport"] == "shm"
+        bigger = _state(40)  # 160 MiB, emitted: prepare by size, then a block
+        assert p.prepare(160 * 2**20 + 40 * 2 * PAGE) > 0
+        with p.checkpoint(2):
+            for k, v in bigger.items():
+                p.emit(k, v)
+        p.flush(60)
+        assert p.stats()["staging_bytes"] >= 160 * 2**20 and p.stats()["blocked_seconds"] == 0
+        p.prepare({"w": torch.ones(10)})  # a smaller state never shrinks, nor regrows, staging
+        assert p.stats()["staging_bytes"] >= 160 * 2**20
+        with pytest.raises(ValueError, match="cannot be negative"):
+            p.prepare(-1)
+        with pytest.raises(TypeError, match="cannot store"):
+            p.prepare({"bad": object()})
+    assert ckptd.load("prep", 1, root=daemon.root)["epoch"] == 3
+    assert _loaded_equal(daemon.root, "prep", 2, bigger)
+    with daemon.producer(run="fixed", staging_size="16MiB") as p:  # a size set by hand stays that size
+        p.prepare(state)
+        p.save(state, 1).wait(60)
+        assert p.stats()["staging_bytes"] == 16 * 2**20
+    assert _loaded_equal(daemon.root, "fixed", 1, state)
+
+
+def test_a_small_model_keeps_small_staging_with_prepare(daemon) -> None:
+    state = {"w": torch.ones(100), "b": torch.zeros(3)}
+    with daemon.producer(run="small", staging_size="auto") as p:
+        p.prepare(state)
+        p.save(state, 1).wait(30)
+        assert p.stats()["staging_bytes"] == 32 * 2**20
+    with daemon.producer(run="small2", staging_size="auto", expected_bytes=1000) as p:
+        p._copier.ready()
+        assert p.stats()["staging_bytes"] == 32 * 2**20

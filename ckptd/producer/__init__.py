@@ -15,8 +15,8 @@ from ..manifest import CheckpointInfo
 from .client import CommitHandle, Producer
 
 __all__ = [
-    "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "flush",
-    "latest", "save", "should_save", "stats", "wait_complete",
+    "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "emit_many", "flush",
+    "latest", "prepare", "save", "should_save", "stats", "wait_complete",
 ]
 
 _default: Producer | None = None
@@ -51,6 +51,10 @@ def emit(name: str, tensor: Any, *, step: int | None = None,
     return _get().emit(name, tensor, step=step, global_shape=global_shape, offset=offset)
 
 
+def emit_many(tensors: dict[str, Any], *, step: int | None = None) -> list[str]:
+    return _get().emit_many(tensors, step=step)
+
+
 def commit(step: int, *, metadata: dict[str, Any] | None = None) -> CommitHandle:
     return _get().commit(step, metadata=metadata)
 
@@ -62,6 +66,10 @@ def checkpoint(step: int, metadata: dict[str, Any] | None = None) -> AbstractCon
 def save(state: Any, step: int, *, metadata: dict[str, Any] | None = None,
          replicated: Any = None, frozen: Any = None) -> CommitHandle:
     return _get().save(state, step, metadata=metadata, replicated=replicated, frozen=frozen)
+
+
+def prepare(state: Any, *, replicated: Any = None) -> int:
+    return _get().prepare(state, replicated=replicated)
 
 
 def flush(timeout: float | None = None) -> None:

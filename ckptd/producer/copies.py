@@ -123,6 +123,10 @@ class Copier:
         if size is None:
             self.growth = sizing.Growth(options.staging_limit or sizing.default_limit())
             size = min(sizing.INITIAL, self.growth.limit)
+            if options.expected_bytes:  # known now: made at its size at once, not grown into
+                size = sizing.size_for(options.expected_bytes, self.growth.limit)
+                self.growth.made(size)
+        self._first_size = size
         # Allocate and pre-fault staging in the background now, so the first
         # checkpoint does not pay for page faults (mmap releases the GIL).
         self._arena_ready = threading.Thread(target=self._make_arena, args=(size,), name="ckptd-staging",
@@ -161,12 +165,22 @@ class Copier:
         if self.growth is not None and self.arena is not None:
             self.growth.want(room, self.arena.capacity)
 
+    def prepare(self, room: int) -> None:
+        """A checkpoint of ``room`` bytes of staging is coming: with "auto", make the arena
+        for it now, in the background; the next checkpoint takes it (``swap_grown``)."""
+        if self.growth is None or self._arena_error is not None:
+            return
+        # never waits for the first arena (expected_bytes: it may be large and still faulting)
+        have = self.arena.capacity if self.arena is not None else self._first_size
+        self.growth.want(room, have, ahead=True)
+
     def swap_grown(self) -> Arena | None:
-        """Put a grown arena in place, if one is ready; return the old one, for
-        ``retire`` once nothing uses it (the daemon maps it for the life of a connection)."""
+        """Put a grown arena in place, if one is ready (or, asked for by ``prepare``,
+        being made: then wait for it); return the old one, for ``retire`` once nothing
+        uses it (the daemon maps it for the life of a connection)."""
         if self.growth is None:
             return None
-        arena = self.growth.take()
+        arena = self.growth.take(wait=True)
         if arena is None:
             return None
         self._arena_ready.join()

@@ -14,6 +14,12 @@ starts at ``INITIAL`` bytes and grows to fit the largest checkpoint seen:
   (``Growth.take``), so that checkpoint's bytes block at memcpy speed from the
   next checkpoint on; until then a larger checkpoint streams through the smaller
   arena, as with a small ``staging_size`` set by hand;
+- where the checkpoint's size is known before the first one (``Producer(expected_bytes=)``,
+  ``Producer.prepare(state)``), the arena is made at that size in one step, in the
+  background while training runs; the first checkpoint then waits for it, if it is
+  not made yet, rather than stream through 32 MiB (``Growth.take(wait=True)``):
+  the first touch of fresh pages costs the same whoever pays it, and only a thread
+  that runs before the checkpoint takes it off the checkpoint's time;
 - it never grows past ``limit``: a share of the machine's memory (or of the
   cgroup's limit) divided among the ranks on this node (``LOCAL_WORLD_SIZE``),
   unless ``staging_limit`` says otherwise.
@@ -56,6 +62,12 @@ def default_limit() -> int:
     return max(INITIAL, _round_up(int(machine_memory() * MEMORY_SHARE / local_ranks), PAGE))
 
 
+def size_for(need: int, limit: int) -> int:
+    """The arena ``"auto"`` makes for a checkpoint that needs ``need`` bytes of staging."""
+    want = int(need * HEADROOM)
+    return min(limit, INITIAL if want <= INITIAL else _round_up(want, GRAIN))  # a small model stays small
+
+
 def room_for(sizes: list[int]) -> int:
     """Arena bytes that hold tensors of ``sizes`` at once, alignment included."""
     return sum(_round_up(n, PAGE if n >= 2**20 else ALIGN) + PAGE for n in sizes)
@@ -71,14 +83,17 @@ class Growth:
         self._ready: Arena | None = None
         self._target = 0  # the size being made or made
         self._making = False  # a thread is making self._target (or will, in its loop)
+        self._awaited = False  # asked for ahead of a checkpoint (prepare): take(wait=True) waits for it
         self._capped_warned = False
 
-    def want(self, need: int, have: int) -> None:
+    def want(self, need: int, have: int, *, ahead: bool = False) -> None:
         """A checkpoint needs ``need`` bytes of staging and the arena has ``have``:
-        start making a larger one unless one that fits is made or being made."""
+        start making a larger one unless one that fits is made or being made.
+        ``ahead``: asked for before the checkpoint (``Producer.prepare``), which then
+        waits for it rather than stream through the smaller arena."""
         if need <= have:
             return
-        target = min(self.limit, _round_up(int(need * HEADROOM), GRAIN))
+        target = size_for(need, self.limit)
         if need > self.limit and not self._capped_warned:
             self._capped_warned = True
             log.warning(
@@ -86,6 +101,8 @@ class Growth:
                 "this node; emit waits for the daemon to drain it (set [producer] staging_limit, "
                 "or staging_size, to allow more)", _mib(need), _mib(self.limit))
         with self._lock:
+            if ahead:
+                self._awaited = True
             if target <= max(have, self._target):
                 return
             self._target = target
@@ -95,11 +112,24 @@ class Growth:
             self._thread = threading.Thread(target=self._make, args=(have,), name="ckptd-staging", daemon=True)
             self._thread.start()
 
-    def take(self) -> Arena | None:
-        """The larger arena, once it is ready (the caller owns it then), else None."""
+    def take(self, wait: bool = False) -> Arena | None:
+        """The larger arena, once it is ready (the caller owns it then), else None.
+        ``wait``: if one was asked for ahead (``want(ahead=True)``) and is being made,
+        wait until it is (the thread ends: it is made, or it failed and logged why)."""
+        with self._lock:
+            thread = self._thread if wait and self._awaited and self._making else None
+        if thread is not None:
+            thread.join()
         with self._lock:
             arena, self._ready = self._ready, None
+            if wait:
+                self._awaited = False
         return arena
+
+    def made(self, size: int) -> None:
+        """The first arena was made at ``size`` (``expected_bytes``): want() counts it."""
+        with self._lock:
+            self._target = max(self._target, size)
 
     def close(self) -> None:
         thread = self._thread

@@ -12,10 +12,18 @@ the last mapping or descriptor). Its descriptor is what the shared-memory
 transport hands to the daemon (``ckptd.transport.handoff``); it is sealed against
 shrinking, so the daemon can map it without fear that a later ``ftruncate``
 turns its reads into SIGBUS.
+
+Pre-faulting is the arena's whole cost (zeroing fresh pages), so a large arena is
+faulted by several threads at once, each over its own range, with
+``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+; one syscall per range, no page
+touched from Python), or where that is refused by writing the range with
+``memset``; both through ctypes, which releases the GIL. A small arena is
+faulted by ``MAP_POPULATE`` in the ``mmap`` call itself.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -30,6 +38,9 @@ from ..errors import CheckpointError
 ALIGN = 64  # every region starts on a cache line, so any dtype view of it is aligned
 PAGE = 4096  # large regions start on a page, so the daemon can write them with O_DIRECT
 LARGE = 2**20
+MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+; not in Python's mmap module before 3.13
+PREFAULT_SPLIT = 64 * 2**20  # an arena this large or larger is faulted by several threads
+PREFAULT_THREADS = 8  # at most; past the memory controller's bandwidth more only contend
 
 
 @dataclass(eq=False)
@@ -43,11 +54,20 @@ class Arena:
     def __init__(self, size: int) -> None:
         size = max(PAGE, -(-size // PAGE) * PAGE)
         self.fd = _memfd(size)
-        populate = getattr(mmap, "MAP_POPULATE", 0)  # pre-faults every page now, not in emit
-        if self.fd >= 0:
-            self._mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
-        else:
-            self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+        threads = _prefault_threads(size)
+        # every page is faulted now, not in emit: by MAP_POPULATE, or (large) by threads below
+        populate = getattr(mmap, "MAP_POPULATE", 0) if threads <= 1 else 0
+        try:
+            if self.fd >= 0:
+                self._mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
+            else:
+                self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+            if threads > 1:
+                prefault(self._mm, threads)
+        except BaseException:
+            if self.fd >= 0:
+                os.close(self.fd)
+            raise
         self.capacity = size
         self._live: deque[Region] = deque()
         self._head = 0
@@ -193,6 +213,72 @@ class Arena:
             self._mm.close()
         except BufferError:
             pass  # a frame still references it; the mapping goes with the last reference
+
+
+def _prefault_threads(size: int) -> int:
+    if size < PREFAULT_SPLIT or not hasattr(mmap, "MAP_POPULATE"):
+        return 1
+    return max(1, min(PREFAULT_THREADS, os.cpu_count() or 1, size // (PREFAULT_SPLIT // 2)))
+
+
+def prefault(mm: mmap.mmap, threads: int) -> None:
+    """Fault in every page of ``mm`` for writing, ``threads`` ranges at once."""
+    size = len(mm)
+    buf = (ctypes.c_char * size).from_buffer(mm)
+    try:
+        base = ctypes.addressof(buf)
+        step = -(-size // threads // PAGE) * PAGE
+        ranges = [(base + start, min(step, size - start)) for start in range(0, size, step)]
+        errors: list[BaseException] = []
+
+        def fault(at: int, n: int) -> None:
+            try:
+                _populate(at, n)
+            except BaseException as exc:  # raised in the caller's thread below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=fault, args=r, name="ckptd-prefault", daemon=True) for r in ranges[1:]]
+        for w in workers:
+            w.start()
+        fault(*ranges[0])  # this thread takes the first range
+        for w in workers:
+            w.join()
+        if errors:
+            raise errors[0]
+    finally:
+        del buf  # the mapping must not stay exported, or it could never be closed
+
+
+_madvise_refused = False  # the kernel refused MADV_POPULATE_WRITE once: it is older than 5.14
+
+
+def _populate(at: int, n: int) -> None:
+    """Fault in ``n`` bytes at address ``at`` for writing (the GIL released)."""
+    global _madvise_refused
+    if not _madvise_refused:
+        libc = _libc()
+        if libc is not None and libc.madvise(at, n, MADV_POPULATE_WRITE) == 0:
+            return
+        err = ctypes.get_errno() if libc is not None else 0
+        if err == 12:  # ENOMEM: no memory for the pages; touching them would only get SIGBUS
+            raise MemoryError(f"no memory to fault in {n} bytes of staging")
+        _madvise_refused = True  # EINVAL (an older kernel), or no libc: write the pages instead
+    ctypes.memset(at, 0, n)
+
+
+_LIBC: list[Any] = []
+
+
+def _libc() -> Any:
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            libc = None
+        _LIBC.append(libc)
+    return _LIBC[0]
 
 
 def _memfd(size: int) -> int:
