@@ -11,8 +11,9 @@ It makes one real checkpoint through a real daemon, clones its folder into
   * ``ckptd.latest`` from the ``<run>/latest`` pointer (what a process without a
     daemon does), and from a cold scan (pointer removed), and a full ``list``;
   * the commands a person types: ``ckptd status`` (with a daemon, and without: it says
-    so at once), ``ckptd latest RUN``, ``ckptd list RUN`` (reading the root, and from the
-    daemon's index with ``--endpoint``), ``ckptd list``, each a process.
+    so at once), ``ckptd latest RUN``, ``ckptd list RUN`` (reading the root; from the
+    daemon's index when the config names a daemon that serves the root; with
+    ``--endpoint``), ``ckptd list``, each a process.
 Goals: latest under 1 ms from the index and the pointer; a 10,000-step scan under 2 s.
 """
 
@@ -95,10 +96,14 @@ def main() -> int:
             assert p.latest().step == args.steps
             results["latest from the daemon's index, over its socket"] = timed(p.latest, args.repeat)
         # what a person types, each a whole process (Python's start-up included)
-        for words in (["status", "-c", str(d.config)], ["latest", "bench", "--root", str(d.root)],
-                      ["list", "bench", "--root", str(d.root)], ["list", "bench", "--endpoint", d.endpoint],
-                      ["list", "--root", str(d.root)]):
-            what = f"{words[0]}{' RUN' if 'bench' in words else ''}{' --endpoint' if '--endpoint' in words else ''}"
+        # (`list RUN -c CONFIG`: the config names this daemon, which serves that root, so the
+        # listing comes from its index; `list RUN --root`: no daemon named, every manifest read)
+        for what, words in (("status", ["status", "-c", str(d.config)]),
+                            ("latest RUN", ["latest", "bench", "--root", str(d.root)]),
+                            ("list RUN --root", ["list", "bench", "--root", str(d.root)]),
+                            ("list RUN -c CONFIG", ["list", "bench", "-c", str(d.config)]),
+                            ("list RUN --endpoint", ["list", "bench", "--endpoint", d.endpoint]),
+                            ("list", ["list", "--root", str(d.root)])):
             results[f"`ckptd {what}` (a process)"] = timed(
                 lambda w=words: subprocess.run([sys.executable, "-m", "ckptd", *w], check=True,
                                                stdout=subprocess.DEVNULL), 3)

@@ -179,12 +179,13 @@ class Handlers:
         pinned = retention.pinned_steps(d.root / run, [i.step for i in infos])
         fields = {"seq": h["seq"], "root": str(d.root),
                   "checkpoints": [{**i.to_dict(), "pinned": i.step in pinned} for i in infos]}
-        size = len(wire.encode("listing", **fields))
+        header = wire.encode("listing", **fields)  # once: 10,000 steps take ~0.1 s to encode
+        size = len(header)
         if size > wire.MAX_HEADER_BYTES:  # no reader would take it (their metadata, at most 64 MiB each)
             raise ProtocolError(f"list: the {len(infos)} checkpoints of run {run!r} take {size} bytes, more "
                                 f"than a reply may ({wire.MAX_HEADER_BYTES}); read the root instead "
                                 "(`ckptd list RUN` without --endpoint)")
-        d.send(identity, "listing", **fields)
+        d.send_encoded(identity, "listing", header)
 
     def on_status(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
         self.d.send(identity, "report", seq=h["seq"], status=status.report(self.d))

@@ -453,9 +453,13 @@ class Daemon:
 
     # -- sending ------------------------------------------------------------------------
     def send(self, identity: bytes, op: str, **fields: Any) -> None:
+        self.send_encoded(identity, op, wire.encode(op, **fields))
+
+    def send_encoded(self, identity: bytes, op: str, header: bytes) -> None:
+        """Send a reply already encoded (``wire.encode``), as ``send`` does."""
         assert self.router is not None
         try:
-            self.router.send_multipart([identity, wire.encode(op, **fields)], zmq.NOBLOCK)
+            self.router.send_multipart([identity, header], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer is gone or not reading
             log.debug("reply %s to %s dropped: %s", op, identity.hex(), exc)
 
