@@ -44,9 +44,12 @@ def wait_for_files(step_dir: Path, count: int, timeout: float = 20.0) -> None:
     raise AssertionError(f"never saw {count} chunk files in {step_dir}")
 
 
-@pytest.mark.parametrize("point", ["1 file", "10 files", "30 files", "after commit sent"])
-def test_kill_daemon_while_writing(make_daemon, point: str) -> None:
-    d = make_daemon(chunk_size="1MiB")
+@pytest.mark.parametrize("point, writers", [("1 file", 1), ("10 files", 1), ("30 files", 1),
+                                           ("after commit sent", 1), ("3 files", 4)])
+def test_kill_daemon_while_writing(make_daemon, point: str, writers: int) -> None:
+    """``writers`` 4: four chunk files of four tensors each in flight at once, each
+    tensor's bytes in one writev with the others of its file (datafile.DataFile.write)."""
+    d = make_daemon(chunk_size="1MiB") if writers == 1 else make_daemon(chunk_size="4MiB", writer_threads=writers)
     p = d.producer(staging_size="80MiB", timeout=2, heartbeat=0.2)
     p.save(state(1, 4), 1).wait(30)
     handle = p.save(state(2, 48), 2)

@@ -275,6 +275,34 @@ def test_data_files_hold_exactly_the_bytes_written(tmp_path: Path, direct: bool)
     assert (tmp_path / "f").read_bytes() == want
 
 
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("most", [None, 2 * BLOCK])
+def test_a_data_file_written_in_one_call_holds_its_bytes_in_order(tmp_path: Path, monkeypatch, direct: bool,
+                                                                  most: int | None) -> None:
+    """A chunk file's header and tensors are handed over in one call and gathered into
+    as few writev calls as the kernel takes (datafile.DataFile.write): aligned buffers
+    queued behind the bounce buffer's bytes, unaligned ones that refill it meanwhile, a
+    call cut at ``_DIRECT_MAX`` (``most``) all land in order, and the next call's too."""
+    from ckptd.daemon import datafile
+
+    if most is not None:
+        monkeypatch.setattr(datafile, "_DIRECT_MAX", most)
+    rng = np.random.default_rng(1)
+    import mmap
+
+    aligned = memoryview(mmap.mmap(-1, 4 * 2**20))
+    aligned[:] = rng.integers(0, 256, len(aligned), dtype=np.uint8).tobytes()
+    first = [b"h" * BLOCK, aligned[:2**20], aligned[BLOCK:2 * BLOCK], b"odd", aligned[2**20:2**21],
+             rng.integers(0, 256, 3 * 2**20 + 5, dtype=np.uint8).tobytes(), aligned[:BLOCK * 5], b"",
+             aligned[2**21:2**21 + 7]]
+    then = [aligned[3 * 2**20:], b"tail"]
+    out = DataFile.create(tmp_path / "f", direct=direct, bounce=Bounce(2**20))
+    out.write(first)
+    out.write(then)
+    os.close(out.finish())
+    assert (tmp_path / "f").read_bytes() == b"".join(bytes(p) for p in first + then)
+
+
 def test_o_direct_refused_midway_carries_on_buffered(tmp_path: Path, monkeypatch) -> None:
     from ckptd.daemon import datafile
 

@@ -21,13 +21,16 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
+from itertools import islice
 from typing import Any, Iterable
 
 from ..format.fileio import buffer_address
 
 BLOCK = 4096  # O_DIRECT alignment of addresses, offsets and lengths (the common logical block size)
 BOUNCE = 8 * 2**20  # the bounce buffer; measured: 8 MiB writes are as fast as larger ones
-_DIRECT_MAX = 64 * 2**20  # largest single O_DIRECT write
+_DIRECT_MAX = 64 * 2**20  # largest single O_DIRECT write (the floor's own call size: benchmarks/limits.py)
+_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
 _no_direct: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
 _no_direct_lock = threading.Lock()
 
@@ -63,6 +66,9 @@ class DataFile:
         self._tail = b""  # between calls: this file's partial last block (the buffer is the thread's)
         self._error: OSError | None = None
         self._throttle = throttle
+        self._queued: list[memoryview] = []  # aligned bytes waiting for one pwritev (write)
+        self._queued_bytes = 0
+        self._bounce_queued = False  # the bounce buffer's bytes are among them
         self.direct = direct and _direct_allowed(fd)
         if direct and not self.direct:  # opened with O_DIRECT on a filesystem that refused it before
             _clear_direct(fd)
@@ -79,26 +85,65 @@ class DataFile:
         return cls(os.open(path, flags, 0o644), direct=False, bounce=bounce, throttle=throttle)
 
     def write(self, buffers: Iterable[Any]) -> None:
+        """Write ``buffers`` in order; they may be reused once this returns. Page-aligned
+        runs go to the disk as they are, gathered into one ``writev`` of up to
+        ``_DIRECT_MAX`` bytes: the kernel then has every one of their requests in
+        flight at once. Written one buffer at a time, a 4 MiB tensor was one request
+        at a time, and a chunk file's durable time was 0.73-0.82x an O_DIRECT write of
+        the same bytes in 64 MiB calls; gathered, 0.94-1.13x (docs/speed.md)."""
         self._claim_bounce()
+        try:
+            self._write_each(buffers)
+            self._flush()  # the caller's buffers are its own again once this returns
+        except BaseException:
+            self._queued, self._queued_bytes, self._bounce_queued = [], 0, False  # never written later
+            raise
+
+    def _write_each(self, buffers: Iterable[Any]) -> None:
         for buf in buffers:
             view = memoryview(buf).cast("B")
             self.size += len(view)
+            if not self.direct:
+                self._drain()  # bytes left in the bounce buffer (O_DIRECT refused since) come first
+                self._write_all(view)
+                continue
             while view:
-                if not self.direct:
-                    self._write_all(view)
-                    break
                 if self._fill % BLOCK == 0 and len(view) >= BLOCK and buffer_address(view) % BLOCK == 0:
-                    self._drain()  # the file offset is block-aligned now, and so is this buffer
+                    # the file offset is block-aligned now, and so is this buffer
+                    self._queue_bounce()
                     n = min(len(view) - len(view) % BLOCK, _DIRECT_MAX)
-                    self._write_all(view[:n])
+                    self._queue(view[:n])
                     view = view[n:]
                     continue
+                if self._bounce_queued:  # its bytes must reach the file before it is refilled
+                    self._flush()
                 n = min(len(view), len(self._bounce.view) - self._fill)
                 self._bounce.view[self._fill:self._fill + n] = view[:n]
                 self._fill += n
                 view = view[n:]
                 if self._fill == len(self._bounce.view):
                     self._drain()
+
+    def _queue_bounce(self) -> None:
+        """The bounce buffer's bytes (whole blocks) go out first, in the same call."""
+        if self._fill:
+            self._queue(self._bounce.view[:self._fill])
+            self._fill = 0
+            self._bounce_queued = True
+
+    def _queue(self, view: memoryview) -> None:
+        """Page-aligned bytes for the next ``writev`` (written once enough are queued)."""
+        if self._queued_bytes + len(view) > _DIRECT_MAX or len(self._queued) >= _IOV_MAX:
+            self._flush()
+        self._queued.append(view)
+        self._queued_bytes += len(view)
+
+    def _flush(self) -> None:
+        """Write what is queued, in one call where the kernel takes it all."""
+        queued, self._queued, self._queued_bytes = self._queued, [], 0
+        self._bounce_queued = False
+        if queued:
+            self._write_all(*queued)
 
     def _claim_bounce(self) -> None:
         """Take the thread's bounce buffer from the file whose bytes wait in it: that file
@@ -147,24 +192,31 @@ class DataFile:
             self.fd = -1
 
     def _drain(self) -> None:
-        """Write the bounce buffer's whole blocks (all of it: callers fill to a block)."""
-        if not self._fill:
-            return
-        data, self._fill = self._bounce.view[:self._fill], 0
-        self._write_all(data)
+        """Write the bounce buffer's whole blocks (all of it: callers fill to a block),
+        after whatever is queued before them."""
+        self._queue_bounce()
+        self._flush()
 
-    def _write_all(self, view: memoryview) -> None:
-        while view:
+    def _write_all(self, *views: memoryview) -> None:
+        """Write ``views`` in order at the file's offset, with as few calls as it takes."""
+        pending = deque(v for v in views if len(v))
+        while pending:
             try:
-                n = os.write(self.fd, view)
+                n = os.writev(self.fd, list(islice(pending, _IOV_MAX)))
             except OSError as exc:
                 if exc.errno != errno.EINVAL or not self.direct:
                     raise
-                self._refuse_direct()
+                self._refuse_direct()  # (nothing was written: the same again, buffered)
                 continue
             if self._throttle is not None:
                 self._throttle.take(n)
-            view = view[n:]
+            while n:  # drop what was written; a short write leaves the rest of a buffer
+                head = pending[0]
+                if n >= len(head):
+                    n -= len(head)
+                    pending.popleft()
+                else:
+                    pending[0], n = head[n:], 0
 
     def _refuse_direct(self) -> None:
         """This filesystem will not do O_DIRECT: carry on buffered, and remember."""

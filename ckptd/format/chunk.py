@@ -118,12 +118,12 @@ class ChunkFormat:
         out: DataFile | None = None
         try:
             out = io.create(share, name, listed=listed)
-            out.write([head])
             offset = len(head)
             for e in entries:
                 records[e.name] = share.record(e, name, e.name, offset, digests[e.name])
-                out.write(e.buffers)
                 offset += e.nbytes
+            # in one call: the file's requests are all in flight at once (DataFile.write)
+            out.write([head, *(b for e in entries for b in e.buffers)])
             fd = out.finish()
         except OSError as exc:
             if out is not None:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from .. import env, index, layout
-from ..config import default_root
+from ..config import default_root, load as load_config
 from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest
 from ..names import check_run
@@ -59,9 +59,10 @@ def latest(run: str, *, root: str | os.PathLike[str] | None = None,
     """The newest complete checkpoint of ``run`` in the local root or the remote tier
     (``remote`` as for ``list_checkpoints``; ``verify=True`` looks at the local root
     only), or None when it has none. See ``latest_local``."""
-    store = None if verify else remote_tiers.open_store(remote)
+    cfg = None if verify else load_config()  # once: both tiers are in it (parsing it twice cost a load 4-8 ms)
+    store = None if cfg is None else remote_tiers.open_store(remote, cfg)
     local = latest_local(run, root=root, verify=verify)
-    peers = None if verify else peer_tier.open_tier()
+    peers = None if cfg is None else peer_tier.open_tier(cfg)
     if peers is not None:  # every rank's share here or with a peer (docs/tiers.md)
         local = peers.latest(check_run(run), default_root(root)) or local  # counts the local shares too
         if store is not None:
@@ -153,8 +154,9 @@ def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | Non
     that holds it (the folder is where it would be locally). With peers: ``fill``
     fetches the shares this root lacks into it first; without, the source reads them
     into memory."""
-    store = remote_tiers.open_store(remote)
-    peers = peer_tier.open_tier()
+    cfg = load_config()  # once: both tiers are in it (parsing it twice cost a load 4-8 ms)
+    store = remote_tiers.open_store(remote, cfg)
+    peers = peer_tier.open_tier(cfg)
     if peers is not None:  # local disk, then peers' memory, then the remote tier: docs/tiers.md
         base = default_root(root)
         if step is None:

@@ -8,15 +8,17 @@ the local root only, or None for the ``[remote] url`` of the discovered config
 
 from __future__ import annotations
 
-from ..config import load as load_config
+from ..config import Config, load as load_config
 from ..errors import CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest
 from . import catalog
 from .store import Store
 
 
-def open_store(remote: str | None) -> Store | None:
-    cfg = load_config().remote
+def open_store(remote: str | None, config: Config | None = None) -> Store | None:
+    """The remote tier ``remote`` names (None: ``config``'s, by default the discovered
+    one), or None."""
+    cfg = (config or load_config()).remote
     url = cfg.url if remote is None else remote.rstrip("/")
     if not url:
         return None
