@@ -3,8 +3,8 @@
 # the frameworks). Arguments go to pytest: -m "not slow" skips the multi-process jobs. The suite
 # runs two test files at a time (pytest-xdist; a file's tests stay together, so its module-scoped
 # fixtures run once; the longest files go first, tests/conftest.py): CKPTD_TEST_WORKERS=N for N at
-# a time, 0 for one process. It takes about 10 minutes on 2 cores (pytest's part: 619 s, measured
-# on a 2-core machine that other jobs shared).
+# a time, 0 for one process. It takes 17 to 30 minutes on 2 cores (pytest's part: 1000-1650 s,
+# measured on 2-core machines; most of it is torch-importing subprocesses: torchrun, the frameworks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test

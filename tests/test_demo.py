@@ -30,10 +30,12 @@ def demo_config(tmp_path: Path):
     shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def run_demo(*args: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
-    # a bound against a hang: the demo takes 10-20 s alone, over a minute beside other tests on 2 cores
+def run_demo(*args: str, timeout: float = 480.0) -> subprocess.CompletedProcess:
+    # a bound against a hang: the demo takes 20-40 s alone, minutes beside other tests on 2 cores.
+    # The demo gives up on a worker silent for 60 s, which suits a person's machine; beside
+    # torchrun jobs on 2 cores a worker's `import torch` alone took longer (CI, twice): 180 s here.
     # Its own session, so a hung demo can be killed together with its daemon and workers.
-    proc = subprocess.Popen([sys.executable, str(DEMO), *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(DEMO), *args, "--event-timeout", "180"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -174,7 +174,7 @@ def test_prepacked_messages_decode_as_plain_ones() -> None:
     assert wire.decode([packed])[0] == wire.decode([wire.encode("tensor", seq=1, step=2, **fields)])[0]
 
 
-# -- emit_many: the plan for blocks that emit the same tensors (issue 22) ------------------------
+# -- emit_many: the plan for blocks that emit the same tensors --------------------------------
 def test_emit_many_reuses_a_blocks_layout_and_falls_back_when_it_changes(make_daemon) -> None:
     d = shm_daemon(make_daemon)
     state: dict[str, object] = {"a": torch.arange(6.0).reshape(2, 3), "d": torch.randn(2**18), **optimizer_like(300, 3)}

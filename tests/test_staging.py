@@ -205,7 +205,7 @@ def test_fsdp2_dcp_and_producer_saves_of_20_layers_with_4mib_staging(daemon, tmp
     assert all(torch.equal(whole[k], v) for k, v in reference.items())
 
 
-# -- the first checkpoint: staging made at its size before it (issue 22) ------------------------
+# -- the first checkpoint: staging made at its size before it --------------------------------
 def _rss_shmem() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssShmem:"))
