@@ -192,12 +192,10 @@ class Producer:
     def _emit_many_by_plan(self, tensors: dict[str, Any], step: int) -> bool:
         """``emit_many`` by the cached plan of an earlier call with this layout; False
         (nothing done) where none serves: then it goes the general way."""
-        for plan in reversed(self._many_plans):
-            got = plan.collect(tensors)
-            if got is not None:
-                break
-        else:
+        found = _newest_serving(self._many_plans, tensors)
+        if found is None:
             return False
+        plan, got = found
         conn = self._connection
         with self._emit_lock:
             self._grow_between_steps()
@@ -334,13 +332,10 @@ class Producer:
         done) where it does not serve this one; then ``save`` goes the general way."""
         if not self._plans or (replicated and self.world_size > 1):
             return None
-        for plan in reversed(self._plans):
-            got = plan.collect(state)
-            if got is not None:
-                break
-        else:
+        found = _newest_serving(self._plans, state)
+        if found is None:
             return None
-        tensors, state_json = got
+        plan, (tensors, state_json) = found
         meta_json = _metadata_json(metadata)
         conn = self._connection
         try:
@@ -598,3 +593,12 @@ def _metadata_json(metadata: Any) -> str:
     if not isinstance(metadata, dict):
         raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
     return check_json(metadata, "commit metadata")
+
+
+def _newest_serving(plans: list[Plan], state: Any) -> tuple[Plan, Any] | None:
+    """The newest of ``plans`` whose layout ``state`` has, with what its ``collect`` gave."""
+    for plan in reversed(plans):
+        got = plan.collect(state)
+        if got is not None:
+            return plan, got
+    return None
