@@ -103,10 +103,26 @@ class Daemon(ServeProcess):
         self.close()
 
 
+DAEMONS = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
+    """A failed test's report ends with the log of each daemon it started: what the
+    daemon did (at debug level) is what tells a slow commit from a lost one in CI."""
+    report = yield
+    if report.failed and call.when in ("setup", "call"):
+        for i, d in enumerate(item.stash.get(DAEMONS, [])):
+            report.sections.append((f"daemon {i} log ({d.log}), last 80 lines", d.log_tail(80)))
+    return report
+
+
 @pytest.fixture
-def make_daemon(tmp_path: Path) -> Iterator:
-    """``make_daemon(**daemon_keys)`` -> a started Daemon; all are killed at teardown."""
+def make_daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator:
+    """``make_daemon(**daemon_keys)`` -> a started Daemon; all are killed at teardown
+    (and a failed test's report shows their logs)."""
     made: list[Daemon] = []
+    request.node.stash[DAEMONS] = made
 
     def make(start: bool = True, tables: dict | None = None, **keys: object) -> Daemon:
         d = Daemon(tmp_path / f"d{len(made)}", tables, **keys)

@@ -69,7 +69,7 @@ def small_state(seed: int, n: int = 4) -> dict:
 
 def test_single_process_dcp_save_and_load(daemon) -> None:
     state = small_state(1)
-    writer = ckptd.dcp.StorageWriter(run="one", step=7, endpoint=daemon.endpoint, staging_size="8MiB", timeout=10,
+    writer = ckptd.dcp.StorageWriter(run="one", step=7, endpoint=daemon.endpoint, staging_size="8MiB", timeout=60,
                                      metadata={"loss": 0.5})
     dcp.save(state, storage_writer=writer, no_dist=True)
     info = ckptd.latest("one", root=daemon.root)  # dcp.save returns once the step is complete
@@ -88,14 +88,14 @@ def test_single_process_dcp_save_and_load(daemon) -> None:
     with pytest.raises(CheckpointException, match=r"TypeError: state\['x'\] is a builtins.object, which ckptd cannot "
                        "store without pickling"):
         dcp.save({"x": object()}, storage_writer=ckptd.dcp.StorageWriter(
-            run="one", step=8, endpoint=daemon.endpoint, staging_size="8MiB", timeout=10), no_dist=True)
+            run="one", step=8, endpoint=daemon.endpoint, staging_size="8MiB", timeout=60), no_dist=True)
 
 
 def test_kill_daemon_during_dcp_save_leaves_the_previous_step_latest(make_daemon) -> None:
     d = make_daemon()
     options = dict(endpoint=d.endpoint, staging_size="4MiB", timeout=2)
     first = small_state(1)
-    dcp.save(first, storage_writer=ckptd.dcp.StorageWriter(run="k", step=1, **options), no_dist=True)
+    dcp.save(first, storage_writer=ckptd.dcp.StorageWriter(run="k", step=1, **{**options, "timeout": 60}), no_dist=True)
     big = {"w": {f"t{i}": torch.full((2**20,), float(i)) for i in range(48)}}  # 192 MiB through 4 MiB
     failure: list[BaseException] = []
 
@@ -125,7 +125,7 @@ def test_kill_daemon_during_dcp_save_leaves_the_previous_step_latest(make_daemon
 def test_async_storage_writer_stages_into_ckptd_and_keeps_the_snapshot(daemon) -> None:
     state = small_state(4)
     want = {k: v.clone() for k, v in state["w"].items()}
-    options = dict(endpoint=daemon.endpoint, staging_size="8MiB", timeout=10)
+    options = dict(endpoint=daemon.endpoint, staging_size="8MiB", timeout=60)
     future = dcp.async_save(state, storage_writer=ckptd.dcp.AsyncStorageWriter(run="st", step=1, **options),
                             no_dist=True)
     for t in state["w"].values():  # the training loop goes on at once: the checkpoint is not torn

@@ -41,7 +41,7 @@ def state_of(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stored,target", PAIRS, ids=lambda d: str(d).removeprefix("torch."))
 def test_dcp_load_casts_to_the_targets_dtype(daemon, stored: torch.dtype, target: torch.dtype) -> None:
     saved = state_of(stored, 1)
-    writer = ckptd.dcp.StorageWriter(run="cast", step=1, endpoint=daemon.endpoint, staging_size="8MiB", timeout=10)
+    writer = ckptd.dcp.StorageWriter(run="cast", step=1, endpoint=daemon.endpoint, staging_size="8MiB", timeout=60)
     dcp.save(saved, storage_writer=writer, no_dist=True)
     want = {k: v.to(target) for k, v in saved.items()}  # what DCP's copy_ gives
     for verify in (False, True):
@@ -67,7 +67,7 @@ def test_dcp_load_of_a_producer_save_casts(daemon) -> None:
 def test_load_into_refuses_another_dtype_and_loads_the_same_exactly(daemon) -> None:
     saved = state_of(torch.float32, 4)
     dcp.save(saved, storage_writer=ckptd.dcp.StorageWriter(run="li", step=1, endpoint=daemon.endpoint,
-                                                           staging_size="8MiB", timeout=10), no_dist=True)
+                                                           staging_size="8MiB", timeout=60), no_dist=True)
     into = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in saved.items()}
     with pytest.raises(ValueError, match=r"tensor 'w' is bfloat16 here, but float32 in the checkpoint; make the "
                        r"target that dtype \(or load it and convert\)"):
