@@ -7,13 +7,16 @@ import contextlib
 import io
 import logging
 import os
+import shutil
 import subprocess
+import tempfile
 import socket
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+import forkserver
 from ckptd import Producer
 from ckptd.transport import curve
 from ckptd.daemon.launcher import ServeProcess
@@ -28,6 +31,27 @@ LONGEST = ("test_example_ddp.py", "test_lightning.py", "test_peer.py", "test_doc
            "test_sharded_training.py", "test_accelerate.py", "test_writer_death.py", "test_demo.py",
            "test_transformers.py", "test_advise.py", "test_reuse.py", "test_newcomer.py", "test_model.py",
            "test_dcp.py", "test_elastic.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each process that runs tests starts its fork server (tests/forkserver.py): its Python
+    subprocesses, torchrun's workers among them, start without importing torch again.
+    ``CKPTD_TEST_FORK=0``: every subprocess execs a fresh interpreter, as before."""
+    runs_tests = os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None)
+    if runs_tests and os.environ.get("CKPTD_TEST_FORK", "1") != "0" and not config.option.collectonly:
+        folder = Path(tempfile.mkdtemp(prefix="ckfs", dir="/tmp"))  # a socket path holds at most 107 bytes
+        config.stash[FORKSERVER] = (forkserver.ensure_server(folder), folder)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    server, folder = config.stash.get(FORKSERVER, (None, None))
+    if server is not None:
+        server.terminate()
+        server.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+FORKSERVER = pytest.StashKey[tuple]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

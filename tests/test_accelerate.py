@@ -25,7 +25,7 @@ SCRIPT = str(FRAMEWORKS / "accel_train.py")
 
 def _start(daemon, run: str, command: list[str]) -> subprocess.Popen:
     env = dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_ROOT=str(daemon.root), CKPTD_RUN=run,
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", TESTS_FORKSERVER_PRELOAD="accelerate")  # tests/forkserver.py
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -216,6 +216,7 @@ def test_the_registry_loads_neither_h5py_nor_numpy() -> None:
     import sys
 
     code = "import sys, ckptd.format, ckptd.manifest; print('h5py' in sys.modules, 'numpy' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "TESTS_FORKSERVER"}  # a fresh interpreter (tests/forkserver.py)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                       env=env | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert r.stdout.split() == ["False", "False"], r.stdout + r.stderr

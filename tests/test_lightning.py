@@ -29,7 +29,7 @@ import lightning_fit  # noqa: E402  (tests/frameworks: the training script the s
 
 def _env(daemon, run: str) -> dict[str, str]:
     return dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_ROOT=str(daemon.root), CKPTD_RUN=run,
-                PYTHONUNBUFFERED="1")
+                PYTHONUNBUFFERED="1", TESTS_FORKSERVER_PRELOAD="lightning")  # tests/forkserver.py
 
 
 def _start(daemon, run: str, out: Path, *args: str) -> subprocess.Popen:

@@ -32,7 +32,7 @@ def _offline(monkeypatch) -> None:
 
 def _start(daemon, out: Path, mode: str, *args: str) -> subprocess.Popen:
     env = dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_ROOT=str(daemon.root), CKPTD_RUN="gpt",
-               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TESTS_FORKSERVER_PRELOAD="transformers")  # tests/forkserver.py
     return subprocess.Popen([sys.executable, str(FRAMEWORKS / "hf_train.py"), str(out), mode, *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
