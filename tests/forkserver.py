@@ -4,13 +4,13 @@ On a 2-core machine ``import torch`` costs 7 to 8 s of CPU, and the suite starts
 hundred Python processes that import it: torchrun, its workers, the framework scripts, the
 crash and resume jobs; most of the suite's time went there. Here each pytest process
 starts a *fork server*: a single-threaded, bare Python that forks, per set of modules on
-first use, a server that imported them (torch, or what ``$TESTS_FORKSERVER_PRELOAD``
-names, such as lightning; never ckptd), which then forks a child per request. ``ForkedPopen``, installed as ``subprocess.Popen`` in the
+first use, a server that imported them (torch, and what ``$TESTS_FORKSERVER_PRELOAD``
+names, such as lightning; for the daemon, ``-m ckptd serve``, its own modules and not
+torch), which then forks a child per request. ``ForkedPopen``, installed as ``subprocess.Popen`` in the
 tests and in every forked child (so torchrun's own worker launches and Lightning's
 re-launch of its script come here too), hands ``[sys.executable, ...]`` commands to
-them; anything else, any Popen option a fork cannot honour, and the daemon under test
-(``-m ckptd serve``) run as before, and an ``env`` without ``$TESTS_FORKSERVER`` asks for
-a fresh interpreter.
+them; anything else and any Popen option a fork cannot honour run as before, and an
+``env`` without ``$TESTS_FORKSERVER`` asks for a fresh interpreter.
 
 A forked child is a real process with its own pid: signals, kill -9, exit statuses,
 process groups, pipes and files behave as for an exec'd one. What differs: the modules
@@ -18,7 +18,8 @@ its server imported are already there and read the environment when that server
 started (the child's own environment is in ``os.environ`` from its first line on;
 ``OMP_NUM_THREADS`` is applied); the child is not the requester's child, so its exit
 status arrives over a socket instead of ``waitpid`` (``os.getppid()`` in the child names
-the requester, as it would). ``CKPTD_TEST_FORK=0`` (tests/conftest.py) turns it all off.
+the requester, as it would); it ends as Python's exit does (threads joined, atexit
+handlers, stdio flushed) but without tearing down every module. ``CKPTD_TEST_FORK=0`` (tests/conftest.py) turns it all off.
 
     python tests/forkserver.py SOCKET      # the first server (started by ``ensure_server``)
 """
@@ -80,8 +81,6 @@ def routable(args: Any, kwargs: dict[str, Any]) -> list[str] | None:
         rest = rest[1:]
     if not rest or rest[0].startswith("-") and rest[0] not in ("-m", "-c") or rest[0] in ("-m", "-c") and len(rest) < 2:
         return None  # other interpreter options (-X, -I, ...) need a fresh interpreter
-    if rest[:3] == ["-m", "ckptd", "serve"]:
-        return None  # the daemon under test starts fresh: ckptd reads some settings at import (failpoints, its node id)
     if kwargs.get("preexec_fn") is not None or kwargs.get("pass_fds") or kwargs.get("close_fds") is False:
         return None
     if any(kwargs.get(k) is not None for k in ("user", "group", "extra_groups", "process_group")):
@@ -121,7 +120,7 @@ class ForkedPopen(_RealPopen):
                    "cwd": os.path.abspath(cwd if cwd is not None else "."), "new_session": bool(start_new_session)}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.connect(_server_for(preload_for(request["env"]), request["env"]))
+            conn.connect(_server_for(preload_for(self._argv, request["env"]), request["env"]))
             conn.sendmsg([_frame(json.dumps(request).encode())],
                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
             reply = _recv_json(conn)
@@ -174,10 +173,17 @@ class ForkedPopen(_RealPopen):
 BASE = ("torch", "torch._inductor.config")
 
 
-def preload_for(env: dict[str, str]) -> list[str]:
-    """The modules the server forking a child with ``env`` has imported: ``BASE`` and
-    what ``$TESTS_FORKSERVER_PRELOAD`` names. Never ckptd: what it reads at import
-    (failpoints, the daemon's node id) is each process's own."""
+# What ``python -m ckptd serve`` imports (and not torch): the daemon under test is forked
+# from a server that imported its modules, so they must read nothing of the process
+# (its environment, an id) at import: ckptd reads such things as the daemon starts.
+DAEMON = ["ckptd.cli", "ckptd.daemon.server", "ckptd.peer.node"]
+
+
+def preload_for(argv: list[str], env: dict[str, str]) -> list[str]:
+    """The modules the server forking ``argv`` with ``env`` has imported: the daemon's
+    for ``-m ckptd serve``; else ``BASE`` and what ``$TESTS_FORKSERVER_PRELOAD`` names."""
+    if [a for a in argv[1:] if a not in _FLAGS][:3] == ["-m", "ckptd", "serve"]:
+        return DAEMON
     return [*BASE, *sorted(m for m in env.get(PRELOAD, "").split(",") if m and m not in BASE)]
 
 

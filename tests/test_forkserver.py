@@ -68,14 +68,14 @@ def test_c_and_m_and_exceptions_and_signals(tmp_path: Path) -> None:
     child.stdout.close()
 
 
-def test_a_child_starts_python_through_the_server_and_the_daemon_starts_fresh(daemon) -> None:
+def test_a_child_starts_python_through_the_server_and_the_daemon_has_no_torch(daemon) -> None:
     nested = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import sys; "
               "print(\"torch\" in sys.modules)'], stdout=subprocess.PIPE, text=True); "
               "print(type(p).__name__, p.communicate()[0].strip(), p.returncode)")
     proc = subprocess.run([sys.executable, "-c", nested], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["ForkedPopen", "True", "0"], proc.stderr
-    assert daemon.proc._argv is None and "libtorch" not in Path(f"/proc/{daemon.pid}/maps").read_text()
-    assert forkserver.routable([sys.executable, "-m", "ckptd", "serve", "-c", "x"], {}) is None
+    assert daemon.proc._argv is not None and "libtorch" not in Path(f"/proc/{daemon.pid}/maps").read_text()
+    assert forkserver.preload_for([sys.executable, "-m", "ckptd", "serve"], {}) == forkserver.DAEMON
     assert forkserver.routable([sys.executable, "-X", "dev", "x.py"], {}) is None
     assert forkserver.routable(["/bin/true"], {}) is None
     assert forkserver.routable([sys.executable, "x.py"], {"preexec_fn": os.getpid}) is None

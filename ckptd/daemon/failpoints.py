@@ -2,8 +2,9 @@
 
 ``CKPTD_FAILPOINTS="writer.chunk"`` makes every pass through that point raise
 ``Failpoint``; ``"writer.chunk@3"`` only the third and later passes. Several points
-are separated by commas. The daemon reads the variable once, at import; with it unset
-(always, outside the test suite) ``hit`` is one dict lookup that finds nothing.
+are separated by commas. The daemon reads the variable once, as it starts (``serve``):
+with it unset (always, outside the test suite) ``hit`` is one dict lookup that finds
+nothing.
 
 They exist for what a kill -9 or a full disk cannot produce: an unexpected exception
 on a daemon thread (a bug), whose step must fail, named, rather than commit without
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import threading
 
-from .. import env
-
 _ARMED: dict[str, int] = {}  # point -> the first pass that raises (1-based)
 _passes: dict[str, int] = {}
 _lock = threading.Lock()
@@ -25,7 +24,11 @@ class Failpoint(RuntimeError):
     """Raised at an armed failpoint."""
 
 
-def _arm(spec: str) -> None:
+def arm(spec: str) -> None:
+    """Arm the points ``spec`` names (``$CKPTD_FAILPOINTS``), and only those."""
+    with _lock:
+        _ARMED.clear()
+        _passes.clear()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, first = item.partition("@")
         _ARMED[name] = int(first) if first else 1
@@ -40,5 +43,3 @@ def hit(point: str) -> None:
     if n >= _ARMED[point]:
         raise Failpoint(f"failpoint {point} (pass {n}), armed by CKPTD_FAILPOINTS")
 
-
-_arm(env.failpoints())

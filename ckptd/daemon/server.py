@@ -32,7 +32,8 @@ from ..config import Config, ConfigError, load as load_config, writer_threads
 from ..transport.curve import CurveServer
 from ..errors import CheckpointError
 from ..transport.wakeup import WakePipe
-from . import status
+from .. import env
+from . import failpoints, status
 from .arenas import Arenas
 from .assembly import OpenStep
 from .handlers import Handlers
@@ -492,6 +493,7 @@ def serve(config: Config) -> int:
     use_journal_priorities()  # under systemd: journalctl -p warning finds warnings
     # A crash or the watchdog's SIGABRT prints every thread's stack to the log.
     faulthandler.enable(all_threads=True)
+    failpoints.arm(env.failpoints())  # read as the daemon starts, not at import
     daemon = Daemon(config)
     try:
         daemon.start()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any, Callable
 
 import zmq
@@ -28,14 +29,15 @@ class PeerNode:
         server_curve, self.keys = daemon_curve(config)
         self.ctx = zmq.Context()
         self.holder = Holder(cfg.memory, cfg.stall)
+        node_id = uuid.uuid4().hex  # this daemon, told apart from its peers (a peer list may name it)
         try:
             self.server = PeerServer(self.ctx, cfg.listen, config.root, self.holder, server_curve,
-                                     cfg.frame + 65536)
+                                     cfg.frame + 65536, node_id)
         except Exception:
             self.ctx.term()
             raise
         self._curve = server_curve
-        self.replicator = Replicator(self.ctx, config.root, cfg, self.keys, keep_last)
+        self.replicator = Replicator(self.ctx, config.root, cfg, self.keys, keep_last, node_id)
         self.cfg = cfg
 
     def start(self) -> None:

@@ -39,7 +39,6 @@ from .. import index, layout
 from ..config import PeerConfig
 from ..errors import CheckpointCorrupt, ProtocolError
 from . import partners, wire
-from .server import NODE_ID
 
 log = logging.getLogger("ckptd.peer")
 
@@ -49,7 +48,8 @@ YIELD_AFTER_S = 0.2  # the daemon idle this long after a step's messages: replic
 
 class Replicator:
     def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
-                 keep_last: Callable[[str], int]) -> None:
+                 keep_last: Callable[[str], int], node_id: str) -> None:
+        self.node_id = node_id  # this daemon's (PeerServer's): a peer that answers with it is this daemon
         self.ctx = ctx
         self.root = root
         self.cfg = config
@@ -202,7 +202,7 @@ class Replicator:
                 log.warning("[peer] peer %s is unreachable at start (%s); shares go to the next peers until "
                             "it answers", p, exc)
                 continue
-            if answer.get("node") == NODE_ID:
+            if answer.get("node") == self.node_id:
                 self.peers = tuple(q for q in self.peers if q != p)
                 log.warning("[peer] peer %s is this daemon itself; it is ignored", p)
             else:

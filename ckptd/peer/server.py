@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +22,10 @@ from .holder import Full, Holder
 
 log = logging.getLogger("ckptd.peer")
 
-NODE_ID = uuid.uuid4().hex  # this daemon, as ``ping`` answers it
-
-
 class PeerServer:
-    def __init__(self, ctx: zmq.Context, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int) -> None:
+    def __init__(self, ctx: zmq.Context, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int,
+                 node_id: str) -> None:
+        self.node_id = node_id  # this daemon, as ``ping`` answers it
         self.root = root
         self.holder = holder
         self.listen = listen
@@ -81,7 +79,7 @@ class PeerServer:
     def _handle(self, h: dict[str, Any], payload: Any) -> tuple[dict[str, Any], Any]:
         op = h.get("op")
         if op == "ping":
-            return {"node": NODE_ID, "listen": self.listen}, None
+            return {"node": self.node_id, "listen": self.listen}, None
         if op == "offer":
             files = wire.field(h, "files", dict)
             if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in files.items()):
