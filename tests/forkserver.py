@@ -188,15 +188,18 @@ def preload_for(argv: list[str], env: dict[str, str]) -> list[str]:
 
 
 def _server_for(modules: list[str], env: dict[str, str], timeout: float = 300.0) -> str:
-    """The socket of the server whose children have ``preload`` imported: the first
-    server (a bare Python) forks one per set of modules, on first use, and it imports
+    """The socket of the server whose children have ``modules`` imported, forked on
+    first use by the first server (a bare Python), or by the one with ``BASE`` where
+    ``modules`` adds to it (lightning needs torch imported once, not again); it imports
     them in ``env`` (what they read of the environment at import, such as
     ``HF_HUB_OFFLINE``, is the first requester's)."""
     main = os.environ[ENV]
     path = f"{main}.{zlib.crc32(','.join(modules).encode()):08x}"  # (a socket path holds 107 bytes)
     if not os.path.exists(path):
+        base = list(BASE)
+        parent = _server_for(base, env) if modules[:len(base)] == base and modules != base else main
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(main)
+            conn.connect(parent)
             conn.sendall(_frame(json.dumps({"serve": path, "preload": modules, "env": env}).encode()))
             _recv_json(conn)
         deadline = time.monotonic() + timeout
