@@ -89,7 +89,7 @@ def test_kill_daemon_while_writing(make_daemon, point: str, writers: int) -> Non
 PRODUCER_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch
     from ckptd import Producer
-    p = Producer(sys.argv[1], "t", staging_size="32MiB", timeout=5)
+    p = Producer(sys.argv[1], "t", staging_size="32MiB", timeout=5, heartbeat=0.2)  # talks until stopped
     p.save({"w": torch.ones(1000)}, 1).wait(30)
     with p.checkpoint(2):
         p.emit("a", torch.ones(2**20))
