@@ -33,6 +33,9 @@ LONGEST = ("test_peer.py", "test_fuzz.py", "test_transformers.py", "test_lightni
            "test_sharded_training.py", "test_transport.py", "test_docs.py", "test_crash.py")
 
 
+FORKSERVER = pytest.StashKey[tuple]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Each process that runs tests starts its fork server (tests/forkserver.py): its Python
     subprocesses, torchrun's workers among them, start without importing torch again.
@@ -49,9 +52,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         server.terminate()
         server.wait(30)
         shutil.rmtree(folder, ignore_errors=True)
-
-
-FORKSERVER = pytest.StashKey[tuple]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -306,27 +306,26 @@ def _serve(path: str, preload: list[str]) -> dict[str, Any]:
                     c.close()
             os.close(wake_r)
             os.close(wake_w)
-            if "serve" in request:
-                return request
-            if request["new_session"]:
-                os.setsid()
-            for target, fd in enumerate(fds):
-                os.dup2(fd, target, inheritable=True)
-            for fd in set(fds):
-                if fd > 2:
-                    os.close(fd)
+            if "serve" not in request:  # a command: its session and standard streams
+                if request["new_session"]:
+                    os.setsid()
+                for target, fd in enumerate(fds):
+                    os.dup2(fd, target, inheritable=True)
+                for fd in set(fds):
+                    if fd > 2:
+                        os.close(fd)
             return request
         for fd in fds:
             os.close(fd)
-        children[pid] = conn
-        if "serve" in request:
+        serving = "serve" in request  # a server: nobody waits for its exit status
+        if serving:
             servers.add(request["serve"])
-            children[pid] = None
+        children[pid] = None if serving else conn
         try:
             conn.sendall(_frame(json.dumps({"pid": pid}).encode()))
         except OSError:
             pass
-        if "serve" in request:
+        if serving:
             conn.close()
     raise SystemExit(0)
 
@@ -405,12 +404,12 @@ def _run(request: dict[str, Any], base_path: list[str]) -> None:
         exec(compile(argv[1], "<string>", "exec"), main.__dict__)
     elif argv[0] == "-m":  # in a module of its own (not this file's globals): alter_sys sets argv[0] too
         sys.path[:] = [os.getcwd(), *extra, *base_path]
-        sys.argv = [argv[1], *argv[2:]]
+        sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         script = os.path.abspath(argv[0])
         sys.path[:] = [os.path.dirname(os.path.realpath(script)), *extra, *base_path]
-        sys.argv = [argv[0], *argv[1:]]
+        sys.argv = argv
         runpy.run_path(script, run_name="__main__")
 
 

@@ -29,9 +29,9 @@ def arm(spec: str) -> None:
     with _lock:
         _ARMED.clear()
         _passes.clear()
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, first = item.partition("@")
-        _ARMED[name] = int(first) if first else 1
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            name, _, first = item.partition("@")
+            _ARMED[name] = int(first) if first else 1
 
 
 def hit(point: str) -> None:

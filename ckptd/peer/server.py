@@ -22,6 +22,7 @@ from .holder import Full, Holder
 
 log = logging.getLogger("ckptd.peer")
 
+
 class PeerServer:
     def __init__(self, ctx: zmq.Context, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int,
                  node_id: str) -> None:
