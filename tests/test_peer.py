@@ -471,15 +471,22 @@ def test_the_peer_tier_has_its_own_persist_time_and_interval(tmp_path) -> None:
             for step in (10, 20, 30):
                 p.save({"w": torch.full((65536,), float(step))}, step).wait(30)
                 _wait(lambda: _status(sender)["peer"]["under_replicated"] == 0, "replicated")
-        out = subprocess.run([sys.executable, "-m", "ckptd", "advise", "job", "--root", str(sender.root), "--json"],
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        a = json.loads(out.stdout)
+        # the replica's lag is recorded by the peer sender thread as the partner's ack arrives
+        _wait(lambda: set(_status(sender)["advice"]["job"]["tiers"]) == {"local", "peer"}, "the peer tier in status")
+
+        def advise() -> dict:
+            out = subprocess.run([sys.executable, "-m", "ckptd", "advise", "job", "--root", str(sender.root), "--json"],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)
+
+        # `advise --root` reads the measures file, which the daemon writes at most once a second
+        _wait(lambda: "peer" in advise()["tiers"], "the peer tier in the measures file")
+        a = advise()
         local, peer = a["tiers"]["local"], a["tiers"]["peer"]
         assert "remote" not in a["tiers"]
         assert peer["persist_s"] > local["persist_s"] > 0  # held by the partner after durable here
         assert peer["interval_seconds"] >= local["interval_seconds"]
-        assert set(_status(sender)["advice"]["job"]["tiers"]) == {"local", "peer"}
     finally:
         for n in (sender, holder):
             n.cleanup()
