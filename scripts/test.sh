@@ -37,4 +37,4 @@ echo "scripts/test.sh: lint (ruff) and type check (mypy ckptd; settings in pypro
 "$py" -m ruff check --quiet ckptd tests benchmarks examples
 "$py" -m mypy
 echo "scripts/test.sh: running the test suite" >&2
-exec "$py" -m pytest -q -n "${CKPTD_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec "$py" -m pytest -q -n "${CKPTD_TEST_WORKERS:-3}" --dist loadfile "$@"

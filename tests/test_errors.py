@@ -22,7 +22,7 @@ def test_daemon_not_running_times_out_naming_the_endpoint(tmp_path) -> None:
     t0 = time.monotonic()
     with pytest.raises(CheckpointError, match="no ckptd daemon answered at ipc://.*nobody.sock within"):
         p.emit("w", torch.ones(3), step=1)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 3  # the connect at start and the emit's own: 0.5 s each, no linger after
     with pytest.raises(CheckpointError, match="nobody.sock"):
         p.commit(1)
     with pytest.raises(CheckpointError, match="nobody.sock"):

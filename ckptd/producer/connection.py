@@ -199,7 +199,7 @@ class Connection:
                                    retention=who.retention, format=who.format, shm_token=token,
                                    shm_size=arena.capacity if token else None, attempt=who.attempt))
         if not self._welcome.wait(timeout) or self._hello_error or transport.lost:
-            transport.close()
+            transport.close(linger=False)  # the hello has nobody to reach, or was answered
             if self._hello_error:
                 raise CheckpointError(f"the daemon at {endpoint} refused this producer: {self._hello_error}")
             if transport.refused or transport.stopped:

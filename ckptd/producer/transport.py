@@ -53,6 +53,7 @@ class Transport:
         # the time a many-tensor save blocked the training thread)
         self._idle = False
         self._stop = False
+        self._linger = True  # close(linger=False) drops what is queued
         self.lost: str | None = None
         self.refused: str | None = None  # why the daemon refused this producer's CurveZMQ key
         self.stopped = False  # the daemon said it stopped (or is stopping): self.lost says so
@@ -82,8 +83,11 @@ class Transport:
         if self._idle:
             self._wake.wake()
 
-    def close(self) -> None:
-        """Send what is queued (briefly), then stop the thread and close the socket."""
+    def close(self, linger: bool = True) -> None:
+        """Send what is queued (briefly), then stop the thread and close the socket.
+        ``linger=False``: drop what is queued (a hello nobody answered: waiting for it to
+        leave would only add CLOSE_LINGER_MS to the producer's timeout)."""
+        self._linger = linger
         self._stop = True
         self._wake.wake()
         self._thread.join()
@@ -103,6 +107,8 @@ class Transport:
         poller = zmq.Poller()
         poller.register(self._wake.fd, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)
+        if handshake.monitor is not None:  # a refused key wakes this thread at once
+            poller.register(handshake.monitor, zmq.POLLIN)
         outbox: list[tuple[bytes, Any, Any]] = []
         last_heard = last_ping = time.monotonic()
         seq = 0
@@ -121,7 +127,9 @@ class Transport:
                     except zmq.Again:
                         break
                     last_heard = time.monotonic()
-                    handshake.close()  # the daemon answered: the handshake is done
+                    if handshake.monitor is not None:  # the daemon answered: the handshake is done
+                        poller.unregister(handshake.monitor)
+                        handshake.close()
                     if self._dispatch(frames):
                         return
                 refused = handshake.refusal(self.endpoint)
@@ -133,7 +141,7 @@ class Transport:
                     # what was queued before close() set _stop (the bye) may have come after
                     # this pass took the queue: take it, or it is never sent
                     outbox = self._ship(sock, self._take_queued(outbox))
-                    if not outbox or time.monotonic() - last_heard > 1.0:
+                    if not outbox or not self._linger or time.monotonic() - last_heard > 1.0:
                         return
                 now = time.monotonic()
                 if now - last_ping >= self._heartbeat:
@@ -157,7 +165,7 @@ class Transport:
             # A clean close lets what was shipped (the bye) leave the socket's queue;
             # LINGER 0 would drop it, and the daemon would count this producer until
             # its session timed out. A lost connection has nobody to deliver to.
-            sock.close(linger=CLOSE_LINGER_MS if self.lost is None else 0)
+            sock.close(linger=CLOSE_LINGER_MS if self.lost is None and self._linger else 0)
 
     def _take_queued(self, outbox: list[tuple[bytes, Any, Any]]) -> list[tuple[bytes, Any, Any]]:
         """``outbox`` with every message queued so far appended (the sender thread only)."""
@@ -228,9 +236,17 @@ def request(endpoint: str, header: bytes, timeout: float, curve_keys: curve.Clie
     try:
         sock.connect(endpoint)
         sock.send(header)
-        if not sock.poll(int(timeout * 1000)):
-            raise CheckpointError(handshake.refusal(endpoint)
-                                  or f"no ckptd daemon answered at {endpoint} within {timeout:g} s")
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if handshake.monitor is not None:  # a refused key is said at once, not after the timeout
+            poller.register(handshake.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while not sock.poll(0):
+            left = deadline - time.monotonic()
+            refused = handshake.refusal(endpoint)
+            if refused or left <= 0:
+                raise CheckpointError(refused or f"no ckptd daemon answered at {endpoint} within {timeout:g} s")
+            poller.poll(max(1, int(left * 1000)))
         reply, _ = wire.decode(sock.recv_multipart())
     finally:
         sock.close(0)

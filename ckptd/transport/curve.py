@@ -281,6 +281,12 @@ class Handshake:
             name = f"inproc://ckptd-handshake-{os.getpid()}-{next(self._ids)}"
             self._monitor = sock.get_monitor_socket(events, name)
 
+    @property
+    def monitor(self) -> zmq.Socket | None:
+        """The monitor socket, to poll beside the client socket: it becomes readable when
+        a handshake fails (None: nothing is watched, or the handshake is done)."""
+        return self._monitor
+
     def refusal(self, endpoint: str) -> str | None:
         """Why the handshake with ``endpoint`` failed, if it did: a one-line message."""
         why = None
