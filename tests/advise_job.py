@@ -1,5 +1,5 @@
 """A training job for `torchrun --max-restarts=2` (tests/test_advise.py): two ranks that
-save when ``producer.should_save`` says so (at most every ``EVERY`` steps), and whose rank
+save when ``producer.should_save`` says so (bounded to every ``EVERY`` steps), and whose rank
 1 SIGKILLs itself once in attempt 0 and once in attempt 1. Each attempt after the first
 resumes from the newest complete step with ``ckptd.load`` and writes how long that load
 took, measured here, to ``FLAGS/load-a<attempt>-r<rank>``; every save is listed in
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 RUN = "advised"
-EVERY = 5  # max_steps: the advice itself would wait far longer than this job runs
+# min_steps = max_steps: every EVERY steps, whatever the advice says (two failures seconds
+# apart make a short MTBF, and then an interval that a loaded machine's slow steps can pass)
+EVERY = 5
 KILL_AT = {0: 12, 1: 19}  # attempt -> the step at which rank 1 dies
 
 
@@ -48,7 +50,7 @@ def main(endpoint: str, root: str, flags: Path, steps: int) -> None:
         with torch.no_grad():
             model.weight.add_(0.01)
         time.sleep(0.01)
-        if p.should_save(step, max_steps=EVERY):
+        if p.should_save(step, min_steps=EVERY, max_steps=EVERY):
             p.save({"model": model.state_dict(), "step": step}, step).wait(60)
             with open(saves, "a") as f:
                 f.write(f"{step}\n")

@@ -267,9 +267,9 @@ def test_torchrun_restarts_are_counted_and_resumes_timed(daemon, tmp_path) -> No
                     f"daemon log:\n{daemon.log_tail(60)}")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert daemon.stop() == 0  # the measures are written before it exits
-    # every 5 steps from each resume (should_save's max_steps); the failed attempts' last
-    # steps never became complete
-    assert [i.step for i in ckptd.list_checkpoints(job.RUN, root=daemon.root)] == [1, 6, 11, 17, 23]
+    # every 5 steps from the start and from each resume (should_save's min_steps and
+    # max_steps, which win over the advice); the failed attempts' last steps never became complete
+    assert [i.step for i in ckptd.list_checkpoints(job.RUN, root=daemon.root)] == [6, 11, 17, 23]
     assert (flags / "saves-a2-r0").read_text() == (flags / "saves-a2-r1").read_text() == "23\n"
     a = advice_json(daemon.root, job.RUN)
     i = a["inputs"]
