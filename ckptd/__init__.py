@@ -10,22 +10,44 @@ import logging
 # last-resort printer: a failed checkpoint is reported once, by its exception.
 logging.getLogger("ckptd").addHandler(logging.NullHandler())
 
-from . import producer  # noqa: E402
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
-from .manifest import CheckpointInfo
-from .producer import CommitHandle, Producer
-from .reader import latest, list_checkpoints, load, load_into
+from typing import TYPE_CHECKING, Any
+
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound  # noqa: E402
+from .manifest import CheckpointInfo  # noqa: E402
+from .version import __version__ as __version__  # noqa: E402  (re-exported)
+
+if TYPE_CHECKING:
+    from . import dcp as dcp, producer
+    from .producer import CommitHandle, Producer
+    from .reader import latest, list_checkpoints, load, load_into
 
 __all__ = [
     "CheckpointCorrupt", "CheckpointError", "CheckpointInfo", "CheckpointNotFound",
     "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "load_into", "producer",
 ]
-from .version import __version__ as __version__  # re-exported
+
+# Imported on first use: the command line and the daemon import this package, and the
+# producer's modules (ZeroMQ's, CurveZMQ's) were ~150 ms of every `ckptd` command's start;
+# ckptd.dcp imports torch.distributed.checkpoint. name -> (module, attribute or None)
+_LAZY = {
+    "producer": (".producer", None), "Producer": (".producer", "Producer"),
+    "CommitHandle": (".producer", "CommitHandle"), "latest": (".reader", "latest"),
+    "list_checkpoints": (".reader", "list_checkpoints"), "load": (".reader", "load"),
+    "load_into": (".reader", "load_into"), "dcp": (".dcp", None),
+}
 
 
-def __getattr__(name: str):  # ckptd.dcp: imported on first use (it imports torch.distributed.checkpoint)
-    if name == "dcp":
-        import importlib
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
+    import importlib
 
-        return importlib.import_module(".dcp", __name__)
-    raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
+    module = importlib.import_module(where[0], __name__)
+    value = module if where[1] is None else getattr(module, where[1])
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

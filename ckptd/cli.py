@@ -172,7 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
 
     from .transport import wire
-    from .producer.transport import request
+    from .transport.oneshot import request
 
     endpoint = args.endpoint or env.endpoint()
     endpoint = (config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint
@@ -301,7 +301,7 @@ def _latest(args: argparse.Namespace) -> int:
     if args.endpoint and args.verify:
         raise ValueError("--verify reads the checkpoint root; leave out --endpoint")
     if args.endpoint:
-        from .producer.transport import request
+        from .transport.oneshot import request
         from .transport import wire
 
         check_run(args.run)
@@ -385,7 +385,7 @@ def _list_from_daemon(args: argparse.Namespace, endpoint: str | None = None,
     message: no manifest is read here); the remote tier's steps merged in as
     ``reader.list_checkpoints`` merges them. ``endpoint``: default ``--endpoint``."""
     from .transport import wire
-    from .producer.transport import request
+    from .transport.oneshot import request
     from .remote import catalog, tiers
 
     run = check_run(args.run)

@@ -15,7 +15,7 @@ import torch
 import ckptd
 from ckptd import CheckpointError, measures
 from ckptd.transport import wire
-from ckptd.producer.transport import request
+from ckptd.transport.oneshot import request
 
 
 def tensors(step: int, mib: int) -> dict[str, torch.Tensor]:

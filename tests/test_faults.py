@@ -21,7 +21,7 @@ import torch
 import ckptd
 from ckptd import CheckpointError
 from ckptd.transport import wire
-from ckptd.producer.transport import request
+from ckptd.transport.oneshot import request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import stress  # noqa: E402  (benchmarks/stress.py: the kill loop, the load, the checks)

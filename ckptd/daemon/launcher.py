@@ -181,7 +181,7 @@ class ServeProcess:
         """The daemon's status report, as ``ckptd status --json`` prints it
         (``curve_keys``: a tcp:// endpoint's, ``ckptd.transport.curve.ClientKeys``)."""
         from ..transport import wire
-        from ..producer.transport import request
+        from ..transport.oneshot import request
 
         return request(self.endpoint, wire.encode("status", seq=1), timeout, curve_keys)["status"]
 

@@ -14,17 +14,20 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import env, index, layout
-from ..config import default_root, load as load_config
+from ..config import Config, default_root, load as load_config
 from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest
 from ..names import check_run
-from ..peer import tier as peer_tier
 from ..remote import catalog, tiers as remote_tiers
 from ..remote.store import RemoteError
 from .checks import check
 from .tiers import RemoteSource, Source
+
+if TYPE_CHECKING:
+    from ..peer.tier import PeerTier
 
 log = logging.getLogger("ckptd.reader")
 
@@ -39,6 +42,16 @@ def _run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]
             "root: put the run's folder itself there, or pass its parent as the root"
         )
     return base, run_dir
+
+
+def _peer_tier(cfg: Config) -> PeerTier | None:
+    """The peer tier where ``[peer]`` is set, else None. Its module (ZeroMQ's) is imported
+    only then: ~60 ms of every `ckptd` command's start otherwise."""
+    if not cfg.peer.enabled:
+        return None
+    from ..peer import tier as peer_tier
+
+    return peer_tier.open_tier(cfg)
 
 
 def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None,
@@ -62,7 +75,7 @@ def latest(run: str, *, root: str | os.PathLike[str] | None = None,
     cfg = None if verify else load_config()  # once: both tiers are in it (parsing it twice cost a load 4-8 ms)
     store = None if cfg is None else remote_tiers.open_store(remote, cfg)
     local = latest_local(run, root=root, verify=verify)
-    peers = None if cfg is None else peer_tier.open_tier(cfg)
+    peers = None if cfg is None else _peer_tier(cfg)
     if peers is not None:  # every rank's share here or with a peer (docs/tiers.md)
         local = peers.latest(check_run(run), default_root(root)) or local  # counts the local shares too
         if store is not None:
@@ -156,7 +169,7 @@ def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | Non
     into memory."""
     cfg = load_config()  # once: both tiers are in it (parsing it twice cost a load 4-8 ms)
     store = remote_tiers.open_store(remote, cfg)
-    peers = peer_tier.open_tier(cfg)
+    peers = _peer_tier(cfg)
     if peers is not None:  # local disk, then peers' memory, then the remote tier: docs/tiers.md
         base = default_root(root)
         if step is None:
