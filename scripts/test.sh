@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Set up, then lint, type check and run the whole test suite (real daemons, torchrun, SeaweedFS,
 # the frameworks). Arguments go to pytest: -m "not slow" skips the multi-process jobs. The suite
-# runs two test files at a time (pytest-xdist; a file's tests stay together, so its module-scoped
+# runs three test files at a time (pytest-xdist; a file's tests stay together, so its module-scoped
 # fixtures run once; the longest files go first, tests/conftest.py): CKPTD_TEST_WORKERS=N for N at
-# a time, 0 for one process. It takes about 11 to 14 minutes on 2 cores (pytest's part: 620-770 s,
-# measured on a 2-core machine where `import torch` alone costs 7 s of CPU). The tests' Python
+# a time, 0 for one process. Three on 2 cores, because many tests wait on fsync, sockets and
+# subprocesses: pytest's part took 337 s with two and 276 s with three here (258 s with four), and
+# 4 to 8 minutes on the 2-core machines this project has run on. The tests' Python
 # subprocesses (torchrun and its workers, the frameworks' scripts, the daemon) fork from servers
 # that imported torch, or the daemon's modules, once: tests/forkserver.py; CKPTD_TEST_FORK=0 execs
 # a fresh interpreter for each instead (the suite then takes 17 to 30 minutes).
