@@ -103,7 +103,15 @@ def resume(args: argparse.Namespace, model: Any, opt: Any) -> int:
     import ckptd
     import torch
 
-    info = ckptd.latest(args.run, root=args.root)
+    if args.every > 0:
+        # Ask the daemon, not the disk: it answers once the commits it already has for this
+        # run are on disk, so a checkpoint handed over just before the crash is the one
+        # resumed from, not trained again (a second save of a step is refused).
+        from ckptd import producer
+
+        info = producer.latest()
+    else:
+        info = ckptd.latest(args.run, root=args.root)
     if info is None:
         raise SystemExit(f"run {args.run!r} has no complete checkpoint under {args.root}")
     # Load by step, not "latest": the step we just announced is the one we read.

@@ -166,3 +166,28 @@ def test_cli_latest_asks_the_daemon(daemon) -> None:
     r = subprocess.run([sys.executable, "-m", "ckptd", "latest", "t", "--endpoint", "ipc:///tmp/none.sock",
                         "--timeout", "0.3"], capture_output=True, text=True)
     assert r.returncode == 1 and "no ckptd daemon at ipc:///tmp/none.sock" in r.stderr, r.stderr
+
+
+def test_latest_from_the_daemon_waits_for_the_commits_of_its_run_under_way(make_daemon) -> None:
+    """A job restarted the moment its last save was handed over asks the daemon for the
+    newest step: the answer comes once the commits the daemon already has for that run are
+    on disk, so it names that step, not the one before (whose resume would train the step
+    again, and have its save of it refused). Another run's question does not wait."""
+    from conftest import cli
+
+    d = make_daemon(write_rate="4MiB", chunk_size="1MiB")
+    with d.producer("r", staging_size="16MiB") as p, d.producer("q", staging_size="1MiB", timeout=20) as q:
+        p.save({"w": torch.zeros(1024)}, 1).wait(30)
+        handle = p.save({"w": torch.ones(2 << 20)}, 2)  # 8 MiB at 4 MiB/s: about 2 s to commit
+
+        def under_way() -> int:
+            return json.loads(cli("status", "-c", str(d.config), "--json").stdout)["commits_in_progress"]
+
+        deadline = time.monotonic() + 10
+        while under_way() == 0:  # the commit message has reached the daemon
+            assert time.monotonic() < deadline, "step 2's commit never reached the daemon"
+            time.sleep(0.02)
+        assert not handle.done()
+        assert q.latest("q") is None  # not held back by run r's commit
+        assert q.latest("r").step == 2
+        assert handle.wait(30).step == 2

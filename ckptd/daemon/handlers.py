@@ -44,6 +44,11 @@ log = logging.getLogger("ckptd.daemon")
 SESSIONLESS = frozenset({"hello", "latest", "list", "status"})
 # The rest of what a producer sends, within its session.
 IN_SESSION = frozenset({"ping", "tensor", "tensors", "same", "commit", "abort", "drain", "bye"})
+# How long `latest` waits for the commits of its run already under way (every byte
+# received; what is left is the fsyncs): a job restarted the moment its last save was
+# handed over must see that step, not the one before it, or it trains that step again
+# and its save of it is refused. Below the producer's default timeout (10 s).
+SETTLE_S = 5.0
 
 
 class Handlers:
@@ -53,6 +58,7 @@ class Handlers:
 
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
+        self._settling: list[tuple[bytes, int, str, float]] = []  # `latest` asked: (identity, seq, run, deadline)
 
     def dispatch(self, frames: list[zmq.Frame]) -> None:
         """Handle one message as it came off the ROUTER socket: ``[identity, header, payload?]``."""
@@ -162,9 +168,29 @@ class Handlers:
             check_run(h["run"])
         except ValueError as exc:
             raise ProtocolError(f"latest: {exc}") from None
+        if any(run == h["run"] for run, _, _ in self.d.committing):  # answered once they are done
+            self._settling.append((identity, h["seq"], h["run"], time.monotonic() + SETTLE_S))
+            return
+        self._answer_latest(identity, h["seq"], h["run"])
+
+    def _answer_latest(self, identity: bytes, seq: int, run: str) -> None:
         assert self.d.upkeep is not None
-        info = self.d.upkeep.latest(h["run"])  # from the index: no disk access
-        self.d.send(identity, "answer", seq=h["seq"], info=info.to_dict() if info else None)
+        info = self.d.upkeep.latest(run)  # from the index: no disk access
+        self.d.send(identity, "answer", seq=seq, info=info.to_dict() if info else None)
+
+    def answer_settled(self, now: float, *, every: bool = False) -> None:
+        """Answer each `latest` that waits (``SETTLE_S``) and whose run has no commit under
+        way any more, or that has waited long enough; ``every``: all of them (stopping)."""
+        if not self._settling:
+            return
+        busy = {run for run, _, _ in self.d.committing}
+        waiting = []
+        for identity, seq, run, deadline in self._settling:
+            if every or run not in busy or now >= deadline:
+                self._answer_latest(identity, seq, run)
+            else:
+                waiting.append((identity, seq, run, deadline))
+        self._settling = waiting
 
     def on_list(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
         """Every complete checkpoint of a run, from the index, each with whether it is
@@ -308,6 +334,7 @@ class Handlers:
             self._report_failure(share, r.message)
         elif r.kind in ("committed", "commit_failed"):
             d.committing.discard((share.run, share.rank, share.step))
+            self.answer_settled(time.monotonic())
             timing = d.timings.pop((share.run, share.rank, share.step), None)
             d.arenas.committed(share)
             identity, seq, nbytes = r.token

@@ -264,6 +264,7 @@ class Daemon:
             if self.stopping and events:
                 self._last_progress = now  # bytes arrived, or the I/O threads finished something
             if now - last_housekeeping >= 1.0:
+                self.handlers.answer_settled(now)  # a `latest` that waited SETTLE_S for commits
                 self.arenas.expire(poller, now)
                 if reading:
                     self._expire_sessions(now)
@@ -472,6 +473,7 @@ class Daemon:
         so the only steps left here already failed and were reported; any other
         step still gets its error, never silence."""
         log.info("drained: every commit received is durable; letting %d producer(s) go", len(self.sessions))
+        self.handlers.answer_settled(time.monotonic(), every=True)
         for sess in list(self.sessions.values()):
             for step, open_step in sess.steps.items():
                 if open_step.share.error is None:
