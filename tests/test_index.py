@@ -174,9 +174,10 @@ def test_latest_from_the_daemon_waits_for_the_commits_of_its_run_under_way(make_
     on disk, so it names that step, not the one before (whose resume would train the step
     again, and have its save of it refused). Another run's question does not wait."""
     from conftest import cli
+    from ckptd.daemon import handlers
 
     d = make_daemon(write_rate="4MiB", chunk_size="1MiB")
-    with d.producer("r", staging_size="16MiB") as p, d.producer("q", staging_size="1MiB", timeout=20) as q:
+    with d.producer("r", staging_size="48MiB") as p, d.producer("q", staging_size="1MiB", timeout=20) as q:
         p.save({"w": torch.zeros(1024)}, 1).wait(30)
         handle = p.save({"w": torch.ones(2 << 20)}, 2)  # 8 MiB at 4 MiB/s: about 2 s to commit
 
@@ -191,3 +192,14 @@ def test_latest_from_the_daemon_waits_for_the_commits_of_its_run_under_way(make_
         assert q.latest("q") is None  # not held back by run r's commit
         assert q.latest("r").step == 2
         assert handle.wait(30).step == 2
+
+        # a commit longer than the wait (SETTLE_S): the answer comes without it, in time
+        handle = p.save({"w": torch.ones(8 << 20)}, 3)  # 32 MiB at 4 MiB/s: about 8 s
+        deadline = time.monotonic() + 10
+        while under_way() == 0:
+            assert time.monotonic() < deadline, "step 3's commit never reached the daemon"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        assert q.latest("r").step == 2  # step 3 was not waited for
+        assert time.monotonic() - t0 > handlers.SETTLE_S - 0.5  # but its first seconds were
+        assert handle.wait(30).step == 3

@@ -47,8 +47,8 @@ IN_SESSION = frozenset({"ping", "tensor", "tensors", "same", "commit", "abort", 
 # How long `latest` waits for the commits of its run already under way (every byte
 # received; what is left is the fsyncs): a job restarted the moment its last save was
 # handed over must see that step, not the one before it, or it trains that step again
-# and its save of it is refused. Below the producer's default timeout (10 s).
-SETTLE_S = 5.0
+# and its save of it is refused. Well below a producer's timeout (10 s by default).
+SETTLE_S = 2.5
 
 
 class Handlers:
@@ -177,6 +177,10 @@ class Handlers:
         assert self.d.upkeep is not None
         info = self.d.upkeep.latest(run)  # from the index: no disk access
         self.d.send(identity, "answer", seq=seq, info=info.to_dict() if info else None)
+
+    def settle_deadline(self) -> float | None:
+        """When the first `latest` that waits for commits is answered anyway, if any waits."""
+        return min(q[3] for q in self._settling) if self._settling else None
 
     def answer_settled(self, now: float, *, every: bool = False) -> None:
         """Answer each `latest` that waits (``SETTLE_S``) and whose run has no commit under

@@ -239,6 +239,9 @@ class Daemon:
                 timeout = min(timeout, next_ping - now)
             if self.liveness.pending():
                 timeout = min(timeout, 0.1)
+            settle = self.handlers.settle_deadline()  # a `latest` waiting for its run's commits
+            if settle is not None:
+                timeout = min(timeout, settle - now)
             want = self.queued < self.cfg.memory_budget
             if want != reading:
                 # Over budget: leave messages in the producers' staging (they block
@@ -255,6 +258,7 @@ class Daemon:
             if self._wake.fd in events:
                 self._wake.drain()
             self._drain_results()
+            self.handlers.answer_settled(time.monotonic())
             self.arenas.take(poller, events)
             if reading and self.router in events:
                 self._read_batch()
@@ -264,7 +268,6 @@ class Daemon:
             if self.stopping and events:
                 self._last_progress = now  # bytes arrived, or the I/O threads finished something
             if now - last_housekeeping >= 1.0:
-                self.handlers.answer_settled(now)  # a `latest` that waited SETTLE_S for commits
                 self.arenas.expire(poller, now)
                 if reading:
                     self._expire_sessions(now)
