@@ -4,19 +4,19 @@
     import ckptd; ckptd.load("run")       # resume from the newest complete checkpoint
 """
 
-import logging
+import logging as _logging
 
 # A library's records reach the application's handlers, never Python's bare
 # last-resort printer: a failed checkpoint is reported once, by its exception.
-logging.getLogger("ckptd").addHandler(logging.NullHandler())
+_logging.getLogger("ckptd").addHandler(_logging.NullHandler())
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING as _TYPE_CHECKING, Any as _Any
 
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound  # noqa: E402
 from .manifest import CheckpointInfo  # noqa: E402
 from .version import __version__ as __version__  # noqa: E402  (re-exported)
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     from . import dcp as dcp, producer
     from .producer import CommitHandle, Producer
     from .reader import latest, list_checkpoints, load, load_into
@@ -37,7 +37,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     where = _LAZY.get(name)
     if where is None:
         raise AttributeError(f"module 'ckptd' has no attribute {name!r}")
