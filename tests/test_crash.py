@@ -49,7 +49,7 @@ def wait_for_files(step_dir: Path, count: int, timeout: float = 20.0) -> None:
 def test_kill_daemon_while_writing(make_daemon, point: str, writers: int) -> None:
     """``writers`` 4: four chunk files of four tensors each in flight at once, each
     tensor's bytes in one writev with the others of its file (datafile.DataFile.write)."""
-    d = make_daemon(chunk_size="1MiB") if writers == 1 else make_daemon(chunk_size="4MiB", writer_threads=writers)
+    d = make_daemon(chunk_size="1MiB" if writers == 1 else "4MiB", writer_threads=writers)
     p = d.producer(staging_size="80MiB", timeout=2, heartbeat=0.2)
     p.save(state(1, 4), 1).wait(30)
     handle = p.save(state(2, 48), 2)

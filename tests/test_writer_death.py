@@ -71,11 +71,13 @@ def test_daemon_killed_mid_save_every_rank_hears_and_the_next_save_works(make_da
     assert [i.step for i in ckptd.list_checkpoints("t", root=d.root)] == [1, 3]
 
 
-@pytest.mark.parametrize("fmt", ["chunk", "hdf5"])
-def test_writer_thread_raising_fails_the_step_by_name(make_daemon, monkeypatch, fmt) -> None:
+@pytest.mark.parametrize("fmt, writers", [("chunk", 1), ("chunk", 2), ("hdf5", 1)])
+def test_writer_thread_raising_fails_the_step_by_name(make_daemon, monkeypatch, fmt, writers) -> None:
+    """``writers`` 2: chunk files are written on the pool's threads, and the error names
+    the one that raised, as the writer's own threads do."""
     point = "writer.hdf5" if fmt == "hdf5" else "writer.chunk"
     monkeypatch.setenv("CKPTD_FAILPOINTS", point)  # every batch of small tensors: one a rank
-    d = make_daemon(chunk_size="1MiB", format=fmt)
+    d = make_daemon(chunk_size="1MiB", format=fmt, writer_threads=writers)
     ps = producers(d)
     handles = [p.save(state(r, 1, n=3) | {f"r{r}.small": torch.arange(10)}, 1) for r, p in enumerate(ps)]
     learn_of_failure(ps, handles, f"internal error in the daemon's .* thread: Failpoint: failpoint {point}")

@@ -159,15 +159,11 @@ class Writer:
             try:
                 fn(*args)
             except Exception as exc:  # a bug here must not kill the daemon's I/O ...
-                thread = threading.current_thread().name
-                log.exception("internal error in %s", thread)
                 # ... nor let the share commit without what the job was writing: its
                 # commit, queued behind this job, fails naming the error
                 share = next((a if isinstance(a, Share) else a.share for a in args
                               if isinstance(a, (Share, Stream))), None)
-                if share is not None and share.error is None:
-                    share.error = (f"internal error in the daemon's {thread} thread: {type(exc).__name__}: {exc} "
-                                   "(its log has the traceback)")
+                _internal_error(share, exc)
 
     def _report_freed(self, share: Share, held: int, seqs: list[int]) -> None:
         """Received bytes are let go of: written, or dropped because the share failed."""
@@ -249,6 +245,9 @@ class Writer:
         try:
             if share.error is None:
                 fd = self._write_batch(share, name, entries, listed=True, ahead=ahead)
+        except Exception as exc:  # a bug: named as on the writer's own threads (_loop), before the report
+            _internal_error(share, exc)
+            raise  # the syncer's _await sees the job failed: the share does not commit
         finally:
             _settled(ahead)
             entries.clear()
@@ -261,9 +260,9 @@ class Writer:
         """On the syncer: a pooled chunk file is written and fsynced (or failed)."""
         try:
             future.result()
-        except Exception:  # a bug in the job; the share must not commit without its file
-            log.exception("internal error writing a chunk of run=%s step=%d", share.run, share.step)
-            share.error = share.error or "internal error while writing a chunk file"
+        except Exception as exc:  # a bug in the job (logged and named there); the share must not commit
+            if share.error is None:
+                _internal_error(share, exc)
         finally:
             share.inflight.remove(future)
 
@@ -530,3 +529,13 @@ def _settled(ahead: Future | None) -> None:
 
 class _NotThere(Exception):
     """A tensor declared unchanged has no stored copy to refer to."""
+
+
+def _internal_error(share: Share | None, exc: Exception) -> None:
+    """A bug on one of the writer's threads: log it with its traceback, and fail
+    ``share`` (unless it failed already) naming the thread and the exception."""
+    thread = threading.current_thread().name
+    log.exception("internal error in %s", thread)
+    if share is not None and share.error is None:
+        share.error = (f"internal error in the daemon's {thread} thread: {type(exc).__name__}: {exc} "
+                       "(its log has the traceback)")
