@@ -182,20 +182,31 @@ def _files_present(dir_fd: int, manifests: list[Manifest]) -> bool:
 def step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     """Step folders of a run (real folders only, never symlinks), newest first; none
     if the run folder itself is a symlink (it is never followed)."""
+    fd = _open_run(run_dir)
+    if fd is None:
+        return []
     try:
-        fd = layout.open_real_dir(run_dir)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-            return []
-        raise
-    try:
-        with os.scandir(fd) as it:
-            steps = [
-                (step, run_dir / e.name) for e in it
-                if (step := layout.parse_step_dir(e.name)) is not None and e.is_dir(follow_symlinks=False)
-            ]
+        return _steps_in(fd, run_dir)
     finally:
         os.close(fd)
+
+
+def _open_run(run_dir: Path) -> int | None:
+    """A descriptor of the run folder, or None where there is no real one."""
+    try:
+        return layout.open_real_dir(run_dir)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        raise
+
+
+def _steps_in(run_fd: int, run_dir: Path) -> list[tuple[int, Path]]:
+    with os.scandir(run_fd) as it:
+        steps = [
+            (step, run_dir / e.name) for e in it
+            if (step := layout.parse_step_dir(e.name)) is not None and e.is_dir(follow_symlinks=False)
+        ]
     return sorted(steps, reverse=True)
 
 
@@ -208,17 +219,12 @@ def run_dirs(root: Path) -> list[Path]:
 
 
 def scan_run(run_dir: Path, *, warn: bool = False) -> dict[int, CheckpointInfo]:
-    steps = step_dirs(run_dir)
-    if not steps:
+    run_fd = _open_run(run_dir)  # once: each step folder is opened relative to it
+    if run_fd is None:
         return {}
     try:
-        run_fd = layout.open_real_dir(run_dir)  # once, not once a step: 10,000 steps are listed in ~0.7 s
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-            return {}
-        raise
-    try:
-        return {step: info for step, path in steps if (info := step_info(path, warn=warn, run_fd=run_fd))}
+        return {step: info for step, path in _steps_in(run_fd, run_dir)
+                if (info := step_info(path, warn=warn, run_fd=run_fd))}
     finally:
         os.close(run_fd)
 

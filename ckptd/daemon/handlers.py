@@ -337,8 +337,7 @@ class Handlers:
         if r.kind == "failed":
             self._report_failure(share, r.message)
         elif r.kind in ("committed", "commit_failed"):
-            d.committing.discard((share.run, share.rank, share.step))
-            self.answer_settled(time.monotonic())
+            d.committing.discard((share.run, share.rank, share.step))  # the loop answers a waiting `latest`
             timing = d.timings.pop((share.run, share.rank, share.step), None)
             d.arenas.committed(share)
             identity, seq, nbytes = r.token
