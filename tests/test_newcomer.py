@@ -159,6 +159,23 @@ def test_staging_grows_to_fit_in_the_background(daemon) -> None:
         assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
+def test_the_save_right_after_a_growing_one_waits_for_the_grown_staging(daemon) -> None:
+    # 256 MiB: the arena it grows to (320 MiB) takes longer to fault than the first save's
+    # commit takes after its last copy, so the second save finds it still being made; it
+    # used to stream through 32 MiB again (a second 1 GiB save took 0.8-2.5 s, not 0.06)
+    state = {f"t{i}": torch.full((2**20,), float(i)) for i in range(64)}
+    with daemon.producer(staging_size="auto") as p:
+        p.save(state, 1).wait(60)  # streams through the 32 MiB it starts with
+        first = p.stats()
+        assert first["staging_bytes"] == 32 * 2**20 and first["blocked_seconds"] > 0
+        p.save(state, 2).wait(60)  # at once: waits for the arena, then copies without waiting
+        second = p.stats()
+        assert second["staging_bytes"] >= 256 * 2**20
+        assert second["blocked_seconds"] == first["blocked_seconds"]
+    got = ckptd.load("t", 2, root=daemon.root)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
 def test_staging_never_exceeds_what_was_asked(daemon, monkeypatch) -> None:
     state = {f"t{i}": torch.zeros(2**20) for i in range(16)}  # 64 MiB
     with daemon.producer(staging_size="16MiB") as p:  # a size set by hand is that size

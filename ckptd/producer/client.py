@@ -530,7 +530,7 @@ class Producer:
             meta_json = _metadata_json(metadata)
         handle = handle or CommitHandle(step)
         st = self._book.close_step(step, handle)
-        self._copier.want(st.room)
+        self._copier.want(st.room, next_one=True)
         conn = self._connection
         if st.error is not None:  # the daemon failed this step already: do not commit it
             self._book.finish(step, handle, error=st.error)

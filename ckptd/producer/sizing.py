@@ -12,8 +12,13 @@ starts at ``INITIAL`` bytes and grows to fit the largest checkpoint seen:
   ``emit``;
 - the producer swaps it in between checkpoints, when nothing is in flight
   (``Growth.take``), so that checkpoint's bytes block at memcpy speed from the
-  next checkpoint on; until then a larger checkpoint streams through the smaller
-  arena, as with a small ``staging_size`` set by hand;
+  next checkpoint on; the checkpoint that asked for it streams through the
+  smaller arena, as with a small ``staging_size`` set by hand, and the next one
+  waits for the rest of its page faults if it comes before they are done
+  (asked for at the commit with ``ahead``): a second save right after a first one
+  of 1 GiB streamed through 32 MiB again, 0.8-2.5 s against at most ~0.5 s of
+  faults;
+- the threads that make it run at nice 19 (``staging.background_priority``);
 - where the checkpoint's size is known before the first one (``Producer(expected_bytes=)``,
   ``Producer.prepare(state)``), the arena is made at that size in one step, in the
   background while training runs; the first checkpoint then waits for it, if it is
@@ -33,7 +38,7 @@ import threading
 from pathlib import Path
 
 from .. import env
-from .staging import ALIGN, PAGE, Arena
+from .staging import ALIGN, PAGE, Arena, background_priority
 
 log = logging.getLogger("ckptd.producer")
 
@@ -89,8 +94,9 @@ class Growth:
     def want(self, need: int, have: int, *, ahead: bool = False) -> None:
         """A checkpoint needs ``need`` bytes of staging and the arena has ``have``:
         start making a larger one unless one that fits is made or being made.
-        ``ahead``: asked for before the checkpoint (``Producer.prepare``), which then
-        waits for it rather than stream through the smaller arena."""
+        ``ahead``: asked for before the checkpoint that needs it (``Producer.prepare``,
+        or a commit, for the checkpoints after it), which then waits for it rather than
+        stream through the smaller arena."""
         if need <= have:
             return
         target = size_for(need, self.limit)
@@ -140,6 +146,7 @@ class Growth:
             arena.close()
 
     def _make(self, have: int) -> None:
+        background_priority()
         while True:
             with self._lock:
                 size = self._target

@@ -221,6 +221,18 @@ def _prefault_threads(size: int) -> int:
     return max(1, min(PREFAULT_THREADS, os.cpu_count() or 1, size // (PREFAULT_SPLIT // 2)))
 
 
+def background_priority() -> None:
+    """Give the calling thread, and the threads it starts, the lowest CPU priority (nice
+    19): staging made in the background then takes only CPU that nobody else wants. On a
+    2-core machine, a 1.3 GiB arena faulted at normal priority right after a job's first
+    checkpoint held both cores for 0.4 s, and the daemon's commit of that checkpoint
+    waited for it (durable 1.1 s against 0.7 s). Linux nice values are per thread."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: normal priority, as before
+        pass
+
+
 def prefault(mm: mmap.mmap, threads: int) -> None:
     """Fault in every page of ``mm`` for writing, ``threads`` ranges at once."""
     size = len(mm)
