@@ -26,9 +26,10 @@ goal:
    range, in bytes read from the disk (``/proc/self/io``) and in time;
 6. the first save of a job (``--first-save``, on by default): a new producer with
    ``staging_size = "auto"`` saves the large state four times; the first save's
-   blocked and durable times against the median of the third and fourth saves'
-   (which use the staging the first one grew; the second, which may wait for it to
-   be made, is reported on its own). Twice: with no hint (staging starts at
+   blocked and durable times against the median of the third and fourth saves',
+   made once staging has grown (the wait for it is reported, standing for the
+   training steps between checkpoints; the second save comes right after the
+   first, and is reported on its own). Twice: with no hint (staging starts at
    32 MiB), and with ``Producer(expected_bytes=)`` (staging made at that size in the
    background; the save starts once ``stats()`` shows it made, standing for the
    training steps before a first checkpoint, whose length is reported);
@@ -430,13 +431,18 @@ def measure_first_save(lab: Lab, rec: Callable[[str, float | None], None]) -> No
                 time.sleep(0.01)  # the training steps before a job's first checkpoint
             rec(f"first.{kind}.ready_s", time.perf_counter() - t0)
             times = []
-            for _ in range(4):
+            for i in range(4):
+                if i == 2:  # the training steps between checkpoints, while staging grows
+                    t1 = time.perf_counter()
+                    while p.stats()["staging_bytes"] < nbytes and time.perf_counter() - t1 < t:
+                        time.sleep(0.01)
+                    rec(f"grown.{kind}.wait_s", time.perf_counter() - t1)
                 os.sync()
                 times.append(time_save(p, large, lab.next_step(), t))
         finally:
             p.close()
-        # "later" is the job's steady state, the third and fourth saves: without a hint the
-        # second one, right after the first, may still wait for the grown arena's page faults
+        # "later" is the job's steady state, the third and fourth saves, once staging has
+        # grown; the second comes right after the first, and may find it still growing
         (b1, d1), (b2, d2), later = times[0], times[1], times[2:]
         rec(f"first.{kind}.blocked", b1)
         rec(f"first.{kind}.durable", d1)
@@ -684,10 +690,11 @@ def report(lab: Lab) -> list[dict[str, Any]]:
         print(f"first save, expected_bytes: staging made {med(lab, 'first.expected.ready_s'):.2f} s after the "
               "producer, in the background (the training steps before a first checkpoint)")
     if "second.auto.blocked" in lab.samples:
-        print(f"second save, auto (right after the first): blocked {med(lab, 'second.auto.blocked'):.2f} s, "
-              f"durable {med(lab, 'second.auto.durable'):.2f} s; first {med(lab, 'first.auto.blocked'):.2f} s / "
-              f"{med(lab, 'first.auto.durable'):.2f} s, later {med(lab, 'later.auto.blocked'):.2f} s / "
-              f"{med(lab, 'later.auto.durable'):.2f} s")
+        print(f"first save, auto, blocked / durable: first {med(lab, 'first.auto.blocked'):.2f} s / "
+              f"{med(lab, 'first.auto.durable'):.2f} s, the second right after it "
+              f"{med(lab, 'second.auto.blocked'):.2f} s / {med(lab, 'second.auto.durable'):.2f} s, later "
+              f"{med(lab, 'later.auto.blocked'):.2f} s / {med(lab, 'later.auto.durable'):.2f} s; staging grew "
+              f"{med(lab, 'grown.auto.wait_s'):.2f} s after the second")
     if "load_mmap.warm.open" in lab.samples:
         print(f"load(mmap=True) open only: warm {med(lab, 'load_mmap.warm.open'):.4f} s, "
               f"cold {med(lab, 'load_mmap.cold.open'):.4f} s")

@@ -24,6 +24,7 @@ import torch
 
 import ckptd
 from ckptd import CheckpointError, Producer, config, producer
+from ckptd.producer import sizing
 from conftest import cli as in_process_cli  # ckptd.cli.main in this process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,16 +142,16 @@ def test_small_checkpoints_cost_little_memory(daemon) -> None:
 
 
 def test_staging_grows_to_fit_in_the_background(daemon) -> None:
-    state = {f"t{i}": torch.full((2**20,), float(i)) for i in range(24)}  # 96 MiB in 24 tensors
+    state = {f"t{i}": torch.full((2**20,), float(i)) for i in range(64)}  # 256 MiB in 64 tensors
     with daemon.producer(staging_size="auto") as p:
-        assert p.stats()["staging_limit"] >= 96 * 2**20
-        p.save(state, 1).wait(60)  # streams through the 32 MiB it starts with
+        assert p.stats()["staging_limit"] >= 320 * 2**20
+        p.save(state, 1).wait(60)  # streams through 128 MiB made for it on the spot
         first = p.stats()
-        assert first["staging_bytes"] == 32 * 2**20 and first["blocked_seconds"] > 0
+        assert first["staging_bytes"] == sizing.BRIDGE and first["blocked_seconds"] > 0
         eventually(lambda: p._copier.growth._ready is not None, 30)  # grown in the background
         p.save(state, 2).wait(60)
         grown = p.stats()
-        assert grown["staging_bytes"] >= 96 * 2**20
+        assert grown["staging_bytes"] >= 256 * 2**20
         p.save(state, 3).wait(60)  # the whole checkpoint fits: no more waiting for the daemon
         assert p.stats()["blocked_seconds"] == grown["blocked_seconds"]
         assert p.stats()["transport"] == "shm"
@@ -159,21 +160,30 @@ def test_staging_grows_to_fit_in_the_background(daemon) -> None:
         assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
-def test_the_save_right_after_a_growing_one_waits_for_the_grown_staging(daemon) -> None:
-    # 256 MiB: the arena it grows to (320 MiB) takes longer to fault than the first save's
-    # commit takes after its last copy, so the second save finds it still being made; it
-    # used to stream through 32 MiB again (a second 1 GiB save took 0.8-2.5 s, not 0.06)
-    state = {f"t{i}": torch.full((2**20,), float(i)) for i in range(64)}
+def test_a_checkpoint_larger_than_staging_gets_more_at_once(daemon) -> None:
+    # 32 MiB streams slowly (1 GiB: durable in 0.72-1.0 s, 0.5 s staged whole); a
+    # checkpoint of 96 MiB fits the 128 MiB made for it before its first copy
+    state = {f"t{i}": torch.full((2**20,), float(i)) for i in range(24)}
     with daemon.producer(staging_size="auto") as p:
-        p.save(state, 1).wait(60)  # streams through the 32 MiB it starts with
-        first = p.stats()
-        assert first["staging_bytes"] == 32 * 2**20 and first["blocked_seconds"] > 0
-        p.save(state, 2).wait(60)  # at once: waits for the arena, then copies without waiting
-        second = p.stats()
-        assert second["staging_bytes"] >= 256 * 2**20
-        assert second["blocked_seconds"] == first["blocked_seconds"]
-    got = ckptd.load("t", 2, root=daemon.root)
-    assert all(torch.equal(got[k], v) for k, v in state.items())
+        p.save(state, 1).wait(60)
+        assert p.stats()["staging_bytes"] == 128 * 2**20
+        assert p.stats()["blocked_seconds"] == 0
+        # emits: the first checkpoint's size is not known before it, so it streams
+        # through 32 MiB; the next is taken to be as large as the last
+    with daemon.producer(run="e", staging_size="auto") as p:
+        for step in (1, 2):
+            with p.checkpoint(step) as handle:
+                for name, t in state.items():
+                    p.emit(name, t)
+            handle.wait(60)
+            if step == 1:
+                first = p.stats()
+                assert first["staging_bytes"] == 32 * 2**20 and first["blocked_seconds"] > 0
+        assert p.stats()["staging_bytes"] == 128 * 2**20
+        assert p.stats()["blocked_seconds"] == first["blocked_seconds"]
+    for run in ("t", "e"):
+        got = ckptd.load(run, root=daemon.root)
+        assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
 def test_staging_never_exceeds_what_was_asked(daemon, monkeypatch) -> None:

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from ckptd.errors import CheckpointError
+from ckptd.producer import sizing
 from ckptd.producer.staging import ALIGN, LARGE, PAGE, Arena
 
 from conftest import REPO
+
+MiB = 2**20
 
 
 def test_ring_wraps_and_frees_in_order() -> None:
@@ -243,8 +246,6 @@ def _loaded_equal(root, run: str, step: int, state: dict[str, torch.Tensor]) -> 
 
 
 def test_expected_bytes_makes_staging_at_that_size_before_the_first_save(daemon) -> None:
-    from ckptd.producer import sizing
-
     state = _state()  # 96 MiB
     with daemon.producer(run="exp", staging_size="auto", expected_bytes="96MiB") as p:
         p._copier.ready()
@@ -300,3 +301,16 @@ def test_a_small_model_keeps_small_staging_with_prepare(daemon) -> None:
     with daemon.producer(run="small2", staging_size="auto", expected_bytes=1000) as p:
         p._copier.ready()
         assert p.stats()["staging_bytes"] == 32 * 2**20
+
+
+@pytest.mark.parametrize("need, have, limit, made", [
+    (40 * MiB, 32 * MiB, 6 * 1024 * MiB, 64 * MiB),  # fits whole in what is made
+    (1024 * MiB, 32 * MiB, 6 * 1024 * MiB, 128 * MiB),  # streams through BRIDGE
+    (1024 * MiB, 32 * MiB, 48 * MiB, 48 * MiB),  # never past the limit
+    (1024 * MiB, 48 * MiB, 48 * MiB, None),  # at the limit already
+    (1024 * MiB, 128 * MiB, 6 * 1024 * MiB, None),  # BRIDGE or more already: grown in the background only
+    (20 * MiB, 32 * MiB, 6 * 1024 * MiB, None),  # it fits
+])
+def test_the_arena_made_on_the_spot_for_a_larger_checkpoint(need: int, have: int, limit: int,
+                                                            made: int | None) -> None:
+    assert sizing.bridge_for(need, have, limit) == made

@@ -173,7 +173,7 @@ class Producer:
             room = sizing.room_for([i.nbytes for i in items.values()])
             names = list(items)
             with self._emit_lock:
-                self._grow_between_steps()
+                self._grow_between_steps(room)
                 st = self._book.claim(step, *names, room=room)
                 done = 0
                 try:
@@ -285,7 +285,7 @@ class Producer:
             state_json = json.dumps(structure, ensure_ascii=False, allow_nan=False)
             try:
                 with self._emit_lock:
-                    self._grow_between_steps()
+                    self._grow_between_steps(sizing.room_for([i.nbytes for i in items.values()]))
                     for name, writer in planned.replicas.items():
                         self._book.claim(step, name, replica_of=writer)
                     st = self._book.claim(step, *items)
@@ -509,14 +509,19 @@ class Producer:
             return self._current_step
         return check_step(step)
 
-    def _grow_between_steps(self) -> None:
+    def _grow_between_steps(self, room: int = 0) -> None:
         """Swap in a grown arena (sizing) while no step is in flight; under _emit_lock.
+        ``room``: the staging the checkpoint about to be staged takes, where known (a
+        save; else, for emits, the last checkpoint's): one that the arena cannot hold
+        gets a larger one to stream through at once (``Copier.bridge``).
 
         The daemon maps an arena for the life of a connection, so the new one comes
         with a new connection: a bye, then the next send says hello with it."""
         if self._copier.growth is None or not self._book.idle():
             return  # bytes of the steps in flight may still be in the old arena
         old = self._copier.swap_grown()
+        if old is None:
+            old = self._copier.bridge(room or self._copier.last_room)
         if old is None:
             return
         self._connection.drop()
@@ -530,7 +535,7 @@ class Producer:
             meta_json = _metadata_json(metadata)
         handle = handle or CommitHandle(step)
         st = self._book.close_step(step, handle)
-        self._copier.want(st.room, next_one=True)
+        self._copier.want(st.room)
         conn = self._connection
         if st.error is not None:  # the daemon failed this step already: do not commit it
             self._book.finish(step, handle, error=st.error)

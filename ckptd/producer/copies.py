@@ -11,6 +11,7 @@ may overwrite the tensor (for a CUDA tensor the current stream waits for the cop
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -25,6 +26,8 @@ from .staging import Arena, Region, background_priority
 if TYPE_CHECKING:
     from .connection import Connection
     from .steps import Step
+
+log = logging.getLogger("ckptd.producer")
 
 
 @dataclass(slots=True, eq=False)
@@ -117,6 +120,7 @@ class Copier:
         self._arena_np: Any = None
         self._cuda: dict[str, Any] | None = None  # the pinned arena's address and a side stream per device
         self._blocked_before = 0.0  # blocked_seconds of arenas that grown ones replaced
+        self.last_room = 0  # staging the last checkpoint committed took (want)
         # staging_size = "auto": start small, grow to fit (sizing); else exactly what was asked
         self.growth: sizing.Growth | None = None
         size = options.staging_size
@@ -160,14 +164,12 @@ class Copier:
         """Seconds copies waited for staging space, over every arena this producer had."""
         return self._blocked_before + (self.arena.blocked_s if self.arena is not None else 0.0)
 
-    def want(self, room: int, *, next_one: bool = False) -> None:
-        """A checkpoint takes ``room`` bytes of staging: with "auto", grow to fit it, in
-        the background. ``next_one``: said at a commit, for the checkpoints after it,
-        which then wait for the arena being made rather than stream through this one
-        (a wait is at most the rest of its page faults; streaming 1 GiB through 32 MiB
-        took longer, and a second save right after the first streamed again)."""
+    def want(self, room: int) -> None:
+        """A checkpoint took ``room`` bytes of staging (said at its commit): with "auto",
+        grow to fit it, in the background."""
+        self.last_room = room
         if self.growth is not None and self.arena is not None:
-            self.growth.want(room, self.arena.capacity, ahead=next_one)
+            self.growth.want(room, self.arena.capacity)
 
     def prepare(self, room: int) -> None:
         """A checkpoint of ``room`` bytes of staging is coming: with "auto", make the arena
@@ -185,8 +187,34 @@ class Copier:
         if self.growth is None:
             return None
         arena = self.growth.take(wait=True)
-        if arena is None:
+        return None if arena is None else self._install(arena)
+
+    def bridge(self, room: int) -> Arena | None:
+        """With "auto", before a checkpoint of ``room`` bytes of staging that the arena
+        cannot hold (nothing in flight): put a larger arena, of up to ``sizing.BRIDGE``,
+        in place now for it to stream through (``sizing.bridge_for``); return the old
+        one, for ``retire``, or None where none is made. The arena that fits is made
+        in the background after its commit (``want``)."""
+        if self.growth is None:
             return None
+        self._arena_ready.join()  # the first one (32 MiB: made in milliseconds)
+        if self.arena is None:
+            return None
+        size = sizing.bridge_for(room, self.arena.capacity, self.growth.limit)
+        if size is None:
+            return None
+        try:
+            arena = Arena(size)
+        except (OSError, ValueError) as exc:
+            log.warning("could not make %d MiB of staging for a checkpoint of %d MiB: %s; it streams "
+                        "through the %d MiB there is", size >> 20, room >> 20, exc, self.arena.capacity >> 20)
+            return None
+        log.info("staging grew from %d MiB to %d MiB for a checkpoint of %d MiB (the arena that holds it is "
+                 "made after it)", self.arena.capacity >> 20, size >> 20, room >> 20)
+        return self._install(arena)
+
+    def _install(self, arena: Arena) -> Arena | None:
+        """Put ``arena`` in place of the current one (between steps); return the old one."""
         self._arena_ready.join()
         old, self.arena = self.arena, arena
         self._unpin()

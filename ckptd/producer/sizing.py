@@ -12,13 +12,15 @@ starts at ``INITIAL`` bytes and grows to fit the largest checkpoint seen:
   ``emit``;
 - the producer swaps it in between checkpoints, when nothing is in flight
   (``Growth.take``), so that checkpoint's bytes block at memcpy speed from the
-  next checkpoint on; the checkpoint that asked for it streams through the
-  smaller arena, as with a small ``staging_size`` set by hand, and the next one
-  waits for the rest of its page faults if it comes before they are done
-  (asked for at the commit with ``ahead``): a second save right after a first one
-  of 1 GiB streamed through 32 MiB again, 0.8-2.5 s against at most ~0.5 s of
-  faults;
-- the threads that make it run at nice 19 (``staging.background_priority``);
+  next checkpoint on; until then a larger checkpoint streams through the smaller
+  arena, as with a small ``staging_size`` set by hand;
+- streaming through 32 MiB is slow (1 GiB: durable in 0.72-1.0 s, against 0.5 s
+  staged whole), so a checkpoint that staging cannot hold, starting while nothing
+  is in flight, first gets an arena of up to ``BRIDGE`` made on the spot
+  (``bridge_for``): a ``save`` knows its size before it copies anything; for
+  emits, the last checkpoint's size stands for it;
+- the threads that make staging in the background run at nice 19
+  (``staging.background_priority``), so that training and the daemon go first;
 - where the checkpoint's size is known before the first one (``Producer(expected_bytes=)``,
   ``Producer.prepare(state)``), the arena is made at that size in one step, in the
   background while training runs; the first checkpoint then waits for it, if it is
@@ -43,6 +45,8 @@ from .staging import ALIGN, PAGE, Arena, background_priority
 log = logging.getLogger("ckptd.producer")
 
 INITIAL = 32 * 2**20  # small checkpoints never need more; see the module docstring
+# What a larger checkpoint than staging holds streams through, made on the spot (bridge_for)
+BRIDGE = 128 * 2**20
 HEADROOM = 1.25  # a checkpoint that grew once will likely grow a little again
 GRAIN = 64 * 2**20  # sizes are rounded up to this, so small changes in size reuse the arena
 MEMORY_SHARE = 0.25  # of the machine's (or cgroup's) memory, for all the node's ranks together
@@ -73,6 +77,21 @@ def size_for(need: int, limit: int) -> int:
     return min(limit, INITIAL if want <= INITIAL else _round_up(want, GRAIN))  # a small model stays small
 
 
+def bridge_for(need: int, have: int, limit: int) -> int | None:
+    """The arena made on the spot for a checkpoint of ``need`` bytes of staging that the
+    arena (``have``) cannot hold, or None: at most ``BRIDGE``, which may be all it needs.
+
+    Such a checkpoint streams through staging while the arena that fits it is made in
+    the background for the next one. Streamed, 1 GiB was durable in 0.72-1.0 s through
+    32 MiB and 0.46-0.63 s through 128 MiB (the daemon writes pieces of a quarter of
+    staging; 0.47-0.55 s with all of it staged), and 128 MiB of page faults cost ~0.04
+    s here; a checkpoint of 32-100 MiB fits whole in its 64 or 128 MiB."""
+    if need <= have or have >= BRIDGE:
+        return None
+    size = min(size_for(need, limit), BRIDGE)
+    return size if size > have else None
+
+
 def room_for(sizes: list[int]) -> int:
     """Arena bytes that hold tensors of ``sizes`` at once, alignment included."""
     return sum(_round_up(n, PAGE if n >= 2**20 else ALIGN) + PAGE for n in sizes)
@@ -94,9 +113,8 @@ class Growth:
     def want(self, need: int, have: int, *, ahead: bool = False) -> None:
         """A checkpoint needs ``need`` bytes of staging and the arena has ``have``:
         start making a larger one unless one that fits is made or being made.
-        ``ahead``: asked for before the checkpoint that needs it (``Producer.prepare``,
-        or a commit, for the checkpoints after it), which then waits for it rather than
-        stream through the smaller arena."""
+        ``ahead``: asked for before the checkpoint (``Producer.prepare``), which then
+        waits for it rather than stream through the smaller arena."""
         if need <= have:
             return
         target = size_for(need, self.limit)
