@@ -355,19 +355,33 @@ def _change(rng, state: dict[str, object], g: torch.Generator) -> str:
     return how
 
 
-@pytest.mark.parametrize("seed", [1, 2, 5])  # 2: numpy arrays (no plan); 5: prepare(), no expected_bytes
-def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon, seed: int) -> None:
+@pytest.mark.parametrize("seed, grows", [(1, False), (2, False), (5, False), (3, True), (4, True)])
+def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon, monkeypatch: pytest.MonkeyPatch,
+                                                                   seed: int, grows: bool) -> None:
+    """2: numpy arrays (no plan); 5: prepare(), no expected_bytes. ``grows``: staging
+    scaled down 64-128x (starts at 512 KiB, 1 MiB made on the spot for a larger
+    checkpoint, grown in steps of 512 KiB; the states take 1.5-4 MiB) and no hint:
+    the first checkpoints stream, arenas are made on the spot and in the background
+    and swapped between steps, under plans."""
     import random
+
+    from ckptd.producer import sizing
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     d = shm_daemon(make_daemon, chunk_size="1MiB")
     ahead = rng.choice([{"expected_bytes": "6MiB"}, {}])  # staging made at its size, or grown into
+    if grows:
+        ahead = {}
+        monkeypatch.setattr(sizing, "INITIAL", 2**19)
+        monkeypatch.setattr(sizing, "BRIDGE", 2**20)
+        monkeypatch.setattr(sizing, "GRAIN", 2**19)
     expected: dict[int, dict[str, object]] = {}
     with d.producer("rnd", transport="shm", staging_size="auto", **ahead) as p:
         state = _random_state(rng, [f"t{i}" for i in range(rng.randint(20, 40))], g)
         served = 0  # emit_many calls the plan of an earlier call served
-        if not ahead:
+        sizes: set[int] = set()  # staging after each step
+        if not ahead and not grows:
             p.prepare(state)
         planned = not any(isinstance(v, np.ndarray) for v in state.values())
         for step in range(1, 9):
@@ -394,9 +408,14 @@ def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon,
             expected[step] = want
             if step >= 7 or rng.random() < 0.5:
                 handle.wait(60)  # else several steps in flight: plans find staging busy
+            sizes.add(p.stats()["staging_bytes"])
+            if step == 7 and max(v.nbytes for v in state.values()) > p.stats()["staging_bytes"] // 4:
+                planned = False  # staging (not grown yet) was too small for a plan at step 7 (Plan.build)
         p.flush(60)
         assert p.stats()["transport"] == "shm"
         assert served >= planned  # step 8 at least
+        if grows:
+            assert max(sizes) > 2**19, sizes  # it grew from 512 KiB
     for step, want in expected.items():
         got = ckptd.load("rnd", step, root=d.root, verify=True)
         assert got.keys() == want.keys(), step

@@ -148,7 +148,7 @@ def test_staging_grows_to_fit_in_the_background(daemon) -> None:
         p.save(state, 1).wait(60)  # streams through 128 MiB made for it on the spot
         first = p.stats()
         assert first["staging_bytes"] == sizing.BRIDGE and first["blocked_seconds"] > 0
-        eventually(lambda: p._copier.growth._ready is not None, 30)  # grown in the background
+        assert eventually(lambda: p.stats()["staging_ready_bytes"] >= 256 * 2**20, 30)  # grown in the background
         p.save(state, 2).wait(60)
         grown = p.stats()
         assert grown["staging_bytes"] >= 256 * 2**20
@@ -193,10 +193,10 @@ def test_staging_never_exceeds_what_was_asked(daemon, monkeypatch) -> None:
             p.save(state, step).wait(60)
         assert p.stats()["staging_bytes"] == 16 * 2**20 and p.stats()["staging_limit"] == 16 * 2**20
     with daemon.producer(run="cap", staging_size="auto", staging_limit="40MiB") as p:
-        p.save(state, 1).wait(60)
-        eventually(lambda: p._copier.growth._ready is not None, 30)
-        p.save(state, 2).wait(60)
+        p.save(state, 1).wait(60)  # made on the spot for it, at the limit: nothing grows after
         assert p.stats()["staging_bytes"] == 40 * 2**20
+        p.save(state, 2).wait(60)
+        assert p.stats()["staging_bytes"] == 40 * 2**20 and p.stats()["staging_ready_bytes"] == 0
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # eight ranks on this node share the machine's memory
     from ckptd.producer import sizing
 

@@ -456,15 +456,17 @@ class Producer:
         """How this producer is doing: its identity (``rank``, ``world_size`` and the
         launcher's ``local_rank``, ``local_world_size``), ``transport`` ("shm" or
         "inline", None before the first connection), ``staging_bytes`` (the arena's size
-        now), ``staging_limit`` (what it may grow to: its fixed size unless
-        ``staging_size = "auto"``), ``blocked_seconds`` (total time ``emit`` waited for
-        staging space, i.e. for the daemon, since the producer was made)."""
+        now), ``staging_ready_bytes`` (a larger one's, made in the background and in use
+        from the next checkpoint; 0: none), ``staging_limit`` (what it may grow to: its
+        fixed size unless ``staging_size = "auto"``), ``blocked_seconds`` (total time
+        ``emit`` waited for staging space, i.e. for the daemon, since the producer was made)."""
         conn = self._connection
         return {
             "rank": self.rank, "world_size": self.world_size,
             "local_rank": self.local_rank, "local_world_size": self.local_world_size,
             "transport": None if conn.transport is None else ("shm" if conn.shm else "inline"),
             "staging_bytes": self._copier.capacity,
+            "staging_ready_bytes": self._copier.ready_bytes,
             "staging_limit": self._copier.limit,
             "blocked_seconds": self._copier.blocked_s,
         }

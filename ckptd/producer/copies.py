@@ -155,6 +155,11 @@ class Copier:
         return self.arena.capacity if self.arena is not None else 0
 
     @property
+    def ready_bytes(self) -> int:
+        """A grown arena's size, made and waiting for the next checkpoint; 0: none."""
+        return self.growth.ready_bytes if self.growth is not None else 0
+
+    @property
     def limit(self) -> int | None:
         """What staging may grow to: its fixed size unless ``staging_size = "auto"``."""
         return self.growth.limit if self.growth is not None else self._options.staging_size

@@ -150,6 +150,12 @@ class Growth:
                 self._awaited = False
         return arena
 
+    @property
+    def ready_bytes(self) -> int:
+        """The size of the arena made and waiting for the next checkpoint; 0: none."""
+        ready = self._ready
+        return ready.capacity if ready is not None else 0
+
     def made(self, size: int) -> None:
         """The first arena was made at ``size`` (``expected_bytes``): want() counts it."""
         with self._lock:
