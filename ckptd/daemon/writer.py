@@ -69,6 +69,7 @@ class Writer:
         self.hdf5_options = hdf5  # (format.WriteIO)
         self.direct_io = direct_io
         self._bounces = threading.local()  # each writing thread's bounce buffer, for O_DIRECT writes
+        self._dirs_lock = threading.Lock()  # a step folder is made, or removed once empty, by one thread at a time
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptd-writer") if threads > 1 else None
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckptd-hash")
         self._throttle = Throttle(write_rate) if write_rate else None
@@ -177,6 +178,16 @@ class Writer:
             log.error("run=%s step=%d rank=%d failed: %s", share.run, share.step, share.rank, share.error)
 
     def ensure_dir(self, share: Share) -> None:
+        if share.dir_ready:
+            return
+        # Under the lock a failed share's clean-up takes to remove the folder once empty
+        # (_remove_files): between this making (or finding) the folder and writing the
+        # marker below into it, that rmdir could succeed, and this rank's files then had
+        # no folder ("No such file or directory" for a rank whose own share was fine).
+        with self._dirs_lock:
+            self._make_dir(share)
+
+    def _make_dir(self, share: Share) -> None:
         if not share.dir_ready:
             layout.ensure_real_dir(share.dir, share.root)
             share.dir_fd = layout.open_step_dir(share.dir)  # from now on, files are made through it
@@ -507,7 +518,8 @@ class Writer:
         if step_fd >= 0:
             os.close(step_fd)
             try:
-                os.rmdir(share.dir.name, dir_fd=run_fd)  # only if nothing else (another rank) is in it
+                with self._dirs_lock:  # never between another share's making it and its first file
+                    os.rmdir(share.dir.name, dir_fd=run_fd)  # only if nothing else (another rank) is in it
             except OSError:
                 pass
         os.close(run_fd)
