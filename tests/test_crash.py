@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -144,3 +145,91 @@ def test_silent_producer_session_expires(make_daemon) -> None:
         time.sleep(0.05)
     assert not (d.root / "t" / "step-000000000002").exists()
     assert [i.step for i in ckptd.list_checkpoints("t", root=d.root)] == [1]
+
+
+def test_kill_daemon_while_a_save_streams_through_staging_made_for_it(make_daemon) -> None:
+    """A first save of 160 MiB with ``staging_size = "auto"`` streams through the 128 MiB
+    made on the spot for it (sizing.bridge_for); the daemon, writing at 64 MiB/s, is
+    killed while the save still waits for room. The save fails within the producer's
+    timeout, naming the daemon; after a restart the same producer saves again, through
+    the arena grown meanwhile or the one made for the first, and every listed step loads."""
+    d = make_daemon(write_rate="64MiB", chunk_size="4MiB")
+    p = d.producer(staging_size="auto", timeout=2, heartbeat=0.2)
+    big = state(1, 160)
+    outcome: list[object] = []
+
+    def save() -> None:
+        try:
+            outcome.append(p.save(big, 1).wait(60))
+        except CheckpointError as exc:
+            outcome.append(exc)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    wait_for_files(d.root / "t" / "step-000000000001", 2)
+    assert saver.is_alive() and p.stats()["staging_bytes"] == 128 * 2**20  # still streaming
+    d.kill()
+    saver.join(30)
+    assert not saver.is_alive(), "a save streaming into a dead daemon never returned"
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointError) and "daemon" in str(outcome[0])
+
+    d.start()  # start-up removes what the crash left
+    assert ckptd.latest("t", root=d.root) is None
+    for step in (2, 3):  # the first through what staging is now, the second after it grew
+        assert p.save(state(step, 160), step).wait(60).step == step
+    for step in (2, 3):
+        loaded = ckptd.load("t", step=step, root=d.root, verify=True)
+        expected = state(step, 160)
+        assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], v) for k, v in expected.items())
+    referenced_files_only(d.root)
+    try:
+        p.close()
+    except CheckpointError:
+        pass  # close re-raises the failed step 1
+
+
+STREAMING_PRODUCER = textwrap.dedent("""
+    import sys, torch
+    from ckptd import Producer
+    p = Producer(sys.argv[1], "t", staging_size="auto", timeout=5, heartbeat=0.2)
+    p.save({"w": torch.ones(1000)}, 1).wait(30)
+    print("saving", flush=True)
+    p.save({f"w{i}": torch.full((2**18,), float(i)) for i in range(160)}, 2)  # killed in here
+""")
+
+
+def staging_maps(pid: int) -> list[int]:
+    """The sizes of the producers' staging memfds that the process ``pid`` has mapped."""
+    sizes = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "memfd:ckptd-staging" in line:
+            begin, end = (int(x, 16) for x in line.split()[0].split("-"))
+            sizes.append(end - begin)
+    return sizes
+
+
+def test_kill_producer_while_its_save_streams_through_staging_made_for_it(make_daemon) -> None:
+    """kill -9 of a producer whose 160 MiB save streams through the 128 MiB made on the
+    spot for it (the producer's session is renewed with it, and the daemon unmaps the
+    32 MiB it replaces): the daemon drops the unfinished step and unmaps the dead
+    producer's arena, and serves the next producer."""
+    d = make_daemon(write_rate="64MiB", chunk_size="4MiB")
+    child = subprocess.Popen([sys.executable, "-c", STREAMING_PRODUCER, d.endpoint],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "saving"
+        wait_for_files(d.root / "t" / "step-000000000002", 2)
+        assert staging_maps(d.pid) == [128 * 2**20]  # the one made for step 2 only
+    finally:
+        child.kill()
+        child.wait()
+    with d.producer() as p:  # replaces the dead one's session, if its death was not noticed yet
+        p.save({"w": torch.zeros(10)}, 3).wait(30)
+        deadline = time.monotonic() + 10
+        while (len(staging_maps(d.pid)) > 1 or (d.root / "t" / "step-000000000002").exists()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert staging_maps(d.pid) == [64 * 2**20]  # the live producer's arena only
+    assert not (d.root / "t" / "step-000000000002").exists()
+    assert [i.step for i in ckptd.list_checkpoints("t", root=d.root)] == [1, 3]
+    referenced_files_only(d.root)
