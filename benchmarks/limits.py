@@ -24,8 +24,9 @@ goal:
    and ``load(mmap=True)`` (tensors mapped from the chunk files, then every byte
    read once); ``load(names=[one])`` cold against a plain read of the same byte
    range, in bytes read from the disk (``/proc/self/io``) and in time;
-6. the first save of a job (``--first-save``, on by default): a new producer with
-   ``staging_size = "auto"`` saves the large state four times; the first save's
+6. the first save of a job (``--first-save``, on by default), in a fresh process
+   each repeat: a new producer with ``staging_size = "auto"`` saves the same large
+   state four times; the first save's
    blocked and durable times against the median of the third and fourth saves',
    made once staging has grown (the wait for it is reported, standing for the
    training steps between checkpoints; the second save comes right after the
@@ -409,27 +410,45 @@ def one_round(lab: Lab, record: bool) -> None:
 
 def measure_first_save(lab: Lab, rec: Callable[[str, float | None], None]) -> None:
     """A job's first save with ``staging_size = "auto"`` against its later saves, with no
-    hint and with ``expected_bytes=`` (module docstring, 6)."""
-    import ckptd
+    hint and with ``expected_bytes=`` (module docstring, 6), in a fresh process: a
+    job's first checkpoint is its process's, and the arenas made and dropped here must
+    not disturb the next round's figures in this one."""
+    args = lab.args
+    job = {"endpoint": lab.daemons["disk"].endpoint, "size": parse_size(args.size), "tensors": args.tensors,
+           "timeout": args.timeout, "step": lab.step}
+    lab.step += 16  # the child's steps
+    child = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--first-save-job", json.dumps(job)],
+                           capture_output=True, text=True, timeout=30 + 16 * args.timeout)
+    if child.returncode != 0:
+        raise RuntimeError(f"the first-save job failed ({child.returncode}):\n{child.stderr[-4000:]}")
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    for note in result.pop("notes"):
+        if note not in lab.notes:
+            lab.notes.append(note)
+    for key, value in result.items():
+        rec(key, value)
 
-    t, large = lab.args.timeout, lab.states["large"]
-    nbytes = nbytes_of(large)
-    d = lab.daemons["disk"]
+
+def first_save_job(job: dict[str, Any]) -> dict[str, Any]:
+    """The child of ``measure_first_save``: a fresh process, the same large state."""
+    import ckptd
     from ckptd import config as ckptd_config
 
+    t, large = job["timeout"], make_states(job["size"], job["tensors"], 1, 1)["large"]
+    nbytes, step = nbytes_of(large), job["step"]
+    out: dict[str, Any] = {"notes": []}
     has_expected = "expected_bytes" in {f.name for f in dataclasses.fields(ckptd_config.ProducerConfig)}
     for kind, extra in (("auto", {}), ("expected", {"expected_bytes": nbytes})):
         if extra and not has_expected:
-            if "first save: this ckptd has no expected_bytes" not in lab.notes:
-                lab.notes.append("first save: this ckptd has no expected_bytes")
+            out["notes"].append("first save: this ckptd has no expected_bytes")
             continue
-        p = ckptd.Producer(d.endpoint, f"{RUN}-first-{kind}", rank=0, world_size=1, transport="shm",
+        p = ckptd.Producer(job["endpoint"], f"{RUN}-first-{kind}", rank=0, world_size=1, transport="shm",
                            staging_size="auto", timeout=60, **extra)
         try:
             t0 = time.perf_counter()
             while extra and p.stats()["staging_bytes"] < nbytes and time.perf_counter() - t0 < t:
                 time.sleep(0.01)  # the training steps before a job's first checkpoint
-            rec(f"first.{kind}.ready_s", time.perf_counter() - t0)
+            out[f"first.{kind}.ready_s"] = time.perf_counter() - t0
             times = []
             for i in range(4):
                 if i == 2:  # the training steps between checkpoints, while staging grows
@@ -439,22 +458,24 @@ def measure_first_save(lab: Lab, rec: Callable[[str, float | None], None]) -> No
                     while max(p.stats().get("staging_ready_bytes", nbytes), p.stats()["staging_bytes"]) < nbytes \
                             and time.perf_counter() - t1 < t:
                         time.sleep(0.01)
-                    rec(f"grown.{kind}.wait_s", time.perf_counter() - t1)
+                    out[f"grown.{kind}.wait_s"] = time.perf_counter() - t1
                 os.sync()
-                times.append(time_save(p, large, lab.next_step(), t))
+                step += 1
+                times.append(time_save(p, large, step, t))
         finally:
             p.close()
         # "later" is the job's steady state, the third and fourth saves, once staging has
         # grown; the second comes right after the first, and may find it still growing
         (b1, d1), (b2, d2), later = times[0], times[1], times[2:]
-        rec(f"first.{kind}.blocked", b1)
-        rec(f"first.{kind}.durable", d1)
-        rec(f"second.{kind}.blocked", b2)
-        rec(f"second.{kind}.durable", d2)
-        rec(f"later.{kind}.blocked", statistics.median(b for b, _ in later))
-        rec(f"later.{kind}.durable", statistics.median(x for _, x in later))
-        rec(f"first.{kind}.blocked_x", b1 / statistics.median(b for b, _ in later))
-        rec(f"first.{kind}.durable_x", d1 / statistics.median(x for _, x in later))
+        out.update({
+            f"first.{kind}.blocked": b1, f"first.{kind}.durable": d1,
+            f"second.{kind}.blocked": b2, f"second.{kind}.durable": d2,
+            f"later.{kind}.blocked": statistics.median(b for b, _ in later),
+            f"later.{kind}.durable": statistics.median(x for _, x in later),
+            f"first.{kind}.blocked_x": b1 / statistics.median(b for b, _ in later),
+            f"first.{kind}.durable_x": d1 / statistics.median(x for _, x in later),
+        })
+    return out
 
 
 def lora_state(lab: Lab) -> dict[str, Any]:
@@ -713,6 +734,10 @@ def report(lab: Lab) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--first-save-job"]:  # measure_first_save's child
+        print(json.dumps(first_save_job(json.loads(argv[1]))))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1GiB", help="bytes of the large state (default 1GiB)")
     ap.add_argument("--tensors", type=int, default=64, help="tensors of the large state (default 64)")
