@@ -34,6 +34,9 @@ TRAIN = textwrap.dedent("""
     from ckptd import producer
     run, out = os.environ["RUN"], Path(os.environ["OUT"])
     steps, kill_at = int(os.environ["STEPS"]), int(os.environ.get("KILL_AT", 0))
+    def mark(name, text):  # whole when seen: the test reads a mark as soon as it exists
+        (out / (name + ".tmp")).write_text(text)
+        os.replace(out / (name + ".tmp"), out / name)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
@@ -44,7 +47,7 @@ TRAIN = textwrap.dedent("""
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = state["step"]
-        (out / f"resumed-r{rank}").write_text(str(start))
+        mark(f"resumed-r{rank}", str(start))
     producer.configure(run=run, staging_size="8MiB")
     for step in range(start + 1, steps + 1):
         g = torch.Generator().manual_seed(step * 100 + rank)
@@ -58,14 +61,14 @@ TRAIN = textwrap.dedent("""
         if step == kill_at and node == 1:  # mid-step: a tensor sent, the commit never
             with producer.checkpoint(step):
                 producer.emit("model.weight", model.weight)
-                (out / f"midstep-r{rank}").write_text(str(os.getpid()))
+                mark(f"midstep-r{rank}", str(os.getpid()))
                 time.sleep(600)
         producer.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step).wait(60)
         if step == kill_at:  # node 0: its share is durable, the step is not complete anywhere
             try:
                 producer.wait_complete(step, timeout=3)
             except ckptd.CheckpointError as exc:
-                (out / f"incomplete-r{rank}").write_text(str(exc))
+                mark(f"incomplete-r{rank}", str(exc))
                 time.sleep(600)
             sys.exit(3)
         info = producer.wait_complete(step, timeout=120)
