@@ -87,7 +87,7 @@ def raw_write_fsync(data: memoryview, path: Path, block: int) -> float:
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _write_all(fd, data, block)
+        write_all(fd, data, block)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -117,21 +117,21 @@ def raw_write_direct(data: memoryview, path: Path, block: int) -> float:
     try:
         aligned = len(data) - len(data) % align
         try:
-            _write_all(fd, data[:aligned], block)
+            write_all(fd, data[:aligned], block)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # some filesystems accept the open, refuse the write
                 raise DirectIORefused(exc.errno, f"O_DIRECT write refused in {path.parent}") from exc
             raise
         if aligned < len(data):
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            _write_all(fd, data[aligned:], block)
+            write_all(fd, data[aligned:], block)
         os.fsync(fd)  # O_DIRECT skips the page cache, not the file's metadata or the disk's cache
     finally:
         os.close(fd)
     return time.perf_counter() - t0
 
 
-def _write_all(fd: int, data: memoryview, block: int) -> None:
+def write_all(fd: int, data: memoryview, block: int) -> None:
     for start in range(0, len(data), block):
         view = data[start:start + block]
         while view:  # regular files may write short

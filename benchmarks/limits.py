@@ -410,9 +410,8 @@ def one_round(lab: Lab, record: bool) -> None:
 
 def measure_first_save(lab: Lab, rec: Callable[[str, float | None], None]) -> None:
     """A job's first save with ``staging_size = "auto"`` against its later saves, with no
-    hint and with ``expected_bytes=`` (module docstring, 6), in a fresh process: a
-    job's first checkpoint is its process's, and the arenas made and dropped here must
-    not disturb the next round's figures in this one."""
+    hint and with ``expected_bytes=`` (module docstring, 6), in a fresh process, as a
+    job's or a restart's first checkpoint is."""
     args = lab.args
     job = {"endpoint": lab.daemons["disk"].endpoint, "size": parse_size(args.size), "tensors": args.tensors,
            "timeout": args.timeout, "step": lab.step}

@@ -10,9 +10,10 @@ change of the host. Run it under each tree to compare, alternately:
 into warm memory, in CPU seconds of the calling thread and in wall time (which goes
 first alternates). ``durable``: a ``save`` until its commit against an O_DIRECT write
 + fsync of the same bytes. ``--first-saves``: between repeats, a job's first saves as
-``limits.py`` part 6 makes them (new producers with ``staging_size = "auto"``, with no
-hint and with ``expected_bytes``, four saves each) on the same daemon, in this
-process: arenas of 1+ GiB made and dropped. Each line gives the median of the
+``limits.py`` part 6 makes them (``limits.first_save_job``: new producers with
+``staging_size = "auto"``, with no hint and with ``expected_bytes``, four saves each
+of a state of the same size) on the same daemon, in this process: arenas of 1+ GiB
+made and dropped. Each line gives the median of the
 ratios paired within each repeat, then every repeat's.
 """
 
@@ -25,7 +26,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,30 +34,6 @@ import torch  # noqa: E402
 
 import baselines  # noqa: E402
 from daemons import DaemonProcess  # noqa: E402
-
-
-def first_saves(endpoint: str, state: dict[str, torch.Tensor], step: int, timeout: float) -> None:
-    """limits.py part 6, in this process: the arenas a job's first saves make."""
-    import ckptd
-
-    nbytes = limits.nbytes_of(state)
-    for kind, extra in (("auto", {}), ("expected", {"expected_bytes": nbytes})):
-        p = ckptd.Producer(endpoint, f"first-{kind}", rank=0, world_size=1, transport="shm",
-                           staging_size="auto", timeout=60, **extra)
-        try:
-            t0 = time.perf_counter()
-            while extra and p.stats()["staging_bytes"] < nbytes and time.perf_counter() - t0 < timeout:
-                time.sleep(0.01)
-            for i in range(4):
-                if i == 2:  # the steps between checkpoints, while staging grows
-                    t0 = time.perf_counter()
-                    while max(p.stats().get("staging_ready_bytes", nbytes), p.stats()["staging_bytes"]) < nbytes \
-                            and time.perf_counter() - t0 < timeout:
-                        time.sleep(0.01)
-                os.sync()
-                p.save(state, step + i).wait(timeout)
-        finally:
-            p.close()
 
 
 def aligned_copy(state: dict[str, torch.Tensor]) -> memoryview:
@@ -121,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             if r:
                 for key, value in got.items():
                     ratios.setdefault(key, []).append(value)
-            if args.first_saves:
-                first_saves(d.endpoint, state, 1000 * (r + 1), args.timeout)
+            if args.first_saves:  # limits.py part 6's job, in this process: its arenas made and dropped here
+                limits.first_save_job({"endpoint": d.endpoint, "size": nbytes, "tensors": args.tensors,
+                                       "timeout": args.timeout, "step": 1000 * (r + 1)})
         p.close()
     finally:
         d.close()

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import baselines  # noqa: E402  (benchmarks/, this script's folder)
 from ckptd.config import parse_size  # noqa: E402
 
 try:
@@ -79,13 +80,7 @@ class Engines:
         return self.data[i * self.file_size:(i + 1) * self.file_size]
 
     def floor(self) -> None:
-        fd = os.open(self._path(0), WRITE_FLAGS, 0o644)
-        try:
-            for i in range(self.nfiles):
-                os.write(fd, self._piece(i))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        baselines.raw_write_direct(self.data, Path(self._path(0)), self.file_size)
 
     def threads(self, n: int) -> None:
         todo: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -102,7 +97,7 @@ class Engines:
                         return
                     fd = os.open(self._path(i), WRITE_FLAGS, 0o644)
                     try:
-                        os.write(fd, self._piece(i))
+                        baselines.write_all(fd, self._piece(i), self.file_size)
                         os.fsync(fd)
                     finally:
                         os.close(fd)
@@ -204,8 +199,8 @@ def measure(where: Path, data: memoryview, args: argparse.Namespace) -> None:
         engines = Engines(data, folder, args.file_size)
         try:
             engines.floor()
-        except OSError as exc:
-            print(f"{where}: O_DIRECT refused ({exc}); skipped")
+        except baselines.DirectIORefused as exc:
+            print(f"{where}: {exc}; skipped")
             return
         engines.clear()
         runs = variants(engines, args.threads, args.uring)
