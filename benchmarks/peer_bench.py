@@ -164,7 +164,7 @@ def measure_stall(work: Path, state: dict, repeats: int) -> dict[str, Any]:
 def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[str, Any]:
     import ckptd
     from ckptd.config import load as load_config
-    from ckptd.peer.tier import open_tier
+    from ckptd.tiers.peer_reader import PeerTier
 
     la, lb, lc = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(3))
     lost = _peer_daemon(work, "lost", la, [lb], tables={"remote": {"url": url}})
@@ -195,7 +195,7 @@ def measure_recovery(work: Path, state: dict, repeats: int, url: str) -> dict[st
         fresh = _peer_daemon(work, "fresh", lc, [lb])  # the new node: empty root, its daemon started
         os.environ["CKPTD_CONFIG"] = str(fresh.config)
         try:
-            tier = open_tier(load_config(fresh.config))
+            tier = PeerTier(load_config(fresh.config))
             held = tier.holdings("bench")
             (endpoint, where, m), = held[(1, 0)]
             sizes = dict(m.files)

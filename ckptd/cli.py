@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import config as config_mod, env, index, reader, retention
+from . import config as config_mod, env, index, reader, retention, tiers
 from .version import __version__
 from .units import duration as _duration, rate, size as _size
 from .errors import CheckpointError
@@ -221,31 +221,10 @@ def _status(args: argparse.Namespace) -> int:
                      if a["interval_steps"] is not None else advise.seconds(a["interval_seconds"]))
             print(f"  {run}: checkpoint every {every}, expected loss {a['expected_waste']:.2%} "
                   f"({a['dominant']} dominates); {a['inputs']['failures']} failure(s) seen")
-    r = s.get("remote")
-    if r:
-        speed = f", {rate(r['bytes_uploaded'], r['upload_seconds'])}" if r["upload_seconds"] else ""
-        copied = f", {_size(r['bytes_copied'])} copied in the bucket" if r.get("bytes_copied") else ""
-        print(f"remote:       {r['url']}: {r['shares_uploaded']} share(s) uploaded ({_size(r['bytes_uploaded'])}"
-              f"{speed}{copied}); {r['pending_shares']} pending ({_size(r['pending_bytes'])}), lag "
-              f"{_duration(r['lag_seconds'])}; {r['failures']} failure(s)"
-              + (f"; last error: {r['last_error']}" if r["failures"] and r["last_error"] else ""))
-    if s.get("peer"):
-        _print_peer(s["peer"])
+    for text in tiers.status_lines(s):  # each tier's, for those the daemon copies to
+        print(text)
     print(f"metrics:      {s['metrics'] or 'off'}")
     return 0
-
-
-def _print_peer(p: dict[str, Any]) -> None:
-    """The peer tier's lines of ``ckptd status`` (docs/tiers.md)."""
-    print(f"peer:         {p['listen']}: holding {p['held_shares']} replica(s) of peers' shares "
-          f"({_size(p['held_bytes'])} of {_size(p['memory'])}), {p['evicted']} evicted, {p['rejected']} rejected")
-    print(f"              {p['under_replicated']} share(s) of this node under-replicated (of {p['replicas']} "
-          f"replica(s) each); {p['replicated_shares']} sent ({_size(p['replicated_bytes'])}), "
-          f"{p['failures']} failed, {p.get('replicas_lost', 0)} lost with their holder")
-    down = set(p.get("down", ()))
-    for peer in p.get("peers", ()):
-        state = "not answering, skipped for now" if peer in down else "up"
-        print(f"  partner {peer}: {state}; holds {p.get('holding', {}).get(peer, 0)} of this node's newest shares")
 
 
 def _curve_keys(args: argparse.Namespace, endpoint: str) -> Any:
@@ -280,12 +259,12 @@ def _install_systemd(args: argparse.Namespace) -> int:
 
 def _remote_store(args: argparse.Namespace) -> Any:
     """With --remote: the remote tier to read (its URL, else the config's [remote] url)."""
-    from .remote import tiers
+    from .tiers import bucket
 
     url = args.remote or config_mod.load(args.config).remote.url
     if not url:
         raise ValueError("--remote needs a URL (--remote s3://bucket/prefix) or a [remote] url in the config")
-    return tiers.open_store(url)
+    return bucket.open_store(url)
 
 
 def _latest(args: argparse.Namespace) -> int:
@@ -386,7 +365,8 @@ def _list_from_daemon(args: argparse.Namespace, endpoint: str | None = None,
     ``reader.list_checkpoints`` merges them. ``endpoint``: default ``--endpoint``."""
     from .transport import wire
     from .transport.oneshot import request
-    from .remote import catalog, tiers
+    from . import tiers
+    from .tiers.base import merge
 
     run = check_run(args.run)
     endpoint = endpoint or config_mod.resolve_endpoint(args.endpoint, Path.cwd())
@@ -396,9 +376,8 @@ def _list_from_daemon(args: argparse.Namespace, endpoint: str | None = None,
         raise CheckpointError(f"the daemon at {endpoint} answered list with {reply['op']!r}, not a listing")
     listed = reply["checkpoints"]
     infos = [CheckpointInfo.from_dict(c) for c in listed]
-    store = tiers.open_store(_config_remote(args))
-    if store is not None:
-        infos = tiers.merge(infos, catalog.list_checkpoints(store, run))
+    for tier in tiers.chain(root=reply["root"], remote=_config_remote(args))[1:]:  # the root: the daemon's index
+        infos = merge(infos, tier.list(run))
     return reply["root"], infos, {c["step"] for c in listed if c["pinned"]}
 
 
@@ -433,9 +412,9 @@ def _config_remote(args: argparse.Namespace) -> str | None:
 
 def _show(args: argparse.Namespace) -> int:
     if args.remote is not None:
-        from .remote import tiers
+        from .tiers import bucket
 
-        info, manifests = tiers.find(_remote_store(args), check_run(args.run), args.step)
+        info, manifests = bucket.find(_remote_store(args), check_run(args.run), args.step)
         pinned = False  # pins are marks in a local root (`ckptd pin`)
     else:
         path, manifests = reader.find(args.run, args.step, _root(args))
@@ -483,10 +462,11 @@ def _export(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     if args.remote is not None:
-        from .remote import fetch, tiers
+        from .remote import fetch
+        from .tiers import bucket
 
         store = _remote_store(args)
-        info, manifests = tiers.find(store, check_run(args.run), args.step)
+        info, manifests = bucket.find(store, check_run(args.run), args.step)
         path, problems = info.path, fetch.check(store, manifests)
     else:
         from .progress import bytes_bar
@@ -551,16 +531,16 @@ def _advise(args: argparse.Namespace) -> int:
     if not m["saves"]:  # no daemon recorded this run's saves: the step time from its manifests at least
         m["saves"] = [{"step": i.step, "rank": 0, "attempt": None, "time": i.time}
                       for i in reader.list_checkpoints(run, root=root)]
-    seen = {u.get("tier", "remote") for u in m["uploads"]}
-    tiers = ("local",) + tuple(t for t in ("remote", "peer") if t in seen)
-    advice = measures.advice(m, config_mod.load(args.config).advise.mtbf, tiers)
+    seen = {measures.upload_tier(u) for u in m["uploads"]}
+    names = (tiers.local.NAME, *(t for t in tiers.replica_names() if t in seen))
+    advice = measures.advice(m, config_mod.load(args.config).advise.mtbf, names)
     if args.json:
         print(json.dumps({"run": run, **advice}))
         return 0
     for line in advise.render(run, advice):
         print(line)
-    for tier, t in advice["tiers"].items():
-        if tier != "local" and t["interval_seconds"] is not None:
+    for tier, t in list(advice["tiers"].items())[1:]:  # after the root's, at the top
+        if t["interval_seconds"] is not None:
             every = (f"{t['interval_steps']} steps" if t["interval_steps"] is not None
                      else advise.seconds(t["interval_seconds"]))
             print(f"  tier {tier}: every {every} (persist {t['persist_s']:.3g} s), expected loss "

@@ -48,6 +48,10 @@ KEEP = {"saves": 2000, "uploads": 2000, "restores": 200, "failures": 1000}
 RECENT = 20  # steps the stall, persist and step time are figured from (medians, sums)
 DEFAULT_MTBF_S = 24 * 3600.0  # with no failure seen and no [advise] mtbf
 MIN_FAILURES = 2  # fewer failures than this: the configured mtbf, where there is one, wins
+# names as the file and the advice write them (ckptd.tiers.local.NAME, ckptd.tiers.bucket.NAME:
+# this module sits below the tiers)
+ROOT = "local"
+BUCKET = "remote"
 F = TypeVar("F", bound=Callable[..., Any])
 _HOST = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -132,18 +136,18 @@ def _step_time(steps: list[dict[str, Any]]) -> tuple[float | None, int | None]:
 
 
 def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None = None,
-              tier: str = "local") -> tuple[Inputs, int | None]:
+              tier: str | None = None) -> tuple[Inputs, int | None]:
     """The advice's inputs from a run's merged measures, and the interval (in steps) it
-    saves at now. ``mtbf``: ``[advise] mtbf``, or None. ``tier``: "local" (persist =
-    durable on the root), "remote" (persist = uploaded) or "peer" (persist = held in
-    ``[peer] replicas`` partners' memory)."""
+    saves at now. ``mtbf``: ``[advise] mtbf``, or None. ``tier``: None for the local root
+    (persist = durable there), else the tier a share's copy reached (its ``uploads``:
+    persist = uploaded to the bucket, held in ``[peer] replicas`` partners' memory)."""
     inputs = Inputs()
     steps = by_step(m["saves"])
     recent = steps[-RECENT:]
     stalls = [s["stall_s"] for s in recent if s["stall_s"] is not None]
     inputs.stall_s = statistics.median(stalls) if stalls else None
-    if tier != "local":
-        got = [_num(u.get("persist_s")) for u in m["uploads"][-RECENT * 8:] if u.get("tier", "remote") == tier]
+    if tier is not None:
+        got = [_num(u.get("persist_s")) for u in m["uploads"][-RECENT * 8:] if upload_tier(u) == tier]
         ups = [u for u in got if u is not None]
         inputs.persist_s = statistics.median(ups) if ups else None
     else:
@@ -190,14 +194,20 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
     return inputs, current
 
 
-def advice(m: dict[str, Any], mtbf: float | None, tiers: tuple[str, ...] = ("local",)) -> dict[str, Any]:
+def upload_tier(u: dict[str, Any]) -> str:
+    """The tier an ``uploads`` entry's share reached: ones recorded before the peer tier
+    (without "tier") are the bucket's."""
+    return str(u.get("tier", BUCKET))
+
+
+def advice(m: dict[str, Any], mtbf: float | None, tiers: tuple[str, ...] = (ROOT,)) -> dict[str, Any]:
     """The advice (``ckptd.advise.Advice`` as a dict) from a run's merged measures: the
-    local tier's at the top level, and each tier's own under ``tiers``."""
+    root's (``tiers[0]``) at the top level, and each tier's own under ``tiers``."""
     per_tier = {}
-    for tier in tiers:
-        inputs, current = summarise(m, mtbf, tier=tier)
+    for i, tier in enumerate(tiers):
+        inputs, current = summarise(m, mtbf, tier=tier if i else None)
         per_tier[tier] = recommend(inputs, current).to_dict()
-    out = dict(per_tier["local"])
+    out = dict(per_tier[tiers[0]])
     out["tiers"] = {t: {k: a[k] for k in ("interval_steps", "interval_seconds", "expected_waste", "dominant")}
                     | {"persist_s": a["inputs"]["persist_s"]} for t, a in per_tier.items()}
     return out

@@ -1,11 +1,13 @@
 """Figures of the package's layout, read from its source with ``ast``: how many modules,
-the longest ones, how deep the imports go, the import cycles, and private names
-imported across modules. `python scripts/layout_figures.py [--json]` from the
-repository root; docs/design.md explains the layers these figures check.
+the longest ones, how deep the imports go, the import cycles, private names imported
+across modules, imports of the daemon by the formats, and branches on a format's or a
+tier's name. `python scripts/layout_figures.py [--json]` from the repository root;
+docs/design.md explains the layers these figures check.
 
-Only imports inside the ``ckptd`` package count. An import inside a function
-counts like one at the top (it is still a dependency), except under
-``if TYPE_CHECKING:``.
+Only imports inside the ``ckptd`` package count. An import inside a function counts
+like one at the top (it is still a dependency: ``cycles``), except under ``if
+TYPE_CHECKING:``; ``cycles_module_level`` counts only the imports run when a module is
+imported (those at its top level), the cycles that would fail at import time.
 """
 
 from __future__ import annotations
@@ -46,14 +48,27 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
     return skip
 
 
-def imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+def _function_nodes(tree: ast.Module) -> set[int]:
+    """The nodes inside a function's body: run when it is called, not at import."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside.update(id(n) for n in ast.walk(node) if n is not node)
+    return inside
+
+
+def imports(mods: dict[str, Path], *, in_functions: bool = True,
+            type_checking: bool = False) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
     """Each module's imported package modules, and (importer, module, name) for every
-    private name (``_x``) imported from another module."""
+    private name (``_x``) imported from another module. ``in_functions``: imports inside
+    functions count; ``type_checking``: so do those under ``if TYPE_CHECKING:``."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
     private: list[tuple[str, str, str]] = []
     for mod, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_nodes(tree)
+        skip = set() if type_checking else _type_checking_nodes(tree)
+        if not in_functions:
+            skip |= _function_nodes(tree)
         is_pkg = path.name == "__init__.py"
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -155,10 +170,56 @@ def format_branches(mods: dict[str, Path]) -> list[str]:
     return out
 
 
+TIER_NAMES = ("local", "peer", "remote")
+
+
+def _is_tier_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value in TIER_NAMES
+
+
+def tier_branches(mods: dict[str, Path]) -> list[str]:
+    """Comparisons with a tier's name outside the tiers package (``tier == "peer"``,
+    ``x in ("remote", "peer")``, ``!=``), and tier names used as dispatch keys
+    (``{"peer": ...}[x]``, ``d["remote"]`` read, ``d.get("peer")``, a ``match`` case): each is
+    a branch that a fourth tier would have to grow. A name written as data (a key of a
+    dict built for output, a config table's name) is not a branch."""
+    out = []
+    for mod, path in mods.items():
+        if mod == f"{PACKAGE}.tiers" or mod.startswith(f"{PACKAGE}.tiers."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            hit = False
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+                operands = [node.left, *node.comparators]
+                hit = any(_is_tier_name(c) or (isinstance(c, (ast.Tuple, ast.List, ast.Set))
+                                               and any(_is_tier_name(e) for e in c.elts)) for c in operands)
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                hit = _is_tier_name(node.slice) or (isinstance(node.value, ast.Dict) and any(
+                    k is not None and _is_tier_name(k) for k in node.value.keys))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                    "get", "pop", "setdefault"):
+                hit = bool(node.args) and _is_tier_name(node.args[0])
+            elif isinstance(node, ast.MatchValue):
+                hit = _is_tier_name(node.value)
+            if hit:
+                out.append(f"{mod}:{node.lineno}")  # type: ignore[attr-defined]
+    return sorted(set(out), key=lambda x: (x.split(":")[0], int(x.split(":")[1])))
+
+
+def format_imports_daemon(mods: dict[str, Path]) -> list[str]:
+    """Imports of ``ckptd.daemon`` inside ``ckptd.format``, annotation-only ones too: the
+    formats sit below the daemon (docs/design.md)."""
+    graph, _ = imports(mods, type_checking=True)
+    return [f"{m} imports {d}" for m in sorted(graph) if m.startswith(f"{PACKAGE}.format")
+            for d in sorted(graph[m]) if d == f"{PACKAGE}.daemon" or d.startswith(f"{PACKAGE}.daemon.")]
+
+
 def figures(root: Path) -> dict:
     mods = modules(root)
     graph, private = imports(mods)
     comps = cycles(graph)
+    top_comps = cycles(imports(mods, in_functions=False)[0])
     sizes = sorted(((sum(1 for _ in p.open()), m) for m, p in mods.items()), reverse=True)
     top = [m for m in mods if m.count(".") == 1 and not mods[m].name == "__init__.py"]
     return {
@@ -169,8 +230,11 @@ def figures(root: Path) -> dict:
         "import_levels": len(chain := longest_chain(graph, comps)),
         "longest_chain": chain,
         "cycles": comps,
+        "cycles_module_level": top_comps,
         "private_imports": [f"{a} imports {c} from {b}" for a, b, c in sorted(private)],
         "format_branches": format_branches(mods),
+        "format_imports_daemon": format_imports_daemon(mods),
+        "tier_branches": tier_branches(mods),
     }
 
 
@@ -187,11 +251,18 @@ def main() -> None:
     print("longest: " + ", ".join(f"{x['module']} {x['lines']}" for x in f["longest"]))
     print(f"over 500 lines: {len(f['over_500_lines'])}")
     print(f"import levels: {f['import_levels']} ({' -> '.join(f['longest_chain'])})")
-    print(f"cycles: {len(f['cycles'])}" + "".join(f"\n  {' <-> '.join(c)}" for c in f["cycles"]))
+    print(f"cycles, imports inside functions included: {len(f['cycles'])}"
+          + "".join(f"\n  {' <-> '.join(c)}" for c in f["cycles"]))
+    print(f"cycles of module-level imports: {len(f['cycles_module_level'])}"
+          + "".join(f"\n  {' <-> '.join(c)}" for c in f["cycles_module_level"]))
     print(f"private names imported across modules: {len(f['private_imports'])}"
           + "".join(f"\n  {p}" for p in f["private_imports"]))
     print(f"format-name branches outside {PACKAGE}/format: {len(f['format_branches'])}"
           + "".join(f"\n  {b}" for b in f["format_branches"]))
+    print(f"imports of {PACKAGE}/daemon in {PACKAGE}/format: {len(f['format_imports_daemon'])}"
+          + "".join(f"\n  {b}" for b in f["format_imports_daemon"]))
+    print(f"tier-name branches outside {PACKAGE}/tiers: {len(f['tier_branches'])}"
+          + "".join(f"\n  {b}" for b in f["tier_branches"]))
 
 
 if __name__ == "__main__":

@@ -24,3 +24,58 @@ def test_the_temp_name_of_a_commit_is_recognised(tmp_path, monkeypatch) -> None:
         assert layout.is_ckptd_file(tmp.name)  # start-up clean-up would remove a leftover
         tmp.write_bytes(b"{}")
     assert target.read_bytes() == b"{}" and not tmp.exists()
+
+
+# -- the package's layout (scripts/layout_figures.py; docs/design.md "Layers") -----------
+
+def _figures_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "layout_figures.py"
+    spec = importlib.util.spec_from_file_location("layout_figures", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def figures():
+    from pathlib import Path
+
+    return _figures_module().figures(Path(__file__).resolve().parent.parent)
+
+
+def test_no_import_cycle_with_the_imports_inside_functions(figures) -> None:
+    assert figures["cycles"] == [] and figures["cycles_module_level"] == []
+
+
+def test_no_format_module_imports_the_daemon(figures) -> None:
+    # annotation-only imports count too: the format protocol takes plain values
+    assert figures["format_imports_daemon"] == []
+
+
+def test_no_tier_is_named_in_a_branch_outside_the_tiers(figures) -> None:
+    assert figures["tier_branches"] == []
+
+
+def test_the_figures_see_what_they_forbid(tmp_path) -> None:
+    """Each rule above fails on a package that breaks it: a cycle through an import
+    inside a function, a format importing the daemon for an annotation only, tier names
+    compared and used as keys outside the tiers."""
+    pkg = tmp_path / "ckptd"
+    for sub in ("format", "daemon", "tiers"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from . import b\n")
+    (pkg / "b.py").write_text("from . import a\n\ndef g(t, d):\n    return t == 'peer' or d.get('remote') "
+                              "or t in ('local', 'x')\n")
+    (pkg / "format" / "chunk.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                             "    from ..daemon.share import Share\n")
+    (pkg / "daemon" / "share.py").write_text("")
+    (pkg / "tiers" / "peer.py").write_text("NAME = 'peer'\nok = NAME == 'peer'\n")
+    f = _figures_module().figures(tmp_path)
+    assert f["cycles"] == [["ckptd.a", "ckptd.b"]] and f["cycles_module_level"] == []
+    assert f["format_imports_daemon"] == ["ckptd.format.chunk imports ckptd.daemon.share"]
+    assert f["tier_branches"] == ["ckptd.b:4"]  # one line, three branches; none in tiers/

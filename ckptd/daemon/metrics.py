@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 from ..config import split_host_port
 from ..errors import CheckpointError
+from ..tiers import bucket, peer
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -152,10 +153,9 @@ class _Collector:
         yield stamp
         yield age
         yield step
-        if live.get("remote"):
-            yield from _remote_families(live["remote"])
-        if live.get("peer"):
-            yield from _peer_families(live["peer"])
+        for tier, families in _TIER_FAMILIES.items():  # the tiers the config has (their figures: not None)
+            if live.get(tier):
+                yield from families(live[tier])
         if live.get("advice"):
             yield from _advice_families(live["advice"])
 
@@ -234,6 +234,12 @@ def _peer_families(p: dict[str, Any]) -> Iterator[Any]:
                               value=p["evicted"])
     yield CounterMetricFamily("ckptd_peer_rejected", "Replicas received whose bytes did not match their "
                               "checksums (never held).", value=p["rejected"])
+
+
+# each tier's families, by its name in the live figures (ckptd.tiers.replica_names)
+_TIER_FAMILIES: dict[str, Callable[[dict[str, Any]], Iterator[Any]]] = {
+    bucket.NAME: _remote_families, peer.NAME: _peer_families,
+}
 
 
 def _le(bound: float) -> str:

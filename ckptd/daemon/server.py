@@ -106,17 +106,10 @@ class Daemon:
         if removed:
             log.info("removed %d orphan file(s) left by an earlier crash", removed)
         self.upkeep = Upkeep(self.config)
-        tiers = ("local",) + (("remote",) if self.upkeep.uploader is not None else ()) \
-            + (("peer",) if self.upkeep.peer is not None else ())
-        self.measuring = Measuring(self.root, self.config.advise.mtbf, tiers)
-        if self.upkeep.uploader is not None:
-            self.upkeep.uploader.on_uploaded = self.measuring.uploaded
-        if self.upkeep.peer is not None:
-            measuring = self.measuring
-            self.upkeep.peer.replicator.on_replicated = \
-                lambda run, step, rank, lag: measuring.uploaded(run, step, rank, lag, tier="peer")
-        if self.upkeep.peer is not None:  # replication pauses while a step is received or committed
-            self.upkeep.peer.yield_to(lambda: self.queued > 0 or bool(self.committing))
+        self.measuring = Measuring(self.root, self.config.advise.mtbf, self.upkeep.tier_names())
+        self.upkeep.on_persisted(self.measuring.uploaded)  # each tier's persist time, for the advice
+        # copies to the tiers pause while a step is received or committed
+        self.upkeep.yield_to(lambda: self.queued > 0 or bool(self.committing))
         self.upkeep.start()
         self.writer = Writer(self._post, fsync=self.cfg.fsync, after_commit=self.upkeep.after_commit,
                              hdf5=self.config.hdf5, direct_io=self.cfg.direct_io, write_rate=self.cfg.write_rate,

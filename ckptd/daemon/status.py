@@ -11,6 +11,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from .. import tiers
+
 if TYPE_CHECKING:
     from .server import Daemon
 
@@ -36,8 +38,7 @@ def live_figures(d: Daemon) -> dict[str, Any]:
     """Figures of the moment, for the metrics thread: plain reads, no iteration."""
     return {"queued_bytes": d.queued, "memory_budget": d.cfg.memory_budget,
             "producers": len(d.sessions), "commits_in_progress": len(d.committing),
-            "draining": d.stopping, "remote": d.upkeep.remote_figures() if d.upkeep else None,
-            "peer": d.upkeep.peer_figures() if d.upkeep else None,
+            "draining": d.stopping, **_tiers(d),
             "advice": d.measuring.all_advice() if d.measuring else {}}
 
 
@@ -61,7 +62,11 @@ def report(d: Daemon) -> dict[str, Any]:
         "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
         "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
         "runs": snap["runs"],
-        "remote": d.upkeep.remote_figures() if d.upkeep else None,  # the uploads, with [remote]
-        "peer": d.upkeep.peer_figures() if d.upkeep else None,  # replicas sent and held, with [peer]
+        **_tiers(d),  # each tier's: "remote" (the uploads, with [remote]), "peer" (replicas sent and held)
         "advice": d.measuring.all_advice() if d.measuring else {},  # per run (docs/advise.md)
     }
+
+
+def _tiers(d: Daemon) -> dict[str, Any]:
+    """Each tier's figures by its name (docs/tiers.md); null for one not configured."""
+    return d.upkeep.tier_figures() if d.upkeep else dict.fromkeys(tiers.replica_names())

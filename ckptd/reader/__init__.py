@@ -1,8 +1,9 @@
 """The reader: find and read complete checkpoints straight from the checkpoint root
-(and, where configured, the peers and the remote tier), never through the daemon.
+(and, where configured, the other tiers of ``ckptd.tiers.chain``: the peers, the
+bucket), never through the daemon.
 
     steps     which steps are complete, where: list_checkpoints, latest, find, find_in_tiers
-    tiers     the tiers other than the local root, behind one interface (Source)
+              (loops over the chain of tiers; no tier named)
     files     a step's data files: records into memory, into tensors, mapped, byte ranges
     checks    a step checked: checksums, each file's own structure, saved structures
     export    one checkpoint to one .safetensors, .h5 or .pt file (`ckptd export`)

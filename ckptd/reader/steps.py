@@ -1,5 +1,5 @@
 """Finding complete checkpoints: straight from the checkpoint root, and, where the
-config has them, with the peers and in the remote tier (docs/tiers.md).
+config has them, in the other tiers of the chain: the peers, the bucket (docs/tiers.md).
 
 Only manifests decide what is complete: a step folder is a checkpoint once every
 rank's manifest exists, all of one attempt (``ckptd.index.one_attempt``). What is on
@@ -14,78 +14,54 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .. import env, index, layout
-from ..config import Config, default_root, load as load_config
+from .. import env, index, layout, tiers
+from ..config import default_root, load as load_config
 from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest
-from ..names import check_run
-from ..remote import catalog, tiers as remote_tiers
-from ..remote.store import RemoteError
+from ..tiers.base import Holding, merge, newest
+from ..tiers.local import run_dir as _run_dir
 from .checks import check
-from .tiers import RemoteSource, Source
-
-if TYPE_CHECKING:
-    from ..peer.tier import PeerTier
 
 log = logging.getLogger("ckptd.reader")
 
 
-def _run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]:
-    check_run(run)
-    base = default_root(root)
-    run_dir = base / run
-    if os.path.islink(run_dir):
-        raise CheckpointCorrupt(
-            f"{run_dir} is a symlink; ckptd never reads through symlinks below the checkpoint "
-            "root: put the run's folder itself there, or pass its parent as the root"
-        )
-    return base, run_dir
-
-
-def _peer_tier(cfg: Config) -> PeerTier | None:
-    """The peer tier where ``[peer]`` is set, else None. Its module (ZeroMQ's) is imported
-    only then: ~60 ms of every `ckptd` command's start otherwise."""
-    if not cfg.peer.enabled:
-        return None
-    from ..peer import tier as peer_tier
-
-    return peer_tier.open_tier(cfg)
-
-
 def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None,
                      remote: str | None = None) -> list[CheckpointInfo]:
-    """Every complete checkpoint of ``run``, ascending by step, in the local root and
-    (``remote``: a URL, "" for none, None for the config's ``[remote]``) the remote
-    tier; ``tiers`` says which hold each. A step whose manifest is damaged is not
-    complete: it is left out, with a logged warning saying why."""
-    _, run_dir = _run_dir(run, root)
-    steps = index.scan_run(run_dir, warn=True)
-    local = [steps[s] for s in sorted(steps)]
-    store = remote_tiers.open_store(remote)
-    return remote_tiers.merge(local, catalog.list_checkpoints(store, run)) if store else local
+    """Every complete checkpoint of ``run``, ascending by step, in every tier of the chain
+    (``remote``: a URL, "" for none, None for the config's ``[remote]``); ``tiers`` says
+    which hold each. A step whose manifest is damaged is not complete: it is left out,
+    with a logged warning saying why."""
+    infos: list[CheckpointInfo] = []
+    for tier in tiers.chain(root=root, remote=remote):
+        infos = merge(infos, tier.list(run))
+    return infos
 
 
 def latest(run: str, *, root: str | os.PathLike[str] | None = None,
            verify: bool = False, remote: str | None = None) -> CheckpointInfo | None:
-    """The newest complete checkpoint of ``run`` in the local root or the remote tier
-    (``remote`` as for ``list_checkpoints``; ``verify=True`` looks at the local root
-    only), or None when it has none. See ``latest_local``."""
-    cfg = None if verify else load_config()  # once: both tiers are in it (parsing it twice cost a load 4-8 ms)
-    store = None if cfg is None else remote_tiers.open_store(remote, cfg)
-    local = latest_local(run, root=root, verify=verify)
-    peers = None if cfg is None else _peer_tier(cfg)
-    if peers is not None:  # every rank's share here or with a peer (docs/tiers.md)
-        local = peers.latest(check_run(run), default_root(root)) or local  # counts the local shares too
-        if store is not None:
-            try:
-                return remote_tiers.newest(local, catalog.latest(store, run))
-            except (OSError, RemoteError) as exc:  # the peers answer for it: docs/tiers.md
-                log.warning("the remote tier %s is unreachable (%s); newest step from the local root and "
-                            "the peers only", store.url, exc)
-                return local
-    return remote_tiers.newest(local, catalog.latest(store, run)) if store else local
+    """The newest complete checkpoint of ``run`` in any tier of the chain (``remote`` as
+    for ``list_checkpoints``; ``verify=True`` looks at the local root only), or None
+    when it has none. See ``latest_local``."""
+    if verify:
+        return latest_local(run, root=root, verify=True)
+    return _latest(tiers.chain(root=root, remote=remote), run)
+
+
+def _latest(chain: list[tiers.Tier], run: str) -> CheckpointInfo | None:
+    """The newest step any tier of ``chain`` holds. A tier out of reach is logged and
+    left out once a tier besides the root has answered (docs/tiers.md: the peers answer
+    for an unreachable bucket); else its error is the caller's."""
+    info: CheckpointInfo | None = None
+    for i, tier in enumerate(chain):
+        try:
+            info = newest(info, tier.latest(run))
+        except tier.unreachable as exc:
+            if i < 2:  # no tier besides the root answered before it
+                raise
+            log.warning("the %s tier %s is out of reach (%s); newest step from the tiers before it only",
+                        tier.name, tier.where, exc)
+    return info
 
 
 def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
@@ -100,7 +76,7 @@ def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
     """
     _, run_dir = _run_dir(run, root)
     if not verify:
-        return index.latest_from_pointer(run_dir) or index.latest_by_scan(run_dir, warn=True)
+        return tiers.local.LocalTier(root, 0.0).latest(run)
     for _, path in index.step_dirs(run_dir):
         info = index.step_info(path, warn=True)
         if info is None:
@@ -161,43 +137,41 @@ def pick_rank(manifests: list[Manifest], rank: int | None) -> Manifest:
 
 
 def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None,
-                   remote: str | None, *, fill: bool = True) -> tuple[Path, list[Manifest], Source | None]:
+                  remote: str | None, *, fill: bool = True) -> tuple[Path, list[Manifest], Holding | None]:
     """The step's folder and manifests: locally if it is complete there (then no
-    source), else with the peers, else in the remote tier: then also the ``Source``
-    that holds it (the folder is where it would be locally). With peers: ``fill``
-    fetches the shares this root lacks into it first; without, the source reads them
-    into memory."""
-    cfg = load_config()  # once: both tiers are in it (parsing it twice cost a load 4-8 ms)
-    store = remote_tiers.open_store(remote, cfg)
-    peers = _peer_tier(cfg)
-    if peers is not None:  # local disk, then peers' memory, then the remote tier: docs/tiers.md
-        base = default_root(root)
-        if step is None:
-            info = latest(run, root=root, remote=store.url if store else "")
-            if info is None:
-                raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {base}, with its peers"
-                                         + (f" nor in {store.url}" if store else ""))
-            step = info.step
-        local_path = layout.step_dir(base, check_run(run), step)
-        if index.step_info(local_path) is None:
-            source = peers.source(run, step, base)
-            if source is not None and not fill:
-                return local_path, source.manifests, source
-            if source is not None:
-                source.fill()
-            if index.step_info(local_path) is not None:
-                store = None  # complete here now: read locally
-    if store is not None:
-        if step is None:
-            info = latest(run, root=root, remote=store.url)
-            if info is None:
-                raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {default_root(root)} "
-                                         f"nor in {store.url}")
-            step = info.step
-        local_path = layout.step_dir(default_root(root), check_run(run), step)
-        if index.step_info(local_path) is None:  # not complete here: the bucket's copy
-            _, manifests = remote_tiers.find(store, run, step)
-            return local_path, manifests, RemoteSource(store, run, step, manifests, default_root(root))
+    holding), else in the first tier of the chain that holds it: then also that
+    ``Holding`` (the folder is where the step would be locally). A tier whose holding
+    ``fills_root`` (the peers): with ``fill``, the shares this root lacks are fetched
+    into it first and the step read locally; without, the holding reads them into memory."""
+    chain = tiers.chain(load_config(), root=root, remote=remote)  # the config parsed once: 4-8 ms a load
+    if len(chain) == 1:
+        path, manifests = find(run, step, root)
+        return path, manifests, None
+    base = default_root(root)
+    if step is None:
+        info = _latest(chain, run)
+        if info is None:
+            raise CheckpointNotFound(f"run {run!r} has no complete checkpoint {chain[0].where}"
+                                     + "".join(f", {t.where}" for t in chain[1:-1]) + f" nor {chain[-1].where}")
+        step = info.step
+    local_path = layout.step_dir(base, run, step)
+    declined: CheckpointNotFound | None = None
+    for tier in chain[1:]:
+        if index.step_info(local_path) is not None:
+            break  # complete here (filled by a tier before): read locally
+        try:
+            holding = tier.find(run, step)
+        except CheckpointNotFound as exc:  # not there, and the tier says why
+            declined = exc
+            continue
+        if holding is None:
+            continue
+        if not fill or not holding.fills_root:
+            return local_path, holding.manifests, holding
+        holding.fill()
+    else:
+        if declined is not None and index.step_info(local_path) is None:
+            raise declined
     path, manifests = find(run, step, root)
     return path, manifests, None
 

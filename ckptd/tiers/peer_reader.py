@@ -1,4 +1,5 @@
-"""The readers' view of the peer tier: which shares of a run the peers can serve
+"""The readers' view of the peer tier (``ckptd.tiers.peer`` opens it; imported only with
+``[peer]``: it imports ZeroMQ): which shares of a run the peers can serve
 (from their memory, or their own disks), and fetching the ones this node's root
 lacks into it.
 
@@ -16,6 +17,8 @@ recovery that long, once, whatever the number of dead nodes).
 
 from __future__ import annotations
 
+import builtins
+import functools
 import logging
 import os
 import time
@@ -27,27 +30,23 @@ from typing import Any, Callable, Iterable
 import zmq
 
 from .. import index, layout
-from ..config import Config, ConfigError, load as load_config
+from ..config import Config, ConfigError
 from ..transport.curve import client_keys
 from ..durable import atomic_write, replacing, write_all
 from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
-from . import wire
-from .holder import check_headers
-from .pages import Prefault
+from ..peer import wire
+from ..peer.holder import check_headers
+from ..peer.pages import Prefault
+from .local import NAME as ROOT
+from .peer import NAME
 
 log = logging.getLogger("ckptd.peer")
 
-TIER = "peer"
+TIER = NAME
 FETCH_THREADS = 4  # shares fetched at once into the root
 DEAD_S = 10.0  # a peer that did not answer a list is not asked again for this long
 _silent: dict[str, float] = {}  # endpoint -> monotonic time until which it is not asked
-
-
-def open_tier(config: Config | None = None) -> "PeerTier | None":
-    """The peer tier of the discovered config, or None without ``[peer]``."""
-    cfg = config or load_config()
-    return PeerTier(cfg) if cfg.peer.enabled else None
 
 
 def reader_keys(config: Config) -> Any:
@@ -57,7 +56,7 @@ def reader_keys(config: Config) -> Any:
     if p.curve_server_key and p.curve_secret_key:
         return client_keys(config.peer.listen, config)
     if d.curve_secret_key:
-        from .keys import daemon_curve
+        from ..peer.keys import daemon_curve
 
         try:
             return daemon_curve(config)[1]
@@ -68,14 +67,55 @@ def reader_keys(config: Config) -> Any:
 
 
 class PeerTier:
-    def __init__(self, config: Config) -> None:
-        self.cfg = config.peer
+    """The peers' memory (and their own roots), as a reader sees it: a ``Tier``
+    (``ckptd.tiers.base``) whose steps are complete when every rank's share is in the
+    local root or with some peer."""
+
+    name = NAME
+    where = "with its peers"
+    durable = False  # memory: gone with the partners' daemons
+    poll_interval = 0.2  # a list from every peer costs little
+    unreachable: tuple[type[BaseException], ...] = ()  # a peer that does not answer is skipped, logged
+
+    def __init__(self, config: Config, base: Path | None = None) -> None:
+        self.config, self.cfg = config, config.peer
+        self.base = base
         self.endpoints = list(dict.fromkeys([self.cfg.listen, *self.cfg.peers]))
-        self.keys = reader_keys(config)
         self.ctx: zmq.Context = zmq.Context.instance()
 
+    @functools.cached_property
+    def keys(self) -> Any:
+        """Read when the peers are first asked: the chain is built by calls that never ask
+        them (``list_checkpoints``), and a key that cannot be read is their error only."""
+        return reader_keys(self.config)
+
+    # -- the Tier interface ----------------------------------------------------------------
+    def _base(self) -> Path:
+        if self.base is None:
+            raise ValueError("this PeerTier was opened without a root: pass base=")
+        return self.base
+
+    def list(self, run: str) -> builtins.list[CheckpointInfo]:
+        """Nothing: ``list_checkpoints`` names the steps durable in the root or the bucket;
+        the peers hold only the newest ones, for ``latest`` and loads."""
+        return []
+
+    def find(self, run: str, step: int) -> "PeerHolding | None":
+        return self.source(run, step, self._base())
+
+    def complete(self, run: str, step: int,
+                 world_size: int | None) -> tuple[CheckpointInfo | None, Callable[[float], str]]:
+        """For ``wait_complete(tier="peer")``: every rank's share in some peer's memory
+        (the local root and the peers' disks do not count)."""
+        held = {k: [c for c in v if c[1] == "memory"] for k, v in self.holdings(run).items()}
+        info = self.step_info(run, step, Path("/nonexistent"), {k: v for k, v in held.items() if v})
+        have = sorted(r for (s, r), v in held.items() if s == step and v)
+        return info, lambda timeout: (
+            f"step {step} of run {run!r} has no replica in a peer's memory for every rank after {timeout:g} s: "
+            f"rank(s) {have or 'none'} have one (see `ckptd status`: peer.under_replicated, peer.down)")
+
     # -- what the peers hold ---------------------------------------------------------------
-    def holdings(self, run: str) -> dict[tuple[int, int], list[tuple[str, str, Manifest]]]:
+    def holdings(self, run: str) -> dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]]:
         """(step, rank) -> [(endpoint, "memory" or "disk", manifest)], memory first.
 
         Every endpoint is asked at once, with one deadline (``timeout``) for all of
@@ -94,7 +134,7 @@ class PeerTier:
         finally:
             for link in links.values():
                 link.close()
-        out: dict[tuple[int, int], list[tuple[str, str, Manifest]]] = {}
+        out: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]] = {}
         for e in ask:
             if e not in answers:
                 _silent[e] = time.monotonic() + DEAD_S
@@ -142,9 +182,10 @@ class PeerTier:
                     answers[e] = {}
                     poller.unregister(sock)
 
-    def latest(self, run: str, base: Path,
-               held: dict[tuple[int, int], list[tuple[str, str, Manifest]]] | None = None) -> CheckpointInfo | None:
+    def latest(self, run: str, base: Path | None = None,
+               held: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]] | None = None) -> CheckpointInfo | None:
         """The newest step whose every rank's share is in the local root or with a peer."""
+        base = self._base() if base is None else base
         held = self.holdings(run) if held is None else held
         run_dir = base / run
         local_steps = dict(index.step_dirs(run_dir)) if run_dir.is_dir() else {}
@@ -156,7 +197,7 @@ class PeerTier:
         return None
 
     def step_info(self, run: str, step: int, path: Path,
-                  held: dict[tuple[int, int], list[tuple[str, str, Manifest]]]) -> CheckpointInfo | None:
+                  held: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]]) -> CheckpointInfo | None:
         manifests, tiers = [], set()
         candidates = [m for (s, _), copies in held.items() if s == step for _, _, m in copies[:1]]
         local = {r: m for r in _ranks(path) if (m := _read_share(path, r)) is not None}
@@ -166,7 +207,7 @@ class PeerTier:
         for rank in range(world.world_size):
             if rank in local:
                 manifests.append(local[rank])
-                tiers.add("local")
+                tiers.add(ROOT)
             elif (step, rank) in held:
                 manifests.append(held[(step, rank)][0][2])
                 tiers.add(TIER)
@@ -176,10 +217,10 @@ class PeerTier:
             return None
         if complete is None:
             return None
-        return CheckpointInfo.from_manifests(str(path), complete, tiers=tuple(t for t in ("local", TIER) if t in tiers))
+        return CheckpointInfo.from_manifests(str(path), complete, tiers=tuple(t for t in (ROOT, TIER) if t in tiers))
 
     # -- fetching --------------------------------------------------------------------------
-    def source(self, run: str, step: int, base: Path) -> "PeerSource | None":
+    def source(self, run: str, step: int, base: Path) -> "PeerHolding | None":
         """The step as local root and peers together hold it, if every rank's share is there."""
         path = layout.step_dir(base, run, step)
         held = self.holdings(run)
@@ -187,10 +228,10 @@ class PeerTier:
         if info is None:
             return None
         manifests = [_read_share(path, r) or held[(step, r)][0][2] for r in range(info.world_size)]
-        return PeerSource(self, run, step, base, held, manifests)  # type: ignore[arg-type]
+        return PeerHolding(self, run, step, base, held, manifests)  # type: ignore[arg-type]
 
     def fill(self, run: str, step: int, base: Path,
-             held: dict[tuple[int, int], list[tuple[str, str, Manifest]]] | None = None) -> int:
+             held: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]] | None = None) -> int:
         """Fetch every share of ``step`` that the local root lacks and a peer has into
         the root; how many were fetched."""
         path = layout.step_dir(base, run, step)
@@ -207,7 +248,7 @@ class PeerTier:
             return sum(pool.map(lambda r: self._fetch_one(run, step, r, base, held), missing))
 
     def _fetch_one(self, run: str, step: int, rank: int, base: Path,
-                   held: dict[tuple[int, int], list[tuple[str, str, Manifest]]]) -> bool:
+                   held: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]]) -> bool:
         """Rank ``rank``'s share from the first peer whose copy verifies, into the root."""
         for endpoint, where, m in held.get((step, rank), []):
             try:
@@ -283,7 +324,7 @@ class PeerTier:
         return out
 
     def _read_ranges(self, endpoint: str, m: Manifest,
-                     ranges: list[tuple[str, int, memoryview, Callable[[], None]]]) -> None:
+                     ranges: builtins.list[tuple[str, int, memoryview, Callable[[], None]]]) -> None:
         """Fill each (file, offset, memory) from ``endpoint``, in ``frame``-sized parts
         with ``window`` of them in flight, each received by libzmq straight into its
         place; call a range's callable once all of it is in."""
@@ -369,10 +410,10 @@ def _segments(m: Manifest, file: str, buf: memoryview,
     return out
 
 
-class PeerSource:
+class PeerHolding:
     """A step that the local root and the peers hold together: ``ckptd.load`` reads a
-    rank's tensors from here, straight into memory (no file written). A source of the
-    reader's (``ckptd.reader.tiers.Source``)."""
+    rank's tensors from here, straight into memory (no file written). A
+    ``ckptd.tiers.base.Holding``."""
 
     url = "the peers' memory"
     fills_root = True  # loads that read local files fetch the peers' shares first

@@ -1,0 +1,110 @@
+"""The peers' memory (``[peer]``, docs/tiers.md): daemons hold each other's newest shares.
+
+This module is the daemon's part (``PeerReplica``); it imports ZeroMQ only when one is
+made. The readers' part is ``peer_reader`` (what the peers hold, fetching into memory
+or into the root), which the chain imports only with a ``[peer]`` table (ZeroMQ costs
+~60 ms of every `ckptd` command's start otherwise). The network service itself (the
+wire, the holder, the serve and send threads) is ``ckptd.peer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Callable
+
+from ..config import Config, ConfigError
+from ..units import size
+
+log = logging.getLogger("ckptd.peer")
+
+NAME = "peer"
+TABLE = "peer"  # its table in config.toml
+
+
+class PeerReplica:
+    """The daemon's part: the holder of other nodes' replicas, the ``ckptd-peer-serve``
+    thread that receives and serves them, and the ``ckptd-peer-send`` thread that
+    replicates this node's commits (a ``ckptd.tiers.base.Replica``)."""
+
+    name = NAME
+
+    def __init__(self, config: Config, keep_last: Callable[[str], int]) -> None:
+        import zmq
+
+        from ..peer.holder import Holder
+        from ..peer.keys import daemon_curve
+        from ..peer.replicator import Replicator
+        from ..peer.server import PeerServer
+
+        cfg = config.peer
+        if cfg.listen in cfg.peers and len(cfg.peers) == 1:
+            raise ConfigError(f"[peer] peers of {config.path or 'the config'} names only this daemon's own listen "
+                              f"endpoint {cfg.listen}: list the other nodes' [peer] listen endpoints")
+        server_curve, self.keys = daemon_curve(config)
+        self.ctx = zmq.Context()
+        self.holder = Holder(cfg.memory, cfg.stall)
+        node_id = uuid.uuid4().hex  # this daemon, told apart from its peers (a peer list may name it)
+        try:
+            self.server = PeerServer(self.ctx, cfg.listen, config.root, self.holder, server_curve,
+                                     cfg.frame + 65536, node_id)
+        except Exception:
+            self.ctx.term()
+            raise
+        self._curve = server_curve
+        self.replicator = Replicator(self.ctx, config.root, cfg, self.keys, keep_last, node_id)
+        self.cfg = cfg
+
+    def start(self) -> None:
+        self.server.start()
+        self.replicator.start()
+        log.info("peer tier: serving peers on %s (%s), holding up to %d MiB of their replicas; "
+                 "replicating each commit to %d of %s", self.cfg.listen,
+                 "CurveZMQ" if self.keys else "no encryption: [daemon] curve_secret_key is not set",
+                 self.cfg.memory >> 20, self.cfg.replicas, ", ".join(self.replicator.peers) or "no peer")
+
+    def close(self) -> None:
+        self.replicator.close()
+        self.server.close()
+        if self._curve is not None:
+            self._curve.close()
+        self.ctx.term()
+
+    def committed(self, run: str, step: int, rank: int, nbytes: int) -> None:
+        self.replicator.enqueue(run, step, rank)
+
+    def dropped(self, run: str, steps: list[int]) -> None:
+        """Partners drop their replicas of these steps."""
+        self.replicator.dropped(run, steps)
+
+    def pending(self, run: str) -> set[int]:
+        """Nothing: a share not yet replicated is never a reason to keep a step."""
+        return set()
+
+    def received(self) -> None:
+        """Nothing: replication pauses on ``yield_to``'s test instead."""
+
+    def yield_to(self, busy: Callable[[], bool]) -> None:
+        """Replication pauses while ``busy()`` (a step is being received or committed)."""
+        self.replicator.busy = busy
+
+    def on_persisted(self, callback: Callable[[str, int, int, float], None]) -> None:
+        self.replicator.on_replicated = callback
+
+    def figures(self) -> dict[str, Any]:
+        return {"listen": self.cfg.listen, "replicas": self.cfg.replicas, **self.holder.figures(),
+                **self.replicator.figures()}
+
+
+def status_lines(p: dict[str, Any]) -> list[str]:
+    """The peer tier's lines of ``ckptd status``, from its figures (``PeerReplica.figures``)."""
+    out = [f"peer:         {p['listen']}: holding {p['held_shares']} replica(s) of peers' shares "
+           f"({size(p['held_bytes'])} of {size(p['memory'])}), {p['evicted']} evicted, {p['rejected']} rejected",
+           f"              {p['under_replicated']} share(s) of this node under-replicated (of {p['replicas']} "
+           f"replica(s) each); {p['replicated_shares']} sent ({size(p['replicated_bytes'])}), "
+           f"{p['failures']} failed, {p.get('replicas_lost', 0)} lost with their holder"]
+    down = set(p.get("down", ()))
+    for peer in p.get("peers", ()):
+        state = "not answering, skipped for now" if peer in down else "up"
+        out.append(f"  partner {peer}: {state}; holds {p.get('holding', {}).get(peer, 0)} of this node's newest shares")
+    return out
