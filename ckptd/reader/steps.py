@@ -20,7 +20,7 @@ from ..config import default_root, load as load_config
 from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest
 from ..tiers.base import Holding, merge, newest
-from ..tiers.local import run_dir as _run_dir
+from ..tiers.local import newest_in, run_dir as _run_dir
 from .checks import check
 
 log = logging.getLogger("ckptd.reader")
@@ -76,7 +76,7 @@ def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
     """
     _, run_dir = _run_dir(run, root)
     if not verify:
-        return tiers.local.LocalTier(root, 0.0).latest(run)
+        return newest_in(run_dir)
     for _, path in index.step_dirs(run_dir):
         info = index.step_info(path, warn=True)
         if info is None:

@@ -14,6 +14,7 @@ plus one line in ``chain`` (and in ``replicas`` if the daemon copies shares to i
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import CheckpointError
@@ -40,7 +41,7 @@ def chain(config: Config | None = None, *, root: str | os.PathLike[str] | None =
     return [t for t in found if t is not None]
 
 
-def _peers(config: Config, base: Any) -> Tier | None:
+def _peers(config: Config, base: Path) -> Tier | None:
     """The peers with ``[peer]``; their reader (ZeroMQ's) is imported only then: ~60 ms
     of every `ckptd` command's start otherwise."""
     if not config.peer.enabled:

@@ -33,6 +33,13 @@ def run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]:
     return base, path
 
 
+def newest_in(path: Path) -> CheckpointInfo | None:
+    """The newest step complete in the run folder ``path``: the ``<run>/latest`` pointer
+    the daemon keeps, else a scan of its step folders (the pointer missing or naming a
+    step no longer complete)."""
+    return index.latest_from_pointer(path) or index.latest_by_scan(path, warn=True)
+
+
 class LocalTier:
     name = NAME
     durable = True  # as durable as the root's file system: a shared one outlives the node
@@ -45,10 +52,7 @@ class LocalTier:
         self.poll_interval = poll_interval
 
     def latest(self, run: str) -> CheckpointInfo | None:
-        """The ``<run>/latest`` pointer the daemon keeps, else a scan of the run's step
-        folders (the pointer missing or naming a step no longer complete)."""
-        _, path = run_dir(run, self.root)
-        return index.latest_from_pointer(path) or index.latest_by_scan(path, warn=True)
+        return newest_in(run_dir(run, self.root)[1])
 
     def list(self, run: str) -> builtins.list[CheckpointInfo]:
         _, path = run_dir(run, self.root)
