@@ -8,7 +8,8 @@
 
 Readers (``ckptd.reader``, ``ckptd.completion``) loop over ``chain``; the daemon's
 ``Upkeep`` over ``replicas``. Neither names a tier. A fourth tier is one module here
-plus one line in ``chain`` (and in ``replicas`` if the daemon copies shares to it).
+plus one line in ``chain`` (and its module in ``_COPIED_TO`` if the daemon copies
+shares to it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from ..config import Config, default_root, load as load_config
 from ..manifest import CheckpointInfo
 from . import bucket, local, peer
 from .base import Holding, Replica, Tier
+
+_COPIED_TO = (bucket, peer)  # the tiers a daemon may copy shares to, in the order they start
 
 __all__ = ["Holding", "Replica", "Tier", "chain", "replicas", "named", "replica_names", "status_lines"]
 
@@ -57,15 +60,8 @@ def replicas(config: Config, keep_last: Callable[[str], int],
     (and, reversed, close): uploads, then replication. ``keep_last(run)``: the run's
     local retention; ``on_complete(run, infos)``: steps became complete in a tier that
     local retention may count (each node with its own root)."""
-    out: list[Replica] = []
-    if config.remote.enabled:
-        out.append(bucket.BucketReplica(config, on_complete))
-    if config.peer.enabled:
-        out.append(peer.PeerReplica(config, keep_last))
-    return out
-
-
-_COPIED_TO = (bucket, peer)  # the tiers a daemon may copy shares to, in `ckptd status`'s order
+    found = [m.open_replica(config, keep_last, on_complete) for m in _COPIED_TO]
+    return [r for r in found if r is not None]
 
 
 def replica_names() -> tuple[str, ...]:

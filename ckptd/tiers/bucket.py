@@ -112,6 +112,12 @@ class BucketHolding:
         return fetch.read_tensors(self.store, manifest, records)  # checksums always checked
 
 
+def open_replica(config: Config, keep_last: Callable[[str], int],
+                 on_complete: Callable[[str, list[CheckpointInfo]], None]) -> BucketReplica | None:
+    """The daemon's uploads with ``[remote]``, else None."""
+    return BucketReplica(config, on_complete) if config.remote.enabled else None
+
+
 class BucketReplica:
     """The daemon's side: each committed share queued for the ``ckptd-uploader`` thread;
     local retention keeps a step until every share of it is uploaded."""

@@ -14,12 +14,20 @@ import uuid
 from typing import Any, Callable
 
 from ..config import Config, ConfigError
+from ..manifest import CheckpointInfo
 from ..units import size
 
 log = logging.getLogger("ckptd.peer")
 
 NAME = "peer"
 TABLE = "peer"  # its table in config.toml
+
+
+def open_replica(config: Config, keep_last: Callable[[str], int],
+                 on_complete: Callable[[str, list[CheckpointInfo]], None]) -> PeerReplica | None:
+    """The daemon's part of the peer tier with ``[peer]``, else None. ``keep_last(run)``:
+    the run's local retention (partners hold no more steps of it than that)."""
+    return PeerReplica(config, keep_last) if config.peer.enabled else None
 
 
 class PeerReplica:
