@@ -167,3 +167,23 @@ def test_a_frozen_base_is_copied_inside_the_bucket_not_uploaded_again(s3, make_d
         out = ckptd.load("f", step, root=empty, remote=URL + "-frozen", verify=True)
         assert all(torch.equal(out["base"][k], v) for k, v in base.items())
         assert torch.equal(out["lora"], states[step]["lora"]) and out["step"] == step
+
+
+def test_wait_complete_takes_a_tier_by_its_name(tmp_path, monkeypatch) -> None:
+    """``tier=`` is resolved inside ckptd.tiers: any tier's name; an unknown one is a
+    ValueError listing them, one the config lacks a CheckpointError naming its table."""
+    from ckptd.completion import wait_complete
+    from ckptd.errors import CheckpointError
+
+    (tmp_path / "config.toml").write_text("")
+    monkeypatch.setenv("CKPTD_CONFIG", str(tmp_path / "config.toml"))  # no [remote], no [peer]
+    with pytest.raises(ValueError, match="a tier is one of 'local', 'peer', 'remote', or None"):
+        wait_complete("r", 1, root=tmp_path, tier="bucket")
+    for name, table in (("remote", "remote"), ("peer", "peer")):
+        with pytest.raises(CheckpointError, match=rf"tier='{name}' needs a \[{table}\] table in the config"):
+            wait_complete("r", 1, root=tmp_path, tier=name, timeout=0)
+    (tmp_path / "r" / "step-000000000001").mkdir(parents=True)
+    for name in ("local", None):  # the root, named or as the last durable tier without a bucket
+        with pytest.raises(CheckpointError, match=rf"not complete in {tmp_path} after 0 s: the manifests of "
+                                                  r"rank\(s\) none are there"):
+            wait_complete("r", 1, root=tmp_path, tier=name, timeout=0)
