@@ -51,7 +51,7 @@ def test_kill_daemon_while_writing(make_daemon, point: str, writers: int) -> Non
     """``writers`` 4: four chunk files of four tensors each in flight at once, each
     tensor's bytes in one writev with the others of its file (datafile.DataFile.write)."""
     d = make_daemon(chunk_size="1MiB" if writers == 1 else "4MiB", writer_threads=writers)
-    p = d.producer(staging_size="80MiB", timeout=2, heartbeat=0.2)
+    p = d.producer(staging_size="80MiB", timeout=60, heartbeat=0.2)
     p.save(state(1, 4), 1).wait(30)
     handle = p.save(state(2, 48), 2)
     step_dir = d.root / "t" / "step-000000000002"
@@ -154,7 +154,7 @@ def test_kill_daemon_while_a_save_streams_through_staging_made_for_it(make_daemo
     timeout, naming the daemon; after a restart the same producer saves again, through
     the arena grown meanwhile or the one made for the first, and every listed step loads."""
     d = make_daemon(write_rate="64MiB", chunk_size="4MiB")
-    p = d.producer(staging_size="auto", timeout=2, heartbeat=0.2)
+    p = d.producer(staging_size="auto", timeout=60, heartbeat=0.2)
     big = state(1, 160)
     outcome: list[object] = []
 

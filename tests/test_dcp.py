@@ -93,7 +93,7 @@ def test_single_process_dcp_save_and_load(daemon) -> None:
 
 def test_kill_daemon_during_dcp_save_leaves_the_previous_step_latest(make_daemon) -> None:
     d = make_daemon()
-    options = dict(endpoint=d.endpoint, staging_size="4MiB", timeout=2)
+    options = dict(endpoint=d.endpoint, staging_size="4MiB", timeout=60)
     first = small_state(1)
     dcp.save(first, storage_writer=ckptd.dcp.StorageWriter(run="k", step=1, **{**options, "timeout": 60}), no_dist=True)
     big = {"w": {f"t{i}": torch.full((2**20,), float(i)) for i in range(48)}}  # 192 MiB through 4 MiB

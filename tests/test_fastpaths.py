@@ -155,7 +155,7 @@ def test_writer_threads_write_chunk_files_side_by_side_bit_exact(make_daemon, th
 @pytest.mark.parametrize("point", ["3 files", "after commit sent"])
 def test_kill_9_during_pooled_writes_leaves_every_listed_step_loadable(make_daemon, point: str) -> None:
     d = shm_daemon(make_daemon, chunk_size="1MiB", writer_threads=4)
-    p = d.producer(staging_size="64MiB", timeout=2, heartbeat=0.2)
+    p = d.producer(staging_size="64MiB", timeout=60, heartbeat=0.2)
     g = torch.Generator().manual_seed(1)
     first = {f"a{i}": torch.randn(2**18, generator=g) for i in range(4)}
     second = {**{f"b{i}": torch.randn(2**18, generator=g) for i in range(24)},

@@ -73,7 +73,7 @@ def test_kill_daemon_at_random_instants_loses_nothing(tmp_path) -> None:
 @pytest.mark.parametrize("transport", ["inline", "shm"])
 def test_step_in_flight_fails_when_the_daemon_dies_and_the_next_call_reconnects(make_daemon, transport) -> None:
     d = make_daemon()
-    p = d.producer(timeout=1, heartbeat=0.2, transport=transport)
+    p = d.producer(timeout=60, heartbeat=0.2, transport=transport)
     assert p.save(state(1), 1).wait(30).step == 1
     assert p.stats()["transport"] == transport
     os.kill(d.proc.pid, signal.SIGSTOP)  # the commit of step 2 goes out and is never answered
@@ -82,10 +82,10 @@ def test_step_in_flight_fails_when_the_daemon_dies_and_the_next_call_reconnects(
     t0 = time.monotonic()
     with pytest.raises(CheckpointError, match="lost contact with the ckptd daemon"):
         handle.wait(30)
-    assert time.monotonic() - t0 < HANG_S  # within `timeout`: never a hang, never a success
+    assert time.monotonic() - t0 < HANG_S  # its pidfd, long before `timeout`: never a hang, never a success
     # while the daemon is away, the next step fails at once too, naming the problem
     t0 = time.monotonic()
-    with pytest.raises(CheckpointError, match="no ckptd daemon answered|cannot be shared with the daemon"):
+    with pytest.raises(CheckpointError, match="no daemon listens there now|cannot be shared with the daemon"):
         p.save(state(3), 3)
     assert time.monotonic() - t0 < HANG_S
     d.start()
@@ -99,8 +99,10 @@ def test_step_in_flight_fails_when_the_daemon_dies_and_the_next_call_reconnects(
 
 
 def test_daemon_back_before_the_producer_noticed(make_daemon) -> None:
-    """Restarted within the producer's timeout: the new daemon does not know the session,
-    says so at the producer's next message, and the step in flight fails at once."""
+    """Restarted within the producer's timeout: the step in flight fails at once, either
+    because the producer saw the old daemon's process exit (its pidfd) or because the new
+    daemon, which does not know the session, said so at the producer's next message
+    (whichever comes first; over tcp:// only the second can)."""
     d = make_daemon()
     p = d.producer(timeout=60, heartbeat=0.2)
     assert p.save(state(1), 1).wait(30).step == 1
@@ -109,7 +111,7 @@ def test_daemon_back_before_the_producer_noticed(make_daemon) -> None:
     d.kill()
     d.start()
     t0 = time.monotonic()
-    with pytest.raises(CheckpointError, match="no longer knows this producer"):
+    with pytest.raises(CheckpointError, match=r"no longer knows this producer|its process \(pid \d+\) exited"):
         handle.wait(50)
     assert time.monotonic() - t0 < HANG_S  # long before the 60 s timeout
     assert p.save(state(3), 3).wait(30).step == 3
@@ -121,7 +123,7 @@ def test_daemon_back_before_the_producer_noticed(make_daemon) -> None:
 @pytest.mark.parametrize("transport", ["inline", "shm"])
 def test_emit_blocked_on_full_staging_fails_when_the_daemon_dies(make_daemon, transport) -> None:
     d = make_daemon()
-    p = d.producer(staging_size="1MiB", timeout=1, heartbeat=0.2, emit_timeout=120, transport=transport)
+    p = d.producer(staging_size="1MiB", timeout=60, heartbeat=0.2, emit_timeout=120, transport=transport)
     assert p.latest() is None  # connected
     os.kill(d.proc.pid, signal.SIGSTOP)  # a daemon that frees no staging
     p.emit("a", torch.ones(2**18 - 16), step=1)  # nearly fills staging
@@ -174,8 +176,8 @@ def staging_maps(pid: int) -> int:
 def test_kill_producers_mid_step_frees_their_memory_and_others_carry_on(make_daemon) -> None:
     """Two victims: one sends inline (its bytes sit in the daemon's memory), one through
     shared memory (the daemon maps its staging). Both are killed mid-step."""
-    d = make_daemon(session_timeout="1s")
-    good = d.producer("good", timeout=5, heartbeat=0.2, transport="shm")
+    d = make_daemon()  # the victims' deaths are noticed through their pidfds, not by silence
+    good = d.producer("good", heartbeat=0.2, transport="shm")
     acked: list[int] = []
     failed: list[str] = []
     stop = threading.Event()

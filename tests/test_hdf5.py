@@ -175,7 +175,7 @@ def test_kill_daemon_during_an_hdf5_write(make_daemon, compression: str) -> None
     complete checkpoint, and the restarted daemon removes it."""
     options = {"compression": "gzip", "level": 9, "chunk_shape": "auto"} if compression == "gzip" else {}
     d = make_daemon(format="hdf5", chunk_size="1MiB", tables={"hdf5": options})
-    p = d.producer(staging_size="80MiB", timeout=2, heartbeat=0.2)
+    p = d.producer(staging_size="80MiB", timeout=60, heartbeat=0.2)
     g = torch.Generator().manual_seed(2)
     p.save({"w": torch.randn(1000, generator=g)}, 1).wait(30)
     state2 = {f"w{i}": torch.randn(2**18, generator=g) for i in range(48)}  # 48 MiB, 1 MiB each

@@ -261,7 +261,7 @@ KILLER = textwrap.dedent("""
     endpoint, first, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     g = torch.Generator().manual_seed(7)
     base = {f"base.{i}": torch.randn(2**18, generator=g) for i in range(8)}
-    p = Producer(endpoint, "t", staging_size="64MiB", timeout=2, heartbeat=0.2, retention={"keep_last": 1})
+    p = Producer(endpoint, "t", staging_size="64MiB", timeout=60, heartbeat=0.2, retention={"keep_last": 1})
     for step in range(first, first + 1000):
         if mode == "frozen":
             state = {"base": base, "lora": torch.full((1000,), float(step))}

@@ -30,7 +30,7 @@ from ..names import check_rank, check_run, check_step
 from . import status
 from .assembly import OpenStep, StepError
 from .attempts import resave
-from .liveness import peer_pid
+from ..transport.pidwatch import peer_pid
 from .owners import NotOwner, principal
 from .session import Session
 from .share import Result, Share

@@ -1,12 +1,9 @@
 """Noticing at once that a local producer's process died.
 
-Over ``ipc://`` the kernel tells libzmq which process connected (SO_PEERCRED, the
-frame property ``Peer-Address`` = ``host:uid:gid:pid``): a pid the producer cannot
-forge, in the daemon's own pid namespace. The daemon opens a pidfd on it
-(Linux >= 5.3), which becomes readable when that process exits; every pidfd sits
-in one epoll set whose descriptor the main loop polls, so a death wakes the loop.
-Where pidfds are not available the process's start time in ``/proc/<pid>/stat`` is
-compared once a second instead (a reused pid has another start time).
+Over ``ipc://`` the kernel names the producer's process (``ckptd.transport.pidwatch``):
+the daemon watches it, and every pidfd sits in one epoll set whose descriptor the
+main loop polls, so a death wakes the loop. Where pidfds are not available the
+process's start time in ``/proc/<pid>/stat`` is compared once a second instead.
 
 A dead producer's last messages may still be on their way through libzmq's I/O
 thread (a commit sent just before it died must still be committed), so its session
@@ -16,33 +13,22 @@ ends only once it has been dead and silent for ``GRACE_S`` while the daemon read
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import select
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
+
+from ..transport.pidwatch import ProcessWatch
 
 log = logging.getLogger("ckptd.daemon")
 GRACE_S = 0.5  # dead, and nothing heard from it for this long: its messages have all been read
 _PROC_CHECK_S = 1.0
 
 
-def peer_pid(frame: Any) -> int | None:
-    """The pid of the process that connected over ipc:// and sent ``frame``, or None."""
-    try:
-        pid = int(frame.get("Peer-Address").split(":")[-1])
-    except Exception:  # no such property (an older libzmq, another transport)
-        return None
-    return pid if pid > 0 else None
-
-
 @dataclass
 class _Watched:
-    pid: int
-    fd: int = -1  # its pidfd, or -1: compared by start time instead
-    start: str | None = None  # /proc/<pid>/stat field 22, where no pidfd
+    process: ProcessWatch
     died: float | None = None  # monotonic time its death was noticed
 
 
@@ -61,29 +47,23 @@ class Liveness:
 
     def watch(self, identity: bytes, pid: int) -> None:
         self.forget(identity)
-        w = _Watched(pid)
-        try:
-            w.fd = os.pidfd_open(pid)
-        except OSError as exc:
-            if exc.errno == errno.ESRCH:  # gone already: its hello was its last word
-                w.died = time.monotonic()
-            else:  # ENOSYS, EPERM (a seccomp filter): /proc it is
-                w.start = _start_time(pid)
-                if w.start is None:  # hidden (ProtectProc=invisible): no death is ever guessed
-                    log.debug("cannot watch pid %d (%s, and /proc does not show it): session_timeout applies",
-                              pid, exc.strerror)
-                    return
-        else:
-            self._epoll.register(w.fd, select.EPOLLIN)
-            self._by_fd[w.fd] = identity
+        process = ProcessWatch(pid)
+        if not process.watchable:  # hidden (ProtectProc=invisible): no death is ever guessed
+            log.debug("cannot watch pid %d (%s): session_timeout applies", pid, process.why)
+            return
+        w = _Watched(process, died=time.monotonic() if process.gone_at_start else None)
+        if process.fd >= 0:
+            self._epoll.register(process.fd, select.EPOLLIN)
+            self._by_fd[process.fd] = identity
         self._by_id[identity] = w
 
     def forget(self, identity: bytes) -> None:
         w = self._by_id.pop(identity, None)
-        if w is not None and w.fd >= 0:
-            self._by_fd.pop(w.fd, None)
-            self._epoll.unregister(w.fd)
-            os.close(w.fd)
+        if w is not None and w.process.fd >= 0:
+            self._by_fd.pop(w.process.fd, None)
+            self._epoll.unregister(w.process.fd)
+        if w is not None:
+            w.process.close()
 
     def pending(self) -> bool:
         """Whether a death was noticed whose session has not ended yet."""
@@ -93,7 +73,7 @@ class Liveness:
         """(identity, pid) of producers dead and silent for GRACE_S: end their sessions
         (then ``forget`` them). ``last_seen``: when a session's last message came."""
         self._notice(now)
-        return [(identity, w.pid) for identity, w in self._by_id.items()
+        return [(identity, w.process.pid) for identity, w in self._by_id.items()
                 if w.died is not None and now - max(w.died, last_seen(identity)) >= GRACE_S]
 
     def _notice(self, now: float) -> None:
@@ -104,23 +84,10 @@ class Liveness:
         if now >= self._next_proc_check:
             self._next_proc_check = now + _PROC_CHECK_S
             for w in self._by_id.values():
-                if w.fd < 0 and w.died is None and _start_time(w.pid) != w.start:
+                if w.process.fd < 0 and w.died is None and w.process.exited():
                     w.died = now
 
     def close(self) -> None:
         for identity in list(self._by_id):
             self.forget(identity)
         self._epoll.close()
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot), or None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state is field 3
-    if not fields or fields[0] in ("Z", "X"):
-        return None
-    return fields[19] if len(fields) > 19 else None

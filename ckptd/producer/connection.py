@@ -184,8 +184,8 @@ class Connection:
             self.batcher = None
         if old is not None:
             old.close()
-            if old.stopped and endpoint.startswith("ipc://") and not unixsock.in_use(endpoint[len("ipc://"):]):
-                # it said it stopped, and nobody took its place: say so now, not a timeout later
+            if old.lost is not None and endpoint.startswith("ipc://") and not unixsock.in_use(endpoint[len("ipc://"):]):
+                # it stopped or died, and nobody took its place: say so now, not a timeout later
                 raise CheckpointError(f"{old.lost}, and no daemon listens there now; {self._start_hint()}")
         arena.reset()  # whatever the old connection carried is gone with it
         self._welcome = threading.Event()

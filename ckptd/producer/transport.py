@@ -4,7 +4,9 @@ ZeroMQ sockets are not thread-safe, so the training thread never touches the
 socket: it queues ready messages here and returns. The sender waits for a staged
 GPU copy's event before shipping it, sends payloads as zero-copy frames, hands
 every reply to ``on_reply``, pings the daemon, and calls ``on_lost`` once when the
-daemon has been silent for ``timeout`` seconds. One Transport is one connection.
+daemon has been silent for ``timeout`` seconds, or, over ``ipc://``, as soon as the
+daemon's process exited (``ckptd.transport.pidwatch``). One Transport is one
+connection.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import zmq
 
 from ..transport import wire
 from ..transport import curve
+from ..transport.pidwatch import ProcessWatch, peer_pid
 from ..transport.wakeup import WakePipe
 from ..errors import ProtocolError
 
@@ -26,6 +29,9 @@ log = logging.getLogger("ckptd.producer")
 
 
 CLOSE_LINGER_MS = 1000  # how long a clean close waits for queued messages to leave
+# the daemon's process exited, and nothing came from it for this long: libzmq's I/O thread
+# has handed on every message it sent before it died (a commit's acknowledgement among them)
+GRACE_S = 0.5
 
 
 class Transport:
@@ -57,6 +63,7 @@ class Transport:
         self.refused: str | None = None  # why the daemon refused this producer's CurveZMQ key
         self.stopped = False  # the daemon said it stopped (or is stopping): self.lost says so
         self._welcomed = False
+        self._next_proc_check = 0.0  # where the daemon's process has no pidfd: when /proc is read next
         # its own context, which close() terminates: that waits (up to CLOSE_LINGER_MS) until
         # libzmq's I/O thread has written the last messages (the bye) to the socket; with
         # the process-wide one, a process that exits right after close() lost them, and
@@ -111,26 +118,45 @@ class Transport:
         outbox: list[tuple[bytes, Any, Any]] = []
         last_heard = last_ping = time.monotonic()
         seq = 0
+        # over ipc:// the kernel names the daemon's process with its first reply: watched from then on
+        daemon: ProcessWatch | None = None
+        want_pid = self.endpoint.startswith("ipc://")
+        died: float | None = None  # when the daemon's exit was noticed
         try:
             while True:
                 self._idle = True  # then look at the queue: a message put before this was seen
                 wait = 0 if not self._queue.empty() else int(self._heartbeat * 1000 / 2)
-                for fd, _ in poller.poll(wait):
-                    if fd == self._wake.fd:
-                        self._wake.drain()
+                if died is not None:  # wake for the end of the grace period
+                    wait = min(wait, int(GRACE_S * 1000 / 2))
+                events = dict(poller.poll(wait))
+                if self._wake.fd in events:
+                    self._wake.drain()
                 self._idle = False
                 outbox = self._ship(sock, self._take_queued(outbox))
                 while True:
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=not want_pid)
                     except zmq.Again:
                         break
                     last_heard = time.monotonic()
+                    if want_pid:
+                        want_pid = False
+                        daemon = self._watch(poller, frames[0])
                     if handshake.monitor is not None:  # the daemon answered: the handshake is done
                         poller.unregister(handshake.monitor)
                         handshake.close()
                     if self._dispatch(frames):
                         return
+                if daemon is not None and died is None and self._exited(daemon, events):
+                    died = time.monotonic()
+                    if daemon.fd >= 0:  # readable from now on: it would wake every poll
+                        poller.unregister(daemon.fd)
+                if died is not None and time.monotonic() - max(died, last_heard) >= GRACE_S:
+                    assert daemon is not None
+                    self.lost = (f"lost contact with the ckptd daemon at {self.endpoint}: "
+                                 f"its process (pid {daemon.pid}) exited")
+                    self._on_lost(self.lost)
+                    return
                 refused = handshake.refusal(self.endpoint)
                 if refused:
                     self.lost = self.refused = refused
@@ -160,11 +186,38 @@ class Transport:
             self.lost = f"the ckptd sender thread failed: {exc}"
             self._on_lost(self.lost)
         finally:
+            if daemon is not None:
+                daemon.close()
             handshake.close()
             # A clean close lets what was shipped (the bye) leave the socket's queue;
             # LINGER 0 would drop it, and the daemon would count this producer until
             # its session timed out. A lost connection has nobody to deliver to.
             sock.close(linger=CLOSE_LINGER_MS if self.lost is None and self._linger else 0)
+
+    def _watch(self, poller: zmq.Poller, frame: Any) -> ProcessWatch | None:
+        """Watch the daemon's process, named by the kernel on ``frame``, or None where it cannot be."""
+        pid = peer_pid(frame)
+        if pid is None:
+            return None
+        daemon = ProcessWatch(pid)
+        if not daemon.watchable:  # hidden from this process: silence for ``timeout`` tells
+            log.debug("cannot watch the daemon's process %d (%s)", pid, daemon.why)
+            daemon.close()
+            return None
+        if daemon.fd >= 0:
+            poller.register(daemon.fd, zmq.POLLIN)
+        return daemon
+
+    def _exited(self, daemon: ProcessWatch, events: dict[Any, int]) -> bool:
+        """Whether the daemon's process exited: its pidfd woke the poll, or (no pidfd) /proc
+        says so, looked at once a second."""
+        if daemon.fd >= 0:
+            return daemon.fd in events and daemon.exited()
+        now = time.monotonic()
+        if now < self._next_proc_check:
+            return False
+        self._next_proc_check = now + 1.0
+        return daemon.exited()
 
     def _take_queued(self, outbox: list[tuple[bytes, Any, Any]]) -> list[tuple[bytes, Any, Any]]:
         """``outbox`` with every message queued so far appended (the sender thread only)."""
