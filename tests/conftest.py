@@ -67,6 +67,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: each file's own order stays
 
 
+# Tools some tests run, each with the Debian package that has it (scripts/test.sh installs
+# them as root). ``@pytest.mark.needs(tool, ...)`` on such a test: where one is missing it is
+# skipped, naming the tool and how to install it; under CI (CI=true) it runs and fails, as a
+# missing tool there is the machine's fault, never a reason to skip.
+TOOLS = {"systemd-analyze": "systemd", "systemd-sysusers": "systemd", "/lib/systemd/systemd": "systemd",
+         "h5dump": "hdf5-tools"}
+
+
+def missing_tools(tools: tuple[str, ...]) -> list[str]:
+    return [t for t in tools if not (os.access(t, os.X_OK) if t.startswith("/") else shutil.which(t))]
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if os.environ.get("CI") == "true":
+        return
+    for mark in item.iter_markers("needs"):
+        missing = missing_tools(mark.args)
+        if missing:
+            packages = " ".join(sorted({TOOLS[t] for t in missing}))
+            pytest.skip(f"needs {', '.join(missing)}, not installed here: install it with "
+                        f"`sudo apt-get install {packages}` (scripts/test.sh does, as root); CI=true runs this test")
+
+
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``ckptd ARGS`` in this process (``ckptd.cli.main``), as a CompletedProcess: its
     exit status, stdout and stderr, with the logging a fresh process would set up (the
