@@ -122,6 +122,7 @@ def install(*, user: bool) -> list[str]:
         done.append("(to keep it running while you are logged out: loginctl enable-linger)")
         done.append(f"producers: export CKPTD_CONFIG={config}")
         return done
+    network, notes = render_network_dropin()  # a name that does not resolve fails before anything is written
     _write(SYSTEM_UNIT, render_unit(user=False, python=python), done)
     dropin = render_dropin(python)
     if dropin is not None:
@@ -135,7 +136,6 @@ def install(*, user: bool) -> list[str]:
                                              socket=SYSTEM_SOCKET, root=SYSTEM_ROOT), done)
     else:
         done.extend(_outside_sandbox(SYSTEM_CONFIG))
-    network, notes = render_network_dropin()
     if network is not None:
         _write(SYSTEM_NETWORK_DROPIN, network, done)
         done[-1] += " (the unit allows IP only on loopback): " + ", ".join(

@@ -106,8 +106,8 @@ def _resolve(host: str, what: str) -> list[str]:
     except (socket.gaierror, UnicodeError) as exc:
         raise ValueError(f"{what}: cannot resolve {host!r} ({exc}); systemd's IPAddressAllow= takes addresses "
                          "only: fix the name (or write an address) in the config and run install-systemd again") from None
-    found = sorted({str(info[4][0]) for info in infos}, key=lambda a: (":" in a, a))
-    return [a for a in found if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
+    found = sorted({str(info[4][0]).split("%")[0] for info in infos}, key=lambda a: (":" in a, a))  # no scope
+    return [a for a in found if not ipaddress.ip_address(a).is_loopback]
 
 
 def _resolved_note(host: str) -> str:
@@ -136,8 +136,10 @@ def _listening(host: str, what: str, out: Allowed) -> None:
         return
     wanted = [n for n in networks if (n.version == bound.version and bound.is_unspecified) or bound in n]
     if not wanted:
-        out.notes.append(f"note: {what}: no interface here holds {bound}: allow its clients' network with "
-                         "`systemctl edit ckptd`: [Service] IPAddressAllow=PREFIX")
+        held = "no interface here has an address but loopback" if bound.is_unspecified \
+            else f"no interface here holds {bound}"
+        out.notes.append(f"note: {what}: {held}: allow its clients' network with `systemctl edit ckptd`: "
+                         "[Service] IPAddressAllow=PREFIX")
     out.add([str(n) for n in wanted], f"{what}: the network{'s' if len(wanted) > 1 else ''} of "
                                       f"{'every interface' if bound.is_unspecified else 'its interface'}")
 
