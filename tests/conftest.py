@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 LONGEST = ("test_peer.py", "test_fuzz.py", "test_transformers.py", "test_lightning.py", "test_faults.py",
            "test_dcp.py", "test_model.py", "test_writer_death.py", "test_reuse.py", "test_fastpaths.py",
            "test_hostile_files.py", "test_newcomer.py", "test_hdf5.py", "test_accelerate.py",
-           "test_sharded_training.py", "test_transport.py", "test_docs.py", "test_crash.py")
+           "test_sharded_training.py", "test_optim_resume.py", "test_transport.py", "test_docs.py", "test_crash.py")
 
 
 FORKSERVER = pytest.StashKey[tuple]()
