@@ -251,6 +251,9 @@ def _install_systemd(args: argparse.Namespace) -> int:
         dropin = None if args.user else install.render_dropin()
         if dropin is not None:
             print(f"\n### drop-in {install.SYSTEM_DROPIN}\n{dropin}", end="")
+        network = None if args.user else install.render_network_dropin()[0]
+        if network is not None:
+            print(f"\n### drop-in {install.SYSTEM_NETWORK_DROPIN}\n{network}", end="")
         return 0
     for line in install.install(user=args.user):
         print(line)

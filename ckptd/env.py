@@ -107,6 +107,12 @@ def endpoint(environ: Mapping[str, str] = os.environ) -> str | None:
     return _text("CKPTD_ENDPOINT", environ)
 
 
+def s3_endpoint(environ: Mapping[str, str] = os.environ) -> str:
+    """The S3 endpoint the remote tier uses (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``;
+    "" for AWS's own), as ``ckptd install-systemd`` finds the addresses to allow."""
+    return environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or ""
+
+
 def config_path(environ: Mapping[str, str] = os.environ) -> str | None:
     """``$CKPTD_CONFIG``: the config file (``none``: built-in defaults)."""
     return _text("CKPTD_CONFIG", environ)

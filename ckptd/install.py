@@ -1,11 +1,13 @@
 """``ckptd install-systemd``: the shipped unit, made to run this host's ckptd.
 
-The units in the source tree's ``systemd/`` folder are the templates. Installing
+The units in the package's ``systemd/`` folder (package data, so that a pip install
+has them; the source tree's ``systemd/`` links to it) are the templates. Installing
 changes one line, ``ExecStart=``, to this Python interpreter (the one whose
 environment has ckptd), so what runs is exactly what the test suite checks
 with ``systemd-analyze``. What this host needs beyond that goes into a drop-in
-(a Python under /root or /home, which the sandbox would hide). A config file is
-written only where there is none: an operator's config is never replaced.
+(a Python under /root or /home, which the sandbox would hide), and the addresses the
+config reaches beyond loopback into another (``unitnet``). A config file is written
+only where there is none: an operator's config is never replaced.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import os
 import sys
 from pathlib import Path
 
-from . import env
+from . import env, unitnet
 from .durable import replacing
 
-SOURCE = Path(__file__).resolve().parent.parent / "systemd"
+SOURCE = Path(__file__).resolve().parent / "systemd"
 SYSTEM_UNIT = Path("/etc/systemd/system/ckptd.service")
 SYSTEM_DROPIN = Path("/etc/systemd/system/ckptd.service.d/ckptd-python.conf")
+SYSTEM_NETWORK_DROPIN = Path("/etc/systemd/system/ckptd.service.d/ckptd-network.conf")
 SYSTEM_SYSUSERS = Path("/etc/sysusers.d/ckptd.conf")
 SYSTEM_CONFIG = Path("/etc/ckptd/config.toml")
 SYSTEM_ROOT = Path("/var/lib/ckptd")  # StateDirectory=ckptd
@@ -63,8 +66,8 @@ def template(*, user: bool) -> Path:
     path = SOURCE / ("user/ckptd.service" if user else "ckptd.service")
     if not path.is_file():
         raise FileNotFoundError(
-            f"the unit template {path} is missing: run install-systemd from the ckptd "
-            "installed by a source checkout's scripts/setup.sh (the units ship in its systemd/ folder)"
+            f"the unit template {path} is missing from this ckptd's package: reinstall ckptd "
+            "(pip install --force-reinstall ckptd, or bash scripts/setup.sh in a checkout)"
         )
     return path
 
@@ -119,6 +122,7 @@ def install(*, user: bool) -> list[str]:
         done.append("(to keep it running while you are logged out: loginctl enable-linger)")
         done.append(f"producers: export CKPTD_CONFIG={config}")
         return done
+    network, notes = render_network_dropin()  # a name that does not resolve fails before anything is written
     _write(SYSTEM_UNIT, render_unit(user=False, python=python), done)
     dropin = render_dropin(python)
     if dropin is not None:
@@ -132,6 +136,14 @@ def install(*, user: bool) -> list[str]:
                                              socket=SYSTEM_SOCKET, root=SYSTEM_ROOT), done)
     else:
         done.extend(_outside_sandbox(SYSTEM_CONFIG))
+    if network is not None:
+        _write(SYSTEM_NETWORK_DROPIN, network, done)
+        done[-1] += " (the unit allows IP only on loopback): " + ", ".join(
+            line[len("IPAddressAllow="):] for line in network.splitlines() if line.startswith("IPAddressAllow="))
+    elif SYSTEM_NETWORK_DROPIN.exists():  # left by an install whose config reached other hosts
+        SYSTEM_NETWORK_DROPIN.unlink()
+        done.append(f"removed {SYSTEM_NETWORK_DROPIN}")
+    done.extend(notes)
     done.append("next: systemd-sysusers && systemctl daemon-reload && systemctl enable --now ckptd")
     done.append(f"producers: members of group ckptd, with CKPTD_CONFIG={SYSTEM_CONFIG}")
     return done
@@ -165,6 +177,17 @@ def render_dropin(python: str | None = None) -> str | None:
         # A private /tmp would hide them, and a bind mount cannot reach under it.
         parts.append(_TMP_DROPIN if paths else "[Service]\n" + _TMP_DROPIN)
     return "".join(parts) or None
+
+
+def render_network_dropin(config_path: Path = SYSTEM_CONFIG) -> tuple[str | None, list[str]]:
+    """The drop-in allowing the addresses the system service's config reaches beyond
+    loopback (None if it reaches none, or has no config yet), and notes for the operator."""
+    from .config import load
+
+    if not config_path.exists():
+        return None, []
+    found = unitnet.allowed(load(config_path))
+    return found.render(str(config_path)), found.notes
 
 
 def _outside_sandbox(config_path: Path) -> list[str]:

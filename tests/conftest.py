@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 LONGEST = ("test_peer.py", "test_fuzz.py", "test_transformers.py", "test_lightning.py", "test_faults.py",
            "test_dcp.py", "test_model.py", "test_writer_death.py", "test_reuse.py", "test_fastpaths.py",
            "test_hostile_files.py", "test_newcomer.py", "test_hdf5.py", "test_accelerate.py",
-           "test_sharded_training.py", "test_transport.py", "test_docs.py", "test_crash.py")
+           "test_sharded_training.py", "test_optim_resume.py", "test_transport.py", "test_docs.py", "test_crash.py")
 
 
 FORKSERVER = pytest.StashKey[tuple]()
@@ -65,6 +65,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return (LONGEST.index(name) if name in LONGEST else len(LONGEST), -slow[item.path])
 
     items.sort(key=rank)  # stable: each file's own order stays
+
+
+# Tools some tests run, each with the Debian package that has it (scripts/test.sh installs
+# them as root). ``@pytest.mark.needs(tool, ...)`` on such a test: where one is missing it is
+# skipped, naming the tool and how to install it; under CI (CI=true) it runs and fails, as a
+# missing tool there is the machine's fault, never a reason to skip.
+TOOLS = {"systemd-analyze": "systemd", "systemd-sysusers": "systemd", "/lib/systemd/systemd": "systemd",
+         "h5dump": "hdf5-tools"}
+
+
+def missing_tools(tools: tuple[str, ...]) -> list[str]:
+    return [t for t in tools if not (os.access(t, os.X_OK) if t.startswith("/") else shutil.which(t))]
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if os.environ.get("CI") == "true":
+        return
+    for mark in item.iter_markers("needs"):
+        missing = missing_tools(mark.args)
+        if missing:
+            packages = " ".join(sorted({TOOLS[t] for t in missing}))
+            pytest.skip(f"needs {', '.join(missing)}, not installed here: install it with "
+                        f"`sudo apt-get install {packages}` (scripts/test.sh does, as root); CI=true runs this test")
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -46,6 +46,7 @@ def manifest(d, step_dir: str = STEP1) -> dict:
     return json.loads((d.root / "t" / step_dir / layout.manifest_name(0)).read_bytes())
 
 
+@pytest.mark.needs("h5dump")
 def test_files_open_with_plain_h5py_and_h5dump(make_daemon) -> None:
     """Every dataset holds the bytes emitted, under its name, with its torch dtype; dtypes
     HDF5 lacks are same-width unsigned integers; h5dump -H lists every dataset."""

@@ -140,7 +140,8 @@ def test_plain_load_of_a_sharded_step_under_torchrun_names_load_into(fsdp_run) -
         result = json.loads((out / f"plain-load-r{rank}.json").read_text())
         error = result["error"]
         assert error is not None and not error.startswith("PyTorch"), error
-        assert "ckptd.load_into(state, run)" in error and f"step {SAVE_AT} of run 'fsdp'" in error, error
+        assert f"ckptd.load_into({{'model': model_sd, 'optim': optim_sd}}, 'fsdp', {SAVE_AT}, root=" in error, error
+        assert f"step {SAVE_AT} of run 'fsdp'" in error and "model_sd, optim_sd = get_state_dict(model, opt)" in error
         assert re.search(r"a \[\d+, \d+\] piece of \[\d+, \d+\]", error) and "rank=" in error, error
         # the last layer's 7 rows, sharded over 2 ranks: 4 and 3
         assert result["piece_shape"] == [[4, 8], [3, 8]][rank], result

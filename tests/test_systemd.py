@@ -10,6 +10,7 @@ keeps the producers, and stop drains.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
 import re
@@ -78,6 +79,7 @@ def test_install_changes_only_execstart(kind: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["system", "system+dropin", "user"])
+@pytest.mark.needs("systemd-analyze")
 def test_verify_passes_without_a_warning(kind: str, tmp_path: Path) -> None:
     unit = rendered(kind.split("+")[0], tmp_path, dropin=kind.endswith("+dropin"))
     r = analyze("verify", str(unit), user=kind == "user", cwd=tmp_path)
@@ -86,6 +88,7 @@ def test_verify_passes_without_a_warning(kind: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dropin", [False, True], ids=["unit", "unit+dropin"])
+@pytest.mark.needs("systemd-analyze")
 def test_system_unit_exposure(dropin: bool, tmp_path: Path) -> None:
     unit = rendered("system", tmp_path, dropin=dropin)
     r = analyze("security", "--offline=true", f"--threshold={round(MAX_EXPOSURE * 10)}", str(unit), cwd=tmp_path)
@@ -96,6 +99,7 @@ def test_system_unit_exposure(dropin: bool, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout
 
 
+@pytest.mark.needs("systemd-analyze")
 def test_user_unit_applies_every_filter_an_unprivileged_manager_can(tmp_path: Path) -> None:
     """A user manager without privileges cannot set up namespaces, but it can install
     seccomp filters: all of those are on."""
@@ -155,6 +159,129 @@ def test_system_install_writes_unit_user_and_config() -> None:
     assert 'root = "/data/ckpt"' in config
 
 
+NETWORK_CONFIG = """
+[daemon]
+endpoint = "tcp://0.0.0.0:7400"
+metrics = "127.0.0.1:9464"
+[peer]
+listen = "tcp://10.9.0.5:7701"
+peers = ["tcp://10.9.0.6:7701", "tcp://[fd00::7]:7701", "tcp://localhost:7702"]
+[remote]
+url = "s3://bucket/ckpt"
+"""
+
+
+def _local_networks() -> list[str]:
+    out = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, check=True).stdout
+    nets = [ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}").network
+            for link in json.loads(out) for a in link["addr_info"]]
+    return list(dict.fromkeys(str(n) for n in nets if n.version == 4 and not (n.is_loopback or n.is_link_local)))
+
+
+def test_network_dropin_allows_exactly_what_the_config_reaches(tmp_path: Path, monkeypatch) -> None:
+    """[peer] peers (loopback left to the unit), the bucket's endpoint, and the networks
+    a tcp endpoint on every interface takes producers from: each allowed, with why."""
+    from ckptd.install import render_network_dropin
+
+    config = tmp_path / "config.toml"
+    config.write_text(NETWORK_CONFIG)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://10.9.0.9:8333")
+    text, notes = render_network_dropin(config)
+    assert text is not None
+    allowed = [line.split("=", 1)[1] for line in text.splitlines() if line.startswith("IPAddressAllow=")]
+    assert allowed == ["10.9.0.6", "fd00::7", "10.9.0.9", *_local_networks()]
+    assert "# [peer] peers: tcp://10.9.0.6:7701\nIPAddressAllow=10.9.0.6" in text
+    assert "# [remote] url s3://bucket/ckpt at AWS_ENDPOINT_URL http://10.9.0.9:8333\n" in text
+    assert f"from {config}" in text and "[Service]" in text
+    assert any("Environment=" in n for n in notes)  # the service needs the endpoint and keys too
+    # a provider's own endpoint has no fixed address: any, said so
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    text, notes = render_network_dropin(config)
+    assert "IPAddressAllow=any" in text and any("IPAddressAllow=any" in n for n in notes)
+    # a name that does not resolve is an error naming it, not a drop-in without it
+    config.write_text('[peer]\nlisten = "tcp://10.9.0.5:7701"\npeers = ["tcp://no-such-peer.invalid:7701"]\n')
+    with pytest.raises(ValueError, match=r"\[peer\] peers: tcp://no-such-peer.invalid:7701: cannot resolve "
+                       r"'no-such-peer.invalid'.*write an address"):
+        render_network_dropin(config)
+    # loopback only: nothing to allow beyond the unit's own
+    config.write_text('[daemon]\nmetrics = "127.0.0.1:9464"\n[remote]\nurl = "file:///srv/bucket"\n')
+    assert render_network_dropin(config) == (None, [])
+
+
+@pytest.mark.needs("systemd-analyze")
+def test_network_dropin_passes_verify(tmp_path: Path, monkeypatch) -> None:
+    from ckptd.install import SYSTEM_NETWORK_DROPIN, render_network_dropin
+
+    config = tmp_path / "config.toml"
+    config.write_text(NETWORK_CONFIG)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://10.9.0.9:8333")
+    unit = rendered("system", tmp_path, dropin=True)
+    dropins = unit.parent / "ckptd.service.d"
+    dropins.mkdir(exist_ok=True)
+    (dropins / SYSTEM_NETWORK_DROPIN.name).write_text(render_network_dropin(config)[0])
+    r = analyze("verify", str(unit), cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    # the addresses allowed keep the sandbox under the bar
+    r = analyze("security", "--offline=true", str(unit), cwd=tmp_path)
+    m = re.search(r"Overall exposure level for ckptd\.service: (\d+\.\d)", r.stdout)
+    assert m and float(m.group(1)) <= MAX_EXPOSURE, r.stdout
+
+
+WHEEL_INSTALL = r"""
+set -eu
+hosts=$(cat /etc/hosts)  # the names the config's peers resolve by
+mount -t tmpfs tmpfs /etc  # this namespace's /etc only: the host's is untouched
+printf '%s\n' "$hosts" > /etc/hosts
+mkdir /etc/ckptd && cp "$CONFIG" /etc/ckptd/config.toml
+cd / && "$VENV/bin/python" -m ckptd install-systemd
+cp -r /etc/systemd/system/ckptd.service /etc/systemd/system/ckptd.service.d "$OUT/"
+"""
+
+
+@pytest.mark.slow  # builds a wheel
+@pytest.mark.needs("systemd-analyze")
+def test_install_from_a_wheel_writes_units_that_verify(tmp_path: Path) -> None:
+    """``pip install ckptd`` ships the unit templates: a wheel installed into a scratch
+    environment (no checkout beside it) installs the unit and the network drop-in for a
+    config with peers and a bucket; systemd-analyze accepts them."""
+    refused = _namespaces_refused()
+    if refused:
+        pytest.skip(f"cannot make a private mount namespace: {refused}")
+    src, wheels = tmp_path / "src", tmp_path / "wheels"  # built from a copy: no build/ left in the checkout
+    shutil.copytree(REPO / "ckptd", src / "ckptd", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(src)], check=True, capture_output=True, timeout=300)
+    wheel = next(wheels.glob("ckptd-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin/python"), "install", "--no-deps",
+                    "-q", str(wheel)], check=True, capture_output=True, timeout=300)
+    # ckptd's dependencies from this environment, but not its ckptd (an editable install, not a .pth line)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    deps = next(p for p in sys.path if p.endswith("site-packages") and (Path(p) / "zmq").is_dir())
+    (site / "ckptd-test-deps.pth").write_text(deps + "\n")
+    where = subprocess.run([str(venv / "bin/python"), "-c", "import ckptd.install as i; print(i.SOURCE)"],
+                           capture_output=True, text=True, check=True, cwd="/").stdout.strip()
+    assert where == str(site / "ckptd/systemd"), where
+    config = tmp_path / "config.toml"
+    config.write_text(NETWORK_CONFIG.replace('"tcp://0.0.0.0:7400"', '"ipc:///run/ckptd/ckptd.sock"'))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, VENV=str(venv), CONFIG=str(config), OUT=str(out), AWS_ENDPOINT_URL="http://10.9.0.9:8333")
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", WHEEL_INSTALL],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("wrote /etc/systemd/system/ckptd.service.d/ckptd-network.conf (the unit allows IP only on loopback): "
+            "10.9.0.6, fd00::7, 10.9.0.9") in r.stdout, r.stdout
+    unit = out / "ckptd.service"
+    assert f"ExecStart={venv}/bin/python -m ckptd serve" in unit.read_text()
+    assert (out / "ckptd.service.d/ckptd-network.conf").is_file()
+    v = analyze("verify", str(unit), cwd=tmp_path)
+    assert v.returncode == 0 and v.stderr == "", v.stderr
+
+
 def tomllib_loads(text: str) -> dict:
     try:
         import tomllib
@@ -163,6 +290,7 @@ def tomllib_loads(text: str) -> dict:
     return tomllib.loads(text)
 
 
+@pytest.mark.needs("systemd-sysusers")
 def test_sysusers_entry_is_valid(tmp_path: Path) -> None:
     conf = tmp_path / "ckptd.conf"
     shutil.copy(REPO / "systemd/ckptd.sysusers", conf)
@@ -338,6 +466,7 @@ def wait_for(what: str, predicate, timeout: float, log) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.needs("/lib/systemd/systemd")
 def test_user_unit_under_systemd(manager: UserManager) -> None:
     m = manager
     out = m.inside(sys.executable, "-m", "ckptd", "install-systemd", "--user")
@@ -413,6 +542,7 @@ def test_user_unit_under_systemd(manager: UserManager) -> None:
     assert m.log().count("Fatal Python error: Aborted") == 1  # the watchdog fired once, when it should
 
 
+@pytest.mark.needs("/lib/systemd/systemd")
 def test_system_unit_sandbox_runs_the_daemon(manager: UserManager) -> None:
     """The system unit's whole sandbox, applied by a real systemd to a real daemon.
 

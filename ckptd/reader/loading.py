@@ -16,6 +16,7 @@ from ..errors import CheckpointNotFound
 from ..manifest import Manifest, TensorRecord
 from .checks import check, check_structure, share_records, unflatten_state
 from .files import read_tensors
+from .optim import is_optimizer_state
 from .reshard import load_whole
 from .steps import find, find_in_tiers, own_share_here, pick_rank
 
@@ -78,6 +79,10 @@ def load(
                              "one rank's share there with rank= (or set RANK), or fetch the step into the "
                              "local root first (ckptd.remote.fetch.fetch_share) to load the whole state")
         return load_whole(path, manifests, names=names, map_location=map_location, verify=verify)
+    here = env.rank()
+    if rank is None and here is not None and 1 < manifests[0].world_size <= here:
+        # a job on more ranks than saved the step has no share of its own: load_into reshards
+        _refuse_pieces_by_default(run, step, root, here, manifests[0], share_records(path, manifests, manifests[0]))
     manifest = pick_rank(manifests, rank)
     records = share_records(path, manifests, manifest)
     wanted = list(records) if names is None else list(names)
@@ -98,7 +103,7 @@ def load(
     if rebuild:  # a malformed structure fails now, before gigabytes are read
         check_structure(path, manifest)
     if rank is None and env.rank() is not None:
-        _refuse_pieces_by_default(run, manifest, {n: records[n] for n in wanted})
+        _refuse_pieces_by_default(run, step, root, manifest.rank, manifest, {n: records[n] for n in wanted})
     wanted_records = {n: records[n] for n in wanted}
     # from the bucket unless every file it needs was written here (the node that wrote it)
     writers = {manifest.rank} | {manifest.replicas[n] for n in wanted if n in manifest.replicas}
@@ -127,22 +132,50 @@ def load(
     return unflatten_state(path, manifest, values) if rebuild else values
 
 
-def _refuse_pieces_by_default(run: str, manifest: Manifest, records: dict[str, TensorRecord]) -> None:
+def _refuse_pieces_by_default(run: str, step: int | None, root: str | os.PathLike[str] | None, here: int,
+                              manifest: Manifest, records: dict[str, TensorRecord]) -> None:
     """Under torchrun ($RANK set, no ``rank=``), a share holding pieces of sharded tensors
     (an FSDP2 / DTensor model's) is refused: its pieces as plain tensors are what
     ``model.load_state_dict`` cannot take, and PyTorch's own error (a size mismatch)
     says nothing of what to do. ``load_into`` fills the model's own sharded state in
-    place; ``rank=`` asks for the pieces knowingly (docs/sharded.md)."""
-    for name, rec in records.items():
-        if rec.shard is not None and rec.shape != rec.shard.global_shape:
-            raise ValueError(
-                f"step {manifest.step} of run {run!r} holds sharded tensors: under torchrun "
-                f"(RANK={manifest.rank}) ckptd.load would return this rank's pieces as plain tensors "
-                f"({name!r}: a {rec.shape} piece of {rec.shard.global_shape}), which "
-                "model.load_state_dict cannot take. Fill the model's own sharded state in place "
-                "instead: state = {'model': model.state_dict()}; ckptd.load_into(state, run); "
-                "model.load_state_dict(state['model']) (docs/sharded.md); or pass rank= to get this "
-                "rank's pieces as plain tensors")
+    place, the message shows how for this step's structure; ``rank=`` asks for the
+    pieces knowingly (docs/sharded.md)."""
+    sharded = [n for n, rec in records.items() if rec.shard is not None and rec.shape != rec.shard.global_shape]
+    if not sharded:
+        return
+    rec = records[sharded[0]]
+    assert rec.shard is not None
+    raise ValueError(
+        f"step {manifest.step} of run {run!r} holds sharded tensors: under torchrun (RANK={here}) "
+        f"ckptd.load would return {'this rank' if here == manifest.rank else f'rank {manifest.rank}'}'s pieces as "
+        f"plain tensors ({sharded[0]!r}: a {rec.shape} piece of "
+        f"{rec.shard.global_shape}), which model.load_state_dict cannot take. Fill your model's "
+        "(and optimizer's) own sharded state in place instead, with `model` the model and `opt` its "
+        "optimizer (docs/sharded.md):\n"
+        + "".join(f"    {line}\n" for line in _recipe(run, step, root, manifest, sharded))
+        + f"or pass rank= (0 to {manifest.world_size - 1}) to get that rank's pieces as plain tensors")
+
+
+def _recipe(run: str, step: int | None, root: str | os.PathLike[str] | None, manifest: Manifest,
+            sharded: list[str]) -> list[str]:
+    """Code that restores this step's model and optimizer into the job's own objects,
+    keyed as the step was saved (``{"model": ..., "optim": ...}``); get_state_dict
+    creates a fresh optimizer's state so that there is something to fill."""
+    where = repr(run) + ("" if step is None else f", {step}") + ("" if root is None else f", root={str(root)!r}")
+    saved = state_mod.unflatten(manifest.state, lambda name: None) if manifest.state is not None else None
+    if not isinstance(saved, dict):
+        return ["state = model.state_dict()", f"ckptd.load_into(state, {where})", "model.load_state_dict(state)"]
+    opts = [k for k, v in saved.items() if is_optimizer_state(v)]
+    models = [k for k in saved if k not in opts and any(n.startswith(f"{k}.") for n in sharded)]
+    if not models:  # the model's state_dict() is the whole saved state
+        return ["state = model.state_dict()", f"ckptd.load_into(state, {where})", "model.load_state_dict(state)"]
+    if not opts:
+        return ["model_sd = model.state_dict()", f"ckptd.load_into({{{models[0]!r}: model_sd}}, {where})",
+                "model.load_state_dict(model_sd)"]
+    return ["from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict",
+            "model_sd, optim_sd = get_state_dict(model, opt)",
+            f"ckptd.load_into({{{models[0]!r}: model_sd, {opts[0]!r}: optim_sd}}, {where})",
+            "set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)"]
 
 
 def verify(run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None) -> tuple[Path, list[str]]:

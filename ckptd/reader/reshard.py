@@ -29,6 +29,7 @@ from .. import dtypes, env, layout, measures, state as state_mod
 from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from ..sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
+from . import optim
 from .files import read_range, read_tensors
 from .steps import find_in_tiers
 
@@ -98,7 +99,7 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     saved = _saved_structure(path, manifests, rank)
     targets: dict[str, Any] = {}
     missing: list[str] = []
-    _walk(state, saved, (), targets, missing)
+    _walk(state, saved, (), targets, missing, manifests[0].step)
     plans = []
     placed: dict[Any, Any] = {}
     for name, value in targets.items():
@@ -183,11 +184,16 @@ _TENSOR = _Tensor()
 _MISSING = object()
 
 
-def _walk(target: Any, saved: Any, path: tuple[Any, ...], targets: dict[str, Any], missing: list[str]) -> None:
-    """Collect the tensors of ``target`` by name; set its plain values from ``saved``."""
+def _walk(target: Any, saved: Any, path: tuple[Any, ...], targets: dict[str, Any], missing: list[str],
+          step: int) -> None:
+    """Collect the tensors of ``target`` by the names they are stored under (``path`` is
+    the saved one); set its plain values from ``saved``."""
     import numpy as np
     import torch
 
+    if optim.is_optimizer_state(target) and optim.is_optimizer_state(saved):
+        _walk_optimizer(target, saved, path, targets, missing, step)
+        return
     if isinstance(target, dict):
         items: Iterable[tuple[Any, Any]] = list(target.items())
         get = (lambda k: saved.get(k, _MISSING)) if isinstance(saved, dict) else (lambda k: _MISSING)
@@ -202,13 +208,37 @@ def _walk(target: Any, saved: Any, path: tuple[Any, ...], targets: dict[str, Any
         if isinstance(value, (torch.Tensor, np.ndarray)):
             targets[state_mod.path_name(sub)] = value
         elif isinstance(value, (dict, list, tuple)):
-            _walk(value, get(key), sub, targets, missing)
+            _walk(value, get(key), sub, targets, missing, step)
         else:
             old = get(key)
             if old is _MISSING or old is _TENSOR or isinstance(old, (dict, list, tuple)):
                 missing.append(state_mod.path_name(sub))
             elif not isinstance(target, tuple):
                 target[key] = old
+
+
+def _walk_optimizer(target: dict, saved: dict, path: tuple[Any, ...], targets: dict[str, Any],
+                    missing: list[str], step: int) -> None:
+    """An optimizer state: each parameter's state from the saved one of the same
+    parameter, whether either names its parameters by number or by name (reader/optim.py);
+    the target's ``params`` lists stay as they are (they name its own parameters)."""
+    where = "state[" + "][".join(map(repr, path)) + "]" if path else "the state"
+    optim.check_has_state(target, saved, where, step)
+    keys = optim.param_keys(target, saved, where)
+    for param, per in target["state"].items():
+        mapped = keys.get(param, _MISSING)
+        if mapped is _MISSING:  # not in the target's own groups: nothing says which saved state is its
+            missing.append(state_mod.path_name(path + ("state", param)))
+        elif isinstance(per, dict):
+            _walk(per, saved["state"].get(mapped, _MISSING), path + ("state", mapped), targets, missing, step)
+    groups = saved["param_groups"]
+    for i, group in enumerate(target["param_groups"]):
+        rest = {k: v for k, v in group.items() if k != "params"}
+        _walk(rest, groups[i] if i < len(groups) else _MISSING, path + ("param_groups", i), targets, missing, step)
+        group.update(rest)
+    others = {k: v for k, v in target.items() if k not in ("state", "param_groups")}
+    _walk(others, saved, path, targets, missing, step)
+    target.update(others)
 
 
 def _target(name: str, value: Any, stored: list[Piece], placed: dict[Any, Any] | None = None) -> Target:
