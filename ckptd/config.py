@@ -397,6 +397,19 @@ _TABLES: dict[str, type] = {
 }
 
 
+def tables() -> dict[str, type]:
+    """Every table the config file takes, by name, sub-tables as ``"remote.retention"``:
+    its dataclass, whose fields with a ``parse`` are its keys (what
+    tests/test_config_docs.py checks config.toml and docs/configuration.md against)."""
+    out: dict[str, type] = {}
+    for name, cls in _TABLES.items():
+        out[name] = cls
+        for f in dataclasses.fields(cls):
+            if "parse" not in f.metadata:  # a sub-table ([remote.retention])
+                out[f"{name}.{f.name}"] = type(f.default)
+    return out
+
+
 def build(cls: type, values: dict[str, Any], where: str) -> Any:
     """Make a ``cls`` from raw TOML (or keyword) values, naming ``where`` in errors."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
