@@ -19,18 +19,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from ..errors import CheckpointError
+from ..errors import RemoteAuthError, RemoteError  # re-exported: their home was here
 
 
 TAG = "ckptd-share"  # user metadata on data objects: which share (manifest) they belong to
-
-
-class RemoteError(CheckpointError):
-    """The object store refused or failed a request."""
-
-
-class RemoteAuthError(RemoteError):
-    """The object store refused the credentials: retrying cannot help."""
 
 
 def _client_options(url: str) -> dict[str, Any]:
