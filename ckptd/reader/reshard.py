@@ -147,7 +147,8 @@ def load_whole(path: Path, manifests: list[Manifest], *, names: Iterable[str] | 
         return state_mod.unflatten(first.state, out.__getitem__)
     except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, RecursionError) as exc:
         raise CheckpointCorrupt(f"{path / layout.manifest_name(0)}: the saved structure (\"state\") is "
-                                f"malformed: {exc}") from None
+                                f"malformed: {exc}; load its tensors by name with ckptd.load(run, step, names=[...]), "
+                                "which does not read it, or load another step") from None
 
 
 # -- what is stored, what is wanted -----------------------------------------------------------
@@ -171,7 +172,8 @@ def _saved_structure(path: Path, manifests: list[Manifest], rank: int) -> Any:
         return state_mod.unflatten(m.state, lambda name: _TENSOR)
     except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, RecursionError) as exc:
         raise CheckpointCorrupt(f"{path / layout.manifest_name(m.rank)}: the saved structure (\"state\") is "
-                                f"malformed: {exc}") from None
+                                f"malformed: {exc}: load_into cannot match it to your state; ckptd.load(run, step, "
+                                "names=[...]) reads the tensors without it, or load another step") from None
 
 
 class _Tensor:

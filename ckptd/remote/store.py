@@ -127,7 +127,9 @@ class Store:
             result = self._ob.get(self._store, key)
             size = int(result.meta["size"])
             if size > limit:
-                raise RemoteError(f"{self.where(key)} is {size} bytes, more than the {limit} allowed")
+                raise RemoteError(f"{self.where(key)} is {size} bytes, more than the {limit} allowed for it: it is not "
+                                  "what ckptd uploaded there; remove it from the bucket, or point [remote] url "
+                                  "at a prefix that only ckptd writes")
             return bytes(result.bytes())
         except FileNotFoundError:
             raise
@@ -180,4 +182,5 @@ class Store:
             return RemoteAuthError(
                 f"the object store refused the credentials {doing} {self.where(key)}: {text}; set "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the client's config files) to a key it accepts")
-        return RemoteError(f"{doing} {self.where(key)} failed: {text}")
+        return RemoteError(f"{doing} {self.where(key)} failed: {text}; check that [remote] url names a bucket "
+                           "this host can reach (AWS_ENDPOINT_URL for a server other than AWS)")
