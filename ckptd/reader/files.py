@@ -4,7 +4,7 @@ tensors, or mapped; a byte range of one record (``reshard``).
 Reading goes by the manifest's offsets, one ``preadv`` per tensor into memory the
 caller then owns, the same for every format; what needs a file's own structure (a
 check, a record without an offset: a chunked HDF5 dataset) is the file's format's
-(``ckptd.format``, docs/formats.md). A tensor's size is checked against the real size
+(``ckptd.format``, docs/format.md). A tensor's size is checked against the real size
 of its file before memory is allocated for it; files are opened relative to the step
 folder's descriptor and never through a symlink.
 """
