@@ -271,7 +271,8 @@ def _choose(target: Target, stored: list[Piece], rank: int) -> list[tuple[Piece,
     if covered != target.box.numel:
         raise CheckpointCorrupt(f"tensor {target.name!r}: the stored pieces cover {covered} of the "
                                 f"{target.box.numel} elements at offsets {list(target.box.offsets)} "
-                                f"sizes {list(target.box.sizes)}; the checkpoint is incomplete")
+                                f"sizes {list(target.box.sizes)}; the checkpoint is incomplete: load another "
+                                "step (`ckptd latest RUN --verify` names the newest undamaged one)")
     return out
 
 
@@ -388,7 +389,8 @@ def _whole(files: _Files, piece: Piece, wanted: list[tuple[Target, Box]], verify
                                   memoryview(raw.numpy()))
             if verify and checksum([memoryview(raw.numpy())] if rec.nbytes else []) != rec.checksum:
                 raise CheckpointCorrupt(f"{files.path / rec.file}: tensor {piece.key!r}: does not match "
-                                        "its checksum")
+                                        "its checksum: its bytes changed after the commit; load another step "
+                                        "(`ckptd latest RUN --verify` names the newest undamaged one)")
         itemsize = dtypes.lookup(rec.dtype).itemsize
         for target, box in wanted:
             start, length, _ = byte_span(box, piece.box, itemsize)
