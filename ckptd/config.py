@@ -172,7 +172,7 @@ def writer_threads(configured: int) -> int:
     """``[daemon] writer_threads``, with 0 resolved: a quarter of the cores, 2 to 4. Two
     even on 2 cores: the threads mostly wait on the device, and two files in flight beat
     one on both 2-core VMs measured (1 GiB durable: 0.60 / 0.80 GB/s, and 1.6 / 2.3-2.7
-    GB/s, at 1 / 2 threads: docs/speed.md)."""
+    GB/s, at 1 / 2 threads: docs/performance.md)."""
     return configured or max(2, min(4, (os.cpu_count() or 1) // 4))
 
 

@@ -92,7 +92,7 @@ def describe(name: str, value: Any) -> Item:
 
 def frozen_first(items: dict[str, Item], matches: Callable[[str], bool]) -> dict[str, Item]:
     """``items`` with the tensors ``frozen=`` names first, each marked: together they fill
-    chunk files of their own, which the next step links whole (docs/speed.md §5)."""
+    chunk files of their own, which the next step links whole (docs/performance.md)."""
     frozen = {}
     for name, item in items.items():
         if matches(name):
