@@ -552,7 +552,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--limits"]:  # docs/speed.md's figures: the stall, write path, HDF5 and resume at their floors
+    if argv[:1] == ["--limits"]:  # docs/performance.md's figures: the stall, write path, HDF5 and resume at their floors
         import limits
 
         return limits.main(argv[1:])

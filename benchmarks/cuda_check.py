@@ -13,7 +13,7 @@ Starts a real ``ckptd serve`` on a temp root and, for ``gpu_snapshot = "host"`` 
 * the device-to-host bandwidth the snapshot reached (bytes / time from the first
   emit until every copy's event completed), against a plain pinned
   ``cudaMemcpyAsync`` of the same bytes into page-locked memory: goal >= 80%;
-* ``load(map_location="cuda")`` (docs/speed.md: through pinned buffers, the copy to the
+* ``load(map_location="cuda")`` (docs/performance.md: through pinned buffers, the copy to the
   GPU overlapped with the reads): bit-exact, and its GB/s against ``load()`` then
   ``.to("cuda")``.
 

@@ -1,4 +1,4 @@
-"""How close ckptd comes to the machine's limits (docs/speed.md), in one run.
+"""How close ckptd comes to the machine's limits (docs/performance.md), in one run.
 
     .venv/bin/python benchmarks/limits.py                         # 1 GiB in 64 tensors + 10,000 small, 5 repeats
     .venv/bin/python benchmarks/limits.py --size 256MiB --repeat 3  # a dev run (~1 min)

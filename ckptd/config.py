@@ -172,7 +172,7 @@ def writer_threads(configured: int) -> int:
     """``[daemon] writer_threads``, with 0 resolved: a quarter of the cores, 2 to 4. Two
     even on 2 cores: the threads mostly wait on the device, and two files in flight beat
     one on both 2-core VMs measured (1 GiB durable: 0.60 / 0.80 GB/s, and 1.6 / 2.3-2.7
-    GB/s, at 1 / 2 threads: docs/speed.md)."""
+    GB/s, at 1 / 2 threads: docs/performance.md)."""
     return configured or max(2, min(4, (os.cpu_count() or 1) // 4))
 
 
@@ -395,6 +395,19 @@ _TABLES: dict[str, type] = {
     "daemon": DaemonConfig, "producer": ProducerConfig, "retention": RetentionConfig, "index": IndexConfig,
     "hdf5": Hdf5Config, "remote": RemoteConfig, "peer": PeerConfig, "advise": AdviseConfig,
 }
+
+
+def tables() -> dict[str, type]:
+    """Every table the config file takes, by name, sub-tables as ``"remote.retention"``:
+    its dataclass, whose fields with a ``parse`` are its keys (what
+    tests/test_config_docs.py checks config.toml and docs/configuration.md against)."""
+    out: dict[str, type] = {}
+    for name, cls in _TABLES.items():
+        out[name] = cls
+        for f in dataclasses.fields(cls):
+            if "parse" not in f.metadata:  # a sub-table ([remote.retention])
+                out[f"{name}.{f.name}"] = type(f.default)
+    return out
 
 
 def build(cls: type, values: dict[str, Any], where: str) -> Any:

@@ -1,4 +1,4 @@
-"""Where things live under the checkpoint root (docs/on-disk.md), and how to reach them
+"""Where things live under the checkpoint root (docs/format.md), and how to reach them
 without ever following a symlink planted below the root (docs/guarantees.md).
 
 The root itself may be a symlink (``/ckpt -> /mnt/nvme``): the configuration

@@ -1,7 +1,7 @@
 """The vocabulary on disk: tensor records, manifests, checkpoint info, checksums.
 
 A manifest (``manifest-r<rank>.json``) is written last; its presence commits one
-rank's share of a step. Field names are fixed (docs/on-disk.md, docs/format.md). A manifest read from
+rank's share of a step. Field names are fixed (docs/format.md). A manifest read from
 disk is untrusted input: ``Manifest.from_json`` checks every field before anything
 is allocated or opened by what it says.
 """

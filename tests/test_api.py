@@ -23,7 +23,7 @@ def test_public_surface_is_pinned() -> None:
     assert issubclass(ckptd.CheckpointNotFound, LookupError)
     assert issubclass(ckptd.CheckpointCorrupt, ckptd.CheckpointError)
     assert list(inspect.signature(ckptd.load).parameters)[:6] == ["run", "step", "root", "names", "map_location", "verify"]
-    # the manifest's fixed fields (docs/on-disk.md) first, in order; then what tells a rank's share from the whole step
+    # the manifest's fixed fields (docs/format.md) first, in order; then what tells a rank's share from the whole step
     assert [f for f in ckptd.CheckpointInfo.__dataclass_fields__] == [
         "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata", "world_size", "rank",
         "tiers"]  # which tiers ("local", "remote") hold the step

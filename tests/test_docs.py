@@ -185,3 +185,27 @@ def test_code_blocks_run_as_pasted(page: Path, tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(daemon.pid, signal.SIGKILL)
             daemon.wait()
+
+
+# A page named anywhere: a markdown link's target, or a mention such as docs/format.md or
+# `usage.md` in a page, a docstring or a comment. Pages are merged and renamed; a
+# mention left behind would send a reader to nothing.
+LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
+MENTION = re.compile(r"(?<![\w/.-])((?:docs/)?[a-z][a-z0-9-]*\.md)\b")
+SOURCES = [*PAGES, *sorted((REPO / "ckptd").rglob("*.py")), *sorted((REPO / "tests").rglob("*.py")),
+           *sorted((REPO / "benchmarks").rglob("*.py")), REPO / "benchmarks" / "README.md", REPO / "config.toml"]
+
+
+def test_every_page_named_exists() -> None:
+    missing = []
+    for source in SOURCES:
+        text = source.read_text()
+        for n, line in enumerate(text.split("\n"), 1):
+            for target in LINK.findall(line):
+                if "://" not in target and not (source.parent / target).resolve().is_file():
+                    missing.append(f"{source.relative_to(REPO)}:{n}: link to {target}")
+            for name in MENTION.findall(line):
+                path = REPO / name if name.startswith("docs/") else REPO / "docs" / name
+                if not path.is_file() and not (REPO / name).is_file() and not (source.parent / name).is_file():
+                    missing.append(f"{source.relative_to(REPO)}:{n}: names {name}")
+    assert not missing, "pages that do not exist:\n" + "\n".join(missing)

@@ -1,4 +1,4 @@
-"""The speed paths (docs/speed.md), for correctness: batched small tensors, writer threads,
+"""The speed paths (docs/performance.md), for correctness: batched small tensors, writer threads,
 O_DIRECT HDF5 data, ``load(out=...)``, ``load(mmap=True)``, parallel reads, the parsed
 manifest cache. Real daemons, real sockets, real files; speed itself is measured by
 benchmarks/limits.py, never here."""

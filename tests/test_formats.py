@@ -1,4 +1,4 @@
-"""Every storage format meets one protocol (``ckptd.format``; docs/formats.md): the same
+"""Every storage format meets one protocol (``ckptd.format``; docs/format.md): the same
 cases run over each, through the daemon's real writer (its threads, queues and
 commit, real files) and the real reader.
 

@@ -1,4 +1,4 @@
-"""A checkpoint costs what changed (docs/speed.md): frozen and unchanged tensors
+"""A checkpoint costs what changed (docs/performance.md): frozen and unchanged tensors
 are not written again; the new step hard-links the stored copy (ckptd.daemon.reuse).
 
 Real daemons, real files: what is checked is what a user sees (bit-exact loads,

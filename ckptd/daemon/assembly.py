@@ -18,15 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes
+from ..errors import StepError  # re-exported: its home was here
 from ..format import Entry
 from ..manifest import Shard
 from ..names import check_name
 from .share import Share, Stream
 from .writer import Writer
-
-
-class StepError(Exception):
-    """A message that fails one step (not the session): reply, then drop the step."""
 
 
 @dataclass(eq=False)

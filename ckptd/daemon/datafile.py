@@ -90,7 +90,7 @@ class DataFile:
         ``_DIRECT_MAX`` bytes: the kernel then has every one of their requests in
         flight at once. Written one buffer at a time, a 4 MiB tensor was one request
         at a time, and a chunk file's durable time was 0.73-0.82x an O_DIRECT write of
-        the same bytes in 64 MiB calls; gathered, 0.94-1.13x (docs/speed.md)."""
+        the same bytes in 64 MiB calls; gathered, 0.94-1.13x (docs/performance.md)."""
         self._claim_bounce()
         try:
             self._write_each(buffers)

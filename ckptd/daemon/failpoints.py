@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import threading
 
+from ..errors import Failpoint  # re-exported: its home was here
+
 _ARMED: dict[str, int] = {}  # point -> the first pass that raises (1-based)
 _passes: dict[str, int] = {}
 _lock = threading.Lock()
-
-
-class Failpoint(RuntimeError):
-    """Raised at an armed failpoint."""
 
 
 def arm(spec: str) -> None:

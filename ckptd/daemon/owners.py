@@ -21,14 +21,11 @@ from typing import Any
 
 from .. import layout
 from ..durable import atomic_write
+from ..errors import NotOwner  # re-exported: its home was here
 
 log = logging.getLogger("ckptd.daemon")
 OWNER_FILE = ".owner"
 _OWNER_LIMIT = 1024
-
-
-class NotOwner(Exception):
-    """The producer may not write this run; the message says whose it is and what to do."""
 
 
 def principal(frame: Any, *, tcp: bool) -> str | None:

@@ -1,7 +1,7 @@
 """Start-up clean-up: remove what a crash left behind.
 
 A step's files that no manifest names were being written when a daemon died;
-they are garbage (docs/on-disk.md). Only names ckptd itself writes are touched, and
+they are garbage (docs/format.md). Only names ckptd itself writes are touched, and
 symlinks are never followed: run and step folders are opened with
 ``O_NOFOLLOW`` and everything inside them is read, listed and removed relative
 to their descriptors, so a symlink planted in the root (to /etc, say) is at most

@@ -109,7 +109,9 @@ class StorageReader(_Reader):
         where = self.storage_data.get(index)
         if where is None:
             raise CheckpointCorrupt(f"{self._path}: DCP's metadata does not say where {index.fqn!r} at offsets "
-                                    f"{list(index.offset or [])} is stored")
+                                    f"{list(index.offset or [])} is stored: the DCP metadata kept in the step's "
+                                    "manifest is damaged; load the step with ckptd.load_into, which reads the "
+                                    "manifests' tensor records instead, or load another step")
         return where
 
     def _value(self, rank: int, fqn: str) -> Any:

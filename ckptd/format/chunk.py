@@ -63,10 +63,14 @@ def read_header(fd: int, size: int) -> tuple[dict[str, Any], int]:
     data starts; ``CheckpointCorrupt`` saying what is wrong with it."""
     head = os.pread(fd, 8, 0)
     if len(head) < 8:
-        raise CheckpointCorrupt("the file is too short for a safetensors header")
+        raise CheckpointCorrupt("the file is too short for a safetensors header: it was truncated after the "
+                                "commit; load another step (`ckptd latest RUN --verify` names the newest "
+                                "undamaged one)")
     n = int.from_bytes(head, "little")
     if n > min(size - 8, MAX_HEADER):
-        raise CheckpointCorrupt(f"its safetensors header claims {n} bytes; the file has {size}")
+        raise CheckpointCorrupt(f"its safetensors header claims {n} bytes; the file has {size}: it was truncated "
+                                "or overwritten after the commit; load another step (`ckptd latest RUN "
+                                "--verify` names the newest undamaged one)")
     view = memoryview(bytearray(n))
     if pread_into(fd, view, 8) != n:
         raise CheckpointCorrupt("its safetensors header is truncated")
@@ -319,10 +323,13 @@ class ChunkReader:
                 "data_offsets": [begin, begin + rec.nbytes]}
         if not isinstance(entry, dict) or {k: entry.get(k) for k in want} != want:
             raise CheckpointCorrupt(f"the file's safetensors header says {_short(entry)}, "
-                                    f"the manifest {_short(want)}")
+                                    f"the manifest {_short(want)}: the file was replaced after the commit; load "
+                                    "another step (`ckptd latest RUN --verify` names the newest undamaged one)")
 
     def read_into(self, name: str, rec: TensorRecord, out: Any) -> None:
-        raise CheckpointCorrupt("has no offset in its chunk file")  # (refused by the manifest's parser)
+        # (the manifest's parser refuses such a record first)
+        raise CheckpointCorrupt("has no offset in its chunk file: the manifest is damaged; load another step "
+                                "(`ckptd latest RUN --verify` names the newest undamaged one)")
 
     def close(self) -> None:
         self._header = None
@@ -335,7 +342,7 @@ class ChunkReader:
                 except CheckpointCorrupt as exc:
                     self._error = exc
             if self._error is not None:
-                raise CheckpointCorrupt(str(self._error))
+                raise CheckpointCorrupt(str(self._error))  # the first reading's message, which says what to do
         assert self._header is not None
         return self._header
 

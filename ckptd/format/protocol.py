@@ -1,5 +1,5 @@
 """What a storage format is: the small protocol that the daemon's writer and the
-reader meet, so that neither knows which format a share is in (docs/formats.md).
+reader meet, so that neither knows which format a share is in (docs/format.md).
 
 A format has a **write side**, called on the writer thread it names (``thread``)
 with the writer's services (``WriteIO``): write a batch of tensors, open a streamed

@@ -23,6 +23,7 @@ from typing import Any
 
 from .. import dtypes, layout
 from ..errors import CheckpointCorrupt
+from ..errors import PeerMemoryFull as Full  # re-exported: its home was here
 from ..manifest import Manifest, checksum
 
 log = logging.getLogger("ckptd.peer")
@@ -46,10 +47,6 @@ class Replica:
     @property
     def nbytes(self) -> int:
         return sum(len(b) for b in self.files.values())
-
-
-class Full(Exception):
-    """No room for a share within the budget."""
 
 
 class Holder:

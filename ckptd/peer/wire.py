@@ -30,7 +30,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from ..errors import ProtocolError
+from ..errors import PeerDown, PeerRefused, ProtocolError  # PeerDown, PeerRefused: re-exported
 
 MAX_HEADER_BYTES = 64 * 2**20  # a list answer carries manifests
 
@@ -60,14 +60,6 @@ def field(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> An
             or isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise ProtocolError(f"peer message {header.get('op')!r}: field {key!r} is {value!r}, not a {kind}")
     return value
-
-
-class PeerDown(Exception):
-    """A peer did not answer in time (slow, full of backlog, or dead)."""
-
-
-class PeerRefused(Exception):
-    """A peer answered with an error."""
 
 
 class Link:

@@ -387,7 +387,8 @@ class Producer:
         check_step(step)
         meta_json = _metadata_json(metadata)
         if self._current_step is not None:
-            raise ValueError(f"checkpoint({step}) inside checkpoint({self._current_step}); blocks do not nest")
+            raise ValueError(f"checkpoint({step}) inside checkpoint({self._current_step}); blocks do not nest: "
+                             "end the outer block first")
         handle = CommitHandle(step)
         self._current_step = step
         began = time.monotonic()

@@ -171,7 +171,8 @@ class Connection:
     def ensure(self) -> None:
         """Connected: say hello now if there is no connection or the daemon was lost."""
         if self.closed:
-            raise CheckpointError("this producer is closed")
+            raise CheckpointError("this producer is closed; make a new one (ckptd.Producer(...), or "
+                                  "producer.configure(...) for the module-level producer)")
         if self.transport is not None and self.transport.lost is None:
             return
         who, endpoint, timeout = self.who, self.who.endpoint, self._options.timeout

@@ -57,7 +57,8 @@ def describe(name: str, value: Any) -> Item:
     if isinstance(value, np.ndarray):
         found = dtypes.BY_NUMPY.get(value.dtype.name)
         if found is None or value.dtype.hasobject:
-            raise TypeError(f"array {name!r} has numpy dtype {value.dtype}, which ckptd cannot store")
+            raise TypeError(f"array {name!r} has numpy dtype {value.dtype}, which ckptd cannot store; "
+                            "convert it to a numeric dtype torch has (e.g. .astype(numpy.float32))")
         if value.dtype.byteorder not in "=|":
             raise TypeError(
                 f"array {name!r} is big-endian ({value.dtype}); convert it with "
@@ -65,7 +66,8 @@ def describe(name: str, value: Any) -> Item:
             )
         return Item(value, found, list(value.shape), value.nbytes, True, False)
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name!r} is a {type(value).__name__}, not a torch.Tensor or numpy.ndarray")
+        raise TypeError(f"{name!r} is a {type(value).__name__}, not a torch.Tensor or numpy.ndarray; "
+                        "convert it first (torch.as_tensor(value) takes numbers, lists and buffers)")
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(
             f"tensor {name!r} is a {type(value).__name__}, a tensor subclass ckptd cannot store; store a "
@@ -90,7 +92,7 @@ def describe(name: str, value: Any) -> Item:
 
 def frozen_first(items: dict[str, Item], matches: Callable[[str], bool]) -> dict[str, Item]:
     """``items`` with the tensors ``frozen=`` names first, each marked: together they fill
-    chunk files of their own, which the next step links whole (docs/speed.md §5)."""
+    chunk files of their own, which the next step links whole (docs/performance.md)."""
     frozen = {}
     for name, item in items.items():
         if matches(name):

@@ -273,7 +273,8 @@ def _populate(at: int, n: int) -> None:
             return
         err = ctypes.get_errno() if libc is not None else 0
         if err == 12:  # ENOMEM: no memory for the pages; touching them would only get SIGBUS
-            raise MemoryError(f"no memory to fault in {n} bytes of staging")
+            raise MemoryError(f"no memory to fault in {n} bytes of staging; lower [producer] staging_size "
+                              "(or staging_limit), or free memory on this node")
         _madvise_refused = True  # EINVAL (an older kernel), or no libc: write the pages instead
     ctypes.memset(at, 0, n)
 

@@ -102,7 +102,8 @@ class StepBook:
             if st is None:
                 st = self._steps[step] = Step()
             if st.handle is not None:
-                raise ValueError(f"step {step} was already committed by this producer")
+                raise ValueError(f"step {step} was already committed by this producer; save under a new "
+                                 "step number")
             if len(names) == 1:
                 clash = names[0] in st.names or names[0] in st.replicas
             else:  # a save's thousands of names, checked in C
@@ -176,7 +177,8 @@ class StepBook:
         with self._lock:
             st = self._steps.setdefault(step, Step())
             if st.handle is not None:
-                raise ValueError(f"step {step} was already committed by this producer")
+                raise ValueError(f"step {step} was already committed by this producer; save under a new "
+                                 "step number")
             st.handle = handle
             return st
 

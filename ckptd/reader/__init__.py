@@ -11,7 +11,7 @@ bucket), never through the daemon.
     loading   load and verify
 
 What needs a data file's own structure is its storage format's (``ckptd.format``,
-docs/formats.md); this package never asks which format a file is in.
+docs/format.md); this package never asks which format a file is in.
 """
 
 from __future__ import annotations

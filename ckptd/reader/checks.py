@@ -1,5 +1,5 @@
 """Checking a step: every tensor's bytes against its checksum and its file's own
-structure (the format's check, docs/formats.md), each saved structure, each
+structure (the format's check, docs/format.md), each saved structure, each
 replicated tensor's writer. ``ckptd verify``, ``load(verify=True)`` and
 ``latest(verify=True)`` use these.
 """

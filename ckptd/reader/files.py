@@ -4,7 +4,7 @@ tensors, or mapped; a byte range of one record (``reshard``).
 Reading goes by the manifest's offsets, one ``preadv`` per tensor into memory the
 caller then owns, the same for every format; what needs a file's own structure (a
 check, a record without an offset: a chunked HDF5 dataset) is the file's format's
-(``ckptd.format``, docs/formats.md). A tensor's size is checked against the real size
+(``ckptd.format``, docs/format.md). A tensor's size is checked against the real size
 of its file before memory is allocated for it; files are opened relative to the step
 folder's descriptor and never through a symlink.
 """
@@ -119,7 +119,9 @@ class _DataFile:
             self.fd = layout.open_regular(self.path.name, dir_fd=self.dir_fd)
         except OSError as exc:
             for name, _ in items:
-                yield name, None, self._corrupt(name, f"cannot open a file the manifest names: {exc.strerror}")
+                yield name, None, self._corrupt(name, f"cannot open a file the manifest names: {exc.strerror}; "
+                                                       "load another step (`ckptd latest RUN --verify` names "
+                                                       "the newest undamaged one)")
             return
         try:
             self.size = os.fstat(self.fd).st_size
@@ -148,7 +150,8 @@ class _DataFile:
             end = rec.offset + rec.nbytes
             if end > self.size:  # checked before allocating: the manifest's sizes are untrusted
                 raise self._corrupt(name, f"is truncated: the manifest puts it at bytes {rec.offset}..{end}, "
-                                          f"but the file has {self.size} bytes")
+                                          f"but the file has {self.size} bytes; load another step (`ckptd latest "
+                                          "RUN --verify` names the newest undamaged one)")
             if verify:
                 self._check_structure(name, rec)
             if dst is None and self.mapped and rec.nbytes and rec.offset % dtypes.lookup(rec.dtype).itemsize == 0:
@@ -158,10 +161,14 @@ class _DataFile:
                 view = memoryview(buf.numpy()) if dst is None else _bytes_of(dst)
                 got = pread_into(self.fd, view, rec.offset) if rec.nbytes else 0
                 if got != rec.nbytes:
-                    raise self._corrupt(name, f"is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}")
+                    raise self._corrupt(name, f"is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}; "
+                                              "load another step (`ckptd latest RUN --verify` names the newest "
+                                              "undamaged one)")
                 if dst is not None:
                     if verify and checksum([view] if rec.nbytes else []) != rec.checksum:
-                        raise self._corrupt(name, "does not match its checksum")
+                        raise self._corrupt(name, "does not match its checksum: its bytes changed after the "
+                                                  "commit; load another step (`ckptd latest RUN --verify` names the "
+                                                  "newest undamaged one)")
                     return dst
         else:
             import numpy as np
@@ -175,10 +182,14 @@ class _DataFile:
                 raise self._corrupt(name, str(exc)) from None
             if dst is not None:
                 if verify and checksum([_as_bytes(target)] if rec.nbytes else []) != rec.checksum:
-                    raise self._corrupt(name, "does not match its checksum")
+                    raise self._corrupt(name, "does not match its checksum: its bytes changed after the "
+                                              "commit; load another step (`ckptd latest RUN --verify` names the "
+                                              "newest undamaged one)")
                 return dst
         if verify and checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
-            raise self._corrupt(name, "does not match its checksum")
+            raise self._corrupt(name, "does not match its checksum: its bytes changed after the "
+                                      "commit; load another step (`ckptd latest RUN --verify` names the "
+                                      "newest undamaged one)")
         return rec.as_tensor(buf)
 
     def _check_structure(self, name: str, rec: TensorRecord) -> None:
@@ -217,11 +228,13 @@ def read_range(fd: int, path: Path, name: str, rec: TensorRecord, start: int, ds
     size = os.fstat(fd).st_size
     if rec.offset + rec.nbytes > size:
         raise CheckpointCorrupt(f"{path}: tensor {name!r}: is truncated: the manifest puts it at bytes "
-                                f"{rec.offset}..{rec.offset + rec.nbytes}, but the file has {size} bytes")
+                                f"{rec.offset}..{rec.offset + rec.nbytes}, but the file has {size} bytes; load another "
+                                "step (`ckptd latest RUN --verify` names the newest undamaged one)")
     got = pread_into(fd, dst, rec.offset + start)
     if got != len(dst):
         raise CheckpointCorrupt(f"{path}: tensor {name!r}: is truncated: {got} of {len(dst)} bytes "
-                                f"at offset {rec.offset + start}")
+                                f"at offset {rec.offset + start}; load another step (`ckptd latest RUN --verify` names "
+                                "the newest undamaged one)")
 
 
 def _bytes_of(t: Any) -> memoryview:

@@ -148,7 +148,8 @@ def load_whole(path: Path, manifests: list[Manifest], *, names: Iterable[str] | 
         return state_mod.unflatten(first.state, out.__getitem__)
     except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, RecursionError) as exc:
         raise CheckpointCorrupt(f"{path / layout.manifest_name(0)}: the saved structure (\"state\") is "
-                                f"malformed: {exc}") from None
+                                f"malformed: {exc}; load its tensors by name with ckptd.load(run, step, names=[...]), "
+                                "which does not read it, or load another step") from None
 
 
 # -- what is stored, what is wanted -----------------------------------------------------------
@@ -172,7 +173,8 @@ def _saved_structure(path: Path, manifests: list[Manifest], rank: int) -> Any:
         return state_mod.unflatten(m.state, lambda name: _TENSOR)
     except (KeyError, ValueError, TypeError, AttributeError, RuntimeError, RecursionError) as exc:
         raise CheckpointCorrupt(f"{path / layout.manifest_name(m.rank)}: the saved structure (\"state\") is "
-                                f"malformed: {exc}") from None
+                                f"malformed: {exc}: load_into cannot match it to your state; ckptd.load(run, step, "
+                                "names=[...]) reads the tensors without it, or load another step") from None
 
 
 class _Tensor:
@@ -299,7 +301,8 @@ def _choose(target: Target, stored: list[Piece], rank: int) -> list[tuple[Piece,
     if covered != target.box.numel:
         raise CheckpointCorrupt(f"tensor {target.name!r}: the stored pieces cover {covered} of the "
                                 f"{target.box.numel} elements at offsets {list(target.box.offsets)} "
-                                f"sizes {list(target.box.sizes)}; the checkpoint is incomplete")
+                                f"sizes {list(target.box.sizes)}; the checkpoint is incomplete: load another "
+                                "step (`ckptd latest RUN --verify` names the newest undamaged one)")
     return out
 
 
@@ -416,7 +419,8 @@ def _whole(files: _Files, piece: Piece, wanted: list[tuple[Target, Box]], verify
                                   memoryview(raw.numpy()))
             if verify and checksum([memoryview(raw.numpy())] if rec.nbytes else []) != rec.checksum:
                 raise CheckpointCorrupt(f"{files.path / rec.file}: tensor {piece.key!r}: does not match "
-                                        "its checksum")
+                                        "its checksum: its bytes changed after the commit; load another step "
+                                        "(`ckptd latest RUN --verify` names the newest undamaged one)")
         itemsize = dtypes.lookup(rec.dtype).itemsize
         for target, box in wanted:
             start, length, _ = byte_span(box, piece.box, itemsize)

@@ -4,7 +4,7 @@
     <url>/<run>/step-<12 digits>/r<rank>-<seq>.safetensors, r<rank>.h5
     <url>/<run>/step-<12 digits>/pinned                   uploaded with a pinned step
 
-A step is complete in the bucket under the local rule (docs/on-disk.md, docs/many-nodes.md): every rank's
+A step is complete in the bucket under the local rule (docs/format.md, docs/many-nodes.md): every rank's
 manifest is there, and every file each names is there at least as long as the
 manifest says. An object store has no rename, so that order of uploads (data
 first, manifest last) is the commit protocol. Manifests are untrusted input, parsed

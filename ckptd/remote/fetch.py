@@ -64,13 +64,15 @@ def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord) ->
     try:
         store.read_into(k, rec.offset, memoryview(buf.numpy()))
     except FileNotFoundError:
-        raise CheckpointCorrupt(f"{store.where(k)}: a file the manifest names is missing") from None
+        raise CheckpointCorrupt(f"{store.where(k)}: a file the manifest names is missing; load another "
+                                "step (`ckptd list RUN --remote` lists the bucket's)") from None
     except RemoteError as exc:
         if "shorter than its manifest" not in str(exc):
             raise
         raise CheckpointCorrupt(str(exc)) from None
     if checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
-        raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} does not match its checksum")
+        raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} does not match its checksum; load "
+                                "another step (`ckptd list RUN --remote` lists the bucket's)")
     return buf.view(dtypes.torch_dtype(rec.dtype)).reshape(rec.shape)
 
 

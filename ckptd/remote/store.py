@@ -19,18 +19,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from ..errors import CheckpointError
+from ..errors import RemoteAuthError, RemoteError  # re-exported: their home was here
 
 
 TAG = "ckptd-share"  # user metadata on data objects: which share (manifest) they belong to
-
-
-class RemoteError(CheckpointError):
-    """The object store refused or failed a request."""
-
-
-class RemoteAuthError(RemoteError):
-    """The object store refused the credentials: retrying cannot help."""
 
 
 def _client_options(url: str) -> dict[str, Any]:
@@ -135,7 +127,9 @@ class Store:
             result = self._ob.get(self._store, key)
             size = int(result.meta["size"])
             if size > limit:
-                raise RemoteError(f"{self.where(key)} is {size} bytes, more than the {limit} allowed")
+                raise RemoteError(f"{self.where(key)} is {size} bytes, more than the {limit} allowed for it: it is not "
+                                  "what ckptd uploaded there; remove it from the bucket, or point [remote] url "
+                                  "at a prefix that only ckptd writes")
             return bytes(result.bytes())
         except FileNotFoundError:
             raise
@@ -188,4 +182,5 @@ class Store:
             return RemoteAuthError(
                 f"the object store refused the credentials {doing} {self.where(key)}: {text}; set "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the client's config files) to a key it accepts")
-        return RemoteError(f"{doing} {self.where(key)} failed: {text}")
+        return RemoteError(f"{doing} {self.where(key)} failed: {text}; check that [remote] url names a bucket "
+                           "this host can reach (AWS_ENDPOINT_URL for a server other than AWS)")

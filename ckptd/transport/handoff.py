@@ -25,6 +25,7 @@ import struct
 import time
 from dataclasses import dataclass
 
+from ..errors import HandoffRefused  # re-exported: its home was here
 from . import unixsock
 
 log = logging.getLogger("ckptd.daemon")
@@ -52,10 +53,6 @@ def offer(ipc_path: str, fd: int, timeout: float) -> bytes:
     if answer != b"ok":
         raise HandoffRefused(answer.decode(errors="replace") or "the daemon closed the connection")
     return token
-
-
-class HandoffRefused(Exception):
-    """The daemon received the descriptor and refused it; the message says why."""
 
 
 # -- the daemon's side -------------------------------------------------------------------
