@@ -42,6 +42,8 @@ _HEADER = """\
 [Service]
 """
 
+_IP_ADDRESS = "local"  # what `ip -j addr` calls an interface's own address (not a tier's name)
+
 
 @dataclass
 class Allowed:
@@ -155,7 +157,7 @@ def _local_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network] | N
     out = []
     for link in json.loads(r.stdout or "[]"):
         for a in link.get("addr_info", []):
-            net = ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}").network
+            net = ipaddress.ip_interface(f"{a[_IP_ADDRESS]}/{a['prefixlen']}").network
             if not (net.is_loopback or net.is_link_local) and net not in out:
                 out.append(net)
     return out
