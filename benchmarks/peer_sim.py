@@ -108,22 +108,19 @@ def failures(n: int, k: int, domain: int, kind: str, trials: int, rng: random.Ra
 
 def estimate(name: str, place: Placement, lost_sets: list[tuple[int, ...]], n: int, k: int, ranks: int) -> float:
     """The fraction lost with ``replicas`` = 1 and k random nodes lost, from q, the
-    chance that two random nodes lose the step (one is a partner of the other), over
+    chance that two random nodes lose the step (one holds a share of the other), over
     the C(k, 2) pairs of lost nodes: where few tries see a loss, this says more than they
-    do. q from every node's partners where they are cheap to place (pairs, ring); for
-    rendezvous from the nodes tried, 2d/(n-1) with d the distinct partner nodes of a
-    node's shares (who holds u's shares and whose shares u holds: as many, unrelated)."""
-    if name == "rendezvous":
-        nodes = {u for lost in lost_sets for u in lost}
-        d = sum(len({place(u, r)[0] for r in range(ranks)}) for u in nodes) / len(nodes)
-        q = min(1.0, 2 * d / (n - 1))
-    else:
-        held = {u: {place(u, r)[0] for r in range(ranks)} for u in range(n)}
-        linked = {u: set(held[u]) for u in range(n)}
-        for u, partners_ in held.items():
-            for v in partners_:
-                linked[v].add(u)
-        q = sum(len(v) for v in linked.values()) / n / (n - 1)
+    do. For a node u of those tried, with D(u) the nodes holding its shares: q = (2|D(u)|
+    - |{v in D(u): u in D(v)}|) / (n - 1) (as many nodes hold a share of u as u holds
+    shares of, and a mutual partner counts once); rendezvous' mutual partners are
+    rare enough at scale to count none (its hash would cost a node's ranks per v)."""
+    nodes = sorted({u for lost in lost_sets for u in lost})[:200]
+    total = 0.0
+    for u in nodes:
+        held = {place(u, r)[0] for r in range(ranks)}
+        mutual = 0 if name == "rendezvous" else sum(u in {place(v, r)[0] for r in range(ranks)} for v in held)
+        total += 2 * len(held) - mutual
+    q = min(1.0, total / len(nodes) / (n - 1))
     return 1 - (1 - q) ** math.comb(k, 2)
 
 
