@@ -491,3 +491,23 @@ def test_the_peer_tier_has_its_own_persist_time_and_interval(tmp_path) -> None:
     finally:
         for n in (sender, holder):
             n.cleanup()
+
+
+def test_the_peer_rate_caps_what_replication_sends(tmp_path) -> None:
+    """[peer] rate: 2 MiB in 256 KiB parts at 512 KiB/s take at least 2.5 s to send
+    (one idle second banked), however fast the link."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    sender = Daemon(tmp_path / "sender", tables={"peer": {"listen": listens[0], "peers": [listens[1]],
+                                                          "rate": "512KiB", "frame": "256KiB"}})
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
+    try:
+        holder.start()
+        sender.start()
+        _save(sender, range(1, 2), nbytes=2 << 20)
+        _wait(lambda: _status(sender)["peer"]["under_replicated"] == 0, "replicated")
+        status = _status(sender)["peer"]
+        assert status["rate"] == 512 * 1024 and status["replicated_bytes"] > 2 << 20, status
+        assert status["send_seconds"] >= 2.5 - 0.1, status
+    finally:
+        for n in (sender, holder):
+            n.cleanup()
