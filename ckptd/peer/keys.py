@@ -59,6 +59,7 @@ class PeerCurveServer(CurveServer):
     (only that key may write), else every admitted key is a peer's."""
 
     shared: bool = False
+    admits = "peer"
 
     def may_write(self, user: str | None) -> bool:
         """Whether the sender with CurveZMQ User-Id ``user`` (its Z85 public key) may
