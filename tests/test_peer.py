@@ -511,3 +511,7 @@ def test_the_peer_rate_caps_what_replication_sends(tmp_path) -> None:
     finally:
         for n in (sender, holder):
             n.cleanup()
+    slow = Daemon(tmp_path / "slow", tables={"peer": {"listen": listens[0], "peers": [listens[1]], "rate": "64KiB"}})
+    with pytest.raises(RuntimeError, match=r"a partner gives a transfer up after 10 s.*raise rate, or lower frame"):
+        slow.start()  # a 4 MiB frame at 64 KiB/s: 64 s between parts, and partners give up after 10
+    slow.cleanup()

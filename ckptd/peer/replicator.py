@@ -37,7 +37,7 @@ from typing import Any, Callable
 import zmq
 
 from .. import index, layout
-from ..config import PeerConfig
+from ..config import ConfigError, PeerConfig
 from ..daemon import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
 from . import partners, supervise, wire
@@ -51,6 +51,11 @@ YIELD_AFTER_S = 0.2  # the daemon idle this long after a step's messages: replic
 class Replicator:
     def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
                  keep_last: Callable[[str], int], node_id: str) -> None:
+        if config.rate and config.frame / config.rate > config.stall / 2:
+            raise ConfigError(f"[peer] rate {config.rate} bytes/s sends a frame of {config.frame} bytes in "
+                              f"{config.frame / config.rate:.1f} s, and a partner gives a transfer up after "
+                              f"{config.stall:g} s ([peer] stall) without a part: raise rate, or lower frame to at most "
+                              f"{int(config.rate * config.stall / 2)} bytes")
         self.node_id = node_id  # this daemon's (PeerServer's): a peer that answers with it is this daemon
         self.ctx = ctx
         self.root = root
