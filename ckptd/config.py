@@ -337,6 +337,16 @@ class PeerConfig:
     # how often partners holding this node's newest shares are asked whether they still do,
     # and under-replicated shares are tried again (a failed peer is skipped this long)
     heartbeat: float = _opt(5.0, _positive(parse_duration))
+    # a listen address other than loopback without CurveZMQ keys: refused at start unless this says so
+    allow_plaintext: bool = _opt(False, lambda v: _bool(v))
+    # folder of every node's public key, named HOST-PORT.key for its [peer] listen (docs/tiers.md):
+    # each daemon has its own key pair ([daemon] curve_secret_key), and the peer port admits only these
+    curve_peers: str = _opt("", lambda v: _path(v))
+    rate: int = _opt(0, parse_size)  # bytes/s cap on replication's sending; 0 = none
+    # where a share's replicas go (docs/tiers.md, "Placement"): "ring" (each replica `domain` nodes on,
+    # in another failure domain) or "rendezvous" (hashing of run and rank: a node's ranks spread)
+    placement: str = _opt("ring", _choice("ring", "rendezvous"))
+    domain: int = _opt(1, _positive(lambda v: _count(v)))  # nodes a failure domain (rack, switch), by address
 
     @property
     def enabled(self) -> bool:

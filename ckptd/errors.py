@@ -80,3 +80,8 @@ class PeerRefused(Exception):
 
 class PeerMemoryFull(Exception):
     """No room for a replica within ``[peer] memory`` (peer/holder.py, as ``Full``)."""
+
+
+class PeerNotOwner(Exception):
+    """A peer asked to write, replace or drop a replica that another node's key owns
+    (peer/holder.py, as ``NotYours``)."""

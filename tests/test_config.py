@@ -103,3 +103,25 @@ def test_relative_paths_resolve_against_the_file(tmp_path, monkeypatch) -> None:
     assert config.default_root() == tmp_path / "sub" / "ck"
     monkeypatch.setenv("CKPTD_ROOT", "/elsewhere")
     assert str(config.default_root()) == "/elsewhere"
+
+
+def test_every_peer_key_is_in_the_shipped_config_commented_out() -> None:
+    text = (REPO / "config.toml").read_text()
+    for f in config.PeerConfig.__dataclass_fields__:
+        assert f"\n# {f} = " in text, f
+    assert config.load(REPO / "config.toml").peer == config.PeerConfig()  # commented out: no peer tier
+
+
+def test_the_peer_placement_rate_and_plaintext_keys(tmp_path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[peer]\nlisten = "tcp://10.0.0.5:7701"\nrate = "1GiB"\nallow_plaintext = true\n'
+                 'placement = "rendezvous"\ndomain = 4\ncurve_peers = "peers"\n')
+    p = config.load(f).peer
+    assert (p.rate, p.allow_plaintext, p.placement, p.domain, p.curve_peers) == (2**30, True, "rendezvous", 4, "peers")
+    assert config.PeerConfig().placement == "ring" and config.PeerConfig().rate == 0
+    f.write_text('[peer]\nplacement = "random"\n')
+    with pytest.raises(ConfigError, match=r"placement"):
+        config.load(f)
+    f.write_text('[peer]\nallow_plaintext = "yes"\n')
+    with pytest.raises(ConfigError, match=r"allow_plaintext"):
+        config.load(f)

@@ -73,11 +73,12 @@ TRAIN = textwrap.dedent("""
 """)
 
 
-def _nodes(tmp_path: Path, tables: dict | None = None, memory: str = "64MiB") -> list[Daemon]:
+def _nodes(tmp_path: Path, tables: dict | None = None, memory: str = "64MiB", **peer_keys: object) -> list[Daemon]:
     listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
     nodes = []
     for i, listen in enumerate(listens):
-        peer = {"listen": listen, "peers": [e for e in listens if e != listen], "memory": memory, "stall": "3s"}
+        peer = {"listen": listen, "peers": [e for e in listens if e != listen], "memory": memory, "stall": "3s",
+                **peer_keys}
         nodes.append(Daemon(tmp_path / f"node{i}", tables={**(tables or {}), "peer": peer}))
     return nodes
 
@@ -221,7 +222,7 @@ def test_a_partner_that_hangs_mid_transfer_is_replaced(tmp_path, monkeypatch) ->
 
     nodes = _nodes(tmp_path)
     listens = [load_config(n.config).peer.listen for n in nodes]
-    first = partners.order(listens[1:], "job", 0, me=listens[0])[0]
+    first = partners.of(load_config(nodes[0].config).peer, "job", 0)[0]
     hung = nodes[listens.index(first)]
     other = nodes[3 - listens.index(first)]
     cfg = dict(listen=listens[0], peers=listens[1:], memory="64MiB", stall="2s", frame="64KiB")
@@ -316,7 +317,7 @@ def test_a_partner_lost_after_it_took_the_replica_is_replaced(tmp_path) -> None:
     listens = [load_config(n.config).peer.listen for n in nodes]
     cfg = dict(listen=listens[0], peers=listens[1:], memory="64MiB", heartbeat="0.5s", timeout="0.5s")
     nodes[0] = Daemon(tmp_path / "node0b", tables={"peer": cfg})
-    first = partners.order(listens[1:], "job", 0, me=listens[0])[0]
+    first = partners.of(load_config(nodes[0].config).peer, "job", 0)[0]
     holder, other = nodes[listens.index(first)], nodes[3 - listens.index(first)]
     try:
         for n in nodes:
@@ -428,7 +429,7 @@ def test_a_lost_node_with_several_ranks_fetches_their_shares_from_several_peers(
                                                                                 caplog) -> None:
     from ckptd.peer import partners
 
-    nodes = _nodes(tmp_path)
+    nodes = _nodes(tmp_path, placement="rendezvous")  # a node's ranks spread over its peers
     listens = [load_config(n.config).peer.listen for n in nodes]
     try:
         for n in nodes:
@@ -490,3 +491,27 @@ def test_the_peer_tier_has_its_own_persist_time_and_interval(tmp_path) -> None:
     finally:
         for n in (sender, holder):
             n.cleanup()
+
+
+def test_the_peer_rate_caps_what_replication_sends(tmp_path) -> None:
+    """[peer] rate: 2 MiB in 256 KiB parts at 512 KiB/s take at least 2.5 s to send
+    (one idle second banked), however fast the link."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    sender = Daemon(tmp_path / "sender", tables={"peer": {"listen": listens[0], "peers": [listens[1]],
+                                                          "rate": "512KiB", "frame": "256KiB"}})
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
+    try:
+        holder.start()
+        sender.start()
+        _save(sender, range(1, 2), nbytes=2 << 20)
+        _wait(lambda: _status(sender)["peer"]["under_replicated"] == 0, "replicated")
+        status = _status(sender)["peer"]
+        assert status["rate"] == 512 * 1024 and status["replicated_bytes"] > 2 << 20, status
+        assert status["send_seconds"] >= 2.5 - 0.1, status
+    finally:
+        for n in (sender, holder):
+            n.cleanup()
+    slow = Daemon(tmp_path / "slow", tables={"peer": {"listen": listens[0], "peers": [listens[1]], "rate": "64KiB"}})
+    with pytest.raises(RuntimeError, match=r"a partner gives a transfer up after 10 s.*raise rate, or lower frame"):
+        slow.start()  # a 4 MiB frame at 64 KiB/s: 64 s between parts, and partners give up after 10
+    slow.cleanup()

@@ -234,6 +234,8 @@ def _peer_families(p: dict[str, Any]) -> Iterator[Any]:
                               value=p["evicted"])
     yield CounterMetricFamily("ckptd_peer_rejected", "Replicas received whose bytes did not match their "
                               "checksums (never held).", value=p["rejected"])
+    yield CounterMetricFamily("ckptd_peer_thread_restarts", "Peer tier threads (serve, send) that failed and "
+                              "were started again.", value=p.get("thread_restarts", 0))
 
 
 # each tier's families, by its name in the live figures (ckptd.tiers.replica_names)

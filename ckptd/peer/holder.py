@@ -2,12 +2,19 @@
 
 A share is received into a reservation (``offer``, ``part``) and admitted only
 once every byte arrived and every tensor matched its checksum (``done``): nothing
-half-received is ever listed or served. Room is made by evicting the oldest
-replicas, older steps of the arriving share's run first, never a newer step of
-that run than the one arriving (which is then refused: ``full``). A replica goes
-when its sender's retention deletes its step (``drop``), and when its run has more
-steps held than the sender's ``keep_last``. A reservation that no part reaches for
-``stall`` seconds is given up (its sender gave up on us).
+half-received is ever listed or served, and nothing held is evicted for a share not
+yet verified. A replica belongs to the key that sent it (its ``owner``: the sending
+daemon's CurveZMQ public key; None in plaintext): only that key may replace or drop
+it, or add parts to its transfer.
+
+What stays (``_protected``): for each run, the newest replica held here of each rank,
+and every share of the newest step whose ranks are all held here. Neither the budget,
+nor ``keep_last``, nor a ``drop`` removes those: a step complete across ranks survives
+a node lost between its commit and its replication. Beyond them, a replica goes when
+its owner's retention deleted its step (``drop``), beyond ``max(keep_last, 2)`` steps
+of its rank, and when room is needed (dropped ones first, then the oldest). A share
+that does not fit otherwise is refused (``full``) and goes to the next peer. A
+reservation that no part reaches for ``stall`` seconds is given up.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 from .. import dtypes, layout
 from ..errors import CheckpointCorrupt
 from ..errors import PeerMemoryFull as Full  # re-exported: its home was here
+from ..errors import PeerNotOwner as NotYours
 from ..manifest import Manifest, checksum
 
 log = logging.getLogger("ckptd.peer")
@@ -39,6 +47,9 @@ class Replica:
     received: dict[str, int] = field(default_factory=dict)  # file -> bytes arrived (parts never overlap)
     touched: float = field(default_factory=time.monotonic)
     arrival: int = 0
+    owner: str | None = None  # the sender's public key (Z85); None in plaintext
+    keep_last: int = 0  # the sender's retention: steps of its (run, rank) worth holding (0: no limit)
+    dropped: bool = False  # its owner's retention deleted its step; kept while a recovery may need it
 
     @property
     def key(self) -> Key:
@@ -62,9 +73,10 @@ class Holder:
         self.rejected = 0  # shares whose bytes did not match their checksums
 
     # -- receiving -------------------------------------------------------------------------
-    def offer(self, manifest_json: bytes, files: dict[str, int], keep_last: int) -> int:
-        """Reserve room for a share; its transfer id. CheckpointCorrupt for a bad
-        manifest or file list, Full when the budget cannot take it."""
+    def offer(self, manifest_json: bytes, files: dict[str, int], keep_last: int, owner: str | None = None) -> int:
+        """Reserve room for a share sent by ``owner``; its transfer id. CheckpointCorrupt
+        for a bad manifest or file list, NotYours for a share held from another owner,
+        Full when the budget cannot take it without evicting a newest replica."""
         m = Manifest.from_json(manifest_json, "a manifest offered by a peer")
         names = set(m.files) | {t.file for t in m.tensors.values()}
         if set(files) != names or not all(layout.is_data_file(f) for f in files):
@@ -77,20 +89,21 @@ class Holder:
                 raise CheckpointCorrupt(f"tensor {name!r} lies beyond the end of {t.file}")
         need = sum(files.values())
         with self._lock:
+            self._check_owner((m.run, m.step, m.rank), owner)
             self._expire()
-            if keep_last:
-                self._keep_newest(m.run, keep_last, incoming=m.step)
-            self._make_room(need, m.run, m.step)
+            self._make_room(need)
             xfer = next(self._xfers)
             self._incoming[xfer] = Replica(m, manifest_json, {f: _memory(n) for f, n in files.items()},
-                                           {f: 0 for f in files})
+                                           {f: 0 for f in files}, owner=owner, keep_last=keep_last)
             return xfer
 
-    def part(self, xfer: int, file: str, offset: int, data: Any) -> None:
+    def part(self, xfer: int, file: str, offset: int, data: Any, owner: str | None = None) -> None:
         with self._lock:
             r = self._incoming.get(xfer)
             if r is None:
                 raise KeyError(f"transfer {xfer} is unknown (given up after {self.stall:g} s without a part?)")
+            if r.owner != owner:
+                raise NotYours(f"transfer {xfer} is another peer's")
             buf = r.files.get(file)
             if buf is None or offset + len(data) > len(buf):
                 raise ValueError(f"a part of {len(data)} bytes at {offset} does not fit {file!r}")
@@ -99,11 +112,15 @@ class Holder:
         with self._lock:
             r.received[file] += len(data)
 
-    def done(self, xfer: int) -> Key:
+    def done(self, xfer: int, owner: str | None = None) -> Key:
         """Admit a fully received share once its bytes verify; CheckpointCorrupt (the
-        reservation is dropped) if they do not."""
+        reservation is dropped) if they do not. The older steps of its (run, rank)
+        become superseded; those beyond ``max(keep_last, 2)`` go."""
         with self._lock:
-            r = self._incoming.pop(xfer, None)
+            r = self._incoming.get(xfer)
+            if r is not None and r.owner != owner:
+                raise NotYours(f"transfer {xfer} is another peer's")
+            self._incoming.pop(xfer, None)
         if r is None:
             raise KeyError(f"transfer {xfer} is unknown")
         short = [f for f, b in r.files.items() if r.received[f] != len(b)]
@@ -116,44 +133,88 @@ class Holder:
                 self.rejected += 1
             raise
         with self._lock:
+            self._check_owner(r.key, owner)  # held meanwhile by another owner: theirs stays
             r.arrival = next(self._arrivals)
             self._held[r.key] = r
+            self._tidy(r.key[0])
         return r.key
 
+    def _check_owner(self, key: Key, owner: str | None) -> None:
+        held = self._held.get(key)
+        if held is not None and held.owner != owner:
+            raise NotYours(f"run {key[0]!r} step {key[1]} rank {key[2]} is held here for another peer: "
+                           "only the node whose share it is may replace it")
+
     # -- forgetting ------------------------------------------------------------------------
-    def drop(self, run: str, steps: list[int]) -> int:
+    def drop(self, run: str, steps: list[int], owner: str | None = None) -> int:
+        """Forget ``owner``'s replicas of ``steps`` of ``run`` (its retention deleted them),
+        but for those a recovery may still need (``_protected``): those go once they are not."""
+        wanted = set(steps)
         with self._lock:
-            gone = [k for k in self._held if k[0] == run and k[1] in set(steps)]
-            for k in gone:
-                del self._held[k]
-            return len(gone)
+            mine = [r for k, r in self._held.items() if k[0] == run and k[1] in wanted and r.owner == owner]
+            for r in mine:
+                r.dropped = True
+            before = len(self._held)
+            self._tidy(run)
+            return before - len(self._held)
 
-    def _keep_newest(self, run: str, keep_last: int, incoming: int) -> None:
-        steps = sorted({k[1] for k in self._held if k[0] == run} | {incoming}, reverse=True)
-        old = set(steps[keep_last:])
-        for k in [k for k in self._held if k[0] == run and k[1] in old]:
-            del self._held[k]
-            self.evicted += 1
+    def _protected(self, run: str) -> set[Key]:
+        """The replicas of ``run`` a recovery may need: the newest held of each rank, and
+        every share of the newest step whose ranks are all held here."""
+        mine = [r for k, r in self._held.items() if k[0] == run]
+        newest: dict[int, Replica] = {}
+        for r in mine:
+            if r.manifest.rank not in newest or r.arrival > newest[r.manifest.rank].arrival:
+                newest[r.manifest.rank] = r
+        keep = {r.key for r in newest.values()}
+        ranks: dict[int, set[int]] = {}
+        for r in mine:
+            ranks.setdefault(r.manifest.step, set()).add(r.manifest.rank)
+        whole = [step for step, got in ranks.items()
+                 if any(len(got) == r.manifest.world_size for r in mine if r.manifest.step == step)]
+        if whole:
+            keep |= {r.key for r in mine if r.manifest.step == max(whole)}
+        return keep
 
-    def _make_room(self, need: int, run: str, step: int) -> None:
+    def _tidy(self, run: str) -> None:
+        """Forget what ``run``'s owners dropped and what is beyond their ``keep_last``
+        (at least 2 steps of each rank), but never a protected replica."""
+        keep = self._protected(run)
+        by_rank: dict[int, list[Replica]] = {}
+        for k, r in self._held.items():
+            if k[0] == run:
+                by_rank.setdefault(k[2], []).append(r)
+        for replicas in by_rank.values():
+            replicas.sort(key=lambda r: r.arrival, reverse=True)
+            limit = max(replicas[0].keep_last, 2) if replicas[0].keep_last else len(replicas)
+            for i, r in enumerate(replicas):
+                if r.key not in keep and (r.dropped or i >= limit):
+                    del self._held[r.key]
+                    self.evicted += not r.dropped
+
+    def _evictable(self) -> list[Replica]:
+        """Replicas a recovery does not need first, for room: dropped by their owner
+        first, then the oldest; never a protected one."""
+        keep = set().union(*(self._protected(run) for run in {k[0] for k in self._held}))
+        return sorted((r for k, r in self._held.items() if k not in keep), key=lambda r: (not r.dropped, r.arrival))
+
+    def _make_room(self, need: int) -> None:
         if need > self.budget:
             raise Full(f"a share of {need} bytes is larger than the whole [peer] memory budget ({self.budget})")
         used = self._used()
         if used + need <= self.budget:
             return
-        # older steps of this run first, then the others by arrival; never a newer step of this run
-        victims = sorted((r for k, r in self._held.items() if not (k[0] == run and k[1] >= step)),
-                         key=lambda r: (r.key[0] != run, r.key[1] if r.key[0] == run else 0, r.arrival))
         freed = 0
         chosen = []
-        for r in victims:
+        for r in self._evictable():
             if used - freed + need <= self.budget:
                 break
             chosen.append(r)
             freed += r.nbytes
         if used - freed + need > self.budget:
-            raise Full(f"no room for a share of {need} bytes: {used} of {self.budget} bytes hold replicas "
-                       "of newer steps or transfers under way")
+            raise Full(f"no room for a share of {need} bytes: {used} of {self.budget} bytes hold the newest "
+                       "replica of each rank held here or transfers under way (a newest replica stays until a "
+                       "newer one of its rank arrives: give [peer] memory room for two steps)")
         for r in chosen:
             del self._held[r.key]
             self.evicted += 1
@@ -185,7 +246,8 @@ class Holder:
             return {"held_bytes": sum(r.nbytes for r in self._held.values()), "held_shares": len(self._held),
                     "held_steps": len({(k[0], k[1]) for k in self._held}),
                     "receiving_bytes": sum(r.nbytes for r in self._incoming.values()),
-                    "memory": self.budget, "evicted": self.evicted, "rejected": self.rejected}
+                    "memory": self.budget, "evicted": self.evicted, "rejected": self.rejected,
+                    "evictable_shares": len(self._evictable())}
 
 
 def _memory(n: int) -> Any:

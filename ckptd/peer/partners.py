@@ -1,20 +1,35 @@
-"""Which peers hold a share: rendezvous hashing of (run, rank) over the peers list.
+"""Which peers hold a share: the placement of replicas (docs/tiers.md, "Placement").
 
-Every daemon computes the same order from the same list, with no coordination; a
-node's ranks land on different peers, so that its recovery fans in from several;
-and when one peer leaves the list only the shares it held move. The first
-``replicas`` peers of the order are a share's partners, the rest its fallbacks.
-Peers on this daemon's own host come last when other hosts are listed (another
-failure domain first).
+- ``order`` (``[peer] placement = "rendezvous"``): rendezvous hashing of (run, rank)
+  over the peers list. Every daemon computes the same order from the same list, with no
+  coordination; a node's ranks land on different peers, so that its recovery fans in
+  from several; when one peer leaves the list only the shares it held move. Peers on
+  this daemon's own host come last when other hosts are listed.
+- ``ring`` (``[peer] placement = "ring"``, the default): every node (``peers`` and this
+  daemon's ``listen``) sorted by address, the same list on every node; a node's shares
+  go to the nodes ``domain``, 2·``domain``, … places after it, so that with ``domain``
+  the nodes of one failure domain (rack, switch: consecutive addresses) each replica
+  lies in another domain, as NVIDIA's resiliency extension places its replicas
+  (``replication_jump``). Two nodes lost at once lose a step only when one is the
+  other's partner: 8 times less often than rendezvous at 8 ranks a node, and never
+  when they share a domain (benchmarks/peer_sim.py, docs/tiers.md).
+
+The first ``replicas`` peers of either order are a share's partners, the rest its
+fallbacks.
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
+from typing import Any, Sequence
+
 import xxhash
 
-from ..config import split_host_port
+from ..config import PeerConfig, split_host_port
 
 
+@functools.lru_cache(maxsize=65536)
 def host_of(endpoint: str) -> str:
     return split_host_port(endpoint.split("://", 1)[-1])[0]
 
@@ -23,5 +38,43 @@ def order(peers: tuple[str, ...] | list[str], run: str, rank: int, *, me: str = 
     """``peers`` (never ``me``) in the order a share of (``run``, ``rank``) tries them."""
     mine = host_of(me) if me else None
     others = [p for p in dict.fromkeys(peers) if p != me]
-    return sorted(others, key=lambda p: (host_of(p) == mine and any(host_of(q) != mine for q in others),
-                                         -xxhash.xxh3_64_intdigest(f"{run}\0{rank}\0{p}".encode())))
+    hashed = f"{run}\0{rank}\0".encode()
+    by_hash = sorted(others, key=lambda p: -xxhash.xxh3_64_intdigest(hashed + p.encode()))
+    if mine is None or all(host_of(q) != mine for q in others) or all(host_of(q) == mine for q in others):
+        return by_hash
+    return sorted(by_hash, key=lambda p: host_of(p) == mine)  # stable: the hash order within each group
+
+
+def ring(nodes: Sequence[str], me: str, jump: int) -> list[str]:
+    """``nodes`` (every node, ``me`` among them) but ``me``, in the order a share of
+    ``me`` tries them: ``jump``, 2·``jump``, … places after ``me`` round the ring, then
+    the rest in ring order."""
+    nodes = list(dict.fromkeys(nodes))
+    n, i = len(nodes), nodes.index(me)
+    first = dict.fromkeys(nodes[(i + k * jump) % n] for k in range(1, n))
+    rest = (nodes[(i + k) % n] for k in range(1, n))
+    return [p for p in dict.fromkeys([*first, *rest]) if p != me]
+
+
+def _address_key(endpoint: str) -> tuple[int, Any, int]:
+    """Endpoints by address: IPv4 and IPv6 numerically, names as written, then port."""
+    host = host_of(endpoint)
+    port = int(endpoint.rsplit(":", 1)[-1])
+    try:
+        return 0, int(ipaddress.ip_address(host)), port
+    except ValueError:
+        return 1, host, port
+
+
+def cluster(config: PeerConfig) -> list[str]:
+    """Every node of the ring: ``peers`` and this daemon's ``listen``, by address (the
+    same list on every node whether or not its ``peers`` names itself)."""
+    return sorted(dict.fromkeys([*config.peers, config.listen]), key=_address_key)
+
+
+def of(config: PeerConfig, run: str, rank: int) -> list[str]:
+    """The peers (never this daemon) in the order a share of (``run``, ``rank``) tries
+    them, by ``[peer] placement``."""
+    if config.placement == "rendezvous":
+        return order(config.peers, run, rank, me=config.listen)
+    return ring(cluster(config), config.listen, config.domain)

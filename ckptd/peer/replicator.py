@@ -1,13 +1,14 @@
 """The ``ckptd-peer-send`` thread: each share this daemon commits goes to the memory
-of ``replicas`` partner daemons (``partners.order``), after the local commit and off
+of ``replicas`` partner daemons (``partners.of``: ``[peer] placement``), after the local commit and off
 the training loop's path (the share's files are read back, from the page cache).
 
 A transfer is an ``offer``, the files in ``frame``-sized parts with ``window`` of
 them in flight, and ``done``. A partner that takes no part for ``stall`` seconds,
 refuses, or is full is reported (log, ``ckptd status``, metrics) and the next peer
 of the order takes the share; a partner that failed is skipped for ``heartbeat``
-seconds. Only the newest step of each (run, rank) is worth a replica: an older one
-still queued when a newer commits is superseded. A share no partner took stays
+seconds. Only the newest share of each (run, rank) is worth a replica, the one
+committed last (after a resume from an older step, the new attempt's): one still
+queued when another commits is superseded. ``[peer] rate`` caps the bytes/s sent. A share no partner took stays
 under-replicated and is tried again every ``heartbeat`` seconds while it is the
 newest, sent only to partners that do not hold it yet.
 
@@ -36,9 +37,10 @@ from typing import Any, Callable
 import zmq
 
 from .. import index, layout
-from ..config import PeerConfig
+from ..config import ConfigError, PeerConfig
+from ..daemon import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
-from . import partners, wire
+from . import partners, supervise, wire
 
 log = logging.getLogger("ckptd.peer")
 
@@ -49,6 +51,11 @@ YIELD_AFTER_S = 0.2  # the daemon idle this long after a step's messages: replic
 class Replicator:
     def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
                  keep_last: Callable[[str], int], node_id: str) -> None:
+        if config.rate and config.frame / config.rate > config.stall / 2:
+            raise ConfigError(f"[peer] rate {config.rate} bytes/s sends a frame of {config.frame} bytes in "
+                              f"{config.frame / config.rate:.1f} s, and a partner gives a transfer up after "
+                              f"{config.stall:g} s ([peer] stall) without a part: raise rate, or lower frame to at most "
+                              f"{int(config.rate * config.stall / 2)} bytes")
         self.node_id = node_id  # this daemon's (PeerServer's): a peer that answers with it is this daemon
         self.ctx = ctx
         self.root = root
@@ -75,6 +82,7 @@ class Replicator:
         self.on_replicated: Callable[[str, int, int, float], None] | None = None
         self._committed_at: dict[Key, float] = {}  # shares not yet fully replicated -> commit time
         self._busy_seen = 0.0
+        self._paced_until = 0.0  # monotonic time by which the bytes sent so far are allowed ([peer] rate)
 
     # -- from other threads ----------------------------------------------------------------
     def start(self) -> None:
@@ -89,10 +97,11 @@ class Replicator:
     def enqueue(self, run: str, step: int, rank: int) -> None:
         """After the local commit of a share (the syncer thread): replicate it."""
         with self._cv:
-            if step >= self._newest.get((run, rank), -1):
-                self._newest[(run, rank)] = step
-            for k in [k for k in self._holders if k[0] == run and k[2] == rank and k[1] < step]:
-                del self._holders[k]  # superseded: its newer step is what a recovery wants
+            # the last share committed of a (run, rank) is its newest, whatever its step: after a
+            # resume from an older step (a new attempt) the new attempt's shares are what a recovery wants
+            self._newest[(run, rank)] = step
+            for k in [k for k in self._holders if k[0] == run and k[2] == rank and k[1] != step]:
+                del self._holders[k]  # superseded
                 self._committed_at.pop(k, None)
             self._holders[(run, step, rank)] = set()
             self._committed_at[(run, step, rank)] = time.time()
@@ -115,7 +124,8 @@ class Replicator:
             for peers in self._holders.values():
                 for p in peers:
                     holding[p] = holding.get(p, 0) + 1
-            return dict(self.figures_, under_replicated=len(self._under_replicated()), peers=list(self.peers),
+            return dict(self.figures_, thread_restarts=sum(supervise.restarts().values()),
+                        rate=self.cfg.rate, under_replicated=len(self._under_replicated()), peers=list(self.peers),
                         down=sorted(p for p, t in self._down.items() if t > now), holding=holding)
 
     def _under_replicated(self) -> list[Key]:
@@ -123,6 +133,11 @@ class Replicator:
 
     # -- the thread ------------------------------------------------------------------------
     def _loop(self) -> None:
+        supervise.run(self.thread.name, self._run, lambda: self._stop)
+        for link in self._links.values():
+            link.close()
+
+    def _run(self) -> None:
         try:  # this thread alone (Linux: a thread's own nice value); the daemon's others keep theirs
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (OSError, AttributeError) as exc:
@@ -146,8 +161,6 @@ class Replicator:
                     self._check_holders()
             except Exception:  # a bug: reported, and the next share is still replicated
                 log.exception("replicating %s failed", drop or key)
-        for link in self._links.values():
-            link.close()
 
     def _check_due(self) -> bool:
         return time.monotonic() >= self._checked + self.cfg.heartbeat
@@ -221,8 +234,9 @@ class Replicator:
 
     def _replicate(self, key: Key) -> None:
         run, step, rank = key
+        failpoints.hit("peer.replicate")  # a node that dies between its commit and its replication (tests)
         with self._cv:
-            if step < self._newest.get((run, rank), -1):
+            if step != self._newest.get((run, rank), step):
                 self._holders.pop(key, None)
                 self._committed_at.pop(key, None)
                 return
@@ -256,7 +270,7 @@ class Replicator:
             have = set(self._holders.get(key, ()))
         want, done = self.cfg.replicas - len(have), 0
         now = time.monotonic()
-        for peer in partners.order(self.peers, run, rank, me=self.cfg.listen):
+        for peer in (p for p in partners.of(self.cfg, run, rank) if p in self.peers):
             if done >= want:
                 break
             if self._down.get(peer, 0) > now or peer in have:  # a partner holding it already is not sent it again
@@ -302,6 +316,18 @@ class Replicator:
                 return
             time.sleep(0.02)
 
+    def _pace(self, n: int) -> None:
+        """Hold ``n`` bytes back until ``[peer] rate`` lets them go (nothing without a rate):
+        replication's sending stays under the cap, against training's own traffic."""
+        if not self.cfg.rate:
+            return
+        now = time.monotonic()
+        self._paced_until = max(self._paced_until, now - 1.0)  # an idle second banks at most one second
+        wait = self._paced_until - now
+        if wait > 0:
+            time.sleep(wait)
+        self._paced_until += n / self.cfg.rate
+
     def _send(self, peer: str, run: str, step: int, rank: int, manifest_json: bytes, share: "_Share") -> None:
         link, stall = self._link(peer), self.cfg.stall
         offer = {"op": "offer", "run": run, "step": step, "rank": rank, "manifest": manifest_json,
@@ -314,8 +340,10 @@ class Replicator:
                 if len(in_flight) >= self.cfg.window:
                     link.recv(in_flight.popleft(), timeout=stall)
                 self._yield()
+                data = share.read(file, off, self.cfg.frame)
+                self._pace(len(data))
                 part = {"op": "part", "xfer": xfer, "file": file, "offset": off}
-                in_flight.append(link.send(part, share.read(file, off, self.cfg.frame), timeout=stall))
+                in_flight.append(link.send(part, data, timeout=stall))
         while in_flight:
             link.recv(in_flight.popleft(), timeout=stall)
         link.request({"op": "done", "xfer": xfer}, timeout=stall)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,8 @@ from .. import index, layout
 from ..daemon import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
 from ..names import check_run
-from . import wire
-from .holder import Full, Holder
+from . import supervise, wire
+from .holder import Full, Holder, NotYours
 
 log = logging.getLogger("ckptd.peer")
 
@@ -42,6 +43,9 @@ class PeerServer:
         except zmq.ZMQError as exc:
             self.sock.close()
             raise ProtocolError(f"[peer] listen {listen!r}: cannot listen there: {exc}") from None
+        self.curve = curve
+        self.max_read = max_frame
+        self._logged: dict[str, float] = {}  # unexpected failures -> when last logged
         self._muted: set[int] = set()  # transfers a failpoint stopped answering (tests)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-serve", daemon=True)
@@ -55,37 +59,74 @@ class PeerServer:
         self.sock.close(linger=0)
 
     def _loop(self) -> None:
+        supervise.run(self.thread.name, self._serve, self._stop.is_set)
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             if not self.sock.poll(200, zmq.POLLIN):
                 self.holder.expire()
                 continue
             frames = self.sock.recv_multipart(copy=False)
+            failpoints.hit("peer.serve_loop")  # a failure outside any handler: the thread restarts
             ident, rest = frames[0].bytes, frames[1:]
             try:
-                header = wire.unpack(rest[0]) if rest else {}
-                answer, payload = self._handle(header, rest[1] if len(rest) > 1 else None)
+                answer, payload = self._answer(rest)
             except _NoAnswer:
                 continue
-            except (ProtocolError, CheckpointCorrupt, Full, KeyError, ValueError, OSError) as exc:
-                answer, payload = {"ok": False, "error": str(exc) if not isinstance(exc, KeyError) else exc.args[0]}, None
-                log.debug("peer request %r refused: %s", header.get("op") if rest else None, answer["error"])
-            answer.setdefault("ok", True)
-            answer["id"] = header.get("id") if rest else None
             frames_out = [ident, wire.pack(answer)] + ([payload] if payload is not None else [])
             try:
                 self.sock.send_multipart(frames_out, copy=payload is None, flags=zmq.NOBLOCK)
             except (zmq.Again, zmq.ZMQError) as exc:  # the asker is gone, or has a backlog
                 log.debug("cannot answer a peer: %s", exc)
 
-    def _handle(self, h: dict[str, Any], payload: Any) -> tuple[dict[str, Any], Any]:
+    def _answer(self, rest: list[Any]) -> tuple[dict[str, Any], Any]:
+        """The answer to one request (frames after the asker's identity): any failure,
+        expected or not, is an error answer, never an exception out of the loop."""
+        header: dict[str, Any] = {}
+        try:
+            if not rest:
+                raise ProtocolError("an empty peer request")
+            header = wire.unpack(rest[0])
+            answer, payload = self._handle(header, rest[1] if len(rest) > 1 else None, _user(rest[0]))
+        except _NoAnswer:
+            raise
+        except (ProtocolError, CheckpointCorrupt, Full, NotYours, KeyError, ValueError, OSError) as exc:
+            answer, payload = {"ok": False, "error": str(exc) if not isinstance(exc, KeyError) else exc.args[0]}, None
+            log.debug("peer request %r refused: %s", header.get("op"), answer["error"])
+        except Exception as exc:  # a bug, or memory exhausted: this request fails, the thread serves on
+            answer, payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, None
+            if self._log_now(type(exc).__name__):
+                log.exception("peer request %r failed", header.get("op"))
+        answer.setdefault("ok", True)
+        rid = header.get("id")
+        answer["id"] = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+        return answer, payload
+
+    def _log_now(self, what: str) -> bool:
+        now = time.monotonic()
+        if now - self._logged.get(what, -60.0) < 60.0:
+            return False
+        self._logged[what] = now
+        return True
+
+    def _writer(self, user: str | None, op: str) -> str | None:
+        """The asker of a writing op, checked to be a peer daemon (never a producer)."""
+        if self.curve is not None and not self.curve.may_write(user):
+            raise NotYours(f"{op}: only a peer daemon's key may write replicas here, not {user or 'an unknown key'}")
+        return user
+
+    def _handle(self, h: dict[str, Any], payload: Any, user: str | None) -> tuple[dict[str, Any], Any]:
         op = h.get("op")
         if op == "ping":
             return {"node": self.node_id, "listen": self.listen}, None
         if op == "offer":
             files = wire.field(h, "files", dict)
+            if len(files) > wire.MAX_FILES_OFFERED:
+                raise ProtocolError(f"offer: {len(files)} files at once")
             if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in files.items()):
                 raise ProtocolError("offer: files must map names to sizes")
-            xfer = self.holder.offer(wire.field(h, "manifest", bytes), files, wire.field(h, "keep_last", int))
+            xfer = self.holder.offer(wire.field(h, "manifest", bytes), files, wire.field(h, "keep_last", int),
+                                     owner=self._writer(user, "offer"))
             return {"xfer": xfer}, None
         if op == "part":
             xfer = wire.field(h, "xfer", int)
@@ -99,29 +140,33 @@ class PeerServer:
                 raise _NoAnswer from None
             if payload is None:
                 raise ProtocolError("part: no bytes")
-            self.holder.part(xfer, wire.field(h, "file", str), wire.field(h, "offset", int), payload.buffer)
+            self.holder.part(xfer, wire.field(h, "file", str), wire.field(h, "offset", int), payload.buffer,
+                             owner=self._writer(user, "part"))
             return {}, None
         if op == "done":
             xfer = wire.field(h, "xfer", int)
             if xfer in self._muted:
                 raise _NoAnswer
-            key = self.holder.done(xfer)
+            key = self.holder.done(xfer, owner=self._writer(user, "done"))
             log.info("holding run %r step %d rank %d for a peer", *key)
             return {}, None
         if op == "holds":
             shares = wire.field(h, "shares", list)
-            if len(shares) > 100_000:
+            if len(shares) > wire.MAX_SHARES_ASKED:
                 raise ProtocolError(f"holds: {len(shares)} shares asked at once")
             return {"held": [self._holds(s) for s in shares]}, None
         if op == "drop":
             steps = wire.field(h, "steps", list)
-            n = self.holder.drop(check_run(wire.field(h, "run", str)), [s for s in steps if isinstance(s, int)])
+            if len(steps) > wire.MAX_STEPS_DROPPED:
+                raise ProtocolError(f"drop: {len(steps)} steps at once")
+            n = self.holder.drop(check_run(wire.field(h, "run", str)), [s for s in steps if isinstance(s, int)],
+                                 owner=self._writer(user, "drop"))
             return {"dropped": n}, None
         if op == "list":
             return {"shares": self._list(check_run(wire.field(h, "run", str)))}, None
         if op == "read":
             return {}, self._read(h)
-        raise ProtocolError(f"unknown peer request {op!r}")
+        raise ProtocolError(f"unknown peer request {str(op)[:64]!r}")
 
     def _holds(self, share: Any) -> bool:
         """Whether ``share`` ([run, step, rank]) is held here in memory."""
@@ -153,11 +198,14 @@ class PeerServer:
         file, offset, length = wire.field(h, "file", str), wire.field(h, "offset", int), wire.field(h, "length", int)
         if not layout.is_data_file(file):
             raise ProtocolError(f"read: {file!r} is not a data file")
+        if length > self.max_read:
+            raise ProtocolError(f"read: {length} bytes at once; ask at most {self.max_read} ([peer] frame) a request")
         replica = self.holder.get(key)
         if replica is not None:
             buf = replica.files.get(file)
             if buf is None:
                 raise KeyError(f"run {run!r} step {key[1]} rank {key[2]} has no file {file!r}")
+            _within(file, offset, length, len(buf))
             data: Any = memoryview(buf)[offset:offset + length]
             try:
                 failpoints.hit("peer.serve")
@@ -175,6 +223,7 @@ class PeerServer:
         finally:
             os.close(dir_fd)
         try:
+            _within(file, offset, length, os.fstat(fd).st_size)
             return os.pread(fd, length, offset)
         finally:
             os.close(fd)
@@ -182,6 +231,19 @@ class PeerServer:
 
 class _NoAnswer(Exception):
     pass
+
+
+def _within(file: str, offset: int, length: int, size: int) -> None:
+    if offset + length > size:
+        raise ProtocolError(f"read: {length} bytes at {offset} lie beyond the end of {file} ({size} bytes)")
+
+
+def _user(frame: Any) -> str | None:
+    """The asker's CurveZMQ public key (Z85), as the ZAP handler admitted it; None in plaintext."""
+    try:
+        return frame.get("User-Id") or None
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return None
 
 
 def _manifest_ranks(path: Path) -> list[int]:

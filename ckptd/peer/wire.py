@@ -18,7 +18,10 @@ Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answ
   daemon can serve of a run, from memory (replicas) or its own disk.
 - ``read`` ``{run, step, rank, file, offset, length}`` -> ``{}`` + the bytes.
 
-An answer is ``{id, ok: true, ...}`` or ``{id, ok: false, error}``.
+An answer is ``{id, ok: true, ...}`` or ``{id, ok: false, error}``. Every field is
+bounded before use: counts by the ``MAX_*`` limits below, offsets and lengths by the
+file's size and the frame size; a request that breaks a bound, or any other request
+the holder cannot handle, is answered with an error (never a dead thread).
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ from typing import Any
 import msgpack
 import zmq
 
-from ..errors import PeerDown, PeerRefused, ProtocolError  # PeerDown, PeerRefused: re-exported
+from ..errors import ConfigError, PeerDown, PeerRefused, ProtocolError  # PeerDown, PeerRefused: re-exported
 
 MAX_HEADER_BYTES = 64 * 2**20  # a list answer carries manifests
+MAX_SHARES_ASKED = 100_000  # shares in one ``holds``
+MAX_STEPS_DROPPED = 100_000  # steps in one ``drop``
+MAX_FILES_OFFERED = 100_000  # files in one ``offer``
 
 
 def pack(header: dict[str, Any]) -> bytes:
@@ -78,6 +84,12 @@ class Link:
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a peer not (yet) connected
+        if hasattr(keys, "for_endpoint"):  # one key pair per node: this peer's public key
+            try:
+                keys = keys.for_endpoint(endpoint)
+            except ConfigError as exc:
+                self.sock.close(linger=0)
+                raise PeerRefused(f"{endpoint}: {exc}") from None
         self._handshake = secure_client(self.sock, keys)
         self.sock.connect(endpoint)
 

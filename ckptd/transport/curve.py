@@ -132,6 +132,7 @@ class CurveServer:
     secret: bytes = field(default=b"", repr=False)  # never in a log line or a traceback
     clients: Path | None = None
     _auth: ThreadAuthenticator | None = None
+    admits = "producer"  # who the allowlist's keys are, for the log (the peer port: "peer")
     _logged: dict[bytes, float] = field(default_factory=dict)  # refused key -> when last logged
 
     @property
@@ -184,8 +185,8 @@ class CurveServer:
         auth.thread.name = "ckptd-zap"
         auth.configure_curve_callback(ZAP_DOMAIN.decode(), self)
         self._auth = auth
-        log.info("CurveZMQ on %s: daemon public key %s; producers admitted: the *.key files in %s",
-                 self.endpoint, self.public.decode(), self.clients)
+        log.info("CurveZMQ on %s: daemon public key %s; %ss admitted: the *.key files in %s",
+                 self.endpoint, self.public.decode(), self.admits, self.clients)
 
     def callback(self, domain: str, key: bytes) -> bool:
         """The ZAP handler's question (pyzmq calls it so, in thread ``ckptd-zap``): may the
@@ -196,13 +197,14 @@ class CurveServer:
             allowed = allowed_keys(self.clients, self._bad_file)
         except ConfigError as exc:  # the folder itself is gone: refuse everyone, loudly, keep serving
             if self._log_now(b""):
-                log.error("refusing every producer: %s", exc)
+                log.error("refusing every %s: %s", self.admits, exc)
             return False
         if key in allowed:
-            log.debug("admitted a producer with public key %s (%s)", key.decode(), allowed[key])
+            log.debug("admitted a %s with public key %s (%s)", self.admits, key.decode(), allowed[key])
             return True
         if self._log_now(key):
-            log.warning("refused a producer whose CurveZMQ public key %s is not in %s", key.decode(), self.clients)
+            log.warning("refused a %s whose CurveZMQ public key %s is not in %s", self.admits, key.decode(),
+                        self.clients)
         return False
 
     def _bad_file(self, exc: ConfigError) -> None:

@@ -1,0 +1,46 @@
+"""The peer tier's threads, kept alive: a thread whose loop raises (a bug, or memory
+exhausted by a request) is logged, counted and started again, so that one message
+never leaves a node unable to serve or replicate while ``status`` looks healthy.
+
+The count is per process (a daemon has one peer tier) and shows as
+``peer.thread_restarts`` in ``ckptd status --json`` and as
+``ckptd_peer_thread_restarts_total``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Callable
+
+log = logging.getLogger("ckptd.peer")
+
+RESTART_PAUSE_S = (0.05, 2.0)  # first and longest pause before a restart (a loop that fails at once)
+_restarts: Counter[str] = Counter()
+_lock = threading.Lock()
+
+
+def restarts() -> dict[str, int]:
+    """Thread name -> times it was restarted in this process."""
+    with _lock:
+        return dict(_restarts)
+
+
+def run(name: str, loop: Callable[[], None], stopping: Callable[[], bool]) -> None:
+    """Run ``loop`` until it returns or ``stopping()``; after each exception, log it,
+    count a restart of ``name`` and run it again after a pause that doubles while the
+    loop keeps failing at once."""
+    pause = RESTART_PAUSE_S[0]
+    while not stopping():
+        began = time.monotonic()
+        try:
+            loop()
+            return
+        except Exception:
+            with _lock:
+                _restarts[name] += 1
+                n = _restarts[name]
+            log.exception("thread %s failed (restart %d); it starts again", name, n)
+        pause = RESTART_PAUSE_S[0] if time.monotonic() - began > 10 else min(pause * 2, RESTART_PAUSE_S[1])
+        time.sleep(pause)
