@@ -91,8 +91,9 @@ class Stager:
         of tensors the daemon stores already, described (``same``) instead of staged. On
         an error, the names not staged are given back."""
         self.grow(room if grow_for is None else grow_for)  # first: a claimed step is in flight
-        for name, writer in (replicas or {}).items():
-            self._book.claim(step, name, replica_of=writer)
+        if replicas:
+            for name, writer in replicas.items():
+                self._book.claim(step, name, replica_of=writer)
         st = self._book.claim(step, *items, room=room, piece=piece)
         if frozen is not None:
             self._send_same(step, items, frozen)
