@@ -29,8 +29,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from . import env as environment
 from .errors import ConfigError
-
-FORMATS = ("chunk", "hdf5")  # storage formats of new checkpoints ([daemon] format, Producer(format=))
+# the storage formats of new checkpoints ([daemon] format, Producer(format=)): format/'s one list
+from .format import FORMATS as FORMATS
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -17,12 +17,16 @@ from pathlib import Path
 
 STEP_DIR = re.compile(r"step-(\d{12})")
 MANIFEST = re.compile(r"manifest-r(\d{5})\.json")
-CHUNK = re.compile(r"r(\d{5})-(\d{6})\.safetensors")
+# Each storage format's data files (ckptd.format names them through these): one place
+# for their names, which a manifest, a step folder's clean-up and an export all read.
+CHUNK_SUFFIX = ".safetensors"  # format = "chunk": r<rank>-<seq>.safetensors, each a whole safetensors file
+H5_SUFFIX = ".h5"
+CHUNK = re.compile(r"r(\d{5})-(\d{6})" + re.escape(CHUNK_SUFFIX))
 # format = "hdf5": one file per rank and step, r<rank>.h5; r<rank>-<step>.h5 is the
 # r<rank>.h5 written at that earlier step, linked into this folder for the tensors this
 # step shares with it (daemon.reuse): one name for one file in every folder, so that the
 # external links an r<rank>.h5 holds to it resolve the same wherever it is linked
-H5 = re.compile(r"r(\d{5})(?:-\d{12})?\.h5")
+H5 = re.compile(r"r(\d{5})(?:-\d{12})?" + re.escape(H5_SUFFIX))
 WRITING = re.compile(r"r(\d{5})\.writing")  # "this host is writing rank N here"
 
 
@@ -35,16 +39,16 @@ def manifest_name(rank: int) -> str:
 
 
 def chunk_name(rank: int, seq: int) -> str:
-    return f"r{rank:05d}-{seq:06d}.safetensors"
+    return f"r{rank:05d}-{seq:06d}{CHUNK_SUFFIX}"
 
 
 def h5_name(rank: int) -> str:
-    return f"r{rank:05d}.h5"
+    return f"r{rank:05d}{H5_SUFFIX}"
 
 
 def h5_link_name(rank: int, step: int) -> str:
     """The r<rank>.h5 written at ``step``, linked into a later step folder (daemon.reuse)."""
-    return f"r{rank:05d}-{step:012d}.h5"
+    return f"r{rank:05d}-{step:012d}{H5_SUFFIX}"
 
 
 def is_data_file(name: str) -> bool:

@@ -400,9 +400,9 @@ def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon,
                         for name, t in state.items():
                             p.emit(name, t)
                     else:
-                        uses = sum(pl.uses for pl in p._many_plans)
+                        uses = sum(pl.uses for pl in p._stager.many_plans)
                         p.emit_many(state)
-                        served += sum(pl.uses for pl in p._many_plans) > uses
+                        served += sum(pl.uses for pl in p._stager.many_plans) > uses
             for v in state.values():
                 mutate(v)  # right after the call: must not reach the checkpoint
             expected[step] = want

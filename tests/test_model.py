@@ -312,7 +312,7 @@ class SaveModel(RuleBasedStateMachine):
     @invariant()
     def producer_is_usable(self) -> None:
         if self.producer is not None:
-            assert not self.producer._closed
+            assert not self.producer.closed
 
     # -- checks ---------------------------------------------------------------------------
     def _bounded(self, what: str, fn: Callable[[], Any]) -> Any:

@@ -24,7 +24,7 @@ def optimizer_like(n: int, seed: int) -> dict[str, object]:
 
 def used_plan(p: ckptd.Producer) -> bool:
     """Whether the newest plan served a save."""
-    return bool(p._plans) and p._plans[-1].uses > 0
+    return bool(p._stager.save_plans) and p._stager.save_plans[-1].uses > 0
 
 
 def assert_loads(d, step: int, expected: dict[str, object]) -> None:
@@ -132,7 +132,7 @@ def test_numpy_arrays_and_the_inline_transport(make_daemon) -> None:
             got = ckptd.load("i", step, root=d.root)
             assert all(np.array_equal(np.asarray(got[k]), np.asarray(v)) for k, v in state.items())
         assert not used_plan(p)  # a numpy array: the general way every time
-        assert q.stats()["transport"] == "inline" and not q._plans
+        assert q.stats()["transport"] == "inline" and not q._stager.save_plans
 
 
 def test_saves_in_flight_and_a_small_arena_take_the_general_way(make_daemon) -> None:
@@ -197,9 +197,9 @@ def test_emit_many_reuses_a_blocks_layout_and_falls_back_when_it_changes(make_da
                     if isinstance(t, torch.Tensor):
                         t.add_(1)  # right after emit_many: must not reach the checkpoint
             if step == 3:
-                assert p._many_plans[-1].uses == 2  # steps 2 and 3 by step 1's layout
+                assert p._stager.many_plans[-1].uses == 2  # steps 2 and 3 by step 1's layout
         p.flush(60)
-        assert p._many_plans[-1].uses == 1  # step 8 by step 7's layout
+        assert p._stager.many_plans[-1].uses == 1  # step 8 by step 7's layout
         with pytest.raises(ValueError, match="already emitted in step 9"):
             with p.checkpoint(9):
                 p.emit("a", torch.ones(1))

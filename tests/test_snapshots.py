@@ -15,7 +15,7 @@ from test_plan import assert_loads, optimizer_like
 
 
 def plan_uses(p: ckptd.Producer) -> int:
-    return sum(plan.uses for plan in p._plans)
+    return sum(plan.uses for plan in p._stager.save_plans)
 
 
 def test_saves_through_the_cached_plan_store_each_saves_values(make_daemon) -> None:

@@ -58,11 +58,10 @@ import logging
 import os
 import stat
 import threading
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from .. import format as formats, layout, manifestcache
+from .. import layout, manifestcache
 from ..errors import CheckpointCorrupt
 from ..format import Entry
 from ..manifest import Manifest, TensorRecord
@@ -131,20 +130,17 @@ class Base:
     def match(self, e: Entry) -> TensorRecord | None:
         return self.record(e.name, e.dtype.name, e.shape, e.numpy, e.shard)
 
-    def link(self, share: Any, record: TensorRecord) -> TensorRecord:
-        """``record`` of the base, as a record of ``share``: its data file linked (once
-        per share) into the share's folder. Raises OSError naming what failed."""
-        return replace(record, file=self.link_file(share, record.file))
-
-    def link_file(self, share: Any, file: str) -> str:
+    def link_file(self, share: Any, file: str, name_for: Callable[[], str]) -> str:
         """The name of the base's data file ``file`` in the share's folder, linked there
-        (once per share). Raises OSError naming what failed."""
+        (once per share) under the name ``name_for()`` gives (the share's format's
+        ``link_name``). Raises OSError naming what failed."""
         with self._lock:
             name = self._links.get(file)
             if name is None:
-                name = formats.get(self.manifest.format).link_name(share, self.step, file)
+                name = name_for()
                 if self._place(file, share, name):
-                    share.files.append(name)
+                    with share.lock:
+                        share.files.append(name)
                 self._links[file] = name
         return name
 

@@ -1,7 +1,7 @@
 """What the daemon's writer works on: a rank's share of a step (``Share``), a tensor
 streamed into it (``Stream``), and what the I/O threads report back (``Result``).
-The main loop makes them; ``ckptd.daemon.writer``'s threads and the share's storage
-format (``ckptd.format``) fill them.
+The main loop makes them; ``ckptd.daemon.writer``'s threads fill them, with what the
+share's storage format (``ckptd.format``) returns: a format never sees them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import layout
-from ..format import Entry
+from ..format import Entry, Ref
 from ..manifest import Checksum, CheckpointInfo, TensorRecord
 
 _PROC_FD = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else ""
@@ -34,12 +34,12 @@ class Share:
     files: list[str] = field(default_factory=list)
     error: str | None = None
     reported: bool = False  # the producer was told of ``error``
-    next_file: int = 0  # chunk sequence numbers, assigned by the main thread
+    next_file: int = 0  # data-file sequence numbers (next_seq)
     started: float = field(default_factory=time.monotonic)
     dir_ready: bool = False
     format: str = "chunk"  # its storage format (ckptd.format), which writes it on the thread it names
     chunk_size: int = 64 * 2**20  # ``[daemon] chunk_size``: the most a file of copied tensors holds (reuse)
-    open_file: Any = None  # the format's file kept open across batches (HDF5's r<rank>.h5)
+    kept: Any = None  # what its format keeps open between calls (format.WriteIO.kept), held for it
     owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
     dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
     attempt: str | None = None  # the job's attempt that writes it (ckptd.attempt)
@@ -48,7 +48,7 @@ class Share:
     base: Any = None  # the earlier share it refers to (reuse.Base), once looked for
     base_sought: bool = False
     bases: list = field(default_factory=list)  # other steps frozen= tensors refer to (reuse.Base)
-    refs: list = field(default_factory=list)  # its tensors stored already (format.Ref), placed at commit
+    refs: list[Ref] = field(default_factory=list)  # its tensors stored already, placed at commit
     reused: int = 0  # bytes of its tensors that refer to an earlier step's copy (reuse)
     recognised: int = 0  # bytes the daemon received and did not write from memory (reuse)
     copied: int = 0  # bytes of stored copies copied into files of its own (Format.place)
@@ -78,17 +78,12 @@ class Share:
             os.close(self.dir_fd)
             self.dir_fd = -1
 
-    def new_file(self) -> str:
-        """A new chunk-file name of this share. The main thread names the chunk files it
-        hands over; the I/O threads name those they link from an earlier step (reuse)."""
+    def next_seq(self) -> int:
+        """A new data-file sequence number of this share. The main thread numbers the files it
+        hands over; the I/O threads those they link or copy from an earlier step (reuse)."""
         with self.lock:
             seq, self.next_file = self.next_file, self.next_file + 1
-        return layout.chunk_name(self.rank, seq)
-
-    def record(self, e: Entry, file: str, key: str, offset: int | None, digest: str) -> TensorRecord:
-        """The manifest's record of ``e``, written to ``file`` under ``key`` at ``offset``."""
-        return TensorRecord(dtype=e.dtype.name, shape=e.shape, file=file, key=key, offset=offset,
-                            nbytes=e.nbytes, checksum=digest, numpy=e.numpy, shard=e.shard)
+        return seq
 
 
 @dataclass
@@ -109,6 +104,5 @@ class Stream:
     share: Share
     entry: Entry
     file: str
-    out: Any = None  # where its pieces go, while it is open: the format's (a DataFile, an HDF5 dataset)
+    out: Any = None  # where its pieces go, while it is open: what its format's open_stream returned
     hasher: Checksum | None = None
-    header_len: int = 0  # bytes before its data in its file (a chunk file's header)

@@ -8,6 +8,9 @@ What is written, and how, is the share's storage format's (``ckptd.format``): th
 module keeps the threads, the queues, the unchanged tensors' bookkeeping and the
 commit, and asks the format to write a batch, a streamed piece or a reference, and
 to finish its files before the commit; it never tests which format a share is in.
+A format sees a share only through a ``ShareIO`` (where to write, and the writer's
+services) and returns what it wrote (placements, records, references), which the
+writer applies to the share here.
 
 The writers write (O_DIRECT, or to the page cache); the syncer fsyncs and, last,
 writes the manifest. A chunk of small tensors is checksummed as soon as the main
@@ -37,6 +40,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 from .. import format as formats, layout, manifestcache
@@ -44,7 +48,7 @@ from . import failpoints, reuse
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
 from ..errors import CheckpointCorrupt
-from ..format import Entry, Format
+from ..format import Entry, Format, Ref, Stored, Written
 from ..index import read_manifests
 from ..manifest import Checksum, CheckpointInfo, Manifest, TensorRecord, checksum
 from .attempts import read_manifest
@@ -94,6 +98,9 @@ class Writer:
         return self._queues[self._format(share).thread]
 
     # -- called by the main loop -------------------------------------------------
+    def _io(self, share: Share) -> ShareIO:
+        return ShareIO(self, share)
+
     def write_chunk(self, share: Share, entries: list[Entry], held: int, seqs: list[int]) -> None:
         """Write ``entries``; ``held`` bytes of them are the daemon's own memory, ``seqs``
         name the shared-memory pieces among them. Both are reported freed after."""
@@ -104,11 +111,11 @@ class Writer:
         if share.before is None:
             before = self._committing.get((share.run, share.rank))
             share.before = before if before is not share else None
-        name = self._format(share).next_file(share)  # named here, in the order they came
+        name = self._format(share).next_file(self._io(share))  # named here, in the order they came
         self._jobs(share).put((self._do_batch, (share, name, entries, held, seqs, ahead)))
 
     def open_stream(self, share: Share, entry: Entry) -> Stream:
-        stream = Stream(share, entry, self._format(share).next_file(share))
+        stream = Stream(share, entry, self._format(share).next_file(self._io(share)))
         self._jobs(share).put((self._do_stream_open, (stream,)))
         return stream
 
@@ -171,7 +178,7 @@ class Writer:
         kind = "freed" if share.error is None else "failed"
         self._notify(Result(kind, share, held, seqs, message=share.error or ""))
 
-    # -- what the formats ask of the writer (format.WriteIO), on its threads ----------------
+    # -- what the formats ask of the writer (through ShareIO), on its threads ----------------
     def fail(self, share: Share, what: str, exc: OSError) -> None:
         if share.error is None:
             share.error = f"{what}: {exc.strerror or exc}"
@@ -287,7 +294,18 @@ class Writer:
         digests = ahead.result()
         fmt = self._format(share)
         failpoints.hit(f"writer.{fmt.name}")
-        return fmt.write_batch(self, share, name, entries, digests, listed=listed)
+        written = fmt.write_batch(self._io(share), name, entries, digests, listed=listed)
+        self._apply(share, name, written, digests)
+        return written.fd
+
+    @staticmethod
+    def _apply(share: Share, name: str, written: Written, digests: dict[str, str]) -> None:
+        """The records of what a format wrote into file ``name``, in the share's."""
+        records = {e.name: TensorRecord(dtype=e.dtype.name, shape=e.shape, file=name, key=key, offset=offset,
+                                        nbytes=e.nbytes, checksum=digests[e.name], numpy=e.numpy, shard=e.shard)
+                   for e, key, offset in written.placed}
+        with share.lock:
+            share.records.update(records)
 
     # -- reuse: tensors stored already, in the base step ---------------------------------
     def _base(self, share: Share, at: int | None = None) -> Any:
@@ -330,14 +348,21 @@ class Writer:
 
     def _refer(self, share: Share, base: Any, name: str, old: TensorRecord, received: bool = False) -> None:
         """Tensor ``name`` is ``old``, stored in ``base``: the share's format links or
-        copies it (now, or at the commit: ``_place_refs``)."""
-        self._format(share).refer(self, share, base, name, old, received)
+        copies it, now (a record) or at the commit (a reference: ``_place_refs``)."""
+        referred = self._format(share).refer(self._io(share), base, name, old)
+        with share.lock:
+            share.recognised += old.nbytes if received else 0
+            if isinstance(referred, Ref):
+                share.refs.append(referred)
+            else:
+                share.records[name] = referred
+                share.reused += referred.nbytes
 
     def _place_refs(self, share: Share) -> None:
         """On the syncer, before the manifest: the share's stored copies, linked or copied
         into its folder by its format (``Format.place``)."""
         refs, share.refs = share.refs, []
-        records, linked, copied = self._format(share).place(self, share, refs)
+        records, linked, copied = self._format(share).place(self._io(share), refs)
         share.records.update(records)
         share.reused += linked
         share.copied += copied
@@ -376,20 +401,35 @@ class Writer:
     def _do_stream_open(self, stream: Stream) -> None:
         if stream.share.error is not None:
             return
-        if self._format(stream.share).open_stream(self, stream):
+        stream.out = self._format(stream.share).open_stream(self._io(stream.share), stream.entry, stream.file)
+        if stream.out is not None:
             stream.hasher = Checksum()
 
     def _do_stream_piece(self, stream: Stream, piece: Any, last: bool, held: int, seqs: list[int]) -> None:
-        share = stream.share
+        share, fmt = stream.share, self._format(stream.share)
         try:
-            self._format(share).stream_piece(self, stream, piece, last)
+            if share.error is None and stream.out is not None:
+                assert stream.hasher is not None
+                stream.hasher.update(piece)
+                where = fmt.stream_piece(self._io(share), stream.out, piece, last)
+                if where is not None:  # the last piece: the tensor is whole
+                    stream.out = None
+                    e = stream.entry
+                    share.records[e.name] = TensorRecord(
+                        dtype=e.dtype.name, shape=e.shape, file=stream.file, key=where[0], offset=where[1],
+                        nbytes=e.nbytes, checksum=stream.hasher.text(), numpy=e.numpy, shard=e.shard)
+        except OSError as exc:
+            self.fail(share, f"writing {share.dir / stream.file}", exc)
         finally:
+            if share.error is not None and stream.out is not None:
+                out, stream.out = stream.out, None
+                fmt.drop_stream(out)
             del piece
             self._report_freed(share, held, seqs)
 
     def _do_close(self, share: Share) -> None:
         """Before a commit or discard: the format finishes the share's open files."""
-        self._format(share).close(self, share)
+        self._format(share).close(self._io(share))
 
     def _do_sync(self, share: Share, name: str, fd: int) -> None:
         try:
@@ -523,6 +563,72 @@ class Writer:
             except OSError:
                 pass
         os.close(run_fd)
+
+
+class ShareIO:
+    """One share as its format sees it (``format.WriteIO``): where it is written, and the
+    writer's services for it. Made for each call; the format keeps none of it but ``kept``."""
+
+    __slots__ = ("_writer", "_share", "run", "step", "rank", "chunk_size", "direct_io", "fsync", "hdf5_options")
+
+    def __init__(self, writer: Writer, share: Share) -> None:
+        self._writer, self._share = writer, share
+        self.run, self.step, self.rank, self.chunk_size = share.run, share.step, share.rank, share.chunk_size
+        self.direct_io, self.fsync, self.hdf5_options = writer.direct_io, writer.fsync, writer.hdf5_options
+
+    @property
+    def dir(self) -> Path:
+        return self._share.dir
+
+    @property
+    def kept(self) -> Any:
+        return self._share.kept
+
+    @kept.setter
+    def kept(self, value: Any) -> None:
+        self._share.kept = value
+
+    @property
+    def failed(self) -> bool:
+        return self._share.error is not None
+
+    def at(self, name: str) -> str:
+        return self._share.at(name)
+
+    def next_seq(self) -> int:
+        return self._share.next_seq()
+
+    def ensure_dir(self) -> None:
+        self._writer.ensure_dir(self._share)
+
+    def create(self, name: str, *, listed: bool = False) -> DataFile:
+        return self._writer.create(self._share, name, listed=listed)
+
+    def create_plain(self, name: str) -> int:
+        self.listed(name)  # before it exists: a failed step removes it
+        return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                       dir_fd=self._share.dir_fd)
+
+    def listed(self, name: str) -> None:
+        with self._share.lock:
+            self._share.files.append(name)
+
+    def link(self, base: Stored, file: str) -> str:
+        fmt = self._writer._format(self._share)
+        assert isinstance(base, reuse.Base)
+        return base.link_file(self._share, file, lambda: fmt.link_name(self, base.step, file))
+
+    def recognise(self, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
+        return self._writer.recognise(self._share, entries, digests)
+
+    def throttled(self, nbytes: int) -> None:
+        self._writer.throttled(nbytes)
+
+    def sync(self, name: str, fd: int) -> None:
+        self._writer.sync(self._share, name, fd)
+
+    def fail(self, what: str, exc: OSError) -> None:
+        self._writer.fail(self._share, what, exc)
 
 
 SETTLE_TIMEOUT_S = 60.0  # the longest a share's first write waits for the step before to commit

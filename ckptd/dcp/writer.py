@@ -242,14 +242,14 @@ def _shared_producer(endpoint: str | None, run: str | None, rank: int, world: in
     from .. import producer as default
     from ..producer import Producer
 
-    mine = default._default  # the module's producer (producer.save) of this run: one session, shared
-    if (mine is not None and not mine._closed and (mine.run, mine.rank, mine.world_size) == (run, rank, world)
+    mine = default.current()  # the module's producer (producer.save) of this run: one session, shared
+    if (mine is not None and (mine.run, mine.rank, mine.world_size) == (run, rank, world)
             and (endpoint is None or config_mod.resolve_endpoint(endpoint, Path.cwd()) == mine.endpoint)):
         return mine
     key = (endpoint, run, rank, world, tuple(sorted((k, repr(v)) for k, v in options.items())))
     with _PRODUCERS_LOCK:
         p = _PRODUCERS.get(key)
-        if p is None or p._closed:
+        if p is None or p.closed:
             p = _PRODUCERS[key] = Producer(endpoint, run, rank=rank, world_size=world, **options)
         return p
 

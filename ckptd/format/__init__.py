@@ -11,13 +11,14 @@ once it writes or reads a file.
 from __future__ import annotations
 
 from . import chunk, hdf5
-from .protocol import DataReader, Entry, Format, Ref, WriteIO
+from .protocol import DataReader, Entry, Format, Ref, Stored, WriteIO, Written
 
 _ALL: tuple[Format, ...] = (chunk.FORMAT, hdf5.FORMAT)
 BY_NAME: dict[str, Format] = {f.name: f for f in _ALL}
 FORMATS = tuple(BY_NAME)  # their names, as manifests and ``[daemon] format`` spell them
 
-__all__ = ["BY_NAME", "FORMATS", "DataReader", "Entry", "Format", "Ref", "WriteIO", "for_file", "get"]
+__all__ = ["BY_NAME", "FORMATS", "DataReader", "Entry", "Format", "Ref", "Stored", "WriteIO", "Written", "for_file",
+           "get"]
 
 
 def get(name: str) -> Format:

@@ -6,7 +6,7 @@ with spaces so the data starts page-aligned, then every tensor's bytes in order,
 with no holes between them, as safetensors requires. A tensor too large to batch is
 streamed into a chunk file of its own: its header first, then its bytes as they
 arrive. An unchanged tensor of an earlier step is placed at the commit, once the
-step's every unchanged tensor is known (``place``; ``ckptd.daemon.reuse`` says why):
+step's every unchanged tensor is known (``place``; docs/formats.md says why):
 a base file whose every tensor is unchanged is linked whole, the unchanged tensors of
 the others are copied into new chunk files of the step.
 
@@ -20,17 +20,16 @@ import errno
 import json
 import logging
 import os
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .. import dtypes, layout
 from ..durable import write_all
 from ..errors import CheckpointCorrupt
 from .fileio import pread_into
-from .protocol import DataFile, Entry, Ref, WriteIO
+from .protocol import DataFile, Entry, Ref, Stored, WriteIO, Written
 
 if TYPE_CHECKING:
-    from ..daemon.share import Share, Stream
     from ..manifest import TensorRecord
 
 log = logging.getLogger("ckptd.writer")
@@ -100,31 +99,31 @@ class ChunkFormat:
             return "has no offset in its chunk file"
         return None
 
-    def next_file(self, share: Share) -> str:
-        return share.new_file()
+    def next_file(self, io: WriteIO) -> str:
+        return layout.chunk_name(io.rank, io.next_seq())
 
-    def link_name(self, share: Share, base_step: int, file: str) -> str:
-        return share.new_file()
+    def link_name(self, io: WriteIO, base_step: int, file: str) -> str:
+        return self.next_file(io)
 
     # -- writing, on ckptd-writer (or its pool) -----------------------------------------------
-    def write_batch(self, io: WriteIO, share: Share, name: str, entries: list[Entry], digests: dict[str, str],
-                    *, listed: bool = False) -> int | None:
-        """One chunk file. ``listed``: the file is in ``share.files`` already (the pool's case)."""
+    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
+                    *, listed: bool = False) -> Written:
+        """One chunk file. ``listed``: the writer listed the file already (the pool's case)."""
         try:
-            entries = io.recognise(share, entries, digests)
+            entries = io.recognise(entries, digests)
         except OSError as exc:
-            io.fail(share, f"linking unchanged tensors into {share.dir}", exc)
-            return None
+            io.fail(f"linking unchanged tensors into {io.dir}", exc)
+            return Written([])
         if not entries:  # every tensor of it is stored already
-            return None
+            return Written([])
         head = header(entries)
-        records = {}
+        placed: list[tuple[Entry, str, int | None]] = []
         out: DataFile | None = None
         try:
-            out = io.create(share, name, listed=listed)
+            out = io.create(name, listed=listed)
             offset = len(head)
             for e in entries:
-                records[e.name] = share.record(e, name, e.name, offset, digests[e.name])
+                placed.append((e, e.name, offset))
                 offset += e.nbytes
             # in one call: the file's requests are all in flight at once (DataFile.write)
             out.write([head, *(b for e in entries for b in e.buffers)])
@@ -132,61 +131,43 @@ class ChunkFormat:
         except OSError as exc:
             if out is not None:
                 out.close()
-            io.fail(share, f"writing {share.dir / name}", exc)
+            io.fail(f"writing {io.dir / name}", exc)
+            return Written([])
+        return Written(placed, fd)
+
+    def open_stream(self, io: WriteIO, entry: Entry, file: str) -> _Streamed | None:
+        head = header([entry])
+        out: DataFile | None = None
+        try:
+            out = io.create(file)
+            out.write([head])
+        except OSError as exc:
+            if out is not None:
+                out.close()
+            io.fail(f"writing {io.dir / file}", exc)
             return None
-        share.records.update(records)
-        return fd
+        return _Streamed(out, entry.name, file, len(head))
 
-    def open_stream(self, io: WriteIO, stream: Stream) -> bool:
-        head = header([stream.entry])
-        try:
-            stream.out = io.create(stream.share, stream.file)
-            stream.out.write([head])
-        except OSError as exc:
-            self._close_stream(stream)
-            io.fail(stream.share, f"writing {stream.share.dir / stream.file}", exc)
-            return False
-        stream.header_len = len(head)
-        return True
+    def stream_piece(self, io: WriteIO, out: _Streamed, piece: Any, last: bool) -> tuple[str, int | None] | None:
+        out.file.write([piece])
+        if not last:
+            return None
+        fd = out.file.finish()
+        io.sync(out.name, fd)
+        return out.key, out.header_len
 
-    def stream_piece(self, io: WriteIO, stream: Stream, piece: Any, last: bool) -> None:
-        share = stream.share
-        try:
-            if share.error is None and stream.out is not None:
-                assert stream.hasher is not None
-                stream.hasher.update(piece)
-                stream.out.write([piece])
-                if last:
-                    fd = stream.out.finish()
-                    share.records[stream.entry.name] = share.record(
-                        stream.entry, stream.file, stream.entry.name, stream.header_len, stream.hasher.text())
-                    io.sync(share, stream.file, fd)
-                    stream.out = None
-        except OSError as exc:
-            self._close_stream(stream)
-            io.fail(share, f"writing {share.dir / stream.file}", exc)
-        finally:
-            if share.error is not None:
-                self._close_stream(stream)
+    def drop_stream(self, out: _Streamed) -> None:
+        out.file.close()
 
-    @staticmethod
-    def _close_stream(stream: Stream) -> None:
-        if stream.out is not None:
-            stream.out.close()
-            stream.out = None
-
-    def refer(self, io: WriteIO, share: Share, base: Any, name: str, old: TensorRecord, received: bool) -> None:
+    def refer(self, io: WriteIO, base: Stored, name: str, old: TensorRecord) -> Ref:
         """Once the step's every unchanged tensor is known, at its commit (``place``), each
         base file is linked or its tensors copied; the file is checked to be there now."""
-        ref = Ref(name, base, old, base.check(old.file))
-        with share.lock:
-            share.refs.append(ref)
-            share.recognised += old.nbytes if received else 0
+        return Ref(name, base, old, base.check(old.file))
 
-    def place(self, io: WriteIO, share: Share, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
-        return place(share, refs, io.fsync, io.throttled)
+    def place(self, io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
+        return place(io, refs)
 
-    def close(self, io: WriteIO, share: Share) -> None:
+    def close(self, io: WriteIO) -> None:
         """Nothing stays open between a share's chunk files."""
 
     # -- reading ----------------------------------------------------------------------------
@@ -194,14 +175,23 @@ class ChunkFormat:
         return ChunkReader(fd, size)
 
 
+@dataclass(eq=False)
+class _Streamed:
+    """A tensor streamed into a chunk file of its own, being written."""
+
+    file: DataFile
+    key: str
+    name: str  # the file's
+    header_len: int  # bytes before its data
+
+
 # -- unchanged tensors, placed at the commit -----------------------------------------------
-def place(share: Share, refs: list[Ref], fsync: bool, written: Callable[[int], None]) -> tuple[
-        dict[str, TensorRecord], int, int]:
+def place(io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
     """Put the stored copies ``refs`` into the share's folder: each base file whose every
     tensor is among them is linked; the tensors of the others are copied into new chunk
-    files of the share (each of at most ``share.chunk_size`` bytes, save one tensor
-    larger). Return their records, the bytes linked and the bytes copied (``written(n)``
-    is told of each copy first: the write throttle). Raises OSError naming what failed."""
+    files of the share (each of at most ``io.chunk_size`` bytes, save one tensor
+    larger). Return their records, the bytes linked and the bytes copied (the write
+    throttle is told of each copy first). Raises OSError naming what failed."""
     by_file: dict[tuple[int, int], list[Ref]] = {}
     for ref in refs:
         by_file.setdefault(ref.ident, []).append(ref)
@@ -212,37 +202,34 @@ def place(share: Share, refs: list[Ref], fsync: bool, written: Callable[[int], N
     for group in by_file.values():
         first = group[0]
         if _keys(first.base, first.record.file) == {r.record.key for r in group}:
-            name = first.base.link_file(share, first.record.file)
+            name = io.link(first.base, first.record.file)
             for r in group:
                 records[r.name] = replace(r.record, file=name)
                 linked += r.record.nbytes
             continue
         group.sort(key=lambda r: r.record.offset or 0)
         nbytes = sum(r.record.nbytes for r in group)
-        if batch and size + nbytes > share.chunk_size:
-            records.update(_copy(share, batch, fsync, written))
+        if batch and size + nbytes > io.chunk_size:
+            records.update(_copy(io, batch))
             batch, size = [], 0
         batch.append(group)
         size += nbytes
         copied += nbytes
     if batch:
-        records.update(_copy(share, batch, fsync, written))
+        records.update(_copy(io, batch))
     log.debug("run=%s step=%d rank=%d: %d bytes unchanged linked, %d copied into files of the step",
-              share.run, share.step, share.rank, linked, copied)
+              io.run, io.step, io.rank, linked, copied)
     return records, linked, copied
 
 
-def _copy(share: Share, groups: list[list[Ref]], fsync: bool, written: Callable[[int], None]) -> dict[
-        str, TensorRecord]:
+def _copy(io: WriteIO, groups: list[list[Ref]]) -> dict[str, TensorRecord]:
     """The tensors of ``groups`` (each group's in one base file) copied into a new chunk
     file of the share, which holds only them."""
     refs = [r for group in groups for r in group]
     head = header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes, [])
                    for r in refs])
-    name = share.new_file()
-    share.files.append(name)  # before it exists: a failed step removes it
-    dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                  dir_fd=share.dir_fd)
+    name = layout.chunk_name(io.rank, io.next_seq())
+    dst = io.create_plain(name)  # listed before it exists: a failed step removes it
     records = {}
     try:
         write_all(dst, head)
@@ -254,19 +241,19 @@ def _copy(share: Share, groups: list[list[Ref]], fsync: bool, written: Callable[
                 st = os.fstat(src)
                 if (st.st_dev, st.st_ino) != first.ident:
                     raise OSError(errno.ESTALE, f"{first.base.path / first.record.file} was replaced while step "
-                                                f"{share.step} was written")
+                                                f"{io.step} was written")
                 for r in group:
                     assert r.record.offset is not None  # (a chunk file's tensors all have one)
-                    written(r.record.nbytes)
+                    io.throttled(r.record.nbytes)
                     _copy_range(src, dst, r.record.offset, at, r.record.nbytes)
                     records[r.name] = replace(r.record, file=name, offset=at)
                     at += r.record.nbytes
             except OSError as exc:
                 raise OSError(exc.errno, f"copying unchanged tensors of {first.base.path / first.record.file} "
-                                         f"into {share.dir / name}: {exc.strerror or exc}") from None
+                                         f"into {io.dir / name}: {exc.strerror or exc}") from None
             finally:
                 os.close(src)
-        if fsync:
+        if io.fsync:
             os.fsync(dst)
     finally:
         os.close(dst)
@@ -291,9 +278,8 @@ def _copy_range(src: int, dst: int, src_at: int, dst_at: int, n: int) -> None:
         src_at, dst_at, n = src_at + done, dst_at + done, n - done
 
 
-def _keys(base: Any, file: str) -> set[str]:
-    """The tensor keys chunk file ``file`` of ``base`` (a ``ckptd.daemon.reuse.Base``)
-    holds, as its own header lists them."""
+def _keys(base: Stored, file: str) -> set[str]:
+    """The tensor keys chunk file ``file`` of ``base`` holds, as its own header lists them."""
     fd = base.open(file)
     try:
         keys, _ = read_header(fd, os.fstat(fd).st_size)

@@ -28,7 +28,7 @@ through h5py, whole rows at a time, since HDF5's filters run inside the library.
 
 **Reusing.** An unchanged tensor of an earlier step is there at once: the earlier
 step's whole file is linked into the folder (``r<rank>-<step>.h5``) and the tensor's
-dataset shows in ``r<rank>.h5`` as an external link to it (``ckptd.daemon.reuse``).
+dataset shows in ``r<rank>.h5`` as an external link to it (``Hdf5Format.refer``).
 
 Only this module imports h5py, and only once a file is written or read (the format
 object itself needs none: a daemon or reader that never meets an HDF5 file never loads
@@ -44,7 +44,7 @@ import functools
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
 
@@ -52,13 +52,12 @@ from .. import dtypes, layout
 from ..dtypes import Dtype
 from ..errors import CheckpointCorrupt
 from .fileio import buffer_address, write_buffers
-from .protocol import Entry, Ref, WriteIO
+from .protocol import Entry, Ref, Stored, WriteIO, Written
 
 if TYPE_CHECKING:
     import numpy as np
 
     from ..config import Hdf5Config
-    from ..daemon.share import Share, Stream
     from ..manifest import TensorRecord
 
 ATTR_NAME = "name"  # the exact tensor name
@@ -163,7 +162,7 @@ class H5Writer:
 
     def link_external(self, key: str, file: str) -> None:
         """Make dataset ``key`` of ``file`` (an HDF5 file in the same folder, linked there
-        from an earlier step: daemon.reuse) visible in this one as an external link, so
+        from an earlier step: ``Hdf5Format.refer``) visible in this one as an external link, so
         that plain h5py, opening this file, sees every tensor of the share. HDF5 looks
         for a relative target beside the file that links to it."""
         try:
@@ -410,89 +409,79 @@ class Hdf5Format:
     def record_problem(self, name: str, key: str, offset: int | None) -> str | None:
         return None  # the key and offset are checked against the file when it is read
 
-    def next_file(self, share: Share) -> str:
-        return layout.h5_name(share.rank)
+    def next_file(self, io: WriteIO) -> str:
+        return layout.h5_name(io.rank)
 
-    def link_name(self, share: Share, base_step: int, file: str) -> str:
-        if file == layout.h5_name(share.rank):  # named for the step that wrote it
-            return layout.h5_link_name(share.rank, base_step)
+    def link_name(self, io: WriteIO, base_step: int, file: str) -> str:
+        if file == layout.h5_name(io.rank):  # named for the step that wrote it
+            return layout.h5_link_name(io.rank, base_step)
         return file  # linked there already: the same name here
 
     # -- writing, on ckptd-hdf5 ---------------------------------------------------------------
-    def _file(self, io: WriteIO, share: Share) -> H5Writer:
-        """The share's open HDF5 file, created on first use."""
-        if share.open_file is None:
-            io.ensure_dir(share)
-            name = layout.h5_name(share.rank)
-            share.files.append(name)
-            share.open_file = H5Writer(Path(share.at(name)), io.hdf5_options, shown=share.dir / name,
-                                       direct=io.direct_io,
-                                       attrs={"run": share.run, "step": share.step, "rank": share.rank})
-        return share.open_file
+    @staticmethod
+    def _file(io: WriteIO) -> H5Writer:
+        """The share's open HDF5 file (kept between calls), created on first use."""
+        if io.kept is None:
+            io.ensure_dir()
+            name = layout.h5_name(io.rank)
+            io.listed(name)
+            io.kept = H5Writer(Path(io.at(name)), io.hdf5_options, shown=io.dir / name, direct=io.direct_io,
+                               attrs={"run": io.run, "step": io.step, "rank": io.rank})
+        return io.kept
 
-    def write_batch(self, io: WriteIO, share: Share, name: str, entries: list[Entry], digests: dict[str, str],
-                    *, listed: bool = False) -> int | None:
+    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
+                    *, listed: bool = False) -> Written:
+        placed: list[tuple[Entry, str, int | None]] = []
         try:
-            h5 = self._file(io, share)
-            for e in io.recognise(share, entries, digests):
+            h5 = self._file(io)
+            for e in io.recognise(entries, digests):
                 dataset = h5.add(e.name, e.dtype, e.shape)
                 h5.write(dataset, e.buffers)
                 io.throttled(e.nbytes)
-                share.records[e.name] = share.record(e, name, dataset.key, dataset.offset, digests[e.name])
+                placed.append((e, dataset.key, dataset.offset))
         except OSError as exc:
-            io.fail(share, f"writing {share.dir / name}", exc)
-        return None  # fsynced once, when the file is closed
+            io.fail(f"writing {io.dir / name}", exc)
+        return Written(placed)  # fsynced once, when the file is closed
 
-    def open_stream(self, io: WriteIO, stream: Stream) -> bool:
-        share, e = stream.share, stream.entry
+    def open_stream(self, io: WriteIO, entry: Entry, file: str) -> Slot | None:
         try:
-            stream.out = self._file(io, share).add(e.name, e.dtype, e.shape)
+            return self._file(io).add(entry.name, entry.dtype, entry.shape)
         except OSError as exc:
-            io.fail(share, f"writing {share.dir / stream.file}", exc)
-            return False
-        return True
+            io.fail(f"writing {io.dir / file}", exc)
+            return None
 
-    def stream_piece(self, io: WriteIO, stream: Stream, piece: Any, last: bool) -> None:
-        share = stream.share
-        try:
-            if share.error is None and stream.out is not None:
-                assert stream.hasher is not None
-                stream.hasher.update(piece)
-                share.open_file.write(stream.out, [piece])
-                io.throttled(len(memoryview(piece)))
-                if last:
-                    share.records[stream.entry.name] = share.record(
-                        stream.entry, stream.file, stream.out.key, stream.out.offset, stream.hasher.text())
-        except OSError as exc:
-            io.fail(share, f"writing {share.dir / stream.file}", exc)
+    def stream_piece(self, io: WriteIO, out: Slot, piece: Any, last: bool) -> tuple[str, int | None] | None:
+        self._file(io).write(out, [piece])
+        io.throttled(len(memoryview(piece)))
+        return (out.key, out.offset) if last else None
 
-    def refer(self, io: WriteIO, share: Share, base: Any, name: str, old: TensorRecord, received: bool) -> None:
+    def drop_stream(self, out: Slot) -> None:
+        """The file itself is let go of when the failed share is closed."""
+
+    def refer(self, io: WriteIO, base: Stored, name: str, old: TensorRecord) -> TensorRecord:
         """Link the base's file now, and show the tensor in r<rank>.h5 through an external
         link (plain h5py sees it there)."""
-        record = base.link(share, old)
-        self._file(io, share).link_external(record.key, record.file)
-        with share.lock:
-            share.records[name] = record
-            share.reused += record.nbytes
-            share.recognised += record.nbytes if received else 0
+        record = replace(old, file=io.link(base, old.file))
+        self._file(io).link_external(record.key, record.file)
+        return record
 
-    def place(self, io: WriteIO, share: Share, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
+    def place(self, io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
         return {}, 0, 0  # (refer links at once: nothing waits for the commit)
 
-    def close(self, io: WriteIO, share: Share) -> None:
+    def close(self, io: WriteIO) -> None:
         """HDF5 writes its metadata now; the file is then queued for fsync."""
-        h5, share.open_file = share.open_file, None
+        h5, io.kept = io.kept, None
         if h5 is None:
             return
-        if share.error is not None:
+        if io.failed:
             h5.abort()
             return
         try:
             fd = h5.close()
         except OSError as exc:
-            io.fail(share, f"writing {share.dir / h5.path.name}", exc)
+            io.fail(f"writing {io.dir / h5.path.name}", exc)
             return
-        io.sync(share, h5.path.name, fd)
+        io.sync(h5.path.name, fd)
 
     # -- reading ----------------------------------------------------------------------------
     def open(self, fd: int, size: int) -> Hdf5Reader:

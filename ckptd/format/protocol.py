@@ -18,12 +18,12 @@ data file's name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..config import Hdf5Config
     from ..dtypes import Dtype
-    from ..daemon.share import Share, Stream
     from ..manifest import TensorRecord
 
 
@@ -40,19 +40,43 @@ class Entry:
     shard: Any = None  # a manifest.Shard: the piece of a larger tensor this is
 
 
+class Stored(Protocol):
+    """A share stored already, in an earlier step, as a format reads it (the writer's
+    ``reuse.Base``): its folder, and its data files opened or checked by name."""
+
+    path: Path
+    step: int
+
+    def check(self, file: str) -> tuple[int, int]:
+        """The (device, inode) of data file ``file``, which is there as its manifest says; else OSError."""
+
+    def open(self, file: str) -> int:
+        """Data file ``file`` opened for reading, never through a symlink (the caller closes it)."""
+
+
 @dataclass(eq=False)
 class Ref:
     """A tensor of a share that refers to a record stored already, in an earlier step
-    (``base``, a ``ckptd.daemon.reuse.Base``): placed in the share's folder at commit."""
+    (``base``): placed in the share's folder at commit (``Format.place``)."""
 
     name: str
-    base: Any
+    base: Stored
     record: TensorRecord  # the base's
-    ident: tuple[int, int]  # (device, inode) of the base's file that holds it (Base.check)
+    ident: tuple[int, int]  # (device, inode) of the base's file that holds it (Stored.check)
+
+
+@dataclass
+class Written:
+    """What a batch left: each tensor written and where in the file (its key, its byte
+    offset or None), from which the writer makes the manifest's records; and a descriptor
+    of the file to fsync and close before the commit (None: nothing to sync now)."""
+
+    placed: list[tuple[Entry, str, int | None]]
+    fd: int | None = None
 
 
 class DataFile(Protocol):
-    """A new data file being written (``ckptd.daemon.datafile.DataFile``)."""
+    """A new data file being written (``WriteIO.create``'s: O_DIRECT where it can be)."""
 
     def write(self, buffers: list[Any]) -> None: ...
 
@@ -62,26 +86,59 @@ class DataFile(Protocol):
 
 
 class WriteIO(Protocol):
-    """What a format's write side asks of the daemon's writer (``ckptd.daemon.writer``)."""
+    """Where one share is written, and what a format's write side asks of the daemon's
+    writer for it. The writer makes one for each call: a format keeps nothing of it
+    between calls but ``kept``, and never sees the daemon's own objects."""
 
+    run: str
+    step: int
+    rank: int
+    chunk_size: int  # ``[daemon] chunk_size``: the most a file of copied tensors holds
     direct_io: bool  # O_DIRECT where the filesystem takes it
     fsync: bool  # files are fsynced before the commit ([daemon] fsync)
     hdf5_options: Hdf5Config
+    kept: Any  # what the format keeps open between calls for this share (None at first)
 
-    def ensure_dir(self, share: Share) -> None: ...
+    @property
+    def dir(self) -> Path:
+        """The step folder, as messages name it."""
 
-    def create(self, share: Share, name: str, *, listed: bool = False) -> DataFile:
-        """A new data file ``name`` of ``share`` (``listed``: in ``share.files`` already)."""
+    @property
+    def failed(self) -> bool:
+        """The share failed already (its error is set): nothing more is written."""
 
-    def recognise(self, share: Share, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
+    def at(self, name: str) -> str:
+        """A path to file ``name`` of the step folder that resolves through the folder's open
+        descriptor (docs/guarantees.md); h5py takes it too."""
+
+    def next_seq(self) -> int:
+        """The share's next data-file sequence number (thread-safe)."""
+
+    def ensure_dir(self) -> None: ...
+
+    def create(self, name: str, *, listed: bool = False) -> DataFile:
+        """A new data file ``name`` (``listed``: the writer listed it already)."""
+
+    def create_plain(self, name: str) -> int:
+        """A new file ``name``, listed as the share's (a failed step removes it), opened for
+        writing without O_DIRECT and never through a symlink; the caller closes it."""
+
+    def listed(self, name: str) -> None:
+        """File ``name`` (made by the format itself, through ``at``) is the share's now."""
+
+    def link(self, base: Stored, file: str) -> str:
+        """Data file ``file`` of ``base`` linked (or copied) into the step folder, once per
+        share; its name there. Raises OSError naming what failed."""
+
+    def recognise(self, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
         """Refer to the stored copy of each entry unchanged since the share's base; the others."""
 
     def throttled(self, nbytes: int) -> None: ...
 
-    def sync(self, share: Share, name: str, fd: int) -> None:
+    def sync(self, name: str, fd: int) -> None:
         """Queue descriptor ``fd`` of file ``name`` for fsync (and close) before the commit."""
 
-    def fail(self, share: Share, what: str, exc: OSError) -> None: ...
+    def fail(self, what: str, exc: OSError) -> None: ...
 
 
 class DataReader(Protocol):
@@ -112,34 +169,41 @@ class Format(Protocol):
     def record_problem(self, name: str, key: str, offset: int | None) -> str | None:
         """What is wrong with a manifest record of this format (its key, its offset), or None."""
 
-    def next_file(self, share: Share) -> str:
+    def next_file(self, io: WriteIO) -> str:
         """On the main loop: the file the share's next batch or streamed tensor goes into."""
 
-    def link_name(self, share: Share, base_step: int, file: str) -> str:
+    def link_name(self, io: WriteIO, base_step: int, file: str) -> str:
         """The name, in the share's folder, of data file ``file`` of step ``base_step``
         when it is linked there (unchanged tensors)."""
 
     # -- the write side, on ``thread`` ------------------------------------------------------
-    def write_batch(self, io: WriteIO, share: Share, name: str, entries: list[Entry], digests: dict[str, str],
-                    *, listed: bool = False) -> int | None:
-        """Write ``entries`` (checksums ``digests``) into file ``name``; a descriptor to fsync
-        and close, or None (nothing to sync now, or failed: ``share.error`` says)."""
+    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
+                    *, listed: bool = False) -> Written:
+        """Write ``entries`` (checksums ``digests``) into file ``name``; what was written
+        (nothing where it failed: ``io.fail`` was told)."""
 
-    def open_stream(self, io: WriteIO, stream: Stream) -> bool:
-        """Start a tensor that arrives in pieces; False if that failed (``share.error`` says)."""
+    def open_stream(self, io: WriteIO, entry: Entry, file: str) -> Any:
+        """Start a tensor that arrives in pieces, in file ``file``: what ``stream_piece``
+        writes to; None if that failed (``io.fail`` was told)."""
 
-    def stream_piece(self, io: WriteIO, stream: Stream, piece: Any, last: bool) -> None: ...
+    def stream_piece(self, io: WriteIO, out: Any, piece: Any, last: bool) -> tuple[str, int | None] | None:
+        """Write the next piece of the streamed tensor (``out``: ``open_stream``'s); after the
+        ``last``, where the tensor is (its key and offset). Raises OSError."""
 
-    def refer(self, io: WriteIO, share: Share, base: Any, name: str, old: TensorRecord, received: bool) -> None:
-        """Tensor ``name`` is ``old``, stored in ``base``: link or copy it, now or at commit
-        (``share.refs``)."""
+    def drop_stream(self, out: Any) -> None:
+        """Let go of a streamed tensor that will not be finished (its share failed)."""
 
-    def place(self, io: WriteIO, share: Share, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
+    def refer(self, io: WriteIO, base: Stored, name: str, old: TensorRecord) -> Ref | TensorRecord:
+        """Tensor ``name`` is ``old``, stored in ``base``: its record in the share now (linked
+        at once), or a ``Ref`` that ``place`` puts in the share's folder at the commit.
+        Raises OSError."""
+
+    def place(self, io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
         """At the commit, on the syncer, before the manifest: the references ``refer``
         left for it, put in the share's folder (linked or copied); their records, the
         bytes linked and the bytes copied. Raises OSError naming what failed."""
 
-    def close(self, io: WriteIO, share: Share) -> None:
+    def close(self, io: WriteIO) -> None:
         """Before a commit or discard: finish the share's open file (queued for fsync); a
         failed share's file is only let go of."""
 

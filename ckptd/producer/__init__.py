@@ -15,8 +15,8 @@ from ..manifest import CheckpointInfo
 from .client import CommitHandle, Producer
 
 __all__ = [
-    "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "emit", "emit_many", "flush",
-    "latest", "prepare", "save", "should_save", "stats", "wait_complete",
+    "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "current", "emit", "emit_many",
+    "flush", "latest", "prepare", "save", "should_save", "stats", "wait_complete",
 ]
 
 _default: Producer | None = None
@@ -36,6 +36,14 @@ def configure(endpoint: str | None = None, run: str | None = None, rank: int | N
             old.close()
         _default = Producer(endpoint, run, rank=rank, world_size=world_size, **options)
         return _default
+
+
+def current() -> Producer | None:
+    """The default producer if one is made and open (``configure``'s, or the first
+    function's), else None; never makes one. ``ckptd.dcp`` shares it with the module's
+    functions when it is the same run and rank."""
+    with _default_lock:
+        return _default if _default is not None and not _default.closed else None
 
 
 def _get() -> Producer:

@@ -7,10 +7,11 @@ resolves when the daemon has made the step durable, or fails with
 ``CheckpointError``. Failures always reach the caller: through the handle,
 ``flush()`` and ``close()``.
 
-``Producer`` checks the arguments and dispatches: ``copies.Copier`` holds staging
-and the copies into it, ``connection.Connection`` the daemon connection and its
-replies, ``steps.StepBook`` the steps in flight and the commits awaited, and
-``plan.Plan`` the fast way of saving a state whose layout repeats.
+``Producer`` checks the arguments and dispatches: ``stager.Stager`` is the one
+staging sequence of ``emit``, ``emit_many`` and ``save`` (plan, copy, hand over),
+over ``copies.Copier`` (staging and the copies into it), ``connection.Connection``
+(the daemon connection and its replies), ``steps.StepBook`` (the steps in flight and
+the commits awaited) and ``plan.Plan`` (the fast way of saving a layout that repeats).
 """
 
 from __future__ import annotations
@@ -36,16 +37,14 @@ from ..sharding import Box, hand_shard, is_dtensor
 from ..state import flatten
 from . import frozen as frozen_mod, sharded, sizing
 from .connection import Connection, identify
-from .copies import Copier, Item, describe, frozen_first, same_item
+from .copies import Copier, describe
 from .pacing import Pacer, broadcast_from_rank0, check_bounds
-from .plan import Plan
+from .stager import Stager
 from .steps import CommitHandle, StepBook
 
 __all__ = ["CommitHandle", "Producer"]
 
 log = logging.getLogger("ckptd.producer")
-
-PLANS_KEPT = 4  # state layouts whose save plans a producer keeps (plan.py)
 
 
 class Producer:
@@ -81,11 +80,8 @@ class Producer:
         self._book = StepBook(on_done=self._frozen.done)
         self._copier = Copier(self.options)  # makes staging in the background now
         self._connection = Connection(who, self.options, self._copier, self._book, self._frozen, self._emit_lock)
+        self._stager = Stager(self._copier, self._connection, self._book, self._frozen, self._emit_lock)
         self._current_step: int | None = None  # the open checkpoint() block's
-        # the layouts of the last few states saved, newest last, for their next saves (plan.py);
-        # a few, since a loop may save more than one state (a model, and its optimizer apart)
-        self._plans: list[Plan] = []
-        self._many_plans: list[Plan] = []  # the same, for emit_many's {name: tensor} (plan.py)
         self._pacer = Pacer()
         self._agree: Any = None  # rank 0's plan to every rank (pacing.broadcast_from_rank0), made at first use
         ref = weakref.ref(self)
@@ -98,7 +94,8 @@ class Producer:
         self._connection.start()
 
     @property
-    def _closed(self) -> bool:
+    def closed(self) -> bool:
+        """``close`` was called: this producer takes nothing more."""
         return self._connection.closed
 
     # -- public API -------------------------------------------------------------------------
@@ -132,21 +129,14 @@ class Producer:
         else:
             item = describe(name, tensor)
         with self._emit_lock:
-            self._grow_between_steps()
             piece = None  # a hand-placed piece: (its tensor, its box)
             if global_shape is not None and item.shard is not None:
                 piece = (name, Box(tuple(item.shard.offsets), tuple(item.shape)))
                 kept = self._book.place(step, *piece)
                 if kept != name:  # this rank's second piece of it: its shard names the tensor
                     name, item = kept, dataclasses.replace(item, shard=dataclasses.replace(item.shard, tensor=name))
-            room = sizing.room_for([item.nbytes])
-            st = self._book.claim(step, name, room=room, piece=piece)
-            try:
-                self._connection.ensure()
-                self._copier.stage(self._connection, st, step, name, item)
-            except BaseException:
-                self._book.unclaim(step, name, room, piece)
-                raise
+            # staging grows for the last checkpoint's room: one tensor says nothing of the next
+            self._stager.stage(step, {name: item}, room=sizing.room_for([item.nbytes]), grow_for=0, piece=piece)
         return name
 
     def emit_many(self, tensors: dict[str, Any], *, step: int | None = None) -> list[str]:
@@ -167,77 +157,14 @@ class Producer:
         if any(is_dtensor(t) for t in tensors.values()):  # each places itself, as emit does
             return [self.emit(name, t, step=step) for name, t in tensors.items()]
         with _no_cyclic_gc():
-            if self._emit_many_by_plan(tensors, step):
+            if self._stager.by_plan(self._stager.many_plans, tensors, step, kick=True) is not None:
                 return list(tensors)
             items = {check_name(name): describe(name, t) for name, t in tensors.items()}
             room = sizing.room_for([i.nbytes for i in items.values()])
-            names = list(items)
             with self._emit_lock:
-                self._grow_between_steps(room)
-                st = self._book.claim(step, *names, room=room)
-                done = 0
-                try:
-                    conn = self._connection
-                    for name, item in items.items():
-                        conn.ensure()
-                        self._copier.stage(conn, st, step, name, item)
-                        done += 1
-                except BaseException:
-                    for name in names[done:]:  # not staged: they may be emitted again
-                        self._book.unclaim(step, name)
-                    raise
-                self._keep_many_plan(tensors, items, room)
-        return names
-
-    def _emit_many_by_plan(self, tensors: dict[str, Any], step: int) -> bool:
-        """``emit_many`` by the cached plan of an earlier call with this layout; False
-        (nothing done) where none serves: then it goes the general way."""
-        found = _newest_serving(self._many_plans, tensors)
-        if found is None:
-            return False
-        plan, got = found
-        conn = self._connection
-        with self._emit_lock:
-            self._grow_between_steps()
-            conn.ensure()
-            arena = self._copier.arena
-            if conn.batcher is None or plan not in self._many_plans or arena is None:
-                return False  # inline now, or a new connection
-            conn.batcher.flush()  # regions go out in the order they were taken
-            region = plan.take(arena)
-            if region is None:
-                return False  # staging is busy: the general way streams through it
-            messages = plan.copy(region, got[0], arena, self._copier.arena_t)
-            if messages is None:  # a tensor changed: the general way, which plans anew
-                self._many_plans.remove(plan)
-                return False
-            try:
-                st = self._book.claim(step, *plan.names, room=plan.room)
-            except BaseException:
-                arena.release(region)
-                raise
-            opened, st.opened = st.opened, True
-            conn.send_planned(step, region, messages)
-            if not opened and conn.transport is not None:
-                conn.transport.kick()  # the daemon knows the step is open at once, as emit's first tensor does
-            self._many_plans.remove(plan)
-            self._many_plans.append(plan)  # the newest used
-        return True
-
-    def _keep_many_plan(self, tensors: dict[str, Any], items: dict[str, Item], room: int) -> None:
-        """After a general ``emit_many`` (under _emit_lock): the plan for the next call with
-        the same layout, where one serves."""
-        arena = self._copier.arena
-        if self._connection.batcher is None or arena is None \
-                or any(i.shard is not None or i.is_numpy or i.is_cuda for i in items.values()):
-            return
-        structure, flat = flatten(tensors)
-        if list(flat) != list(items):
-            return  # a name flatten spells otherwise: no plan
-        plan = Plan.build(tensors, structure, flat, arena.capacity, room)
-        if plan is not None:
-            plan.prepare(arena, self._copier.arena_t)
-            self._many_plans = [*self._many_plans[-(PLANS_KEPT - 1):], plan]
+                self._stager.stage(step, items, room=room)
+                self._stager.keep_many(tensors, items, room)
+        return list(items)
 
     def commit(self, step: int, *, metadata: dict[str, Any] | None = None, structure: Any = None,
                replicas: dict[str, int] | None = None) -> CommitHandle:
@@ -269,11 +196,17 @@ class Producer:
         began = time.monotonic()  # the training loop is blocked from here to the commit
         check_step(step)
         pattern = frozen_mod.globs(frozen)
+        meta_json = _metadata_json(metadata)  # TypeError before anything is staged
         with _no_cyclic_gc():
             # a plan copies every tensor; frozen= ones go the general way, which leaves them out
-            by_plan = self._save_by_plan(state, step, metadata, replicated, began) if pattern is None else None
-            if by_plan is not None:
-                return by_plan
+            if pattern is None and not (replicated and self.world_size > 1):
+                try:
+                    got = self._stager.by_plan(self._stager.save_plans, state, step, kick=False)
+                except BaseException:
+                    self.abort(step)
+                    raise
+                if got is not None:
+                    return self._commit(step, metadata, meta_json, got[1], began=began)
             structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
             items = {name: dataclasses.replace(describe(name, t), shard=shard)
@@ -281,27 +214,18 @@ class Producer:
             for name in planned.replicas:  # checked on every rank, though another writes it
                 if not is_dtensor(tensors[name]):
                     describe(name, tensors[name])
-            meta_json = _metadata_json(metadata)
             state_json = json.dumps(structure, ensure_ascii=False, allow_nan=False)
             try:
                 with self._emit_lock:
-                    self._grow_between_steps(sizing.room_for([i.nbytes for i in items.values()]))
-                    for name, writer in planned.replicas.items():
-                        self._book.claim(step, name, replica_of=writer)
-                    st = self._book.claim(step, *items)
-                    if pattern is not None:
-                        self._send_same(step, items, pattern)
-                        items = frozen_first(items, pattern)
-                    conn = self._connection
-                    for name, item in items.items():
-                        conn.ensure()
-                        self._copier.stage(conn, st, step, name, item)
+                    whole = sizing.room_for([i.nbytes for i in items.values()])
+                    self._stager.stage(step, items, room=0, grow_for=whole, frozen=pattern, replicas=planned.replicas)
             except BaseException:
                 self.abort(step)
                 raise
-            room = sizing.room_for([i.nbytes for i in items.values()])
-            if pattern is None:  # (items lacks the frozen tensors it did not send)
-                self._keep_plan(state, structure, tensors, planned, items, replicated, room)
+            room = sizing.room_for([i.nbytes for i in items.values()])  # (less the frozen ones not sent)
+            if pattern is None and not planned.replicas and not (replicated and self.world_size > 1):
+                with self._emit_lock:
+                    self._stager.keep(self._stager.save_plans, state, structure, tensors, items, room)
         self._book.set_room(step, room)
         return self._commit(step, metadata, meta_json, state_json, began=began)
 
@@ -325,60 +249,6 @@ class Producer:
             room = sizing.room_for([describe(name, t).nbytes for name, (t, _) in planned.stage.items()])
         self._copier.prepare(room)
         return room
-
-    def _save_by_plan(self, state: Any, step: int, metadata: Any, replicated: Any,
-                      began: float) -> CommitHandle | None:
-        """``save`` by the cached plan of the last state saved (plan.py), or None (nothing
-        done) where it does not serve this one; then ``save`` goes the general way."""
-        if not self._plans or (replicated and self.world_size > 1):
-            return None
-        found = _newest_serving(self._plans, state)
-        if found is None:
-            return None
-        plan, (tensors, state_json) = found
-        meta_json = _metadata_json(metadata)
-        conn = self._connection
-        try:
-            with self._emit_lock:
-                self._grow_between_steps()
-                conn.ensure()
-                arena = self._copier.arena
-                if conn.batcher is None or plan not in self._plans or arena is None:
-                    return None  # inline now, or a new connection; the general way, which plans anew
-                conn.batcher.flush()  # regions go out in the order they were taken
-                region = plan.take(arena)
-                if region is None:
-                    return None  # staging is busy: the general way streams through it
-                messages = plan.copy(region, tensors, arena, self._copier.arena_t)
-                if messages is None:  # a tensor changed: the general way, which plans anew
-                    self._plans.remove(plan)
-                    return None
-                try:
-                    self._book.claim(step, *plan.names)
-                except BaseException:
-                    arena.release(region)
-                    raise
-                self._book.opened(step, room=plan.room)
-                conn.send_planned(step, region, messages)
-                self._plans.remove(plan)
-                self._plans.append(plan)  # the newest used
-        except BaseException:
-            self.abort(step)
-            raise
-        return self._commit(step, metadata, meta_json, state_json, began=began)
-
-    def _keep_plan(self, state: Any, structure: Any, tensors: dict[str, Any], planned: Any,
-                   items: dict[str, Item], replicated: Any, room: int) -> None:
-        """After a general save: the plan for the next save of the same layout, where one serves."""
-        arena = self._copier.arena
-        if self._connection.batcher is None or arena is None or planned.replicas \
-                or (replicated and self.world_size > 1) or len(items) != len(tensors) \
-                or any(i.shard is not None or i.is_numpy or i.is_cuda for i in items.values()):
-            return
-        plan = Plan.build(state, structure, tensors, arena.capacity, room)
-        if plan is not None:
-            plan.prepare(arena, self._copier.arena_t)
-            self._plans = [*self._plans[-(PLANS_KEPT - 1):], plan]
 
     @contextmanager
     def checkpoint(self, step: int, metadata: dict[str, Any] | None = None) -> Iterator[CommitHandle]:
@@ -441,7 +311,7 @@ class Producer:
         """Wait for outstanding commits, then disconnect and free staging memory; raise
         CheckpointError, as ``flush`` does, naming every failed commit not raised yet
         (also when the daemon was lost: a step is committed, or the caller is told)."""
-        if self._closed:
+        if self.closed:
             return
         self._connection.wait_started()
         try:
@@ -465,7 +335,7 @@ class Producer:
         return {
             "rank": self.rank, "world_size": self.world_size,
             "local_rank": self.local_rank, "local_world_size": self.local_world_size,
-            "transport": None if conn.transport is None else ("shm" if conn.shm else "inline"),
+            "transport": conn.transport_kind(),
             "staging_bytes": self._copier.capacity,
             "staging_ready_bytes": self._copier.ready_bytes,
             "staging_limit": self._copier.limit,
@@ -512,26 +382,6 @@ class Producer:
             return self._current_step
         return check_step(step)
 
-    def _grow_between_steps(self, room: int = 0) -> None:
-        """Swap in a grown arena (sizing) while no step is in flight; under _emit_lock.
-        ``room``: the staging the checkpoint about to be staged takes, where known (a
-        save; else, for emits, the last checkpoint's): one that the arena cannot hold
-        gets a larger one to stream through at once (``Copier.bridge``).
-
-        The daemon maps an arena for the life of a connection, so the new one comes
-        with a new connection: a bye, then the next send says hello with it."""
-        if self._copier.growth is None or not self._book.idle():
-            return  # bytes of the steps in flight may still be in the old arena
-        old = self._copier.swap_grown()
-        if old is None:
-            old = self._copier.bridge(room or self._copier.last_room)
-        if old is None:
-            return
-        self._connection.drop()
-        for plan in self._plans + self._many_plans:
-            plan.forget_views()  # they would keep the old arena mapped
-        self._copier.retire(old)
-
     def _commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
                 handle: CommitHandle | None = None, began: float | None = None) -> CommitHandle:
         if meta_json is None:
@@ -559,18 +409,6 @@ class Producer:
         conn.send("commit", handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",
                   metadata=meta_json, replicas=st.replicas or None, timing=timing)
         return handle
-
-    def _send_same(self, step: int, items: dict[str, Item], pattern: Any) -> None:
-        """Describe the frozen tensors the daemon stores already (``same``) and take them
-        out of ``items``, which are staged after: before any tensor, so the message opens
-        the step and the daemon links them first (under _emit_lock)."""
-        base, same = self._frozen.split(step, items, pattern, same_item)
-        if not same:
-            return
-        self._connection.ensure()
-        self._connection.send_batch()
-        self._connection.send("same", step=step, base=base, items=same)
-        self._book.opened(step)
 
     def _close_at_exit(self) -> None:
         try:
@@ -601,12 +439,3 @@ def _metadata_json(metadata: Any) -> str:
     if not isinstance(metadata, dict):
         raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
     return check_json(metadata, "commit metadata")
-
-
-def _newest_serving(plans: list[Plan], state: Any) -> tuple[Plan, Any] | None:
-    """The newest of ``plans`` whose layout ``state`` has, with what its ``collect`` gave."""
-    for plan in reversed(plans):
-        got = plan.collect(state)
-        if got is not None:
-            return plan, got
-    return None

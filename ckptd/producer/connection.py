@@ -328,8 +328,24 @@ class Connection:
         fields = {"frozen": True} if frozen else {}
         self.transport.send(wire.encode("tensors", seq=seq, step=step, items=items, **fields), wake=False)
 
-    def send_planned(self, step: int, region: Region, messages: list[tuple[str, Any]]) -> None:
-        """Queue a save plan's messages in order; its one region goes back with the last's ack."""
+    def batches(self) -> bool:
+        """Small tensors go out in batches of shared staging (the shared-memory transport),
+        which a save plan's one region needs."""
+        return self.batcher is not None
+
+    def ready_for_plan(self) -> bool:
+        """Connected, by shared memory, with the open batch sent (regions go out in the
+        order they were taken): a save plan's region may be taken now. Under the emit lock."""
+        self.ensure()
+        if self.batcher is None:
+            return False
+        self.batcher.flush()
+        return True
+
+    def send_planned(self, step: int, region: Region, messages: list[tuple[str, Any]], *, kick: bool) -> None:
+        """Queue a save plan's messages in order; its one region goes back with the last's ack.
+        ``kick``: wake the sender now (the step's first message: the daemon knows it is open
+        at once, as it does from emit's first tensor)."""
         assert self.transport is not None
         with self._lock:  # consecutive numbers, queued in their order
             first = self._seq + 1
@@ -337,6 +353,12 @@ class Connection:
             region.seq = self._seq
             for i, (op, packed) in enumerate(messages):
                 self.transport.send(wire.encode_packed(op, packed, seq=first + i, step=step), wake=False)
+        if kick:
+            self.transport.kick()
+
+    def transport_kind(self) -> str | None:
+        """"shm" or "inline"; None before the first connection."""
+        return None if self.transport is None else ("shm" if self.shm else "inline")
 
     def send_batch(self) -> None:
         """Send the open batch of small tensors, if any (under the emit lock)."""

@@ -21,6 +21,7 @@ from .. import dtypes
 from ..errors import CheckpointError
 from ..manifest import Shard
 from . import sizing
+from .plan import Plan
 from .staging import Arena, Region, background_priority
 
 if TYPE_CHECKING:
@@ -186,6 +187,40 @@ class Copier:
         # never waits for the first arena (expected_bytes: it may be large and still faulting)
         have = self.arena.capacity if self.arena is not None else self._first_size
         self.growth.want(room, have, ahead=True)
+
+    def regrow(self, room: int, idle: Callable[[], bool]) -> Arena | None:
+        """Between steps (``idle()``: none in flight, whose bytes may still be in the arena):
+        a grown arena put in place (``swap_grown``), else one to stream a checkpoint of
+        ``room`` bytes through (0: the last checkpoint's; ``bridge``); the old one, for
+        ``retire`` once the connection that mapped it is closed, or None."""
+        if self.growth is None or not idle():
+            return None
+        old = self.swap_grown()
+        return old if old is not None else self.bridge(room or self.last_room)
+
+    # -- a save plan's staging (plan.py) ------------------------------------------------------
+    def take(self, plan: Plan) -> Region | None:
+        """The plan's region of staging if it is free now, else None (nothing was taken)."""
+        return None if self.arena is None else plan.take(self.arena)
+
+    def copy_planned(self, plan: Plan, region: Region, tensors: list[Any]) -> list[tuple[str, Any]] | None:
+        """``tensors`` copied into ``region`` by ``plan``: its messages, or None (a tensor changed)."""
+        assert self.arena is not None
+        return plan.copy(region, tensors, self.arena, self.arena_t)
+
+    def release(self, region: Region) -> None:
+        assert self.arena is not None
+        self.arena.release(region)
+
+    def plan(self, state: Any, structure: Any, tensors: dict[str, Any], room: int) -> Plan | None:
+        """A plan for the next save of ``state``'s layout (``Plan.build``), its views and
+        messages made now, or None where none serves."""
+        if self.arena is None:
+            return None
+        plan = Plan.build(state, structure, tensors, self.arena.capacity, room)
+        if plan is not None:
+            plan.prepare(self.arena, self.arena_t)
+        return plan
 
     def swap_grown(self) -> Arena | None:
         """Put a grown arena in place, if one is ready (or, asked for by ``prepare``,

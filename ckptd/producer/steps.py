@@ -145,15 +145,14 @@ class StepBook:
                                  f"{list(other.sizes)} emitted before in step {step}; emit each block once")
         return piece_name(tensor, box.offsets) if earlier else tensor
 
-    def opened(self, step: int, room: int | None = None) -> None:
-        """The daemon knows ``step`` is open (a message of it went out alone); ``room``:
-        the staging its tensors take at once, as a save plan counted it."""
+    def opened(self, step: int) -> bool:
+        """The daemon knows ``step`` is open (a message of it goes out now); whether it knew already."""
         with self._lock:
             st = self._steps.get(step)
-            if st is not None:
-                st.opened = True
-                if room is not None:
-                    st.room = room
+            if st is None:
+                return False
+            was, st.opened = st.opened, True
+            return was
 
     def set_room(self, step: int, room: int) -> None:
         """The staging ``step``'s tensors take at once, as a save counted it."""

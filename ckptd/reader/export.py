@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import dtypes, state as state_mod
+from .. import dtypes, layout, state as state_mod
 from ..config import Hdf5Config
 from ..durable import replacing
 from ..manifest import Manifest
@@ -31,7 +31,7 @@ from .checks import check_structure, share_records
 from .files import read_tensors
 from .steps import find, pick_rank
 
-SUFFIXES = (".safetensors", ".h5", ".pt")
+PT_SUFFIX = ".pt"  # torch.save's: not a storage format of the daemon's
 
 
 def export(run: str, step: int | None, out: str | os.PathLike[str], *,
@@ -154,6 +154,8 @@ def _bytes(t: Any) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+# an export's suffix is its format's, where ckptd stores checkpoints in it (layout names them)
 _WRITERS: dict[str, Callable[[Path, Manifest, dict[str, Any]], None]] = {
-    ".safetensors": _safetensors, ".h5": _h5, ".pt": _pt,
+    layout.CHUNK_SUFFIX: _safetensors, layout.H5_SUFFIX: _h5, PT_SUFFIX: _pt,
 }
+SUFFIXES = tuple(_WRITERS)
