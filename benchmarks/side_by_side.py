@@ -146,8 +146,7 @@ class Ckptd:
         import ckptd
 
         self.daemon = DaemonProcess(base, None, name="ckptd", tables={"retention": {"keep_last": 2}}).start()
-        self.producer = ckptd.Producer(self.daemon.endpoint, RUN, rank=0, world_size=1, timeout=120)
-        self.producer.prepare(state)
+        self.producer = ckptd.Producer(self.daemon.endpoint, RUN, rank=0, world_size=1, timeout=120, prepare=state)
         self.step = 0
 
     def save(self, state: State) -> tuple[float, float, float | None]:
