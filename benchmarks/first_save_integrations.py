@@ -16,6 +16,7 @@ A training step here lasts ~``--step-ms``: the time staging has to be made in.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         rows["accelerate save_state + prepare"] = accelerate(daemon, args)
     finally:
         daemon.close()
+        shutil.rmtree(base, ignore_errors=True)
     mib = 3 * 3 * args.width * (args.width + 1) * 4 / 2**20
     print(f"\nfirst save's stall against the later ones' ({mib:.0f} MiB per checkpoint, staging \"auto\", "
           f"a save every {args.every} steps of ~{args.step_ms:.0f} ms)")
