@@ -218,10 +218,7 @@ class DcpSaver:
         self.dcp = dcp
         self.base = base
         self.kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}[executor]
-        # pinned memory, shared memory, async staging and non-blocking copies all need CUDA
-        self.stager = (DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                    use_async_staging=False, use_non_blocking_copy=False))
-                       if reuse_stager else None)
+        self.stager = DefaultStager(dcp_staging_options(StagingOptions)) if reuse_stager else None
         self.count = 0
 
     def once(self, state: dict[str, torch.Tensor]) -> Timing:
@@ -250,10 +247,19 @@ class DcpSaver:
     def close(self) -> None:
         if self.stager is not None:
             self.stager.close()
-        _stop_dcp_writer_process()
+        stop_dcp_writer_process()
 
 
-def _stop_dcp_writer_process() -> None:
+def dcp_staging_options(options: Any) -> Any:
+    """DCP's fastest ``StagingOptions`` on this host: shared memory (the writer process maps
+    the staged tensors instead of receiving a copy) works on CPU in torch 2.13; pinned
+    memory, async staging and non-blocking copies need CUDA and are on only where it is."""
+    cuda = torch.cuda.is_available()
+    return options(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=cuda,
+                   use_non_blocking_copy=cuda)
+
+
+def stop_dcp_writer_process() -> None:
     """DCP stops its writer process only when its module global is garbage collected; stop
     it now so that no process outlives the report."""
     try:

@@ -109,3 +109,31 @@ def test_blocked_time_and_mismatches(daemon, tmp_path: Path, capsys, monkeypatch
     with pytest.raises(ckptd.CheckpointNotFound):
         ckptd_accelerate.load_state(accelerator, run="nothing-here")
     ckptd_accelerate.close()
+
+
+def test_prepare_makes_staging_for_the_whole_share_before_the_first_save(daemon, tmp_path: Path, monkeypatch) -> None:
+    from accelerate import Accelerator
+
+    monkeypatch.setenv("CKPTD_ENDPOINT", daemon.endpoint)
+    monkeypatch.setenv("CKPTD_ROOT", str(daemon.root))
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 16 MiB, Adam 32 MiB more
+    opt = torch.optim.Adam(model.parameters())
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.backward(model(torch.randn(2, 1024)).sum())
+    opt.step()
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # the weights, exp_avg(_sq)
+    room = ckptd_accelerate.prepare(accelerator, run="first")  # staging_size "auto"
+    producer = ckptd_accelerate.producer_for(accelerator, "first")
+    assert room >= state_bytes and producer.stats()["staging_prepared_bytes"] == room
+    assert ckptd.latest("first", root=daemon.root) is None  # nothing saved by it
+    ckptd_accelerate.save_state(accelerator, 1, run="first").wait(60)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert ckptd_accelerate.load_state(accelerator, run="first").step == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    ckptd_accelerate.close()

@@ -6,6 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+import torch
+
+from ckptd import producer
+
 CHECK = """
 import sys
 import ckptd, ckptd.integrations
@@ -32,3 +37,20 @@ def test_a_missing_framework_names_the_extra_to_install() -> None:
         for module, extra in (("lightning.fabric.plugins.io", "lightning"), ("transformers", "transformers"),
                               ("accelerate", "accelerate"))
     ]
+
+
+def test_configure_prepare_makes_staging_for_the_loops_state_before_its_first_save(daemon) -> None:
+    model = torch.nn.Linear(2048, 2048)  # 16 MiB, and SGD's momentum 16 MiB more after a step
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 2048)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    state_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    try:
+        p = producer.configure(daemon.endpoint, "loop", rank=0, world_size=1, prepare=state)  # staging "auto"
+        assert p.stats()["staging_prepared_bytes"] >= state_bytes
+        producer.save(state, step=1).wait(60)
+        with pytest.raises(ValueError, match="a size cannot be negative"):
+            producer.configure(daemon.endpoint, "loop", rank=0, world_size=1, prepare=-1)
+    finally:
+        producer.close()

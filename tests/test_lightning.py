@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
 import ckptd
-from ckptd.integrations.lightning import CkptdCheckpointIO, read_pointer
+from ckptd.integrations.lightning import CkptdCheckpointIO, PrepareStaging, read_pointer
 
 FRAMEWORKS = Path(__file__).parent / "frameworks"
 sys.path.insert(0, str(FRAMEWORKS))
@@ -196,3 +196,61 @@ def test_values_without_a_safe_conversion_are_refused_by_path(daemon, tmp_path: 
         assert (tmp_path / "torch.ckpt").exists()
     finally:
         plugin.teardown()
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+class Wide(L.LightningModule):
+    """16 MiB of parameters and 32 MiB of Adam state: more than the 32 MiB "auto" staging starts with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 2048),
+                                       torch.nn.Linear(2048, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class StagingBeforeTheFirstSave(L.Callback):
+    """What the plugin's producer says at the end of the first two steps, before the first save
+    (at step 2; a user's callback runs before ckptd's and ModelCheckpoint's)."""
+
+    def __init__(self, plugin: CkptdCheckpointIO) -> None:
+        self.plugin = plugin
+        self.seen: list[tuple[int, int, int]] = []  # (prepared bytes, the state's bytes, steps saved)
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if len(self.seen) < 2:
+            state = {"model": pl_module.state_dict(), "optim": [o.state_dict() for o in trainer.optimizers]}
+            prepared = self.plugin.producer.stats()["staging_prepared_bytes"]
+            saved = len(ckptd.list_checkpoints("first", root=self.plugin.root))
+            self.seen.append((prepared, _tensor_bytes(state), saved))
+
+
+def test_staging_is_made_for_the_whole_checkpoint_before_the_first_save(daemon, tmp_path: Path) -> None:
+    plugin = CkptdCheckpointIO("first", endpoint=daemon.endpoint, root=daemon.root)  # staging_size "auto"
+    probe = StagingBeforeTheFirstSave(plugin)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, plugins=[plugin], logger=False,
+                        callbacks=[probe, ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)],
+                        enable_progress_bar=False, enable_model_summary=False)
+    # ckptd's entry point (pyproject.toml) gave this Trainer its PrepareStaging
+    assert sum(isinstance(c, PrepareStaging) for c in trainer.callbacks) == 1
+    trainer.fit(Wide(), lightning_fit.data())
+    (before, _, saved0), (after, state_bytes, saved1) = probe.seen
+    assert (before, saved0, saved1) == (0, 0, 0)  # nothing prepared before the first step's end
+    assert state_bytes > 48 * 2**20 and after >= state_bytes  # then the whole model and Adam state
+    assert [i.step for i in ckptd.list_checkpoints("first", root=daemon.root)] == [2, 4]

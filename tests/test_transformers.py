@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from safetensors.torch import load_file
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 import ckptd
+from ckptd.integrations.transformers import CkptdCallback
 
 FRAMEWORKS = Path(__file__).parent / "frameworks"
 sys.path.insert(0, str(FRAMEWORKS))
@@ -163,3 +164,34 @@ def test_every_auto_saves_at_the_advised_points_within_the_bounds(daemon, tmp_pa
     callback.close()
     with pytest.raises(ValueError, match=r"every='hourly'.*\"auto\""):
         hf_train.build(str(tmp_path / "x"), "ckptd", None, every="hourly")
+
+
+class StagingAfterTheFirstStep(TrainerCallback):
+    """After CkptdCallback's on_step_end of step 1 (callbacks run in order): the staging its
+    producer was told of, and the bytes of the model and optimizer state."""
+
+    def __init__(self, callback: CkptdCallback) -> None:
+        self.callback = callback
+        self.seen: list[tuple[int, int]] = []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
+        if state.global_step == 1:
+            tensors = [*model.state_dict().values(),
+                       *(t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))]
+            self.seen.append((self.callback.producer.stats()["staging_prepared_bytes"],
+                              sum(t.numel() * t.element_size() for t in tensors)))
+
+
+def test_staging_is_made_for_model_and_optimizer_before_the_first_save(daemon, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CKPTD_RUN", "first")
+    monkeypatch.setenv("CKPTD_ENDPOINT", daemon.endpoint)
+    monkeypatch.setenv("CKPTD_ROOT", str(daemon.root))
+    trainer, callback = hf_train.build(str(tmp_path / "out"), "ckptd", None, width=64, staging="auto")
+    probe = StagingAfterTheFirstStep(callback)
+    trainer.add_callback(probe)
+    trainer.args.max_steps = hf_train.SAVE_STEPS
+    trainer.train()
+    [(prepared, state_bytes)] = probe.seen
+    assert state_bytes > 0 and prepared >= state_bytes  # asked for at step 1; the first save is at step 4
+    assert [i.step for i in ckptd.list_checkpoints("first", root=daemon.root)] == [hf_train.SAVE_STEPS]
+    callback.close()

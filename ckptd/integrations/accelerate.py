@@ -1,6 +1,7 @@
 """accelerate's ``save_state`` / ``load_state``, through ckptd.
 
     from ckptd.integrations import accelerate as ckptd_accelerate
+    ckptd_accelerate.prepare(accelerator)              # once, after the first optimizer step
     ckptd_accelerate.save_state(accelerator, step)     # returns once copied
     info = ckptd_accelerate.load_state(accelerator)    # newest complete step; info.step
 
@@ -11,6 +12,12 @@ dataloaders and the objects given to ``register_for_checkpointing``; every proce
 its RNG states and ``accelerator.step``. ``load_state`` gives every process
 process 0's share and its own RNG states. FSDP and DeepSpeed shard the model
 and optimizer: they are refused here (``ckptd.dcp`` is their route).
+
+``prepare`` makes staging for what ``save_state`` will copy, in the background,
+so that the first checkpoint blocks no longer than the later ones (without it,
+the first one streams through the 32 MiB "auto" staging starts with). Call it
+once the optimizer's state exists (after the first step, for Adam); it costs that
+staging's memory from then on rather than from the first checkpoint.
 """
 
 from __future__ import annotations
@@ -41,6 +48,22 @@ def save_state(accelerator: Any, step: int, *, run: str | None = None, endpoint:
     ``producer_options`` (``staging_size=``, ``retention=``, ...) apply when this
     process's producer for the run is made, on the first call."""
     _check_unsharded(accelerator)
+    return producer_for(accelerator, run, endpoint, **producer_options).save(_share(accelerator), step,
+                                                                              metadata=metadata)
+
+
+def prepare(accelerator: Any, *, run: str | None = None, endpoint: str | None = None,
+            **producer_options: Any) -> int:
+    """Make this process's staging for ``save_state``'s checkpoints now, in the background
+    (``Producer.prepare``; nothing is copied); returns the staging bytes one takes. Takes
+    the options ``save_state`` does (they apply when the producer is made)."""
+    _check_unsharded(accelerator)
+    return producer_for(accelerator, run, endpoint, **producer_options).prepare(_share(accelerator))
+
+
+def _share(accelerator: Any) -> dict[str, Any]:
+    """This process's share of a checkpoint: process 0 the prepared and registered objects,
+    every process its RNG states and ``accelerator.step``."""
     share: dict[str, Any] = {"step": accelerator.step, "rng": rng.capture()}
     if accelerator.process_index == 0:
         share["models"] = [accelerator.unwrap_model(m).state_dict() for m in accelerator._models]
@@ -50,7 +73,7 @@ def save_state(accelerator: Any, step: int, *, run: str | None = None, endpoint:
         share["custom"] = [o.state_dict() for o in accelerator._custom_objects]
         if accelerator.scaler is not None:
             share["scaler"] = accelerator.scaler.state_dict()
-    return producer_for(accelerator, run, endpoint, **producer_options).save(share, step, metadata=metadata)
+    return share
 
 
 def load_state(accelerator: Any, step: int | None = None, *, run: str | None = None,

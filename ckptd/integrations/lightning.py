@@ -23,6 +23,12 @@ go. Paths map to ckptd checkpoints like this (docs/integrations.md):
   is safe: no other pointer names it, and a newer checkpoint of the run is
   complete (so neither the newest complete checkpoint nor one that a pending
   save would replace before it is durable is ever deleted).
+- the first checkpoint blocks no longer than the later ones: after the first
+  training step (once the optimizer's state exists), ``PrepareStaging`` has the
+  plugin's producer make staging for the whole checkpoint, in the background.
+  ckptd registers that callback with every ``lightning.pytorch`` Trainer (the
+  ``lightning.pytorch.callbacks_factory`` entry point); it does nothing where the
+  Trainer's checkpoint IO is not a ``CkptdCheckpointIO``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from ..producer import CommitHandle, Producer
 from . import require
 
 _io = require("lightning.fabric.plugins.io", "lightning")
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 log = logging.getLogger("ckptd.integrations.lightning")
 
@@ -144,6 +151,12 @@ class CkptdCheckpointIO(_io.CheckpointIO):
             producer.close()
             self._handles.clear()
 
+    def prepare(self, checkpoint: dict[str, Any]) -> int:
+        """Make staging for checkpoints like ``checkpoint`` now, in the background
+        (``Producer.prepare``); ``PrepareStaging`` calls it after the first training step.
+        Returns the staging bytes one such checkpoint takes."""
+        return self.producer.prepare(plain(checkpoint))
+
     # -- helpers ---------------------------------------------------------------------------
     @property
     def producer(self) -> Producer:
@@ -201,6 +214,49 @@ class CkptdCheckpointIO(_io.CheckpointIO):
                 if run == self.run:
                     steps.add(step)
         return steps
+
+
+class PrepareStaging(Callback):
+    """After the first training step of a fit, a ``CkptdCheckpointIO``'s staging is made
+    for what a checkpoint will hold: the model's ``state_dict`` and the optimizers'
+    (their state exists from the first step), on global rank 0, which saves. The
+    first checkpoint then finds staging made, as the later ones do, instead of
+    streaming through the 32 MiB "auto" staging starts with. It costs that staging's
+    memory from the first step rather than from the first checkpoint, made on a
+    background thread; the training thread only lists the tensors."""
+
+    def __init__(self) -> None:
+        self._pending = True
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._pending = True  # each fit makes its producer anew (teardown closes it)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        plugin = ckptd_io(trainer.strategy.checkpoint_io)
+        if plugin is None or not trainer.is_global_zero:  # Lightning saves from global rank 0 only
+            return
+        plugin.prepare({"state_dict": pl_module.state_dict(),
+                        "optimizer_states": [o.state_dict() for o in trainer.optimizers]})
+
+
+def callbacks() -> list[Callback]:
+    """The ``lightning.pytorch.callbacks_factory`` entry point (pyproject.toml): every
+    Trainer gets a ``PrepareStaging``, which acts only with a ``CkptdCheckpointIO``."""
+    return [PrepareStaging()]
+
+
+def ckptd_io(io: Any) -> CkptdCheckpointIO | None:
+    """The ``CkptdCheckpointIO`` in a strategy's checkpoint IO (maybe wrapped, e.g. by
+    Lightning's ``AsyncCheckpointIO``), else None."""
+    seen = 0
+    while io is not None and seen < 8:
+        if isinstance(io, CkptdCheckpointIO):
+            return io
+        io, seen = getattr(io, "checkpoint_io", None), seen + 1
+    return None
 
 
 def pointer_bytes(run: str, step: int) -> bytes:

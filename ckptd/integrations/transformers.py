@@ -21,6 +21,9 @@ How it hooks in (docs/integrations.md): when the Trainer that holds it is built
   epoch, data position (the Trainer skips the batches already trained), RNG,
   optimizer and scheduler come back exactly as from the Trainer's own files.
 - ``save_total_limit = N`` becomes the run's ckptd retention ``keep_last = N``.
+- after the first training step (once the optimizer's state exists), process 0's
+  producer makes staging for the model and optimizer in the background, so the
+  first checkpoint blocks no longer than the later ones (``Producer.prepare``).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class CkptdCallback(TrainerCallback):
         self._trainer: Any = None
         self._resume_dir: str | None = None
         self._resume: dict[str, Any] = {}  # the checkpoint being resumed from: rank 0's share and ours
+        self._prepare_pending = True  # staging for the first checkpoint: made after the first step
 
     # -- attaching -------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -117,6 +121,12 @@ class CkptdCallback(TrainerCallback):
         (this runs after the Trainer's own flow callback, and overrides its decision)."""
         if self.every == "auto":
             control.should_save = self.producer.should_save(state.global_step, **self.bounds)
+        if self._prepare_pending:
+            self._prepare_pending = False
+            self._prepare_staging()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._prepare_pending = True  # a later train() may follow close(): a new producer
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training ends once every checkpoint is durable; a failed one raises CheckpointError."""
@@ -143,6 +153,18 @@ class CkptdCallback(TrainerCallback):
         return self._producer
 
     # -- saving ----------------------------------------------------------------------------
+    def _prepare_staging(self) -> None:
+        """Process 0: make staging for the checkpoint's model and optimizer now, in the
+        background (its memory is taken from the first step rather than the first save;
+        other processes save only their RNG states, which the 32 MiB "auto" starts with holds)."""
+        trainer = self._trainer
+        if trainer is None or not trainer.args.should_save:
+            return
+        share: dict[str, Any] = {"model": trainer.model.state_dict()}
+        if not trainer.args.save_only_model and trainer.optimizer is not None:
+            share["optimizer"] = trainer.optimizer.state_dict()
+        self.producer.prepare(share)
+
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """What ``Trainer._save_checkpoint`` writes, as one ckptd step of this process's share."""
         started = time.perf_counter()

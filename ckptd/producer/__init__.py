@@ -27,8 +27,10 @@ def configure(endpoint: str | None = None, run: str | None = None, rank: int | N
               world_size: int | None = None, **options: Any) -> Producer:
     """(Re)create the default producer; closes the previous one first. ``options``:
     the ``[producer]`` keys of config.toml, ``retention=`` (this run's own
-    ``[retention]`` keys) and ``format=`` (``"chunk"`` or ``"hdf5"``: this run's
-    storage format; default the daemon's)."""
+    ``[retention]`` keys), ``format=`` (``"chunk"`` or ``"hdf5"``: this run's
+    storage format; default the daemon's) and ``prepare=`` (the state the loop will save,
+    as ``save`` takes it, or its bytes: staging for it is made now, in the background, so
+    the first checkpoint blocks no longer than the later ones; ``prepare()``)."""
     global _default
     with _default_lock:
         old, _default = _default, None

@@ -50,7 +50,8 @@ log = logging.getLogger("ckptd.producer")
 class Producer:
     """One process's checkpoints of one run (docs/usage.md); ``ckptd.producer``'s
     functions forward to a default one. Close it (or use it as a context manager)
-    to learn of every failed commit; at exit it is closed for you."""
+    to learn of every failed commit; at exit it is closed for you. ``prepare=state``:
+    ``self.prepare(state)`` once made (staging for the first checkpoint made ahead)."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class Producer:
         world_size: int | None = None,
         retention: dict[str, Any] | None = None,
         format: str | None = None,
+        prepare: Any = None,
         **options: Any,
     ) -> None:
         cfg = config_mod.load()
@@ -79,6 +81,12 @@ class Producer:
         self._frozen = frozen_mod.Frozen()  # save(frozen=...): what the daemon stores already
         self._book = StepBook(on_done=self._frozen.done)
         self._copier = Copier(self.options)  # makes staging in the background now
+        if prepare is not None:  # the state (or its bytes) to make staging for now: self.prepare
+            try:
+                self.prepare(prepare)
+            except BaseException:
+                self._copier.close()
+                raise
         self._connection = Connection(who, self.options, self._copier, self._book, self._frozen, self._emit_lock)
         self._stager = Stager(self._copier, self._connection, self._book, self._frozen, self._emit_lock)
         self._current_step: int | None = None  # the open checkpoint() block's
@@ -328,7 +336,9 @@ class Producer:
         launcher's ``local_rank``, ``local_world_size``), ``transport`` ("shm" or
         "inline", None before the first connection), ``staging_bytes`` (the arena's size
         now), ``staging_ready_bytes`` (a larger one's, made in the background and in use
-        from the next checkpoint; 0: none), ``staging_limit`` (what it may grow to: its
+        from the next checkpoint; 0: none), ``staging_prepared_bytes`` (the largest
+        checkpoint's staging bytes that ``prepare`` or ``expected_bytes`` announced to
+        "auto" staging, which holds them or is being made to; 0: none), ``staging_limit`` (what it may grow to: its
         fixed size unless ``staging_size = "auto"``), ``blocked_seconds`` (total time
         ``emit`` waited for staging space, i.e. for the daemon, since the producer was made)."""
         conn = self._connection
@@ -338,6 +348,7 @@ class Producer:
             "transport": conn.transport_kind(),
             "staging_bytes": self._copier.capacity,
             "staging_ready_bytes": self._copier.ready_bytes,
+            "staging_prepared_bytes": self._copier.prepared_bytes,
             "staging_limit": self._copier.limit,
             "blocked_seconds": self._copier.blocked_s,
         }

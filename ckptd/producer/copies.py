@@ -124,6 +124,7 @@ class Copier:
         self._cuda: dict[str, Any] | None = None  # the pinned arena's address and a side stream per device
         self._blocked_before = 0.0  # blocked_seconds of arenas that grown ones replaced
         self.last_room = 0  # staging the last checkpoint committed took (want)
+        self.prepared_bytes = 0  # the largest checkpoint announced ahead (prepare, expected_bytes) to "auto"
         # staging_size = "auto": start small, grow to fit (sizing); else exactly what was asked
         self.growth: sizing.Growth | None = None
         size = options.staging_size
@@ -133,6 +134,7 @@ class Copier:
             if options.expected_bytes:  # known now: made at its size at once, not grown into
                 size = sizing.size_for(options.expected_bytes, self.growth.limit)
                 self.growth.made(size)
+                self.prepared_bytes = options.expected_bytes
         self._first_size = size
         # Allocate and pre-fault staging in the background now, so the first
         # checkpoint does not pay for page faults (mmap releases the GIL).
@@ -184,6 +186,7 @@ class Copier:
         for it now, in the background; the next checkpoint takes it (``swap_grown``)."""
         if self.growth is None or self._arena_error is not None:
             return
+        self.prepared_bytes = max(self.prepared_bytes, room)
         # never waits for the first arena (expected_bytes: it may be large and still faulting)
         have = self.arena.capacity if self.arena is not None else self._first_size
         self.growth.want(room, have, ahead=True)
