@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from .. import config as config_mod
-from .. import measures
+from .. import measures, replicas
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, check_json
 from ..names import check_name, check_run, check_step
@@ -276,6 +276,7 @@ class Producer:
                 return by_plan
             structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
+            digests = replicas.of_plan(planned.shared, self.options.compare_replicas)  # before any copy
             items = {name: dataclasses.replace(describe(name, t), shard=shard)
                      for name, (t, shard) in planned.stage.items()}
             for name in planned.replicas:  # checked on every rank, though another writes it
@@ -303,7 +304,7 @@ class Producer:
             if pattern is None:  # (items lacks the frozen tensors it did not send)
                 self._keep_plan(state, structure, tensors, planned, items, replicated, room)
         self._book.set_room(step, room)
-        return self._commit(step, metadata, meta_json, state_json, began=began)
+        return self._commit(step, metadata, meta_json, state_json, began=began, digests=digests)
 
     def prepare(self, state: Any, *, replicated: Any = None) -> int:
         """Make staging ready for checkpoints of ``state`` (as ``save`` takes it) or of
@@ -532,7 +533,8 @@ class Producer:
         self._copier.retire(old)
 
     def _commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
-                handle: CommitHandle | None = None, began: float | None = None) -> CommitHandle:
+                handle: CommitHandle | None = None, began: float | None = None,
+                digests: dict[str, str] | None = None) -> CommitHandle:
         if meta_json is None:
             meta_json = _metadata_json(metadata)
         handle = handle or CommitHandle(step)
@@ -556,7 +558,8 @@ class Producer:
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
                   "restore_s": measures.take_restored(self.run) if self.run is not None else None}
         conn.send("commit", handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",
-                  metadata=meta_json, replicas=st.replicas or None, timing=timing)
+                  metadata=meta_json, replicas=st.replicas or None, timing=timing,
+                  digests=digests, compare=self.options.compare_replicas if digests else None)
         return handle
 
     def _send_same(self, step: int, items: dict[str, Item], pattern: Any) -> None:

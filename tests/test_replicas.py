@@ -1,0 +1,156 @@
+"""Replica comparison (ckptd.replicas, docs/replicas.md): every holder of a replicated
+piece digests its copy, and the step names the ranks whose copy differs.
+
+These run three producers of one run in this process against a real daemon; the
+torchrun jobs of DDP, HSDP and TP are in tests/test_replicas_training.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import ckptd
+from ckptd import replicas
+from ckptd.completion import wait_complete
+from ckptd.manifest import Manifest
+from conftest import cli
+
+
+def _flip(t: torch.Tensor, index: int = 0, bit: int = 3) -> torch.Tensor:
+    """A copy of ``t`` with one bit of one element flipped: what a bad core does."""
+    out = t.clone()
+    out.view(-1).view(torch.uint8)[index * t.element_size()] ^= 1 << bit
+    return out
+
+
+def _save(daemon, states: list[dict], step: int, world: int, **options) -> ckptd.CheckpointInfo:
+    producers = [daemon.producer(rank=r, world_size=world, **options) for r in range(world)]
+    try:
+        for h in [p.save(s, step, replicated=True) for p, s in zip(producers, states)]:
+            h.wait(30)
+        return wait_complete("t", step, timeout=30, root=daemon.root, remote="")
+    finally:
+        for p in producers:
+            p.close()
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)},
+            "optim": {"step": torch.tensor(7)}, "epoch": 2}
+
+
+def test_a_flipped_bit_on_one_rank_names_the_tensor_and_the_rank(daemon) -> None:
+    good = _state()
+    bad = {**good, "model": {**good["model"], "w": _flip(good["model"]["w"], 100, 6)}}
+    assert _save(daemon, [good, good, good], 1, 3).diverged == {}
+    info = _save(daemon, [good, good, bad], 2, 3)
+    assert info.diverged == {"model.w": [2]}
+    assert not info.refused  # "warn", the default: it is the latest all the same
+    assert ckptd.latest("t", root=daemon.root).step == 2
+    # every rank digested every replicated tensor, whether it wrote it or not
+    for rank in range(3):
+        m = Manifest.from_json((daemon.root / "t" / "step-000000000002" / f"manifest-r{rank:05d}.json").read_bytes(),
+                               "here")
+        assert sorted(m.replica_digests) == ["model.b", "model.w", "optim.step"]
+        assert m.host and m.compare_replicas == "warn"
+    listed = ckptd.list_checkpoints("t", root=daemon.root)
+    assert [i.diverged for i in listed] == [{}, {"model.w": [2]}]
+    # verify fails naming the tensor and the rank (and its host)
+    r = cli("verify", "t", "2", "--root", str(daemon.root))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "model.w" in r.stderr and "rank 2 (host " in r.stderr
+    assert cli("verify", "t", "1", "--root", str(daemon.root)).returncode == 0
+    # the daemon that completed the step logged it at ERROR and counted it
+    assert "replicas of tensor 'model.w' disagree: rank 2" in daemon.log_tail(400)
+    status = json.loads(cli("status", "--json", "--endpoint", daemon.endpoint).stdout)
+    assert status["replica_mismatches"] == 1, status
+
+
+def test_two_copies_that_differ_name_both_ranks(daemon) -> None:
+    good = _state()
+    bad = {**good, "model": {**good["model"], "b": _flip(good["model"]["b"])}}
+    info = _save(daemon, [good, bad], 1, 2)
+    assert info.diverged == {"model.b": [0, 1]}
+
+
+def test_refuse_keeps_the_step_but_never_picks_it(daemon) -> None:
+    good = _state()
+    bad = {**good, "model": {**good["model"], "w": _flip(good["model"]["w"])}}
+    _save(daemon, [good] * 3, 1, 3, compare_replicas="refuse")
+    info = _save(daemon, [good, bad, good], 2, 3, compare_replicas="refuse")
+    assert info.diverged == {"model.w": [1]} and info.refused
+    assert ckptd.latest("t", root=daemon.root).step == 1
+    assert (daemon.root / "t" / "latest").read_text().strip() == "step-000000000001"
+    assert torch.equal(ckptd.load("t", root=daemon.root, rank=0)["model"]["w"], good["model"]["w"])
+    target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "optim": {"step": torch.tensor(0)}}
+    assert ckptd.load_into(target, "t", root=daemon.root).step == 1
+    # kept on disk, loadable by its step, and marked in the list
+    assert ckptd.load("t", 2, root=daemon.root, rank=0)["epoch"] == 2
+    assert [i.step for i in ckptd.list_checkpoints("t", root=daemon.root)] == [1, 2]
+    out = cli("list", "t", "--root", str(daemon.root)).stdout
+    line2 = next(line for line in out.splitlines() if "2" in line.split()[:1])
+    assert "refused" in line2, out
+    assert "refused" not in next(line for line in out.splitlines() if "1" in line.split()[:1])
+
+
+def test_off_compares_nothing(daemon) -> None:
+    good = _state()
+    bad = {**good, "model": {**good["model"], "w": _flip(good["model"]["w"])}}
+    info = _save(daemon, [good, bad], 1, 2, compare_replicas="off")
+    assert info.diverged is None
+    m = json.loads((daemon.root / "t" / "step-000000000001" / "manifest-r00000.json").read_text())
+    assert "replica_digests" not in m
+
+
+def test_words64_is_the_documented_formula_on_cpu() -> None:
+    """The GPU digest's kernel, run on CPU tensors: the formula docs/replicas.md gives,
+    computed independently with Python integers, for sizes that are and are not a
+    multiple of 8 bytes, and across the kernel's blocks."""
+    def reference(t: torch.Tensor) -> str:
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        nbytes = len(raw)
+        raw += b"\0" * (-len(raw) % 4)
+        words = np.frombuffer(raw, dtype="<i4").astype(np.int64).view(np.uint64)
+        i = np.arange(len(words), dtype=np.uint64)
+        total = int((words * ((i * np.uint64(2) + np.uint64(1)) * np.uint64(replicas.K))).sum(dtype=np.uint64))
+        x = ((total ^ nbytes) + replicas.K) % 2**64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+        return f"words64:{x ^ (x >> 31):016x}"
+
+    g = torch.Generator().manual_seed(1)
+    cases = [torch.randn(1000, 7, generator=g), torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g),
+             torch.randn(5, generator=g).to(torch.bfloat16), torch.tensor(3.5)]
+    for t in cases:
+        assert replicas.digest_pieces([("x", t, None)], replicas.WORDS64) == {"x": reference(t)}
+    # a tensor of several blocks, and a view at an odd byte offset
+    big = torch.randint(-2**30, 2**30, (3 * replicas._BLOCK + 5,), dtype=torch.int32, generator=g)
+    assert replicas.digest_pieces([("x", big, None)], replicas.WORDS64) == {"x": reference(big)}
+    odd = torch.randint(0, 255, (41,), dtype=torch.uint8, generator=g)[3:]
+    assert odd.storage_offset() % 4
+    assert replicas.digest_pieces([("x", odd, None)], replicas.WORDS64) == {"x": reference(odd)}
+
+
+@pytest.mark.parametrize("function", replicas.FUNCTIONS)
+def test_every_single_bit_flip_changes_the_digest(function: str) -> None:
+    t = torch.randn(33, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    base = replicas.digest_pieces([("x", t, None)], function)["x"]
+    seen = {base}
+    for byte in range(t.numel() * 8):
+        for bit in range(8):
+            flipped = t.clone()
+            flipped.view(torch.uint8)[byte] ^= 1 << bit
+            seen.add(replicas.digest_pieces([("x", flipped, None)], function)["x"])
+    assert len(seen) == 1 + t.numel() * 64  # each flip its own digest, none the original's
+
+
+def test_majority_and_ties() -> None:
+    assert replicas._odd_ones({0: "a", 1: "a", 2: "b"}) == [2]
+    assert replicas._odd_ones({0: "a", 1: "b"}) == [0, 1]
+    assert replicas._odd_ones({0: "a", 1: "a", 2: "b", 3: "b"}) == [0, 1, 2, 3]
+    assert replicas._odd_ones({0: "a", 1: "a", 2: "b", 3: "c"}) == [2, 3]
+    assert replicas._odd_ones({0: "a", 1: "a"}) == []
