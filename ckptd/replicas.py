@@ -290,7 +290,8 @@ def describe(manifests: "list[Manifest]") -> list[str]:
             return ", ".join(f"rank {r} (host {hosts.get(r, '?')}, {mm.holders[r]})" for r in ranks)
 
         against = f" differ from {who(others)}" if others else " all differ (no majority)"
-        lines.append(f"replicas of tensor {mm.key!r} disagree: {who(mm.ranks)}{against}")
+        piece = f" (its piece at offsets [{mm.key[len(mm.tensor) + 1:]}])" if mm.key != mm.tensor else ""
+        lines.append(f"replicas of tensor {mm.tensor!r}{piece} disagree: {who(mm.ranks)}{against}")
     return lines
 
 
