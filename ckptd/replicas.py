@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -200,12 +202,41 @@ def digest_pieces(pieces: Iterable[tuple[str, Any, "Shard | None"]], function: s
     return {key: finish(function, int(v), sizes[key]) for key, v in raw.items()}
 
 
-def of_plan(shared: "dict[str, tuple[Any, Shard | None]]", policy: str) -> dict[str, str] | None:
-    """What ``save`` sends with its commit: the digests of the replicated pieces this
-    rank holds (``producer.sharded.Plan.shared``), or None ("off", or none held)."""
+class Pending:
+    """The digests of a save, being computed: ``result()`` waits for them. ``save`` starts
+    them before it copies into staging and takes them at its commit, before it returns:
+    the bytes digested are the caller's as they were during ``save``."""
+
+    def __init__(self, future: Future | None = None, done: dict[str, str] | None = None) -> None:
+        self._future, self._done = future, done
+
+    def result(self) -> dict[str, str]:
+        return self._future.result() if self._future is not None else (self._done or {})
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def start(shared: "dict[str, tuple[Any, Shard | None]]", policy: str) -> Pending | None:
+    """Begin the digests ``save`` sends with its commit: of the replicated pieces this
+    rank holds (``producer.sharded.Plan.shared``); None ("off", or none held).
+
+    xxh3 runs on a thread of its own (it releases the GIL), beside the training thread's
+    copy into staging, so that on a second core the digest of the whole replicated state
+    hides behind the copy of this rank's share of it. words64 is launched here, on the
+    caller's thread and stream, in order with its work: the device runs it on."""
+    global _pool
     if policy == "off" or not shared:
         return None
-    return digest_pieces(((name, value, shard) for name, (value, shard) in shared.items()), digest_function())
+    pieces = [(name, value, shard) for name, (value, shard) in shared.items()]
+    function = digest_function()
+    if function == WORDS64:
+        return Pending(done=digest_pieces(pieces, function))
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-digest")
+    return Pending(future=_pool.submit(digest_pieces, pieces, function))
 
 
 def _nbytes(value: Any) -> int:

@@ -276,7 +276,8 @@ class Producer:
                 return by_plan
             structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
-            digests = replicas.of_plan(planned.shared, self.options.compare_replicas)  # before any copy
+            # digests of the replicated pieces held, beside the copies below; taken at the commit
+            digests = replicas.start(planned.shared, self.options.compare_replicas)
             items = {name: dataclasses.replace(describe(name, t), shard=shard)
                      for name, (t, shard) in planned.stage.items()}
             for name in planned.replicas:  # checked on every rank, though another writes it
@@ -534,7 +535,7 @@ class Producer:
 
     def _commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
                 handle: CommitHandle | None = None, began: float | None = None,
-                digests: dict[str, str] | None = None) -> CommitHandle:
+                digests: replicas.Pending | None = None) -> CommitHandle:
         if meta_json is None:
             meta_json = _metadata_json(metadata)
         handle = handle or CommitHandle(step)
@@ -554,12 +555,13 @@ class Producer:
             self._book.finish(step, handle, error=str(exc))
             handle.observed = True  # raised here, to the caller: flush() and close() do not raise it again
             raise
+        ours = digests.result() if digests is not None else None  # (replica comparison, docs/replicas.md)
         # what this save cost the training loop, and the loads before it (docs/advise.md)
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
                   "restore_s": measures.take_restored(self.run) if self.run is not None else None}
         conn.send("commit", handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",
                   metadata=meta_json, replicas=st.replicas or None, timing=timing,
-                  digests=digests, compare=self.options.compare_replicas if digests else None)
+                  digests=ours or None, compare=self.options.compare_replicas if ours else None)
         return handle
 
     def _send_same(self, step: int, items: dict[str, Item], pattern: Any) -> None:
