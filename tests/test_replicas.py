@@ -154,3 +154,19 @@ def test_majority_and_ties() -> None:
     assert replicas._odd_ones({0: "a", 1: "a", 2: "b", 3: "b"}) == [0, 1, 2, 3]
     assert replicas._odd_ones({0: "a", 1: "a", 2: "b", 3: "c"}) == [2, 3]
     assert replicas._odd_ones({0: "a", 1: "a"}) == []
+
+
+def test_a_refused_step_pushes_no_good_step_out_of_retention() -> None:
+    """keep_last=1 with a refused newest step: the good step before it stays (it is what a
+    restart resumes from), and the refused one is kept too, counted by no rule."""
+    from ckptd import retention
+    from ckptd.config import RetentionConfig
+
+    def info(step: int, refused: bool) -> ckptd.CheckpointInfo:
+        return ckptd.CheckpointInfo("t", step, f"/x/{step}", float(step), 10, 1, "chunk",
+                                    diverged={"w": [1]} if refused else {}, refused=refused)
+
+    decisions = retention.plan([info(1, False), info(2, False), info(3, True)], RetentionConfig(keep_last=1),
+                               pinned=set(), now=10.0)
+    assert [(d.step, d.keep) for d in decisions] == [(1, False), (2, True), (3, True)]
+    assert decisions[2].reasons[0].startswith("refused")
