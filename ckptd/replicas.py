@@ -181,37 +181,51 @@ def tensor_of(key: str) -> str:
 
 def digest_pieces(pieces: Iterable[tuple[str, Any, "Shard | None"]], function: str) -> dict[str, str]:
     """``{piece_key: "<function>:<hex>"}`` of ``(name, local tensor, shard)``: the
-    replicated pieces a rank holds, as they are now (at save time, before ``save``
-    returns, so that the caller's next update cannot reach them). One host read of
-    the words64 digests, all at once, at the end."""
-    raw: dict[str, Any] = {}
-    sizes: dict[str, int] = {}
-    for name, value, shard in pieces:
-        key = piece_key(name, shard)
-        raw[key] = digest(value, function)
-        sizes[key] = _nbytes(value)
+    replicated pieces a rank holds, as they are now."""
+    return read_back(launch(pieces, function), function)
+
+
+def launch(pieces: Iterable[tuple[str, Any, "Shard | None"]], function: str) -> dict[str, tuple[Any, int]]:
+    """Digest each piece: ``{piece_key: (raw digest, nbytes)}``; a words64 digest is a
+    device tensor still being computed, read by ``read_back``."""
+    return {piece_key(name, shard): (digest(value, function), _nbytes(value)) for name, value, shard in pieces}
+
+
+def read_back(raw: dict[str, tuple[Any, int]], function: str) -> dict[str, str]:
+    """``launch``'s digests as ``"<function>:<hex>"``: words64's read to the host once per
+    device, all at once (8 bytes a piece)."""
+    values = {key: v for key, (v, _) in raw.items()}
     if function == WORDS64 and raw:
         import torch
 
         by_device: dict[Any, list[str]] = {}
-        for key, t in raw.items():
+        for key, t in values.items():
             by_device.setdefault(t.device, []).append(key)
         for keys in by_device.values():
-            values = torch.stack([raw[k] for k in keys]).cpu().tolist()
-            raw.update(zip(keys, values))
-    return {key: finish(function, int(v), sizes[key]) for key, v in raw.items()}
+            values.update(zip(keys, torch.stack([values[k] for k in keys]).cpu().tolist()))
+    return {key: finish(function, int(values[key]), nbytes) for key, (_, nbytes) in raw.items()}
 
 
 class Pending:
     """The digests of a save, being computed: ``result()`` waits for them. ``save`` starts
     them before it copies into staging and takes them at its commit, before it returns:
-    the bytes digested are the caller's as they were during ``save``."""
+    the bytes digested are the caller's as they were during ``save``, which are the
+    bytes the writing rank copies into staging and writes."""
 
-    def __init__(self, future: Future | None = None, done: dict[str, str] | None = None) -> None:
-        self._future, self._done = future, done
+    def __init__(self, future: Future | None = None, launched: dict[str, tuple[Any, int]] | None = None) -> None:
+        self._future, self._launched = future, launched
 
     def result(self) -> dict[str, str]:
-        return self._future.result() if self._future is not None else (self._done or {})
+        """The digests; none (the step is then not compared, and a warning says why) if
+        they could not be taken: a save is never failed for its comparison."""
+        try:
+            if self._future is not None:
+                return self._future.result()
+            return read_back(self._launched or {}, WORDS64)
+        except Exception as exc:
+            log.warning("replica digests not taken, this step's replicas will not be compared: %s: %s",
+                        type(exc).__name__, exc)
+            return {}
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -225,14 +239,20 @@ def start(shared: "dict[str, tuple[Any, Shard | None]]", policy: str) -> Pending
     xxh3 runs on a thread of its own (it releases the GIL), beside the training thread's
     copy into staging, so that on a second core the digest of the whole replicated state
     hides behind the copy of this rank's share of it. words64 is launched here, on the
-    caller's thread and stream, in order with its work: the device runs it on."""
+    caller's thread and stream, in order with its work, and read back at the commit,
+    after the copies were queued: the device computes it meanwhile."""
     global _pool
     if policy == "off" or not shared:
         return None
     pieces = [(name, value, shard) for name, (value, shard) in shared.items()]
     function = digest_function()
     if function == WORDS64:
-        return Pending(done=digest_pieces(pieces, function))
+        try:
+            return Pending(launched=launch(pieces, function))
+        except Exception as exc:  # as Pending.result: the save goes on, uncompared, and says so
+            log.warning("replica digests not taken, this step's replicas will not be compared: %s: %s",
+                        type(exc).__name__, exc)
+            return None
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-digest")
