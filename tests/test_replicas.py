@@ -84,6 +84,7 @@ def test_refuse_keeps_the_step_but_never_picks_it(daemon) -> None:
     info = _save(daemon, [good, bad, good], 2, 3, compare_replicas="refuse")
     assert info.diverged == {"model.w": [1]} and info.refused
     assert ckptd.latest("t", root=daemon.root).step == 1
+    assert ckptd.latest("t", root=daemon.root, verify=True).step == 1
     assert (daemon.root / "t" / "latest").read_text().strip() == "step-000000000001"
     assert torch.equal(ckptd.load("t", root=daemon.root, rank=0)["model"]["w"], good["model"]["w"])
     target = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "optim": {"step": torch.tensor(0)}}

@@ -103,7 +103,7 @@ def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
         return index.latest_from_pointer(run_dir) or index.latest_by_scan(run_dir, warn=True)
     for _, path in index.step_dirs(run_dir):
         info = index.step_info(path, warn=True)
-        if info is None:
+        if info is None or info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
             continue
         try:
             manifests = index.read_manifests(path)
