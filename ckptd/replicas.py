@@ -7,8 +7,10 @@ HSDP's replicate dimension, a TP model's ``Replicate()`` norms) is bit-identical
 every rank that holds it. A rank whose copy differs was corrupted without an error
 (a bad core, a flipped bit): checksums of the stored bytes cannot see it, the other
 copies can. Only one rank writes a replicated piece (``sharding.assign_writers``);
-each holder hands its daemon an 8-byte digest of its own copy, recorded in its
-manifest under ``replica_digests`` with the host it ran on.
+each other holder hands its daemon an 8-byte digest of its own copy, recorded in its
+manifest under ``replica_digests`` with the host it ran on. The writer's digest is its
+record's checksum under xxh3 (the same function over the bytes it wrote), and one of
+its own under words64.
 
 Digests, one function per run (``digest_function``), named in every value
 (``"<function>:<16 hex>"``) so that two copies are compared only under one function:
@@ -30,7 +32,7 @@ import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable
 
 import xxhash
 
@@ -232,20 +234,29 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def start(shared: "dict[str, tuple[Any, Shard | None]]", policy: str) -> Pending | None:
+def start(shared: "dict[str, tuple[Any, Shard | None]]", policy: str,
+          written: Container[str] = ()) -> Pending | None:
     """Begin the digests ``save`` sends with its commit: of the replicated pieces this
-    rank holds (``producer.sharded.Plan.shared``); None ("off", or none held).
+    rank holds (``producer.sharded.Plan.shared``) and, under words64, also of those it
+    writes (``written``: their names); None ("off", or nothing to digest).
 
-    xxh3 runs on a thread of its own (it releases the GIL), beside the training thread's
-    copy into staging, so that on a second core the digest of the whole replicated state
-    hides behind the copy of this rank's share of it. words64 is launched here, on the
-    caller's thread and stream, in order with its work, and read back at the commit,
-    after the copies were queued: the device computes it meanwhile."""
+    Under xxh3 the pieces this rank writes are not digested here: the daemon's checksum
+    of each tensor it writes is the xxh3_64 of exactly the staged bytes, the same
+    function over the same bytes, and ``mismatches`` takes the writer's digest from its
+    record (hashing them here too doubled the writer's stall on a busy host). The
+    others' copies run on a thread of their own (xxh3 releases the GIL), beside
+    whatever the training thread copies into staging meanwhile. words64 is another
+    function than the checksum, so every holder, the writer too, launches it here, on
+    the caller's thread and stream, in order with its work, and reads it back at the
+    commit, after the copies were queued: the device computes it meanwhile."""
     global _pool
     if policy == "off" or not shared:
         return None
-    pieces = [(name, value, shard) for name, (value, shard) in shared.items()]
     function = digest_function()
+    pieces = [(name, value, shard) for name, (value, shard) in shared.items()
+              if function == WORDS64 or name not in written]
+    if not pieces:
+        return None
     if function == WORDS64:
         try:
             return Pending(launched=launch(pieces, function))
@@ -287,6 +298,7 @@ def mismatches(manifests: "list[Manifest]") -> list[Mismatch] | None:
     for m in manifests:
         for key, value in m.replica_digests.items():
             holders.setdefault(key, {})[m.rank] = value
+    _add_writers(manifests, holders)
     out: list[Mismatch] = []
     compared = False
     for key, by_rank in holders.items():
@@ -297,6 +309,22 @@ def mismatches(manifests: "list[Manifest]") -> list[Mismatch] | None:
         if found:
             out.append(Mismatch(key, found, by_rank))
     return out if compared else None
+
+
+def _add_writers(manifests: "list[Manifest]", holders: dict[str, dict[int, str]]) -> None:
+    """Add to ``holders`` the digest of each xxh3-digested piece's writer, which digests
+    none of the pieces it writes (``start``): its record's checksum, the xxh3_64 of
+    exactly the bytes it wrote, in the same ``"xxh3_64:<16 hex>"``. Only where every
+    other holder's digest is xxh3's too: a words64 run's writer digests its pieces
+    itself, and one whose digests failed is left out rather than miscompared."""
+    prefix = XXH3 + ":"
+    for m in manifests:
+        for name, record in m.tensors.items():
+            by_rank = holders.get(piece_key(record.tensor_name(name), record.shard))
+            if by_rank is None or m.rank in by_rank or not record.checksum.startswith(prefix):
+                continue
+            if all(v.startswith(prefix) for v in by_rank.values()):
+                by_rank[m.rank] = record.checksum
 
 
 def _odd_ones(by_rank: dict[int, str]) -> list[int]:

@@ -51,12 +51,11 @@ def test_a_flipped_bit_on_one_rank_names_the_tensor_and_the_rank(daemon) -> None
     assert info.diverged == {"model.w": [2]}
     assert not info.refused  # "warn", the default: it is the latest all the same
     assert ckptd.latest("t", root=daemon.root).step == 2
-    # every rank digested every replicated tensor, whether it wrote it or not
-    for rank in range(3):
-        m = Manifest.from_json((daemon.root / "t" / "step-000000000002" / f"manifest-r{rank:05d}.json").read_bytes(),
-                               "here")
-        assert sorted(m.replica_digests) == ["model.b", "model.w", "optim.step"]
-        assert m.host and m.compare_replicas == "warn"
+    # every rank digested every replicated tensor it holds but does not write; the writer's
+    # digest is its record's checksum (test_the_writers_digest_is_its_records_checksum)
+    for m in _manifests(daemon, 2, 3):
+        assert sorted(m.replica_digests) == sorted({"model.b", "model.w", "optim.step"} - set(m.tensors))
+        assert m.host
     listed = ckptd.list_checkpoints("t", root=daemon.root)
     assert [i.diverged for i in listed] == [{}, {"model.w": [2]}]
     # verify fails naming the tensor and the rank (and its host)
@@ -68,6 +67,47 @@ def test_a_flipped_bit_on_one_rank_names_the_tensor_and_the_rank(daemon) -> None
     assert "replicas of tensor 'model.w' disagree: rank 2" in daemon.log_tail(400)
     status = json.loads(cli("status", "--json", "--endpoint", daemon.endpoint).stdout)
     assert status["replica_mismatches"] == 1, status
+
+
+def _manifests(daemon, step: int, world: int) -> list[Manifest]:
+    folder = daemon.root / "t" / f"step-{step:012d}"
+    return [Manifest.from_json((folder / f"manifest-r{r:05d}.json").read_bytes(), "here") for r in range(world)]
+
+
+def test_the_writers_digest_is_its_records_checksum(daemon) -> None:
+    """Under xxh3 the rank that writes a replicated tensor does not digest it (the
+    daemon's checksum of what it wrote is the same function over the same bytes): its
+    manifest has no digest for it, and a bit flipped on that rank is named all the same."""
+    good = _state()
+    _save(daemon, [good] * 3, 1, 3)
+    writer = {name: m.rank for m in _manifests(daemon, 1, 3) for name in m.tensors}
+    w = writer["model.w"]
+    for m in _manifests(daemon, 1, 3):
+        if m.rank == w:
+            assert "model.w" not in m.replica_digests
+        else:  # the others' digests of their copies are the writer's record's checksum
+            assert m.replica_digests["model.w"] == _manifests(daemon, 1, 3)[w].tensors["model.w"].checksum
+    states = [good] * 3
+    states[w] = {**good, "model": {**good["model"], "w": _flip(good["model"]["w"], 7, 1)}}
+    info = _save(daemon, states, 2, 3)
+    assert info.diverged == {"model.w": [w]}
+    r = cli("verify", "t", "2", "--root", str(daemon.root))
+    assert r.returncode == 1 and f"rank {w} (host " in r.stderr, r.stdout + r.stderr
+
+
+def test_xxh3_digests_are_written_as_checksums_are() -> None:
+    """A replica digest and a record's checksum of the same bytes are the same text,
+    leading zeros included (the writer's digest is its checksum)."""
+    from ckptd.manifest import checksum
+
+    small = 0
+    for seed in range(200):
+        t = torch.randn(9, generator=torch.Generator().manual_seed(seed))
+        raw = t.view(torch.uint8).numpy().tobytes()
+        ours = replicas.digest_pieces([("x", t, None)], replicas.XXH3)["x"]
+        assert ours == checksum([raw])
+        small += ours.startswith("xxh3_64:0")
+    assert small  # some digests had a leading zero to pad (1 in 16)
 
 
 def test_two_copies_that_differ_name_both_ranks(daemon) -> None:

@@ -277,7 +277,7 @@ class Producer:
             structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
             # digests of the replicated pieces held, beside the copies below; taken at the commit
-            digests = replicas.start(planned.shared, self.options.compare_replicas)
+            digests = replicas.start(planned.shared, self.options.compare_replicas, written=planned.stage)
             items = {name: dataclasses.replace(describe(name, t), shard=shard)
                      for name, (t, shard) in planned.stage.items()}
             for name in planned.replicas:  # checked on every rank, though another writes it
