@@ -29,6 +29,7 @@ from daemons import DaemonProcess  # noqa: E402
 import ckptd  # noqa: E402
 from ckptd import replicas  # noqa: E402
 from ckptd.config import parse_size  # noqa: E402
+from ckptd.sharding import assign_writers  # noqa: E402
 
 
 def state(nbytes: int, tensors: int) -> dict:
@@ -75,9 +76,15 @@ def digests_per_gb(s: dict, repeat: int) -> dict:
 
 
 def ddp_stall(s: dict, ranks: int, repeat: int, base: Path) -> dict:
+    # which rank writes what (the others hold a copy and digest it): sharding.assign_writers
+    writer = assign_writers((f"model.{n}", t.numel() * t.element_size(), tuple(range(ranks)))
+                            for n, t in s["model"].items())
     daemon = DaemonProcess(base, "64MiB", name="d").start()
     try:
         stalls: dict[str, list[float]] = {"off": [], "warn": []}
+        # per rank, and the job's per save (the slowest rank's: in a job the ranks save at once)
+        by_rank: dict[str, list[list[float]]] = {k: [[] for _ in range(ranks)] for k in stalls}
+        job: dict[str, list[float]] = {"off": [], "warn": []}
         producers = {policy: [ckptd.Producer(daemon.endpoint, f"ddp-{policy}", rank=r, world_size=ranks,
                                              compare_replicas=policy, staging_size="auto") for r in range(ranks)]
                      for policy in stalls}
@@ -87,11 +94,14 @@ def ddp_stall(s: dict, ranks: int, repeat: int, base: Path) -> dict:
             for step in range(repeat + 1):  # the first: staging warms up, not counted
                 for policy in (("off", "warn") if step % 2 else ("warn", "off")):
                     handles = []
-                    for p in producers[policy]:
+                    for rank, p in enumerate(producers[policy]):
                         t0 = time.perf_counter()
                         handles.append(p.save(s, step, replicated=True))
                         if step:
                             stalls[policy].append(time.perf_counter() - t0)
+                            by_rank[policy][rank].append(stalls[policy][-1])
+                    if step:
+                        job[policy].append(max(stalls[policy][-ranks:]))
                     for h in handles:
                         h.wait(300)
         finally:
@@ -104,7 +114,14 @@ def ddp_stall(s: dict, ranks: int, repeat: int, base: Path) -> dict:
     finally:
         daemon.close()
     off, warn = statistics.median(stalls["off"]), statistics.median(stalls["warn"])
+    job_off, job_warn = statistics.median(job["off"]), statistics.median(job["warn"])
+    writes = {r: sum(t.numel() * t.element_size() for name, t in s["model"].items() if writer[f"model.{name}"] == r)
+              for r in range(ranks)}
     return {"ranks": ranks, "stall_off_s": off, "stall_warn_s": warn, "overhead": warn / off - 1,
+            "job_off_s": job_off, "job_warn_s": job_warn, "job_overhead": job_warn / job_off - 1,
+            "per_rank": [{"rank": r, "writes_bytes": writes[r],
+                          "off_s": statistics.median(by_rank["off"][r]),
+                          "warn_s": statistics.median(by_rank["warn"][r])} for r in range(ranks)],
             "samples": {k: v for k, v in stalls.items()}}
 
 
@@ -127,6 +144,12 @@ def main() -> None:
              if "cuda_words64_s" in d else ""))
     print(f"DDP save on {r['ranks']} ranks, stall per rank (median): off {r['stall_off_s'] * 1e3:.1f} ms, "
           f"warn {r['stall_warn_s'] * 1e3:.1f} ms: {r['overhead'] * 100:+.0f}%")
+    for pr in r["per_rank"]:
+        print(f"  rank {pr['rank']} (writes {pr['writes_bytes'] / 2**20:.0f} MiB, digests the rest): "
+              f"off {pr['off_s'] * 1e3:.1f} ms, warn {pr['warn_s'] * 1e3:.1f} ms: "
+              f"{(pr['warn_s'] / pr['off_s'] - 1) * 100:+.0f}%")
+    print(f"  job stall (slowest rank per save, median): off {r['job_off_s'] * 1e3:.1f} ms, "
+          f"warn {r['job_warn_s'] * 1e3:.1f} ms: {r['job_overhead'] * 100:+.0f}%")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
