@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import config as config_mod, env, index, reader, retention, tiers
+from . import config as config_mod, env, index, reader, replicas, retention, tiers
 from .version import __version__
 from .units import duration as _duration, rate, size as _size
 from .errors import CheckpointError
@@ -334,8 +334,16 @@ def _list(args: argparse.Namespace) -> int:
     print(f"{'STEP':>12}  {'TIME':<19}  {'SIZE':>10}  {'TENSORS':>7}  {'FORMAT':<6}  {'TIERS':<12}  PINNED")
     for i in infos:
         print(f"{i.step:>12}  {_time(i.time):<19}  {_size(i.nbytes):>10}  {i.ntensors:>7}  {i.format:<6}  "
-              f"{','.join(i.tiers):<12}  {'pinned' if i.step in pinned else ''}".rstrip())
+              f"{','.join(i.tiers):<12}  {'pinned' if i.step in pinned else '':<6}  {_replica_mark(i)}".rstrip())
     return 0
+
+
+def _replica_mark(info: CheckpointInfo) -> str:
+    """``ckptd list``'s mark of a step whose replicated tensors differ across ranks (docs/replicas.md)."""
+    if not info.diverged:
+        return ""
+    what = "; ".join(f"{name} on ranks {','.join(map(str, ranks))}" for name, ranks in info.diverged.items())
+    return f"{'refused' if info.refused else 'diverged'}: replicas differ: {what}"
 
 
 def _list_from_local_daemon(args: argparse.Namespace, root: Path) -> tuple[str, list[CheckpointInfo], set[int]] | None:
@@ -478,14 +486,18 @@ def _verify(args: argparse.Namespace) -> int:
         total = sum(m.nbytes for m in manifests)
         with bytes_bar(total, f"verify step {manifests[0].step}", enabled=not args.json) as progress:
             problems = reader.check(path, manifests, progress)
+    differ = replicas.describe(manifests)  # copies of replicated tensors that disagree across ranks
     if args.json:
-        print(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))
-    elif problems:
+        print(json.dumps({"path": str(path), "ok": not problems and not differ, "problems": problems,
+                          "diverged": replicas.diverged(manifests)}))
+    else:
         for p in problems:
             print(f"damaged: {p}", file=sys.stderr)
-    else:
-        print(f"ok: {path}: every tensor matches its checksum")
-    return 1 if problems else 0
+        for line in differ:
+            print(f"diverged: {line}", file=sys.stderr)
+        if not problems and not differ:
+            print(f"ok: {path}: every tensor matches its checksum")
+    return 1 if problems or differ else 0
 
 
 def _prune(args: argparse.Namespace) -> int:

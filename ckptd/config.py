@@ -147,6 +147,10 @@ class ProducerConfig:
     curve_server_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's public NAME.key file
     curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: this producer's NAME.key_secret file
     attempt: str = _opt("", _attempt)  # this job's attempt (ckptd.attempt); "": torchrun's, or this process's
+    # replicated tensors' copies digested on every rank that holds one and compared across
+    # ranks (ckptd.replicas, docs/replicas.md): "refuse" keeps a step whose copies disagree
+    # from being the latest
+    compare_replicas: str = _opt("warn", _choice("off", "warn", "refuse"))
 
 
 def _auto(value: object, parse: Callable[[object], Any]) -> Any:

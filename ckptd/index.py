@@ -232,7 +232,7 @@ def scan_run(run_dir: Path, *, warn: bool = False) -> dict[int, CheckpointInfo]:
 def latest_by_scan(run_dir: Path, *, warn: bool = False) -> CheckpointInfo | None:
     for _, path in step_dirs(run_dir):
         info = step_info(path, warn=warn)
-        if info:
+        if info and not info.refused:  # replicas that disagree under "refuse": never the latest
             return info
     return None
 
@@ -240,7 +240,8 @@ def latest_by_scan(run_dir: Path, *, warn: bool = False) -> CheckpointInfo | Non
 def latest_from_pointer(run_dir: Path) -> CheckpointInfo | None:
     """The step ``<run>/latest`` names, if it is complete; None when missing or stale."""
     step = layout.read_latest_pointer(run_dir, default=-1)
-    return step_info(run_dir / layout.step_dir_name(step)) if step >= 0 else None
+    info = step_info(run_dir / layout.step_dir_name(step)) if step >= 0 else None
+    return info if info is not None and not info.refused else None
 
 
 def write_pointer(run_dir: Path, step: int | None) -> None:
@@ -366,7 +367,8 @@ class Index:
 
     def _update_latest(self, run: str) -> bool:
         steps = self._runs.get(run, {})
-        new = max(steps) if steps else None
+        # a step whose replicas disagree under compare_replicas = "refuse" is never the latest
+        new = max((s for s, info in steps.items() if not info.refused), default=None)
         old = self._latest.get(run)
         if new is None:
             self._latest.pop(run, None)

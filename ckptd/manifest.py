@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import xxhash
 
-from . import dtypes, format as formats, layout, names
+from . import dtypes, format as formats, layout, names, replicas
 from .errors import CheckpointCorrupt
 from .format import FORMATS
 
@@ -193,6 +193,11 @@ class Manifest:
     attempt: str | None = None
     # replicated tensors this rank's state refers to but another rank wrote: name -> that rank
     replicas: dict[str, int] = field(default_factory=dict)
+    # replica comparison (ckptd.replicas, docs/replicas.md), optional: older readers skip them.
+    # piece key -> "<function>:<hex>" of this rank's copy of each replicated piece it holds
+    replica_digests: dict[str, str] = field(default_factory=dict)
+    host: str | None = None  # the host the rank ran on, to name it when its copy differs
+    compare_replicas: str | None = None  # the producer's [producer] compare_replicas, with digests
 
     @property
     def nbytes(self) -> int:
@@ -215,6 +220,12 @@ class Manifest:
             d["attempt"] = self.attempt
         if self.replicas:
             d["replicas"] = self.replicas
+        if self.replica_digests:
+            d["replica_digests"] = self.replica_digests
+        if self.host is not None:
+            d["host"] = self.host
+        if self.compare_replicas is not None:
+            d["compare_replicas"] = self.compare_replicas
         return _dumps_lines(d).encode("utf-8")
 
     @classmethod
@@ -254,6 +265,7 @@ MAX_MANIFEST_BYTES = 1 << 30  # far above any real one (64 MiB of state plus ~30
 MAX_DIMS = 64
 _MAX_INT = (1 << 63) - 1  # offsets and sizes end up in off_t and int64 shapes
 _CHECKSUM = re.compile(rf"{CHECKSUM_ALGORITHM}:[0-9a-f]{{16}}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 def _no_constant(name: str) -> Any:
@@ -327,9 +339,29 @@ class _Parser:
                                 f"{PIECES_FORMAT_VERSION})")
         self.no_overlaps(records)
         replicas = self.replicas(d.get("replicas") or {}, rank, world, records)
+        digests, host, policy = self.comparison(d)
         return Manifest(run=run, step=step, rank=rank, world_size=world, time=when,
                         tensors=records, state=d.get("state"), metadata=metadata, format=fmt,
-                        files=dict(files), format_version=version, replicas=replicas, attempt=attempt)
+                        files=dict(files), format_version=version, replicas=replicas, attempt=attempt,
+                        replica_digests=digests, host=host, compare_replicas=policy)
+
+    def comparison(self, d: dict[str, Any]) -> tuple[dict[str, str], str | None, str | None]:
+        """The optional replica comparison fields (ckptd.replicas): digests, host, policy."""
+        digests = d.get("replica_digests") or {}
+        if not isinstance(digests, dict):
+            raise self.fail(f"replica_digests must be an object, not {type(digests).__name__}")
+        for key, value in digests.items():
+            function, _, hexdigits = value.partition(":") if isinstance(value, str) else ("", "", "")
+            if len(key) > 4096 or function not in replicas.FUNCTIONS or not _HEX16.fullmatch(hexdigits):
+                raise self.fail(f"replica_digests: {_short(key)}: {_short(value)} is not "
+                                f"<{' or '.join(replicas.FUNCTIONS)}>:<16 hex digits>")
+        host = d.get("host")
+        if host is not None and not (isinstance(host, str) and len(host) <= 255):
+            raise self.fail(f"host {_short(host)} is not a host name")
+        policy = d.get("compare_replicas")
+        if policy is not None and policy not in replicas.POLICIES:
+            raise self.fail(f"compare_replicas {_short(policy)} is not one of {', '.join(replicas.POLICIES)}")
+        return dict(digests), host, policy
 
     def replicas(self, d: Any, rank: int, world: int, records: dict[str, TensorRecord]) -> dict[str, int]:
         if not isinstance(d, dict):
@@ -440,6 +472,11 @@ class CheckpointInfo:
     rank: int | None = None  # None: the whole step; an int: only that rank's share
     # where the step is complete: "local" (this root), "remote" (the [remote] tier), or both
     tiers: tuple[str, ...] = ("local",)
+    # replica comparison (docs/replicas.md): None where no replicas were compared (a share
+    # alone, "off", nothing replicated); else {tensor: [ranks whose copy differs from the
+    # majority]}, {} when every copy agrees
+    diverged: dict[str, list[int]] | None = None
+    refused: bool = False  # diverged under compare_replicas = "refuse": never picked without a step
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -455,6 +492,9 @@ class CheckpointInfo:
             world_size=int(d.get("world_size", 1)),
             rank=None if d.get("rank") is None else int(d["rank"]),
             tiers=tuple(str(t) for t in d.get("tiers") or ("local",)),
+            diverged=None if d.get("diverged") is None
+            else {str(k): [int(r) for r in v] for k, v in d["diverged"].items()},
+            refused=bool(d.get("refused", False)),
         )
 
     @classmethod
@@ -463,7 +503,8 @@ class CheckpointInfo:
         """The info of every rank's manifest of a step, or of one rank's share alone."""
         first = manifests[0]
         whole = len(manifests) == first.world_size
-        return cls(tiers=tiers,
+        diverged = replicas.diverged(manifests) if whole else None
+        return cls(tiers=tiers, diverged=diverged, refused=replicas.refused(manifests, diverged),
             run=first.run, step=first.step, path=path,
             time=max(m.time for m in manifests),
             nbytes=sum(m.nbytes for m in manifests),

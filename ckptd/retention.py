@@ -52,6 +52,13 @@ def plan(infos: list[CheckpointInfo], policy: RetentionConfig, *, pinned: set[in
     ``protect``: steps kept whatever the rules say, as pins are (a share still to
     upload to the remote tier)."""
     by_step = {i.step: i for i in infos}
+    # a step whose replicas disagree under compare_replicas = "refuse" (docs/replicas.md) is
+    # kept for inspection and counts for no rule: it must not push out the good steps before it
+    refused = [Decision(i.step, True, ["refused: its replicated tensors differ across ranks; kept for "
+                                       "inspection, counted by no rule"], i.nbytes) for i in infos if i.refused]
+    if refused:
+        rest = plan([i for i in infos if not i.refused], policy, pinned=pinned, now=now, protect=protect)
+        return sorted(rest + refused, key=lambda d: d.step)
     steps = sorted(by_step)
     if not steps:
         return []

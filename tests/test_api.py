@@ -26,7 +26,8 @@ def test_public_surface_is_pinned() -> None:
     # the manifest's fixed fields (docs/format.md) first, in order; then what tells a rank's share from the whole step
     assert [f for f in ckptd.CheckpointInfo.__dataclass_fields__] == [
         "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata", "world_size", "rank",
-        "tiers"]  # which tiers ("local", "remote") hold the step
+        "tiers",  # which tiers ("local", "remote") hold the step
+        "diverged", "refused"]  # replicated tensors whose copies differ across ranks (docs/replicas.md)
 
 
 def test_python_dash_m_is_the_cli() -> None:

@@ -38,8 +38,9 @@ def test_latest_and_list(two_steps) -> None:
     info = json.loads(r.stdout)
     assert info["step"] == 200 and info["ntensors"] == 1 and info["nbytes"] == 16 and info["format"] == "chunk"
     assert set(info) == {"run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata",
-                         "world_size", "rank", "tiers"}
+                         "world_size", "rank", "tiers", "diverged", "refused"}
     assert info["rank"] is None and info["world_size"] == 1  # the whole step, not one rank's share
+    assert info["diverged"] is None and info["refused"] is False  # one rank: nothing replicated to compare
     assert info["tiers"] == ["local"]
     r = cli("list", "t", "--root", root, "--json")
     assert [i["step"] for i in json.loads(r.stdout)] == [100, 200]

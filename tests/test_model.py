@@ -11,6 +11,9 @@ they meet. Here hypothesis's stateful testing drives them together:
   storage (one tensor under two names, a strided view of another), DTensor pieces
   (a one-rank gloo group in this process);
 - steps are whole ``save``\\s (with ``frozen=``, ``replicated=``) and ``emit`` blocks;
+  and replicated saves of the state by two ranks of a run of its own, the second's
+  copy with one bit flipped or not: the step's ``diverged`` names exactly the tensors
+  whose bytes differ (docs/replicas.md);
   the same layout again (the cached plan's hits, with in-place updates between
   saves, and right after ``save`` returns: the snapshot must not see them) or a new
   one (a miss);
@@ -29,6 +32,7 @@ CI runs a fixed number of examples from a fixed seed (about a minute);
 
 from __future__ import annotations
 
+import copy
 import faulthandler
 import itertools
 import os
@@ -47,6 +51,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import ckptd
 from ckptd import layout
+from ckptd.completion import wait_complete
 from ckptd.reader import verify
 from ckptd.state import flatten
 
@@ -162,6 +167,7 @@ class SaveModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.producer: ckptd.Producer | None = None
+        self.pair: list[ckptd.Producer] = []  # ranks 0 and 1 of the run "<run>-rep" (save_replicas)
         self.state: dict[str, Any] = {}
         self.step = 0
         self.rng = np.random.default_rng(0)
@@ -179,18 +185,19 @@ class SaveModel(RuleBasedStateMachine):
         self._build(specs)
 
     def teardown(self) -> None:
-        if self.producer is not None:
+        if self.producer is not None or self.pair:
             closer = threading.Thread(target=self._close, daemon=True)
             closer.start()
             closer.join(COMMIT_TIMEOUT_S)
             assert not closer.is_alive(), "Producer.close() hung:\n" + every_stack()
 
     def _close(self) -> None:
-        try:
-            assert self.producer is not None
-            self.producer.close()
-        except ckptd.CheckpointError:
-            pass  # a failed step was reported by the rule that made it
+        for p in [self.producer, *self.pair]:
+            try:
+                if p is not None:
+                    p.close()
+            except ckptd.CheckpointError:
+                pass  # a failed step was reported by the rule that made it
 
     # -- states ---------------------------------------------------------------------------
     def _values(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -288,6 +295,45 @@ class SaveModel(RuleBasedStateMachine):
             self._update_in_place(1.0)
         self._bounded(f"commit of step {step}", lambda: handle.wait(COMMIT_TIMEOUT_S))
         self._check(step, expected, nested=True)
+
+    @rule(flip=st.booleans(), pick=st.integers(0, 2**16))
+    def save_replicas(self, flip: bool, pick: int) -> None:
+        """The state saved replicated=True by two ranks; rank 1's copy has one bit of one
+        tensor flipped or not. Two copies that differ: both ranks are named."""
+        self.step += 1
+        step = self.step
+        if not self.pair:
+            self.pair = [ckptd.Producer(self.daemon.endpoint, f"{self.run}-rep", rank=r, world_size=2,
+                                        staging_size=self.cfg["staging_size"], timeout=10, on_no_daemon="raise")
+                         for r in (0, 1)]
+        # DTensors of this process's one-rank mesh have no second holder: left out
+        mine = {"model": {k: v for k, v in self.state["model"].items() if not hasattr(v, "to_local")},
+                "epoch": step}
+        theirs = copy.deepcopy(mine)  # ties and views as in the original
+        flat = flatten(theirs)[1]
+        candidates = [n for n, v in flat.items() if _bytes(v)]
+        if flip and candidates:
+            v = flat[candidates[pick % len(candidates)]]
+            raw = torch.from_numpy(v).view(-1).view(torch.uint8) if isinstance(v, np.ndarray) \
+                else v.view(-1).view(torch.uint8) if v.is_contiguous() else v.contiguous().view(-1).view(torch.uint8)
+            raw[pick % raw.numel()] ^= 1 << (pick % 8)
+            if not isinstance(v, np.ndarray) and not v.is_contiguous():
+                v.copy_(raw.view(v.dtype).reshape(v.shape))
+        ours = flatten(mine)[1]
+        differ = sorted(n for n in ours if _bytes(ours[n]) != _bytes(flat[n]))
+
+        def go() -> Any:
+            return [p.save(s, step, replicated=True) for p, s in zip(self.pair, (mine, theirs))]
+
+        handles = self._bounded(f"replicated save of step {step}", go)
+        for h in handles:
+            self._bounded(f"commit of step {step}", lambda: h.wait(COMMIT_TIMEOUT_S))
+        info = wait_complete(f"{self.run}-rep", step, timeout=COMMIT_TIMEOUT_S, root=self.daemon.root,
+                                   remote="")
+        assert info.diverged == {n: [0, 1] for n in differ}, f"step {step}: {info.diverged} != {differ}"
+        loaded = flatten(ckptd.load(f"{self.run}-rep", step, root=self.daemon.root, rank=0))[1]
+        for name in set(ours) - set(differ):
+            assert _bytes(loaded[name]) == _bytes(ours[name]), f"step {step} {name!r}: loaded bytes differ"
 
     @rule(touch_after=st.booleans())
     def emit_block(self, touch_after: bool) -> None:

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import dtypes
+from .. import dtypes, replicas
 from ..errors import StepError  # re-exported: its home was here
 from ..format import Entry
 from ..manifest import Shard
@@ -192,6 +192,7 @@ class OpenStep:
                 f"but the daemon received {self.complete}"
             )
         self.share.replicas = self._replicas(h["replicas"] or {})
+        self.share.replica_digests, self.share.compare_replicas = _digests(h["digests"] or {}, h["compare"])
 
     def _replicas(self, replicas: dict[Any, Any]) -> dict[str, int]:
         """The commit's ``replicas``: tensors of the state that another rank writes."""
@@ -208,3 +209,16 @@ class OpenStep:
                 raise StepError(f"replicas: tensor {name!r} names writer rank {writer!r}, not another rank "
                                 f"of 0..{share.world_size - 1}")
         return dict(replicas)
+
+
+def _digests(digests: dict[Any, Any], policy: Any) -> tuple[dict[str, str], str | None]:
+    """The commit's replica digests and compare_replicas policy (ckptd.replicas), checked
+    as the manifest's parser will read them back."""
+    for key, value in digests.items():
+        function, _, hexdigits = value.partition(":") if isinstance(value, str) else ("", "", "")
+        if not isinstance(key, str) or not 0 < len(key) <= 4096 or function not in replicas.FUNCTIONS \
+                or len(hexdigits) != 16 or hexdigits.strip("0123456789abcdef"):
+            raise StepError(f"digests: {key!r}: {value!r} is not <{' or '.join(replicas.FUNCTIONS)}>:<16 hex digits>")
+    if policy is not None and policy not in replicas.POLICIES:
+        raise StepError(f"compare {policy!r} is not one of {', '.join(replicas.POLICIES)}")
+    return dict(digests), (policy if digests else None)

@@ -350,6 +350,8 @@ class Handlers:
                          "rate=%s", share.run, share.step, share.rank, nbytes, share.reused,
                          len(share.records), secs, units.rate(nbytes, secs))
                 d.figures.committed(share.run, share.step, share.rank, nbytes, secs, share.reused)
+                if share.mismatches:  # this share completed a step whose replicas disagree (ckptd.replicas)
+                    d.figures.replica_mismatch(share.mismatches)
                 assert d.measuring is not None
                 d.measuring.committed(share.run, share.rank, share.step, share.attempt, timing, secs)
                 d.send(identity, "committed", seq=seq, step=share.step, info=r.info.to_dict(),
@@ -382,7 +384,7 @@ class Handlers:
         assert d.writer is not None
         open_step = sess.steps[step] = OpenStep(
             Share(d.root, sess.run, sess.rank, sess.world_size, step, format=sess.format, owner=sess.identity,
-                  attempt=sess.attempt, chunk_size=d.cfg.chunk_size),
+                  attempt=sess.attempt, chunk_size=d.cfg.chunk_size, host=sess.host),
             d.writer, sess.chunk_size)
         try:
             check_step(step)

@@ -51,6 +51,7 @@ class Figures:
         self._runs: OrderedDict[str, dict[str, Any]] = OrderedDict()  # oldest commit first
         self.last_commit: dict[str, Any] | None = None
         self._recent: deque[tuple[int, float]] = deque(maxlen=RECENT)  # (bytes, seconds) of the last commits
+        self.replica_mismatches = 0  # tensors of completed steps whose replicas disagreed (ckptd.replicas)
 
     def committed(self, run: str, step: int, rank: int, nbytes: int, seconds: float, reused: int = 0) -> None:
         """A share committed: ``nbytes`` of tensor data written, ``reused`` referring to
@@ -71,6 +72,10 @@ class Figures:
             self.last_commit = last
             self._recent.append((nbytes, seconds))
 
+    def replica_mismatch(self, tensors: int) -> None:
+        with self._lock:
+            self.replica_mismatches += tensors
+
     def error(self, kind: str) -> None:
         with self._lock:
             self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -88,6 +93,7 @@ class Figures:
                 "bytes_written": self.bytes_written,
                 "bytes_reused": self.bytes_reused,
                 "errors": dict(self.errors),
+                "replica_mismatches": self.replica_mismatches,
                 "latency": {"buckets": list(LATENCY_BUCKETS), "cumulative": cumulative,
                             "sum": self._latency_sum, "count": total},
                 "runs": {run: dict(v) for run, v in self._runs.items()},
@@ -116,6 +122,9 @@ class _Collector:
         yield CounterMetricFamily("ckptd_bytes_reused", "Tensor bytes of the checkpoints committed that were "
                                   "not written again: they refer to an earlier step's stored copy.",
                                   value=snap["bytes_reused"])
+        yield CounterMetricFamily("ckptd_replica_mismatch", "Replicated tensors whose copies on different "
+                                  "ranks disagreed, in the steps this daemon completed (docs/replicas.md).",
+                                  value=snap["replica_mismatches"])
         lat = snap["latency"]
         buckets = [(_le(b), c) for b, c in zip(lat["buckets"], lat["cumulative"])]
         buckets.append(("+Inf", lat["count"]))

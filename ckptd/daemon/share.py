@@ -44,6 +44,13 @@ class Share:
     dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
     attempt: str | None = None  # the job's attempt that writes it (ckptd.attempt)
     replicas: dict[str, int] = field(default_factory=dict)  # tensors of its state another rank wrote
+    # replica comparison (ckptd.replicas): this rank's digests of its replicated pieces, the
+    # producer's policy, its host; and, set by the share that completes the step, how many
+    # tensors' copies disagree (ckptd_replica_mismatch_total)
+    replica_digests: dict[str, str] = field(default_factory=dict)
+    compare_replicas: str | None = None
+    host: str | None = None
+    mismatches: int = 0
     inflight: list[Future] = field(default_factory=list)  # its chunk files in the writer pool
     base: Any = None  # the earlier share it refers to (reuse.Base), once looked for
     base_sought: bool = False

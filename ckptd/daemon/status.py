@@ -59,6 +59,7 @@ def report(d: Daemon) -> dict[str, Any]:
         ],
         "commits": snap["commits"], "bytes_written": snap["bytes_written"], "bytes_reused": snap["bytes_reused"],
         "errors": snap["errors"],
+        "replica_mismatches": snap["replica_mismatches"],  # tensors whose replicas disagreed (ckptd.replicas)
         "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
         "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
         "runs": snap["runs"],

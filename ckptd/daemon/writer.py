@@ -43,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import format as formats, layout, manifestcache
+from .. import format as formats, layout, manifestcache, replicas
 from . import failpoints, reuse
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
@@ -476,7 +476,8 @@ class Writer:
             time=time.time(), tensors=share.records, state=state, metadata=metadata,
             format=share.format, files={f: os.stat(share.at(f)).st_size for f in sorted(data_files)},
             attempt=share.attempt,
-            replicas=share.replicas,
+            replicas=share.replicas, replica_digests=share.replica_digests, host=share.host,
+            compare_replicas=share.compare_replicas,
         )
         atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self.fsync)
         manifestcache.remember(share.at(layout.manifest_name(share.rank)), manifest)  # read back below
@@ -493,6 +494,8 @@ class Writer:
             log.warning("run=%s step=%d is not complete: %s", share.run, share.step, exc)
             complete = None
         info = CheckpointInfo.from_manifests(str(share.dir), complete or [manifest])
+        if info.diverged and complete and manifest.time >= info.time:  # reported once: by the last share
+            share.mismatches = replicas.report(complete, info)
         # Only now, with the manifest durable: the index and the latest pointer, then
         # retention, which may delete older checkpoints.
         try:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from .. import config as config_mod
-from .. import measures
+from .. import measures, replicas
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, check_json
 from ..names import check_name, check_run, check_step
@@ -217,6 +217,8 @@ class Producer:
                     return self._commit(step, metadata, meta_json, got[1], began=began)
             structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
+            # digests of the replicated pieces held, beside the copies below; taken at the commit
+            digests = replicas.start(planned.shared, self.options.compare_replicas, written=planned.stage)
             items = {name: dataclasses.replace(describe(name, t), shard=shard)
                      for name, (t, shard) in planned.stage.items()}
             for name in planned.replicas:  # checked on every rank, though another writes it
@@ -235,7 +237,7 @@ class Producer:
                 with self._emit_lock:
                     self._stager.keep(self._stager.save_plans, state, structure, tensors, items, room)
         self._book.set_room(step, room)
-        return self._commit(step, metadata, meta_json, state_json, began=began)
+        return self._commit(step, metadata, meta_json, state_json, began=began, digests=digests)
 
     def prepare(self, state: Any, *, replicated: Any = None) -> int:
         """Make staging ready for checkpoints of ``state`` (as ``save`` takes it) or of
@@ -394,7 +396,8 @@ class Producer:
         return check_step(step)
 
     def _commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
-                handle: CommitHandle | None = None, began: float | None = None) -> CommitHandle:
+                handle: CommitHandle | None = None, began: float | None = None,
+                digests: replicas.Pending | None = None) -> CommitHandle:
         if meta_json is None:
             meta_json = _metadata_json(metadata)
         handle = handle or CommitHandle(step)
@@ -414,11 +417,13 @@ class Producer:
             self._book.finish(step, handle, error=str(exc))
             handle.observed = True  # raised here, to the caller: flush() and close() do not raise it again
             raise
+        ours = digests.result() if digests is not None else None  # (replica comparison, docs/replicas.md)
         # what this save cost the training loop, and the loads before it (docs/advise.md)
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
                   "restore_s": measures.take_restored(self.run) if self.run is not None else None}
         conn.send("commit", handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",
-                  metadata=meta_json, replicas=st.replicas or None, timing=timing)
+                  metadata=meta_json, replicas=st.replicas or None, timing=timing,
+                  digests=ours or None, compare=self.options.compare_replicas if ours else None)
         return handle
 
     def _close_at_exit(self) -> None:

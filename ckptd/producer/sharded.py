@@ -21,6 +21,9 @@ from ..sharding import assign_writers, describe_dtensor, is_dtensor
 class Plan:
     stage: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)  # name -> (plain tensor, piece)
     replicas: dict[str, int] = field(default_factory=dict)  # name -> the rank that writes it
+    # every piece this rank holds a copy of that other ranks hold too (written here or not):
+    # name -> (plain tensor, piece), the copies compared across ranks (ckptd.replicas)
+    shared: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)
 
 
 def replicated_matcher(replicated: Any) -> Callable[[str], bool]:
@@ -64,6 +67,7 @@ def plan(tensors: dict[str, Any], rank: int, world_size: int, replicated: Any = 
                 raise ValueError(f"tensor {name!r} is held by ranks {list(group)}, not by this rank {rank}: "
                                  "the producer's rank must be the process's global rank (RANK)")
             shared.append((name, _nbytes(local), group))
+            out.shared[name] = out.stage[name]
     for name, writer in assign_writers(shared).items():
         if writer != rank:
             del out.stage[name]

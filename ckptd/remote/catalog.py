@@ -110,7 +110,7 @@ def latest(store: Store, run: str) -> CheckpointInfo | None:
     """The newest step complete in the bucket (manifests read newest first, until one is)."""
     for step, objects in sorted(run_objects(store, run).items(), reverse=True):
         info = step_info(store, run, step, objects, warn=True)
-        if info is not None:
+        if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
             return info
     return None
 

@@ -192,7 +192,7 @@ class PeerTier:
         for step in sorted({s for s, _ in held} | set(local_steps), reverse=True):
             path = layout.step_dir(base, run, step)
             info = self.step_info(run, step, path, held)
-            if info is not None:
+            if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
                 return info
         return None
 

@@ -44,6 +44,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "same": {"seq": "int", "step": "int", "base": "int", "items": "same"},
     "commit": {"seq": "int", "step": "int", "ntensors": "int", "state": "json",
                "metadata": "json", "replicas": "map?",
+               # replica comparison (ckptd.replicas): this rank's digests of its replicated
+               # pieces, and the producer's compare_replicas policy
+               "digests": "map?", "compare": "str?",
                # what the save cost the training loop: stall_s, and restore_s (the loads before it)
                "timing": "map?"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
