@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import tempfile
 import socket
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -27,10 +28,12 @@ REPO = Path(__file__).resolve().parent.parent
 # The files that took longest (``pytest --durations=60`` of the whole suite, 2 cores),
 # longest first; re-measure when the suite changes. Other files follow, those with
 # more multi-process jobs (``slow``) first.
-LONGEST = ("test_peer.py", "test_fuzz.py", "test_transformers.py", "test_lightning.py", "test_faults.py",
-           "test_dcp.py", "test_model.py", "test_writer_death.py", "test_reuse.py", "test_fastpaths.py",
-           "test_hostile_files.py", "test_newcomer.py", "test_hdf5.py", "test_accelerate.py",
-           "test_sharded_training.py", "test_optim_resume.py", "test_transport.py", "test_docs.py", "test_crash.py")
+LONGEST = ("test_replicas_training.py", "test_peer.py", "test_optim_resume.py", "test_fuzz.py",
+           "test_transformers.py", "test_lightning.py", "test_peer_fuzz.py", "test_faults.py", "test_dcp.py",
+           "test_model.py", "test_sharded_training.py", "test_peer_keep.py", "test_systemd.py",
+           "test_writer_death.py", "test_reuse.py", "test_fastpaths.py", "test_hostile_files.py",
+           "test_newcomer.py", "test_hdf5.py", "test_accelerate.py", "test_transport.py", "test_docs.py",
+           "test_crash.py")
 
 
 FORKSERVER = pytest.StashKey[tuple]()
@@ -89,6 +92,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             packages = " ".join(sorted({TOOLS[t] for t in missing}))
             pytest.skip(f"needs {', '.join(missing)}, not installed here: install it with "
                         f"`sudo apt-get install {packages}` (scripts/test.sh does, as root); CI=true runs this test")
+
+
+def torchrun(job: Path, daemon: "Daemon", nproc: int, mode: str, out: Path, *, run: str | None = None,
+             expect_ok: bool = True, timeout: float = 300) -> str:
+    """``python -m torch.distributed.run`` of ``job MODE OUT`` on ``nproc`` ranks (gloo, one
+    intra-op thread each) against ``daemon``; its stdout and stderr. ``expect_ok``: a
+    non-zero exit fails the test with the output's tail."""
+    env = dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_ROOT=str(daemon.root),
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if run is not None:
+        env["CKPTD_RUN"] = run
+    env.pop("CKPTD_CONFIG", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+           "--max-restarts", "0", "--monitor-interval", "0.2", str(job), mode, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    text = proc.stdout + proc.stderr
+    if expect_ok:
+        assert proc.returncode == 0, f"{mode} on {nproc} ranks failed:\n{text[-8000:]}"
+    return text
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

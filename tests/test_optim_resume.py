@@ -7,11 +7,9 @@ The torchrun jobs are tests/optim_resume_job.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -98,16 +96,7 @@ def test_fresh_optimizer_state_is_refused_naming_what_creates_it(daemon) -> None
 
 
 def torchrun(daemon, nproc: int, mode: str, out: Path) -> str:
-    env = dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_RUN="natural", CKPTD_ROOT=str(daemon.root),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("CKPTD_CONFIG", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-           "--max-restarts", "0", "--monitor-interval", "0.2", str(JOB), mode, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{mode} on {nproc} ranks failed:\n{text[-6000:]}"
-    return text
-
+    return conftest.torchrun(JOB, daemon, nproc, mode, out, run="natural")
 
 @pytest.mark.slow
 def test_fsdp2_saved_naturally_resumes_by_the_errors_recipe_bit_exact(daemon, tmp_path: Path) -> None:

@@ -7,11 +7,9 @@ under "refuse" a restarted job resumes from the step before (docs/replicas.md)."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import conftest
 import pytest
 
 import ckptd
@@ -21,14 +19,7 @@ JOB = Path(__file__).with_name("replicas_job.py")
 
 
 def torchrun(daemon, nproc: int, mode: str, out: Path) -> None:
-    env = dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_ROOT=str(daemon.root),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("CKPTD_CONFIG", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-           "--max-restarts", "0", "--monitor-interval", "0.2", str(JOB), mode, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, f"{mode} on {nproc} ranks failed:\n{(proc.stdout + proc.stderr)[-8000:]}"
-
+    conftest.torchrun(JOB, daemon, nproc, mode, out, timeout=400)
 
 @pytest.fixture(scope="module")
 def flipped(tmp_path_factory):

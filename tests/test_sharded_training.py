@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -23,17 +24,7 @@ SAVE_AT = 3
 
 
 def torchrun(daemon, nproc: int, mode: str, out: Path, run: str = "fsdp", expect_ok: bool = True) -> str:
-    env = dict(os.environ, CKPTD_ENDPOINT=daemon.endpoint, CKPTD_RUN=run, CKPTD_ROOT=str(daemon.root),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("CKPTD_CONFIG", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-           "--max-restarts", "0", "--monitor-interval", "0.2", str(JOB), mode, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    text = proc.stdout + proc.stderr
-    if expect_ok:
-        assert proc.returncode == 0, f"{mode} on {nproc} ranks failed:\n{text[-6000:]}"
-    return text
-
+    return conftest.torchrun(JOB, daemon, nproc, mode, out, run=run, expect_ok=expect_ok)
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
