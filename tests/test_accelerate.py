@@ -69,7 +69,8 @@ def test_two_processes_under_torchrun_killed_and_resumed_are_bit_exact(daemon, t
     _kill_resume_equals_uninterrupted(daemon, tmp_path, _torchrun(2), 2)
 
 
-def test_blocked_time_and_mismatches(daemon, tmp_path: Path, capsys, monkeypatch) -> None:
+def _one_adam_step(daemon, monkeypatch):
+    """An accelerate-prepared 4-layer model (16 MiB) and Adam after one step (its state, 32 MiB, exists)."""
     from accelerate import Accelerator
 
     monkeypatch.setenv("CKPTD_ENDPOINT", daemon.endpoint)
@@ -81,6 +82,11 @@ def test_blocked_time_and_mismatches(daemon, tmp_path: Path, capsys, monkeypatch
     model, opt = accelerator.prepare(model, opt)
     accelerator.backward(model(torch.randn(2, 1024)).sum())
     opt.step()
+    return accelerator, model, opt
+
+
+def test_blocked_time_and_mismatches(daemon, tmp_path: Path, capsys, monkeypatch) -> None:
+    accelerator, model, opt = _one_adam_step(daemon, monkeypatch)
     times: dict[str, list[float]] = {"ckptd save_state": [], "Accelerator.save_state": []}
     for step in range(1, 6):  # the first saves also connect and touch fresh staging pages
         started = time.perf_counter()
@@ -112,17 +118,7 @@ def test_blocked_time_and_mismatches(daemon, tmp_path: Path, capsys, monkeypatch
 
 
 def test_prepare_makes_staging_for_the_whole_share_before_the_first_save(daemon, tmp_path: Path, monkeypatch) -> None:
-    from accelerate import Accelerator
-
-    monkeypatch.setenv("CKPTD_ENDPOINT", daemon.endpoint)
-    monkeypatch.setenv("CKPTD_ROOT", str(daemon.root))
-    accelerator = Accelerator(cpu=True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 16 MiB, Adam 32 MiB more
-    opt = torch.optim.Adam(model.parameters())
-    model, opt = accelerator.prepare(model, opt)
-    accelerator.backward(model(torch.randn(2, 1024)).sum())
-    opt.step()
+    accelerator, model, opt = _one_adam_step(daemon, monkeypatch)
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # the weights, exp_avg(_sq)
     room = ckptd_accelerate.prepare(accelerator, run="first")  # staging_size "auto"
     producer = ckptd_accelerate.producer_for(accelerator, "first")

@@ -98,6 +98,7 @@ def test_fresh_optimizer_state_is_refused_naming_what_creates_it(daemon) -> None
 def torchrun(daemon, nproc: int, mode: str, out: Path) -> str:
     return conftest.torchrun(JOB, daemon, nproc, mode, out, run="natural")
 
+
 @pytest.mark.slow
 def test_fsdp2_saved_naturally_resumes_by_the_errors_recipe_bit_exact(daemon, tmp_path: Path) -> None:
     out = tmp_path / "out"

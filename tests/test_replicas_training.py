@@ -21,6 +21,7 @@ JOB = Path(__file__).with_name("replicas_job.py")
 def torchrun(daemon, nproc: int, mode: str, out: Path) -> None:
     conftest.torchrun(JOB, daemon, nproc, mode, out, timeout=400)
 
+
 @pytest.fixture(scope="module")
 def flipped(tmp_path_factory):
     """The 4-rank job that saves DDP, HSDP and TP runs with one bit flipped (once for the module)."""

@@ -26,6 +26,7 @@ SAVE_AT = 3
 def torchrun(daemon, nproc: int, mode: str, out: Path, run: str = "fsdp", expect_ok: bool = True) -> str:
     return conftest.torchrun(JOB, daemon, nproc, mode, out, run=run, expect_ok=expect_ok)
 
+
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     """One FSDP2 job on 2 ranks: saves step 3 (ckptd and DCP), trains on, is killed -9."""
