@@ -28,6 +28,17 @@ CHILD = textwrap.dedent("""
         p.latest()  # answered after the tensor before it: the step is open in the daemon
         print("emitted", flush=True)
         time.sleep(600)
+    elif mode == "gil":  # a step open while the training thread holds the GIL in one long C call
+        p = Producer(endpoint, "t", staging_size="16MiB", timeout=30, heartbeat=0.2)
+        p.emit("w", torch.arange(1000.0), step=1)
+        p.latest()  # answered after the tensor before it: the step is open in the daemon
+        n, t0 = 10**6, time.monotonic()
+        sum(range(n))
+        n = int(n * 4.0 / max(time.monotonic() - t0, 1e-6))  # about 4 s, four session timeouts
+        print("holding", flush=True)
+        sum(range(n))  # builtin sum over a range: no bytecode, so the GIL is never handed over
+        print(p.commit(1).wait(30).step, flush=True)
+        p.close()
     elif mode == "commit-and-die":  # a raw DEALER sends a whole step and exits before any answer
         import socket, zmq
         from ckptd.transport import wire
@@ -130,3 +141,94 @@ def test_remote_producer_keeps_the_session_timeout(make_daemon, keys, tmp_path) 
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def _starve(pid: int, hogs: list[subprocess.Popen]) -> None:
+    """Every thread of ``pid`` onto the hogs' CPU at SCHED_IDLE: it runs only where they
+    leave time, as a daemon on a node whose cores the data loaders fill."""
+    cpu = {min(os.sched_getaffinity(0))}
+    for h in hogs:
+        os.sched_setaffinity(h.pid, cpu)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpu)
+        os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+
+
+def _feed(pid: int) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        os.sched_setaffinity(int(tid), os.sched_getaffinity(0) | os.sched_getaffinity(pid))
+
+
+def test_a_daemon_starved_of_cpu_is_waited_for_and_a_stopped_one_is_not(make_daemon) -> None:
+    """Over ipc:// the producer reads the daemon's scheduler accounts: silent for longer
+    than ``timeout`` while it runs or waits for a CPU, it is only slow, and the save goes
+    through once it gets the CPU back; stopped (SIGSTOP), it is lost after ``timeout``."""
+    if len(os.sched_getaffinity(0)) < 2:
+        raise AssertionError("this test starves the daemon on one CPU while the producer runs on another: "
+                             "it needs two CPUs")
+    d = make_daemon()
+    p = d.producer(timeout=1.0, heartbeat=0.2)
+    p.save({"w": torch.arange(1000.0)}, 1).wait(30)  # connected: the daemon's pid is watched
+    own = os.sched_getaffinity(0)
+    hog_cmd = ["sh", "-c", "while :; do :; done"]
+    hogs = [subprocess.Popen(hog_cmd) for _ in range(3)]
+    try:
+        _starve(d.proc.pid, hogs)
+        os.sched_setaffinity(0, own - {min(own)})  # the producer keeps a CPU of its own
+        t0 = time.monotonic()
+        handle = p.save({"w": torch.arange(1000.0) + 1}, 2)
+        time.sleep(4.0)  # four timeouts of starvation
+        silent = time.monotonic() - t0
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        _feed(d.proc.pid)
+        os.sched_setaffinity(0, own)
+    assert silent >= 4.0
+    assert handle.wait(60).step == 2, "a starved daemon was taken for dead"
+
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        handle = p.save({"w": torch.arange(1000.0)}, 3)
+        try:
+            handle.wait(30)
+        except ckptd.CheckpointError as exc:
+            assert "no answer for" in str(exc)
+        else:
+            raise AssertionError("a stopped daemon was waited for")
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    p.close()
+
+
+def test_a_producer_holding_the_gil_keeps_its_session_and_a_stopped_one_loses_it(make_daemon) -> None:
+    """A local producer silent past session_timeout whose process keeps running (its
+    training thread in one long C call that never releases the GIL) keeps its open
+    step; one stopped (SIGSTOP) for as long loses its session."""
+    d = make_daemon(session_timeout="1s")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, d.endpoint, "gil"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "holding"
+        assert child.stdout.readline().strip() == "1", d.log_text()
+        assert child.wait(60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert "was silent" not in d.log_text()
+
+    child = subprocess.Popen([sys.executable, "-c", CHILD, d.endpoint, "open"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "emitted"
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while f"pid={child.pid} was silent for" not in d.log_text():
+            assert time.monotonic() < deadline, d.log_text()
+            time.sleep(0.1)
+    finally:
+        child.kill()
+        child.wait()

@@ -9,6 +9,10 @@ A dead producer's last messages may still be on their way through libzmq's I/O
 thread (a commit sent just before it died must still be committed), so its session
 ends only once it has been dead and silent for ``GRACE_S`` while the daemon reads.
 ``tcp://`` producers have no pid the daemon can trust: the session timeout applies.
+A local producer silent for ``session_timeout`` whose process keeps running (its
+training thread holding the GIL in a long call, a starved node) keeps its session up
+to ``BUSY_TIMEOUTS`` session timeouts (``pidwatch.Silence``); a stopped or hung one
+does not.
 """
 
 from __future__ import annotations
@@ -19,23 +23,26 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..transport.pidwatch import ProcessWatch
+from ..transport.pidwatch import ProcessWatch, Silence
 
 log = logging.getLogger("ckptd.daemon")
 GRACE_S = 0.5  # dead, and nothing heard from it for this long: its messages have all been read
 _PROC_CHECK_S = 1.0
+BUSY_TIMEOUTS = 6  # a silent producer whose process keeps running: given up on after this many session timeouts
 
 
 @dataclass
 class _Watched:
     process: ProcessWatch
+    silence: Silence
     died: float | None = None  # monotonic time its death was noticed
 
 
 class Liveness:
     """The pids of local producers, by session identity, and which of them died."""
 
-    def __init__(self) -> None:
+    def __init__(self, session_timeout: float) -> None:
+        self.session_timeout = session_timeout
         self._epoll = select.epoll()
         self._by_id: dict[bytes, _Watched] = {}
         self._by_fd: dict[int, bytes] = {}
@@ -51,7 +58,8 @@ class Liveness:
         if not process.watchable:  # hidden (ProtectProc=invisible): no death is ever guessed
             log.debug("cannot watch pid %d (%s): session_timeout applies", pid, process.why)
             return
-        w = _Watched(process, died=time.monotonic() if process.gone_at_start else None)
+        w = _Watched(process, Silence(pid, self.session_timeout, BUSY_TIMEOUTS * self.session_timeout),
+                     died=time.monotonic() if process.gone_at_start else None)
         if process.fd >= 0:
             self._epoll.register(process.fd, select.EPOLLIN)
             self._by_fd[process.fd] = identity
@@ -75,6 +83,15 @@ class Liveness:
         self._notice(now)
         return [(identity, w.process.pid) for identity, w in self._by_id.items()
                 if w.died is not None and now - max(w.died, last_seen(identity)) >= GRACE_S]
+
+    def silent_too_long(self, identity: bytes, silent_for: float, now: float) -> bool:
+        """Whether a producer silent for ``silent_for`` s has lost its session: after
+        ``session_timeout``, or, for a watched one whose process keeps running, after
+        ``BUSY_TIMEOUTS`` of them."""
+        w = self._by_id.get(identity)
+        if w is None:
+            return silent_for > self.session_timeout
+        return w.silence.gone(silent_for, now)
 
     def _notice(self, now: float) -> None:
         for fd, _ in self._epoll.poll(0):

@@ -89,7 +89,7 @@ class Daemon:
         self.upkeep: Upkeep | None = None
         self.arenas = Arenas()  # staging arenas offered by local producers
         self.owners = Owners(self.root)
-        self.liveness = Liveness()  # local producers' processes: a death ends its session at once
+        self.liveness = Liveness(self.cfg.session_timeout)  # local producers' processes: a death ends its session at once
         self.measuring: Measuring | None = None  # what saves cost, failures: the interval advice
         self.timings: dict[tuple[str, int, int], Any] = {}  # (run, rank, step) -> its commit's timing
         self.handlers = Handlers(self)
@@ -433,8 +433,8 @@ class Daemon:
 
     def _expire_sessions(self, now: float) -> None:
         for sess in list(self.sessions.values()):
-            if now - sess.last_seen > self.cfg.session_timeout:
-                self.end_session(sess, f"was silent for {self.cfg.session_timeout:.0f} s", failed=True)
+            if self.liveness.silent_too_long(sess.identity, now - sess.last_seen, now):
+                self.end_session(sess, f"was silent for {now - sess.last_seen:.0f} s", failed=True)
 
     # -- results from the I/O threads ----------------------------------------------------
     def _post(self, result: Result) -> None:  # called from I/O threads

@@ -5,8 +5,9 @@ socket: it queues ready messages here and returns. The sender waits for a staged
 GPU copy's event before shipping it, sends payloads as zero-copy frames, hands
 every reply to ``on_reply``, pings the daemon, and calls ``on_lost`` once when the
 daemon has been silent for ``timeout`` seconds, or, over ``ipc://``, as soon as the
-daemon's process exited (``ckptd.transport.pidwatch``). One Transport is one
-connection.
+daemon's process exited (``ckptd.transport.pidwatch``). Over ``ipc://`` a daemon that
+is silent but whose process keeps running (starved of CPU on a loaded node, or busy)
+is waited for longer (``pidwatch.Silence``). One Transport is one connection.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import zmq
 
 from ..transport import wire
 from ..transport import curve
-from ..transport.pidwatch import ProcessWatch, peer_pid
+from ..transport.pidwatch import ProcessWatch, Silence, peer_pid
 from ..transport.wakeup import WakePipe
 from ..errors import ProtocolError
 
@@ -32,6 +33,9 @@ CLOSE_LINGER_MS = 1000  # how long a clean close waits for queued messages to le
 # the daemon's process exited, and nothing came from it for this long: libzmq's I/O thread
 # has handed on every message it sent before it died (a commit's acknowledgement among them)
 GRACE_S = 0.5
+# a daemon whose process keeps running (or waiting for a CPU) is silent at most this many
+# ``timeout``s, and at least this long, before it is given up on (``pidwatch.Silence``)
+BUSY_TIMEOUTS, BUSY_LIMIT_S = 6, 60.0
 
 
 class Transport:
@@ -122,6 +126,7 @@ class Transport:
         daemon: ProcessWatch | None = None
         want_pid = self.endpoint.startswith("ipc://")
         died: float | None = None  # when the daemon's exit was noticed
+        silence: Silence | None = None  # over ipc://: whether the daemon's silence means it is hung
         try:
             while True:
                 self._idle = True  # then look at the queue: a message put before this was seen
@@ -142,6 +147,9 @@ class Transport:
                     if want_pid:
                         want_pid = False
                         daemon = self._watch(poller, frames[0])
+                        if daemon is not None:
+                            silence = Silence(daemon.pid, self._timeout,
+                                              max(BUSY_LIMIT_S, BUSY_TIMEOUTS * self._timeout))
                     if handshake.monitor is not None:  # the daemon answered: the handshake is done
                         poller.unregister(handshake.monitor)
                         handshake.close()
@@ -173,10 +181,13 @@ class Transport:
                     seq += 1
                     outbox = self._ship(sock, [*outbox, (wire.encode("ping", seq=seq), None, None)])
                     last_ping = now
-                if now - last_heard > self._timeout:
+                silent = now - last_heard
+                if silence.gone(silent, now) if silence is not None else silent > self._timeout:
+                    busy = f", though its process (pid {silence.pid}) kept running" \
+                        if silence is not None and silent > silence.limit else ""
                     self.lost = (
                         f"lost contact with the ckptd daemon at {self.endpoint}: "
-                        f"no answer for {self._timeout:.0f} s"
+                        f"no answer for {silent:.0f} s{busy}"
                     )
                     self._on_lost(self.lost)
                     return

@@ -11,6 +11,14 @@ starved of CPU for a moment).
 A ``ProcessWatch`` holds a pidfd (Linux >= 5.3), readable once the process exited;
 where pidfds are not available it compares the process's start time in
 ``/proc/<pid>/stat`` when asked (a reused pid has another start time).
+
+Silence alone cannot tell a hung process from a starved one: on a training node whose
+cores the data loaders fill, a daemon can wait seconds for a CPU. ``Silence`` tells
+them apart by the scheduler's own accounts (``/proc/<pid>/task/*/schedstat`` and
+``stat``): a process whose threads ran since the last look, or one of which is
+waiting in a run queue, is alive and only slow; one stopped (SIGSTOP), hung on a lock or blocked for good
+accrues neither. A silent process that keeps running is given up on only after a
+longer limit, so that nothing waits forever on a process spinning without answering.
 """
 
 from __future__ import annotations
@@ -68,6 +76,57 @@ class ProcessWatch:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def activity(pid: int) -> tuple[int, bool] | None:
+    """Nanoseconds the process's threads have spent on a CPU or waiting in a run queue
+    (``schedstat``, summed), and whether one of them is runnable right now (state R: the
+    wait of a thread still in the queue is counted only once it runs); None where the
+    kernel does not show them."""
+    total, runnable, seen = 0, False, False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                fields = f.read().split()
+            total += int(fields[0]) + int(fields[1])
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+            runnable = runnable or stat[stat.rfind(b")") + 2:][:1] == b"R"
+            seen = True
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return (total, runnable) if seen else None
+
+
+class Silence:
+    """How long a watched process may stay silent: ``timeout`` if it made no progress
+    meanwhile (stopped, hung), up to ``limit`` while it keeps running or waiting for a
+    CPU (busy, or starved by a loaded host)."""
+
+    LOOK_S = 0.5  # the scheduler's accounts are read at most this often
+
+    def __init__(self, pid: int, timeout: float, limit: float) -> None:
+        self.pid, self.timeout, self.limit = pid, timeout, max(limit, timeout)
+        self._last: int | None = None  # its threads' time on and queued for a CPU, at the last look
+        self._looked = 0.0
+        self._ran = True  # whether it ran (or waited to run) between the last two looks
+
+    def gone(self, silent_for: float, now: float) -> bool:
+        """Whether a silence of ``silent_for`` seconds means the process is lost (call it
+        often: the accounts are read from half the timeout on, every ``LOOK_S``)."""
+        if silent_for < self.timeout / 2:
+            self._last = None  # heard from lately: the next silence starts a fresh account
+            return False
+        if now - self._looked >= self.LOOK_S:
+            now_seen = activity(self.pid)
+            current = now_seen[0] if now_seen is not None else None
+            self._ran = now_seen is not None and (now_seen[1] or self._last is None or now_seen[0] > self._last)
+            self._last, self._looked = current, now
+        return silent_for > self.limit or silent_for > self.timeout and not self._ran
 
 
 def start_time(pid: int) -> str | None:
