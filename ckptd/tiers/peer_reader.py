@@ -47,23 +47,31 @@ TIER = NAME
 FETCH_THREADS = 4  # shares fetched at once into the root
 DEAD_S = 10.0  # a peer that did not answer a list is not asked again for this long
 _silent: dict[str, float] = {}  # endpoint -> monotonic time until which it is not asked
+_warned: set[str] = set()  # warnings already logged by this process
 
 
 def reader_keys(config: Config) -> Any:
-    """A reader's CurveZMQ keys for the peers: ``[producer]`` keys where set, else the
-    daemon's own key pair where this process can read it, else none (plain TCP)."""
+    """A reader's CurveZMQ keys for the peers. With ``[peer] curve_peers`` (one key pair
+    per node), this node's daemon key pair, dialing each peer with the key named for its
+    endpoint: the peer port admits only the nodes' keys, never a producer's. Else (the
+    nodes share one key pair) the ``[producer]`` keys where set, else the shared daemon
+    key pair; none for plain TCP. ConfigError naming the key file this process cannot
+    read, and what to do."""
     p, d = config.producer, config.daemon
-    if p.curve_server_key and p.curve_secret_key:
-        return client_keys(config.peer.listen, config)
-    if d.curve_secret_key:
+    if config.peer.curve_peers or not (p.curve_server_key and p.curve_secret_key):
+        if not d.curve_secret_key:
+            return None
         from ..peer.keys import daemon_curve
 
         try:
             return daemon_curve(config)[1]
         except ConfigError as exc:
-            raise ConfigError(f"cannot reach the peer tier with CurveZMQ: {exc}; set [producer] curve_server_key "
-                              "and curve_secret_key") from None
-    return None
+            raise ConfigError(
+                f"cannot reach the peer tier with CurveZMQ: {exc}. A reader presents this node's daemon key "
+                f"pair ([daemon] curve_secret_key {config.resolve_path(d.curve_secret_key)}): run it as the "
+                "daemon's user, or make the key readable by the training processes' group (chgrp GROUP FILE; "
+                "chmod 640 FILE; docs/security.md)") from None
+    return client_keys(config.peer.listen, config)
 
 
 class PeerTier:
@@ -122,12 +130,23 @@ class PeerTier:
         them; one that does not answer is not asked again for ``DEAD_S`` seconds (a
         reader calls this for ``latest`` and again for ``load``: a dead node costs the
         first call ``timeout``, no more)."""
+        try:
+            keys = self.keys
+        except ConfigError as exc:  # ``latest`` still answers from the local root (and the bucket)
+            _warn_once(f"peer tier: not asked, it holds nothing for this process: {exc}")
+            return {}
         now = time.monotonic()
         ask = [e for e in self.endpoints if _silent.get(e, 0) <= now]
         for e in self.endpoints:
             if e not in ask:
                 log.info("peer tier: %s not asked: it did not answer %.0f s ago", e, now - _silent[e] + DEAD_S)
-        links = {e: wire.Link(self.ctx, e, self.keys) for e in ask}
+        links = {}
+        for e in ask:
+            try:
+                links[e] = wire.Link(self.ctx, e, keys)
+            except wire.PeerRefused as exc:  # no key file for this peer in curve_peers
+                _warn_once(f"peer tier: {exc}; that peer is not asked")
+        ask = list(links)
         answers: dict[str, dict[str, Any]] = {}
         try:
             self._ask_all(links, {"op": "list", "run": run}, answers, now + self.cfg.timeout)
@@ -455,6 +474,14 @@ class PeerHolding:
                 raise CheckpointNotFound(f"run {self.run!r} step {self.step} rank {writer}: no peer served a "
                                          f"good copy ({'; '.join(problems) or 'none holds it now'})")
         return out
+
+
+def _warn_once(message: str) -> None:
+    """A WARNING logged once a process: a reader polling the tier (``wait_complete``)
+    would repeat it every poll."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
 
 
 def _ranks(path: Path) -> list[int]:
