@@ -5,14 +5,17 @@ lacks into it.
 
 With a ``[peer]`` table in the config found by the usual rule, ``ckptd.latest``
 counts a step complete when every rank's share is in the local root or with some
-peer, and ``ckptd.load`` / ``load_into`` first fill the local root with the
-shares of the step it lacks: each from the first peer whose copy verifies (every
-tensor against the manifest's checksum; a bad copy is logged and the next peer
-asked), written through the durable path (data files fsynced, manifest last), so
-that the local rules hold for it as for a share the daemon wrote. Peers are asked
-all at once and given ``[peer] timeout``, together, to answer a list; one that does
-not is skipped, and not asked again for ``DEAD_S`` seconds (a dead node costs a
-recovery that long, once, whatever the number of dead nodes).
+peer, and ``ckptd.load`` / ``load_into`` first fill the local root with the shares
+they read that it lacks: each from the first peer whose copy verifies (every tensor
+against the manifest's checksum; a bad copy is logged and the next peer asked),
+written through the durable path (data files fsynced, manifest last), so that the
+local rules hold for it as for a share the daemon wrote, and once a node (a lock a
+share). A reader asks each peer a small summary (``steps``), then the manifests it
+lacks of the step it picked, one holder a rank (``manifests``: docs/tiers.md,
+"Recovery"). Peers are asked all at once and given ``[peer] timeout``, together, to
+answer; one that does not is skipped, and not asked again for ``DEAD_S`` seconds,
+doubled while it stays silent (a dead node costs a reader ``timeout`` once, whatever
+the number of dead nodes).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Seen:
 
 
 Summary = dict[int, dict[int, list[Seen]]]  # step -> rank -> the peers that can serve it, memory first
+
 
 def reader_keys(config: Config) -> Any:
     """A reader's CurveZMQ keys for the peers. With ``[peer] curve_peers`` (one key pair
@@ -343,7 +347,10 @@ class PeerTier:
             held = self.resolve(run, step, path, seen.get(step, {}))
             info = self.step_info(run, step, path, held)
             if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
-                _learnt[self._key(base, run, step)] = (time.monotonic() + LEARNT_S, held)
+                now = time.monotonic()
+                for key in [k for k, (until, _) in _learnt.items() if until <= now]:  # a latest no find followed
+                    del _learnt[key]
+                _learnt[self._key(base, run, step)] = (now + LEARNT_S, held)
                 return info
         return None
 
