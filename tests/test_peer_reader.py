@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 import torch
 import zmq
 
@@ -283,3 +284,66 @@ def test_a_stopped_and_a_killed_peer_are_backed_off_without_stalling_the_others(
             os.kill(a.pid, signal.SIGCONT)
         for n in (a, b, k, c):
             n.cleanup()
+
+
+# -- agreement, and answers split by their size ----------------------------------------------
+def test_a_step_whose_peer_shares_disagree_with_the_local_root_is_not_taken(tmp_path, monkeypatch) -> None:
+    """C wrote rank 0 of steps 4 and 5 (attempt a1); B holds rank 1 of step 4 of a1 and
+    of step 5 of another attempt: step 5 is not complete (the peer's share disagrees
+    with the root's), step 4 is."""
+    b_, c_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    b = _node(tmp_path, "b", b_, [c_])
+    c = _node(tmp_path, "c", c_, [b_])
+    try:
+        for n in (b, c):
+            n.start()
+        mine = _save(c, range(4, 6), rank=0, world=2, attempt="a1")
+        theirs = _save(b, range(4, 5), rank=1, world=2, attempt="a1")
+        _save(b, range(5, 6), rank=1, world=2, attempt="a2")
+        monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
+        info = ckptd.latest("job")
+        assert info is not None and info.step == 4 and set(info.tiers) == {"local", "peer"}, info
+        assert torch.equal(ckptd.load("job", rank=1)["w"], theirs[4])
+        assert torch.equal(ckptd.load("job", 4, rank=0)["w"], mine[4])
+        with pytest.raises(ckptd.CheckpointNotFound):
+            ckptd.load("job", 5, rank=1)
+    finally:
+        for n in (b, c):
+            n.cleanup()
+
+
+def test_manifests_beyond_one_answer_are_asked_again(tmp_path, monkeypatch) -> None:
+    """A peer port whose answers hold one manifest each (``MAX_MANIFEST_BYTES`` made
+    tiny; the real server, in this process) names the ranks it left out; the reader
+    asks again for them and finds the step complete."""
+    from ckptd.peer.holder import Holder
+    from ckptd.peer.server import PeerServer
+
+    writer = Daemon(tmp_path / "w")
+    writer.start()
+    saved = {r: _save(writer, range(1, 2), rank=r, world=3) for r in range(3)}
+    writer.cleanup()
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    server = PeerServer(ctx, listen, writer.root, Holder(64 << 20, 5.0), None, (4 << 20) + 65536, "n")
+    server.start()
+    monkeypatch.setattr(wire, "MAX_MANIFEST_BYTES", 1)
+    try:
+        c = Daemon(tmp_path / "c", tables={"peer": {"listen": listen, "peers": [listen]}})  # its config only
+        c.root.mkdir()
+        tier = PeerTier(load_config(c.config), c.root)
+        info = tier.latest("job")
+        assert info is not None and info.step == 1 and info.world_size == 3, info
+        assert server.served["manifests"][0] == 3 and server.served["steps"][0] == 1, server.served
+        holding = tier.find("job", 1)  # what latest learnt: nothing asked
+        assert holding is not None and server.served["steps"][0] == 1, server.served
+        holding.fill([2])
+        assert sorted(p.name for p in (c.root / "job" / "step-000000000001").glob("manifest-*")) == [
+            "manifest-r00002.json"]
+        monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
+        out = torch.empty(65536)
+        ckptd.load("job", 1, rank=2, out={"w": out})
+        assert torch.equal(out, saved[2][1])
+    finally:
+        server.close()
+        ctx.term()
