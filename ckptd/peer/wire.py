@@ -13,7 +13,9 @@ Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answ
   its checksum; only then does the holder serve the share.
 - ``holds`` ``{shares: [[run, step, rank], ...]}`` -> ``{held: [bool, ...]}``: which of
   these shares this daemon holds in memory (a sender's liveness check of its partners).
-- ``drop`` ``{run, steps}`` -> ``{}``: the sender's retention deleted these steps.
+- ``drop`` ``{runs: {run: [step, ...]}}`` (or one run: ``{run, steps}``) -> ``{dropped}``:
+  the sender's retention deleted these steps (a sender batches them: one message per
+  heartbeat, at most ``MAX_STEPS_DROPPED`` steps in all).
 - ``list`` ``{run}`` -> ``{shares: [{step, rank, manifest, where}]}``: what this
   daemon can serve of a run, from memory (replicas) or its own disk.
 - ``read`` ``{run, step, rank, file, offset, length}`` -> ``{}`` + the bytes.
@@ -37,7 +39,7 @@ from ..errors import ConfigError, PeerDown, PeerRefused, ProtocolError  # PeerDo
 
 MAX_HEADER_BYTES = 64 * 2**20  # a list answer carries manifests
 MAX_SHARES_ASKED = 100_000  # shares in one ``holds``
-MAX_STEPS_DROPPED = 100_000  # steps in one ``drop``
+MAX_STEPS_DROPPED = 100_000  # steps in one ``drop``, over all its runs
 MAX_FILES_OFFERED = 100_000  # files in one ``offer``
 
 
