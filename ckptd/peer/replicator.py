@@ -257,6 +257,10 @@ class Replicator:
                     self._holders[key].add(peer)
                     if len(self._holders[key]) >= self.cfg.replicas:
                         replicated = self._committed_at.pop(key, None)
+                elif not layout.step_dir(self.root, key[0], key[1]).exists():
+                    # retention deleted the step while it was being sent (its drop may have gone
+                    # before the partner held it): the partner drops it at the next heartbeat
+                    self._drops.setdefault(key[0], set()).add(key[1])
                 log.debug("run %r step %d rank %d replicated to %s", *key, peer)
             elif outcome in (REFUSED, DOWN, RETURNED):
                 if outcome != RETURNED:

@@ -156,12 +156,13 @@ class PeerServer:
                 raise ProtocolError(f"holds: {len(shares)} shares asked at once")
             return {"held": [self._holds(s) for s in shares]}, None
         if op == "drop":  # {runs: {run: [step, ...]}} (batched), or {run, steps}
-            runs = wire.field(h, "runs", dict) if "runs" in h else {wire.field(h, "run", str): h.get("steps")}
+            runs: dict[Any, Any] = (wire.field(h, "runs", dict) if "runs" in h
+                                    else {wire.field(h, "run", str): wire.field(h, "steps", list)})
             if not all(isinstance(r, str) and isinstance(s, list) for r, s in runs.items()):
                 raise ProtocolError("drop: runs must map run names to lists of steps")
-            if sum(len(s) for s in runs.values()) > wire.MAX_STEPS_DROPPED:
-                raise ProtocolError(f"drop: {sum(len(s) for s in runs.values())} steps at once, more than "
-                                    f"{wire.MAX_STEPS_DROPPED}")
+            n = sum(len(s) for s in runs.values())
+            if n > wire.MAX_STEPS_DROPPED:
+                raise ProtocolError(f"drop: {n} steps at once, more than {wire.MAX_STEPS_DROPPED}")
             wanted = {check_run(r): [s for s in steps if isinstance(s, int)] for r, steps in runs.items()}
             return {"dropped": self.holder.drop_many(wanted, owner=self._writer(user, "drop"))}, None
         if op == "list":

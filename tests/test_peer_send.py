@@ -1,0 +1,114 @@
+"""The sending side of the peer tier (docs/tiers.md, "Replication"): real daemons on
+127.0.0.1 stand for nodes. A hung partner and a dead one never hold up the share's
+way to a healthy one, and are backed off; retention's drops reach only the partners
+that were sent replicas, batched."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from ckptd.config import load as load_config
+from ckptd.peer import partners
+from conftest import Daemon, free_port
+from test_peer import _held, _status, _status_text, _wait
+
+
+def test_a_hung_partner_and_a_dead_one_never_hold_up_the_healthy_one(tmp_path: Path) -> None:
+    """Of the three partners of the share's order, the first is SIGSTOPped (its socket
+    still accepts, nothing answers) and the second killed: each new step reaches the
+    third within a few ``timeout``s, never one ``stall`` (20 s) per share, and the two
+    are tried again only as their back-off lets them (heartbeat 0.5 s, doubling)."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(4)]
+    cfg = {"listen": listens[0], "peers": listens[1:], "stall": "20s", "timeout": "0.5s", "heartbeat": "0.5s",
+           "memory": "64MiB"}
+    sender = Daemon(tmp_path / "sender", tables={"peer": cfg})
+    order = partners.of(load_config(sender.config).peer, "job", 0)
+    hung, dead, healthy = (Daemon(tmp_path / f"p{i}", tables={"peer": {"listen": e, "peers": [listens[0]]}})
+                           for i, e in enumerate(order))
+    nodes = [sender, hung, dead, healthy]
+    try:
+        for n in (hung, dead, healthy, sender):
+            n.start()
+        _wait(lambda: f"peer {order[0]} answers" in sender.log_text(), "the first partner connected")
+        assert hung.pid is not None
+        os.kill(hung.pid, signal.SIGSTOP)  # connected, and silent from now on
+        dead.kill()
+        t0 = time.monotonic()
+        waits = []
+        with sender.producer("job", staging_size="8MiB") as p:
+            for step in range(1, 9):
+                committed = time.monotonic()
+                p.save({"w": torch.full((65536,), float(step))}, step).wait(30)
+                _wait(lambda: _held(healthy).get((step, 0)) == "memory", f"step {step} held by the healthy partner")
+                waits.append(time.monotonic() - committed)
+        elapsed = time.monotonic() - t0
+        # at worst both back-offs ended together: two timeouts, then the transfer
+        assert max(waits) < 10, waits
+        status = _status(sender)["peer"]
+        assert status["under_replicated"] == 0 and status["holding"][order[2]] == 1, status
+        # each silent partner was tried at most once per back-off period (heartbeat, 2x, 4x...):
+        # the n-th failure in a row comes heartbeat * (2^(n-1) - 1) s after the first at the earliest
+        most = math.floor(math.log2(elapsed / 0.5 + 1)) + 1
+        for peer in order[:2]:
+            tried = status["backoff"][peer]["failures"]
+            assert 1 <= tried <= most, (peer, tried, most, elapsed, status)
+        assert status["failures"] == sum(status["backoff"][p]["failures"] for p in order[:2]), status
+        text = _status_text(sender)
+        for peer in order[:2]:
+            assert f"partner {peer}: not answering ({status['backoff'][peer]['failures']} time(s) in a row)" in text
+        assert f"partner {order[2]}: up; holds 1 of this node's newest shares" in text, text
+    finally:
+        if hung.alive():
+            os.kill(hung.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        for n in nodes:
+            n.cleanup()
+
+
+def test_drops_are_batched_and_go_only_to_the_partners_that_were_sent_replicas(tmp_path: Path) -> None:
+    """Two runs whose retention keeps one step, 12 saves each: their deleted steps reach
+    the holder in at most one drop message per heartbeat (2 s), and the third daemon,
+    never sent a replica, gets none; the holder forgets the replicas of deleted steps."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
+    cfg = {"listen": listens[0], "peers": listens[1:], "heartbeat": "2s", "memory": "64MiB"}
+    sender = Daemon(tmp_path / "sender", tables={"peer": cfg, "retention": {"keep_last": 1}})
+    order = partners.of(load_config(sender.config).peer, "a", 0)
+    assert order == partners.of(load_config(sender.config).peer, "b", 0)  # the ring: one order per node
+    holder, bystander = (Daemon(tmp_path / f"p{i}", tables={"peer": {"listen": e, "peers": [listens[0]]}})
+                         for i, e in enumerate(order))
+    nodes = [sender, holder, bystander]
+    try:
+        for n in nodes:
+            n.start()
+        t0 = time.monotonic()
+        with sender.producer("a", staging_size="4MiB") as pa, sender.producer("b", staging_size="4MiB") as pb:
+            for step in range(1, 13):
+                for p in (pa, pb):
+                    p.save({"w": torch.full((4096,), float(step))}, step).wait(30)
+        # only the newest step of each run stays held: the one before it went by its owner's
+        # drop, not by keep_last (the holder keeps at least two steps of a rank otherwise)
+        _wait(lambda: _held_run(holder, "a") == _held_run(holder, "b") == {(12, 0): "memory"},
+              "the deleted steps dropped at the holder")
+        elapsed = time.monotonic() - t0
+        sent, held, other = _status(sender)["peer"], _status(holder)["peer"], _status(bystander)["peer"]
+        assert other["drop_requests"] == 0 and other["held_shares"] == 0, other
+        # 22 retention passes (11 per run): one message per heartbeat at most, both runs in each
+        assert 1 <= held["drop_requests"] <= math.ceil(elapsed / 2) + 1, (held, elapsed)
+        assert held["drop_requests"] < 11 and held["held_shares"] == 2, held
+        assert sent["drop_messages"] == held["drop_requests"] and sent["dropped_steps"] >= 11, sent
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def _held_run(node: Daemon, run: str) -> dict:
+    from ckptd.tiers.peer_reader import PeerTier
+
+    tier = PeerTier(load_config(node.config))
+    tier.endpoints = [tier.cfg.listen]
+    return {k: c[0][1] for k, c in tier.holdings(run).items() if c[0][1] == "memory"}
