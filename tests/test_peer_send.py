@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -76,7 +77,7 @@ def test_drops_are_batched_and_go_only_to_the_partners_that_were_sent_replicas(t
     never sent a replica, gets none; the holder forgets the replicas of deleted steps."""
     listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
     cfg = {"listen": listens[0], "peers": listens[1:], "heartbeat": "2s", "memory": "64MiB"}
-    sender = Daemon(tmp_path / "sender", tables={"peer": cfg, "retention": {"keep_last": 1}})
+    sender = Daemon(tmp_path / "sender", tables={"peer": cfg, "retention": {"keep_last": 1}}, metrics="127.0.0.1:0")
     order = partners.of(load_config(sender.config).peer, "a", 0)
     assert order == partners.of(load_config(sender.config).peer, "b", 0)  # the ring: one order per node
     holder, bystander = (Daemon(tmp_path / f"p{i}", tables={"peer": {"listen": e, "peers": [listens[0]]}})
@@ -101,6 +102,8 @@ def test_drops_are_batched_and_go_only_to_the_partners_that_were_sent_replicas(t
         assert 1 <= held["drop_requests"] <= math.ceil(elapsed / 2) + 1, (held, elapsed)
         assert held["drop_requests"] < 11 and held["held_shares"] == 2, held
         assert sent["drop_messages"] == held["drop_requests"] and sent["dropped_steps"] >= 11, sent
+        with urllib.request.urlopen(_status(sender)["metrics"], timeout=30) as page:
+            assert f"ckptd_peer_drop_messages_total {float(sent['drop_messages'])}" in page.read().decode()
     finally:
         for n in nodes:
             n.cleanup()
