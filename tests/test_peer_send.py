@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from ckptd.config import load as load_config
 from ckptd.peer import partners
+from ckptd.tiers.peer_reader import PeerTier
 from conftest import Daemon, free_port
 from test_peer import _held, _status, _status_text, _wait
 
@@ -110,8 +112,54 @@ def test_drops_are_batched_and_go_only_to_the_partners_that_were_sent_replicas(t
 
 
 def _held_run(node: Daemon, run: str) -> dict:
-    from ckptd.tiers.peer_reader import PeerTier
-
     tier = PeerTier(load_config(node.config))
     tier.endpoints = [tier.cfg.listen]
     return {k: c[0][1] for k, c in tier.holdings(run).items() if c[0][1] == "memory"}
+
+
+def _resident(path: Path) -> int:
+    """Bytes of ``path`` in the page cache (util-linux ``fincore``)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True, timeout=30, check=True)
+    return int(out.stdout.split()[0])
+
+
+def _direct_io_works(folder: Path) -> bool:
+    try:
+        fd = os.open(folder / "probe", os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(folder / "probe")
+    return True
+
+
+def test_replication_reads_the_files_with_o_direct_and_leaves_the_page_cache_alone(tmp_path: Path) -> None:
+    """With [daemon] direct_io (the default) a share's files are written past the page
+    cache; replication reads them back the same way, in frame-sized aligned parts: the
+    replica is held bit-exact and the files are still not in the page cache."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    sender = Daemon(tmp_path / "sender", tables={"peer": {"listen": listens[0], "peers": [listens[1]],
+                                                          "frame": "1MiB", "window": 2}})
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
+    try:
+        holder.start()
+        sender.start()
+        w = torch.randn(6 * 2**20 + 12345)  # ~24 MiB: 24 parts through 3 slots, and a short tail
+        with sender.producer("job", staging_size="64MiB") as p:
+            p.save({"w": w}, 1).wait(30)
+        _wait(lambda: _held(holder).get((1, 0)) == "memory", "held")
+        files = [f for f in (sender.root / "job" / "step-000000000001").iterdir() if f.suffix == ".safetensors"]
+        size = sum(f.stat().st_size for f in files)
+        assert size > w.nbytes, files
+        if _direct_io_works(sender.root):
+            assert sum(_resident(f) for f in files) < size // 8, [(f.name, _resident(f)) for f in files]
+        tier = PeerTier(load_config(holder.config))
+        tier.endpoints = [tier.cfg.listen]
+        endpoint, where, m = tier.holdings("job")[(1, 0)][0]
+        assert where == "memory"
+        got = tier.read_files(endpoint, m, {f.name: f.stat().st_size for f in files})
+        assert all(bytes(got[f.name]) == f.read_bytes() for f in files)  # the holder's copy, byte for byte
+    finally:
+        for n in (sender, holder):
+            n.cleanup()

@@ -53,13 +53,14 @@ Key = tuple[str, int, int]
 
 class Replicator:
     def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
-                 keep_last: Callable[[str], int], node_id: str) -> None:
+                 keep_last: Callable[[str], int], node_id: str, *, direct_io: bool = False) -> None:
         if config.rate and config.frame / config.rate > config.stall / 2:
             raise ConfigError(f"[peer] rate {config.rate} bytes/s sends a frame of {config.frame} bytes in "
                               f"{config.frame / config.rate:.1f} s, and a partner gives a transfer up after "
                               f"{config.stall:g} s ([peer] stall) without a part: raise rate, or lower frame to at most "
                               f"{int(config.rate * config.stall / 2)} bytes")
         self.node_id = node_id  # this daemon's (PeerServer's): a peer that answers with it is this daemon
+        self.direct_io = direct_io  # [daemon] direct_io: shares are read back with O_DIRECT (sender.ShareFiles)
         self.ctx = ctx
         self.root = root
         self.cfg = config
@@ -228,7 +229,7 @@ class Replicator:
         if sender is None:
             sender = self._senders[peer] = PartnerSender(
                 len(self._senders) + 1, peer, self.ctx, self.keys, self.cfg, self.root, self._pacer,
-                lambda: self.busy(), self._wanted, self._done)
+                lambda: self.busy(), self._wanted, self._done, direct_io=self.direct_io)
             sender.start()
         return sender
 

@@ -13,7 +13,10 @@ All partners' threads share one ``Pacer``: ``[peer] rate`` caps the node's total
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import mmap
 import os
 import threading
 import time
@@ -26,6 +29,7 @@ import zmq
 
 from .. import layout
 from ..config import PeerConfig
+from ..daemon.datafile import BLOCK
 from ..errors import CheckpointCorrupt, PeerDown, PeerRefused, ProtocolError
 from ..manifest import Manifest
 from . import supervise, wire
@@ -77,8 +81,9 @@ class Pacer:
 class PartnerSender:
     def __init__(self, index: int, peer: str, ctx: zmq.Context, keys: Any, cfg: PeerConfig, root: Path,
                  pacer: Pacer, busy: Callable[[], bool], wanted: Callable[[Key], bool],
-                 on_done: Callable[[str, Job, str, int, float], None]) -> None:
+                 on_done: Callable[[str, Job, str, int, float], None], *, direct_io: bool = False) -> None:
         self.peer = peer
+        self.direct_io = direct_io  # the share files were written with O_DIRECT: read them so (ShareFiles)
         self.ctx, self.keys, self.cfg, self.root = ctx, keys, cfg, root
         self.pacer = pacer
         self.busy = busy  # the daemon is receiving or committing a step: parts wait
@@ -136,7 +141,8 @@ class PartnerSender:
             self.on_done(self.peer, job, DROPPED, 0, 0.0)
             return
         try:
-            share = ShareFiles.open(layout.step_dir(self.root, job.key[0], job.key[1]), job.manifest)
+            share = ShareFiles.open(layout.step_dir(self.root, job.key[0], job.key[1]), job.manifest,
+                                    direct=self.direct_io, frame=self.cfg.frame, slots=self.cfg.window + 1)
         except OSError as exc:
             log.warning("cannot replicate run %r step %d rank %d: %s", *job.key, exc)
             share = None
@@ -214,15 +220,28 @@ class PartnerSender:
 
 class ShareFiles:
     """A committed share's data files, open for reading parts; the holder checks every
-    byte against the manifest."""
+    byte against the manifest.
 
-    def __init__(self, path: Path, fds: dict[str, int]) -> None:
+    With ``direct`` (``[daemon] direct_io``: the files were written with O_DIRECT, so their
+    bytes are not in the page cache) each part is read with O_DIRECT into one of
+    ``slots`` page-aligned buffers of ``frame`` bytes, used in turn: no copy through the
+    page cache, and the share's bytes do not push training's pages out of it. A slot
+    is read into again only ``slots`` parts later, once the part it held was answered
+    (the sender keeps at most ``slots - 1`` parts unanswered: ``window``). A file the
+    filesystem refuses O_DIRECT for (tmpfs), or a ``frame`` not a multiple of the
+    block, is read through the page cache."""
+
+    def __init__(self, path: Path, fds: dict[str, int], direct: set[str], frame: int, slots: int) -> None:
         self.path = path
         self.fds = fds
         self.sizes = {f: os.fstat(fd).st_size for f, fd in fds.items()}
+        self.direct = direct  # the files read with O_DIRECT
+        self._slots: list[mmap.mmap] = []
+        self._frame, self._nslots, self._next = frame, slots, 0
 
     @classmethod
-    def open(cls, path: Path, m: Manifest) -> "ShareFiles | None":
+    def open(cls, path: Path, m: Manifest, *, direct: bool = False, frame: int = 0,
+             slots: int = 1) -> "ShareFiles | None":
         """None when a file is gone (retention deleted the step meanwhile)."""
         fds: dict[str, int] = {}
         try:
@@ -239,14 +258,51 @@ class ShareFiles:
                     return None
         finally:
             os.close(dir_fd)
-        return cls(path, fds)
+        aligned = direct and frame > 0 and frame % BLOCK == 0
+        return cls(path, fds, {f for f, fd in fds.items() if aligned and _set_direct(fd)}, frame, slots)
 
-    def read(self, file: str, offset: int, length: int) -> bytes:
-        data = os.pread(self.fds[file], length, offset)
-        if len(data) != min(length, self.sizes[file] - offset):
+    def read(self, file: str, offset: int, length: int) -> Any:
+        """``length`` bytes of ``file`` at ``offset`` (fewer at its end): bytes, or a
+        view of a slot that stays valid for the next ``slots - 1`` reads."""
+        want = min(length, self.sizes[file] - offset)
+        if file in self.direct and length == self._frame and offset % BLOCK == 0:
+            try:
+                data: Any = self._read_direct(file, offset, want)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct.discard(file)  # refused after all: through the page cache from now on
+                _clear_direct(self.fds[file])
+                data = os.pread(self.fds[file], length, offset)
+        else:
+            data = os.pread(self.fds[file], length, offset)
+        if len(data) != want:
             raise CheckpointCorrupt(f"{self.path / file} shrank while being replicated")
         return data
+
+    def _read_direct(self, file: str, offset: int, want: int) -> memoryview:
+        if len(self._slots) < self._nslots:
+            self._slots.append(mmap.mmap(-1, self._frame))  # page-aligned, as O_DIRECT needs
+        slot = self._slots[self._next % len(self._slots)]
+        self._next += 1
+        n = os.preadv(self.fds[file], [slot], offset)  # a whole aligned frame; short at the file's end
+        return memoryview(slot)[:min(n, want)]
 
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
+        # the slots are left to the garbage collector: ZeroMQ may still hold a view of
+        # one (a part in flight when the transfer failed), and frees it once sent or dropped
+
+
+def _set_direct(fd: int) -> bool:
+    """Read ``fd`` with O_DIRECT from now on, where its filesystem allows it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+def _clear_direct(fd: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)

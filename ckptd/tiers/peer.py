@@ -60,7 +60,8 @@ class PeerReplica:
             self.ctx.term()
             raise
         self._curve = server_curve
-        self.replicator = Replicator(self.ctx, config.root, cfg, self.keys, keep_last, node_id)
+        self.replicator = Replicator(self.ctx, config.root, cfg, self.keys, keep_last, node_id,
+                                     direct_io=config.daemon.direct_io)
         self.cfg = cfg
 
     def start(self) -> None:
