@@ -140,6 +140,14 @@ def _held(producer: Any, d: DaemonProcess, step: int) -> None:
         os.environ.pop("CKPTD_CONFIG")
 
 
+def _touch(state: dict[str, torch.Tensor], step: int) -> None:
+    """Change every tensor a little, as a training step does: a tensor unchanged since the
+    previous step would be linked, not written again, and its file read back from the
+    page cache by an earlier replication (docs/performance.md)."""
+    for t in state.values():
+        t[0] = float(step)
+
+
 def measure_stall(work: Path, state: dict, repeats: int, rate: int) -> dict[str, Any]:
     """Blocked time in save, save -> durable, and (replicating) save -> replica held,
     with replication off, on without a cap, and on at ``[peer] rate`` = ``rate``; and
@@ -176,6 +184,7 @@ def measure_stall(work: Path, state: dict, repeats: int, rate: int) -> dict[str,
                     _held(producers[r], daemons[r], step[r])
             for _ in range(repeats):
                 step[k] += 1
+                _touch(state, step[k])
                 t0 = time.perf_counter()
                 h = producers[k].save(state, step[k])
                 figures[k]["blocked"].append(time.perf_counter() - t0)
@@ -183,6 +192,7 @@ def measure_stall(work: Path, state: dict, repeats: int, rate: int) -> dict[str,
                 figures[k]["durable"].append(time.perf_counter() - t0)
         for k in replicating:  # the backlog sent; then save -> replica held, alone
             _held(producers[k], daemons[k], step[k])
+            _touch(state, step[k] + 1)
             t0 = time.perf_counter()
             producers[k].save(state, step[k] + 1).wait(600)
             _held(producers[k], daemons[k], step[k] + 1)
