@@ -125,6 +125,18 @@ def _read_bytes(pid: int) -> int:
     raise RuntimeError(f"/proc/{pid}/io has no read_bytes")
 
 
+def _cached(root: Path) -> dict[str, int]:
+    """The data files under ``root``: their bytes, and how many of them are in the page
+    cache (util-linux ``fincore``; none where it is missing)."""
+    files = [str(f) for f in root.rglob("*.safetensors")]
+    try:
+        res = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
+                             capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {"file_bytes": sum(os.path.getsize(f) for f in files), "cached_bytes": sum(map(int, res))}
+
+
 def _replicated_bytes(d: DaemonProcess) -> int:
     out = subprocess.run([sys.executable, "-m", "ckptd", "status", "--json", "-c", str(d.config)],
                          capture_output=True, text=True, timeout=120, check=True)
@@ -200,7 +212,7 @@ def measure_stall(work: Path, state: dict, repeats: int, rate: int) -> dict[str,
         for k, d in daemons.items():
             read = _read_bytes(d.pid) - before[k][0]
             sent = (_replicated_bytes(d) - before[k][1]) if k in replicating else 0
-            out.setdefault("io", {})[k] = {"read_bytes": read, "replicated_bytes": sent}
+            out.setdefault("io", {})[k] = {"read_bytes": read, "replicated_bytes": sent, **_cached(d.root)}
         for p in producers.values():
             p.close()
         for k, f in figures.items():
@@ -360,15 +372,17 @@ def report_stall(s: dict[str, Any], repeats: int) -> None:
           f"{s['rate'] / 1e6:.0f} MB/s (capped), in blocks off, on, capped, capped, on, off")
     off = s["off"]
     print(f"  {'':<10} {'blocked ms':>11} {'x off':>6} {'durable s':>10} {'x off':>6} {'replica held s':>15} "
-          f"{'read/replicated':>16}")
+          f"{'read/replicated':>16} {'cached':>9}")
     for k in ("off", "on", "capped"):
         f, io = s[k], s["io"][k]
         held = f"{f['replica']:.2f}" if "replica" in f else "-"
         ratio = f"{io['read_bytes'] / io['replicated_bytes']:.2f}" if io["replicated_bytes"] else \
             f"{io['read_bytes'] / 2**20:.0f} MiB read"
+        cached = f"{io['cached_bytes'] / io['file_bytes']:.0%}" if io.get("file_bytes") else "-"
         print(f"  {k:<10} {f['blocked'] * 1e3:>11.0f} {f['blocked'] / off['blocked']:>6.2f} {f['durable']:>10.2f} "
-              f"{f['durable'] / off['durable']:>6.2f} {held:>15} {ratio:>16}")
-    print("  goal: blocked <= 1.05x off; read/replicated: bytes read from storage per byte replicated")
+              f"{f['durable'] / off['durable']:>6.2f} {held:>15} {ratio:>16} {cached:>9}")
+    print("  goal: blocked <= 1.05x off; read/replicated: bytes read from storage per byte replicated;\n"
+          "  cached: the share files' bytes in the page cache at the end (fincore)")
 
 
 if __name__ == "__main__":

@@ -163,3 +163,16 @@ def test_replication_reads_the_files_with_o_direct_and_leaves_the_page_cache_alo
     finally:
         for n in (sender, holder):
             n.cleanup()
+
+
+def test_a_drop_message_carries_at_most_the_bound_of_steps_over_all_its_runs() -> None:
+    from ckptd.peer import wire
+    from ckptd.peer.replicator import _add_steps
+
+    bound = wire.MAX_STEPS_DROPPED
+    batches: list[dict[str, list[int]]] = [{}]
+    _add_steps(batches, "a", list(range(bound - 2)))
+    _add_steps(batches, "b", list(range(bound + 5)))
+    assert [sum(map(len, b.values())) for b in batches] == [bound, bound, 3]
+    assert batches[0]["a"] == list(range(bound - 2)) and batches[0]["b"] == [0, 1]
+    assert sum((b.get("b", []) for b in batches), []) == list(range(bound + 5))  # each step once, in order
