@@ -159,7 +159,8 @@ class Replicator:
                     self._cv.wait(max(0.01, self._checked + self.cfg.heartbeat - time.monotonic()))
                 if self._stop:
                     break
-                key = self._queue.popleft() if self._queue else None
+                # the heartbeat's checks first when due: a long queue never holds them off
+                key = self._queue.popleft() if self._queue and not self._check_due() else None
             try:
                 if key is not None:
                     self._assign(key)
