@@ -32,6 +32,11 @@ class Backoff:
         self._failed.pop(peer, None)
         self._until.pop(peer, None)
 
+    def due(self) -> list[str]:
+        """The peers that failed and whose skip has run out: to be tried again."""
+        now = time.monotonic()
+        return sorted(p for p, t in self._until.items() if t <= now)
+
     def skipped(self, peer: str) -> bool:
         return self._until.get(peer, 0.0) > time.monotonic()
 

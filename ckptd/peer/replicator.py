@@ -5,8 +5,8 @@ commit and off the training loop's path.
 This thread decides who gets what; the bytes move on one ``ckptd-peer-send-N`` thread per
 partner (``sender.PartnerSender``), so that a partner that is slow, hung or dead holds up
 only its own transfers. A partner that does not answer is skipped with back-off
-(``backoff``: ``heartbeat``, then twice, four times as long … up to 12 heartbeats; tried
-again at once after any answer) and the next peer of the order takes the share; one that
+(``backoff``: ``heartbeat``, then twice, four times as long … up to 12 heartbeats; pinged
+at the heartbeat after its skip runs out, and tried again at once after any answer) and the next peer of the order takes the share; one that
 refuses (full) is skipped for that share until the next retry round. Only the newest
 share of each (run, rank) is worth a replica, the one committed last (after a resume
 from an older step, the new attempt's): one still queued when another commits is
@@ -167,6 +167,7 @@ class Replicator:
                 else:
                     self._checked = time.monotonic()
                     self._send_drops()
+                    self._probe()
                     self._check_holders()
             except Exception:  # a bug: reported, and the next share is still replicated
                 log.exception("replicating %s failed", key or "(the heartbeat's checks)")
@@ -342,6 +343,22 @@ class Replicator:
                         "next peers", peer, len(lost), why)
         with self._cv:
             self._queue.extend(k for k in self._under_replicated() if k not in self._queue)
+
+    def _probe(self) -> None:
+        """Ping, all at once, the partners that failed and whose back-off has run out
+        (none that a share is on its way to: its transfer tells): one that answers is
+        tried again at once, one that does not is skipped twice as long, so that
+        ``ckptd status`` says which are back even while no share needs them."""
+        with self._cv:
+            busy = set().union(*self._sending.values())
+            due = [p for p in self._backoff.due() if p not in busy]
+        for peer, answer in self._ask({p: {"op": "ping"} for p in due}, self.cfg.timeout).items():
+            with self._cv:
+                if isinstance(answer, Exception):
+                    self._backoff.failed(peer)
+                else:
+                    self._backoff.answered(peer)
+                    log.info("peer %s answers again", peer)
 
     def _send_drops(self) -> None:
         """Every step retention deleted since the last heartbeat, to the partners that
