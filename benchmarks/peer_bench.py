@@ -14,10 +14,12 @@
 4. disk: ``ckptd.load`` from the node's own disk, cold (page cache dropped where this
    process may: ``/proc/sys/vm/drop_caches``, else posix_fadvise DONTNEED on the files);
 5. stall: ``producer.save``'s blocked time and time to durable (local commit) with
-   replication on against off, saves back to back (with it on, the previous step is
-   being replicated meanwhile); and with it on, time until the replica is held.
+   replication off, on, and on at ``[peer] rate`` = ``--rate`` (capped), saves back to
+   back (with it on, the previous step is being replicated meanwhile); with it on, time
+   until the replica is held; and the bytes each daemon read from storage
+   (/proc/PID/io ``read_bytes``) per byte it replicated.
 
-    .venv/bin/python benchmarks/peer_bench.py [--gib 1] [--repeats 3] [--json out.json]
+    .venv/bin/python benchmarks/peer_bench.py [--gib 1] [--repeats 3] [--rate 200MB] [--json out.json]
 
 Goals: recovery from peer memory >= 0.9x the plain transfer's throughput and >= 5x
 faster than from the object store; stall with replication <= 1.05x without.
@@ -106,51 +108,111 @@ def _state(nbytes: int, tensors: int) -> dict[str, torch.Tensor]:
 
 
 def _peer_daemon(work: Path, name: str, listen: str, peers: list[str], memory: str = "3GiB",
-                 tables: dict | None = None) -> DaemonProcess:
+                 tables: dict | None = None, **peer: Any) -> DaemonProcess:
     # nice 0, the plain transfer's priority (the config's default, 19, yields to the trainer)
     d = DaemonProcess(work, None, name=name, keys={"nice": 0}, tables={**(tables or {}),
-                      "peer": {"listen": listen, "peers": peers, "memory": memory, "stall": "30s"}})
+                      "peer": {"listen": listen, "peers": peers, "memory": memory, "stall": "30s", **peer}})
     d.start()
     return d
 
 
-def measure_stall(work: Path, state: dict, repeats: int) -> dict[str, Any]:
-    """Blocked time in save, save -> durable, and (replicating) save -> replica held."""
+def _read_bytes(pid: int) -> int:
+    """Bytes the process ``pid`` made the kernel fetch from storage (page cache hits and
+    O_DIRECT alike count as they reach the device), from /proc/PID/io."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/io has no read_bytes")
+
+
+def _cached(root: Path) -> dict[str, int]:
+    """The data files under ``root``: their bytes, and how many of them are in the page
+    cache (util-linux ``fincore``; none where it is missing)."""
+    files = [str(f) for f in root.rglob("*.safetensors")]
+    try:
+        res = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
+                             capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {"file_bytes": sum(os.path.getsize(f) for f in files), "cached_bytes": sum(map(int, res))}
+
+
+def _replicated_bytes(d: DaemonProcess) -> int:
+    out = subprocess.run([sys.executable, "-m", "ckptd", "status", "--json", "-c", str(d.config)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return int(json.loads(out.stdout)["peer"]["replicated_bytes"])
+
+
+def _held(producer: Any, d: DaemonProcess, step: int) -> None:
+    """Until ``step`` of ``producer``'s run, saved through ``d``, is in its partner's memory."""
+    os.environ["CKPTD_CONFIG"] = str(d.config)  # the peer tier ``wait_complete`` asks: d's
+    try:
+        producer.wait_complete(step, timeout=600, tier="peer")
+    finally:
+        os.environ.pop("CKPTD_CONFIG")
+
+
+def _touch(state: dict[str, torch.Tensor], step: int) -> None:
+    """Change every tensor a little, as a training step does: a tensor unchanged since the
+    previous step would be linked, not written again, and its file read back from the
+    page cache by an earlier replication (docs/performance.md)."""
+    for t in state.values():
+        t[0] = float(step)
+
+
+def measure_stall(work: Path, state: dict, repeats: int, rate: int) -> dict[str, Any]:
+    """Blocked time in save, save -> durable, and (replicating) save -> replica held,
+    with replication off, on without a cap, and on at ``[peer] rate`` = ``rate``; and
+    the bytes each daemon read from storage per byte it replicated (/proc/PID/io)."""
     from ckptd import Producer
 
-    out: dict[str, Any] = {}
-    la, lb = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
-    holder = _peer_daemon(work, "stall-holder", lb, [la])
-    daemons = {"off": DaemonProcess(work, None, name="stall-off", keys={"nice": 0}), "on": _peer_daemon(work, "stall-on", la, [lb])}
-    daemons["off"].start()
+    out: dict[str, Any] = {"rate": rate}
+    la, lc, lb = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(3))
     size = sum(t.nbytes for t in state.values())
+    holder = _peer_daemon(work, "stall-holder", lb, [la, lc], memory=f"{4 * size + 2**28}")
+    daemons = {"off": DaemonProcess(work, None, name="stall-off", keys={"nice": 0}),
+               "on": _peer_daemon(work, "stall-on", la, [lb]),
+               "capped": _peer_daemon(work, "stall-capped", lc, [lb], rate=rate)}
+    daemons["off"].start()
+    replicating = ("on", "capped")
     try:
-        producers = {k: Producer(d.endpoint, "stall", staging_size=size + 2**26) for k, d in daemons.items()}
+        producers = {k: Producer(d.endpoint, f"stall-{k}", staging_size=size + 2**26) for k, d in daemons.items()}
         for p in producers.values():
             p.save(state, 0).wait(600)  # warm the arenas
+        for k in replicating:
+            _held(producers[k], daemons[k], 0)
+        before = {k: (_read_bytes(d.pid), _replicated_bytes(d) if k in replicating else 0)
+                  for k, d in daemons.items()}
         figures: dict[str, dict[str, list[float]]] = {k: {"blocked": [], "durable": [], "replica": []}
                                                        for k in daemons}
         step = {k: 0 for k in daemons}
         # blocks of back-to-back saves (the next right after the last is durable, so that
         # with replication on the previous step is being sent meanwhile), in the order
-        # off, on, on, off: drift on the shared machine falls on both alike
-        os.environ["CKPTD_CONFIG"] = str(daemons["on"].config)
-        for k in ("off", "on", "on", "off"):
-            if k == "off" and step["on"]:  # the "on" daemon's backlog sent first: no load on the "off" saves
-                producers["on"].wait_complete(step["on"], timeout=600, tier="peer")
+        # off, on, capped, capped, on, off: drift on the shared machine falls on all alike;
+        # each block starts once the others' replication is done
+        for k in ("off", "on", "capped", "capped", "on", "off"):
+            for r in replicating:
+                if step[r]:
+                    _held(producers[r], daemons[r], step[r])
             for _ in range(repeats):
                 step[k] += 1
+                _touch(state, step[k])
                 t0 = time.perf_counter()
                 h = producers[k].save(state, step[k])
                 figures[k]["blocked"].append(time.perf_counter() - t0)
                 h.wait(600)
                 figures[k]["durable"].append(time.perf_counter() - t0)
-        producers["on"].wait_complete(step["on"], timeout=600, tier="peer")  # the backlog sent
-        t0 = time.perf_counter()  # save -> replica held, alone
-        producers["on"].save(state, step["on"] + 1).wait(600)
-        producers["on"].wait_complete(step["on"] + 1, timeout=600, tier="peer")
-        figures["on"]["replica"].append(time.perf_counter() - t0)
-        os.environ.pop("CKPTD_CONFIG")
+        for k in replicating:  # the backlog sent; then save -> replica held, alone
+            _held(producers[k], daemons[k], step[k])
+            _touch(state, step[k] + 1)
+            t0 = time.perf_counter()
+            producers[k].save(state, step[k] + 1).wait(600)
+            _held(producers[k], daemons[k], step[k] + 1)
+            figures[k]["replica"].append(time.perf_counter() - t0)
+        for k, d in daemons.items():
+            read = _read_bytes(d.pid) - before[k][0]
+            sent = (_replicated_bytes(d) - before[k][1]) if k in replicating else 0
+            out.setdefault("io", {})[k] = {"read_bytes": read, "replicated_bytes": sent, **_cached(d.root)}
         for p in producers.values():
             p.close()
         for k, f in figures.items():
@@ -253,6 +315,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
     ap.add_argument("--only", choices=("recovery", "stall"), help="measure only these figures")
+    ap.add_argument("--rate", default="200MB", help="[peer] rate of the stall's capped replication (default 200MB)")
     args = ap.parse_args()
     nbytes = int(args.gib * 2**30)
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
@@ -265,7 +328,9 @@ def main() -> int:
         if args.only != "stall":
             r.update(measure_recovery(work, state, args.repeats, f"s3://{BUCKET}/peer"))
         if args.only != "recovery":
-            r["stall"] = measure_stall(work, state, args.repeats)
+            from ckptd.config import parse_size
+
+            r["stall"] = measure_stall(work, state, args.repeats, parse_size(args.rate))
     finally:
         server.cleanup()
         shutil.rmtree(work, ignore_errors=True)
@@ -303,11 +368,21 @@ def report_recovery(r: dict[str, Any], gb: float) -> None:
 
 
 def report_stall(s: dict[str, Any], repeats: int) -> None:
-    print(f"stall: {2 * repeats} saves back to back each, replication off and on, in blocks off, on, on, off")
-    print(f"save blocked: {s['off']['blocked'] * 1e3:.0f} ms without replication, {s['on']['blocked'] * 1e3:.0f} ms "
-          f"with: {s['on']['blocked'] / s['off']['blocked']:.2f}x (goal <= 1.05)")
-    print(f"save -> durable: {s['off']['durable']:.2f} s without, {s['on']['durable']:.2f} s with "
-          f"({s['on']['durable'] / s['off']['durable']:.2f}x); save -> replica held: {s['on']['replica']:.2f} s")
+    print(f"stall: {2 * repeats} saves back to back each, replication off, on, and on at [peer] rate = "
+          f"{s['rate'] / 1e6:.0f} MB/s (capped), in blocks off, on, capped, capped, on, off")
+    off = s["off"]
+    print(f"  {'':<10} {'blocked ms':>11} {'x off':>6} {'durable s':>10} {'x off':>6} {'replica held s':>15} "
+          f"{'read/replicated':>16} {'cached':>9}")
+    for k in ("off", "on", "capped"):
+        f, io = s[k], s["io"][k]
+        held = f"{f['replica']:.2f}" if "replica" in f else "-"
+        ratio = f"{io['read_bytes'] / io['replicated_bytes']:.2f}" if io["replicated_bytes"] else \
+            f"{io['read_bytes'] / 2**20:.0f} MiB read"
+        cached = f"{io['cached_bytes'] / io['file_bytes']:.0%}" if io.get("file_bytes") else "-"
+        print(f"  {k:<10} {f['blocked'] * 1e3:>11.0f} {f['blocked'] / off['blocked']:>6.2f} {f['durable']:>10.2f} "
+              f"{f['durable'] / off['durable']:>6.2f} {held:>15} {ratio:>16} {cached:>9}")
+    print("  goal: blocked <= 1.05x off; read/replicated: bytes read from storage per byte replicated;\n"
+          "  cached: the share files' bytes in the page cache at the end (fincore)")
 
 
 if __name__ == "__main__":

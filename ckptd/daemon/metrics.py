@@ -239,6 +239,10 @@ def _peer_families(p: dict[str, Any]) -> Iterator[Any]:
     yield CounterMetricFamily("ckptd_peer_replicas_lost", "Replicas of this node's shares that a partner no "
                               "longer held (dead, restarted, evicted), sent again to the next peer.",
                               value=p.get("replicas_lost", 0))
+    yield GaugeMetricFamily("ckptd_peer_partners_down", "Partners that did not answer, skipped for now "
+                            "(backed off: heartbeat, 2x, 4x ... up to 12 heartbeats).", value=len(p.get("down", ())))
+    yield CounterMetricFamily("ckptd_peer_drop_messages", "Batched drop messages sent to partners (retention's "
+                              "deletions, one per partner per heartbeat).", value=p.get("drop_messages", 0))
     yield CounterMetricFamily("ckptd_peer_evicted", "Replicas held that made room for newer ones.",
                               value=p["evicted"])
     yield CounterMetricFamily("ckptd_peer_rejected", "Replicas received whose bytes did not match their "

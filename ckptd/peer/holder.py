@@ -71,6 +71,7 @@ class Holder:
         self._arrivals = itertools.count()
         self.evicted = 0
         self.rejected = 0  # shares whose bytes did not match their checksums
+        self.drop_requests = 0  # ``drop`` messages received
 
     # -- receiving -------------------------------------------------------------------------
     def offer(self, manifest_json: bytes, files: dict[str, int], keep_last: int, owner: str | None = None) -> int:
@@ -146,6 +147,12 @@ class Holder:
                            "only the node whose share it is may replace it")
 
     # -- forgetting ------------------------------------------------------------------------
+    def drop_many(self, runs: dict[str, list[int]], owner: str | None = None) -> int:
+        """One ``drop`` message: ``drop`` for each run; replicas forgotten."""
+        with self._lock:
+            self.drop_requests += 1
+        return sum(self.drop(run, steps, owner) for run, steps in runs.items())
+
     def drop(self, run: str, steps: list[int], owner: str | None = None) -> int:
         """Forget ``owner``'s replicas of ``steps`` of ``run`` (its retention deleted them),
         but for those a recovery may still need (``_protected``): those go once they are not."""
@@ -247,6 +254,7 @@ class Holder:
                     "held_steps": len({(k[0], k[1]) for k in self._held}),
                     "receiving_bytes": sum(r.nbytes for r in self._incoming.values()),
                     "memory": self.budget, "evicted": self.evicted, "rejected": self.rejected,
+                    "drop_requests": self.drop_requests,
                     "evictable_shares": len(self._evictable())}
 
 

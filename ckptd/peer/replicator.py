@@ -1,33 +1,34 @@
 """The ``ckptd-peer-send`` thread: each share this daemon commits goes to the memory
-of ``replicas`` partner daemons (``partners.of``: ``[peer] placement``), after the local commit and off
-the training loop's path (the share's files are read back, from the page cache).
+of ``replicas`` partner daemons (``partners.of``: ``[peer] placement``), after the local
+commit and off the training loop's path.
 
-A transfer is an ``offer``, the files in ``frame``-sized parts with ``window`` of
-them in flight, and ``done``. A partner that takes no part for ``stall`` seconds,
-refuses, or is full is reported (log, ``ckptd status``, metrics) and the next peer
-of the order takes the share; a partner that failed is skipped for ``heartbeat``
-seconds. Only the newest share of each (run, rank) is worth a replica, the one
-committed last (after a resume from an older step, the new attempt's): one still
-queued when another commits is superseded. ``[peer] rate`` caps the bytes/s sent. A share no partner took stays
-under-replicated and is tried again every ``heartbeat`` seconds while it is the
-newest, sent only to partners that do not hold it yet.
-
-Replication stays out of the next save's way: the thread runs at the lowest CPU
-priority (nice 19, for itself alone), and before each part it pauses while the daemon
-is receiving or committing a step (``busy``), for at most ``stall``/4 at a time, so
-that its partner never gives up on a transfer that is only waiting its turn.
+This thread decides who gets what; the bytes move on one ``ckptd-peer-send-N`` thread per
+partner (``sender.PartnerSender``), so that a partner that is slow, hung or dead holds up
+only its own transfers. A partner that does not answer is skipped with back-off
+(``backoff``: ``heartbeat``, then twice, four times as long … up to 12 heartbeats; pinged
+at the heartbeat after its skip runs out, and tried again at once after any answer) and the next peer of the order takes the share; one that
+refuses (full) is skipped for that share until the next retry round. Only the newest
+share of each (run, rank) is worth a replica, the one committed last (after a resume
+from an older step, the new attempt's): one still queued when another commits is
+superseded. ``[peer] rate`` caps the bytes/s all partners' threads send together. A share
+no partner took stays under-replicated and is tried again every ``heartbeat`` seconds
+while it is the newest, sent only to partners that do not hold it yet.
 
 A replica can also be lost after it was taken: its holder dies, restarts (its memory
-empty) or evicts it. Every ``heartbeat`` seconds each partner holding one of this
-node's newest shares is asked which of them it still holds (``holds``, within
-``timeout``); a share it no longer holds, or a partner that does not answer, counts
-as a replica lost, and the share goes to the next peer of its order.
+empty) or evicts it. Every ``heartbeat`` seconds the partners holding this node's
+newest shares are asked, all at once and within one ``timeout``, which of them they
+still hold (``holds``); a share one no longer holds, or a partner that does not answer,
+counts as a replica lost, and the share goes to the next peer of its order.
+
+Retention's deletions reach the partners batched: each ``heartbeat`` one ``drop`` per
+partner carrying every step of every run deleted since (at most
+``wire.MAX_STEPS_DROPPED`` steps a message), sent only to the partners this node sent
+replicas of that run to, all at once and within one ``timeout``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -41,22 +42,25 @@ from ..config import ConfigError, PeerConfig
 from ..daemon import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
 from . import partners, supervise, wire
+from .asking import ask_all
+from .backoff import Backoff
+from .sender import DOWN, DROPPED, GONE, HELD, REFUSED, RETURNED, Job, Pacer, PartnerSender
 
 log = logging.getLogger("ckptd.peer")
 
 Key = tuple[str, int, int]
-YIELD_AFTER_S = 0.2  # the daemon idle this long after a step's messages: replication goes on
 
 
 class Replicator:
     def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
-                 keep_last: Callable[[str], int], node_id: str) -> None:
+                 keep_last: Callable[[str], int], node_id: str, *, direct_io: bool = False) -> None:
         if config.rate and config.frame / config.rate > config.stall / 2:
             raise ConfigError(f"[peer] rate {config.rate} bytes/s sends a frame of {config.frame} bytes in "
                               f"{config.frame / config.rate:.1f} s, and a partner gives a transfer up after "
                               f"{config.stall:g} s ([peer] stall) without a part: raise rate, or lower frame to at most "
                               f"{int(config.rate * config.stall / 2)} bytes")
         self.node_id = node_id  # this daemon's (PeerServer's): a peer that answers with it is this daemon
+        self.direct_io = direct_io  # [daemon] direct_io: shares are read back with O_DIRECT (sender.ShareFiles)
         self.ctx = ctx
         self.root = root
         self.cfg = config
@@ -64,25 +68,28 @@ class Replicator:
         self.keep_last = keep_last
         self.peers = tuple(p for p in config.peers if p != config.listen)
         self._cv = threading.Condition()
-        self._queue: deque[Key] = deque()
-        self._drops: deque[tuple[str, list[int]]] = deque()
+        self._queue: deque[Key] = deque()  # shares to (re)assign to partners
+        self._drops: dict[str, set[int]] = {}  # run -> steps retention deleted here, not yet sent
         # the newest share of each (run, rank) committed here -> the partners holding it
         self._holders: dict[Key, set[str]] = {}
+        self._sending: dict[Key, set[str]] = {}  # share -> partners it is queued for or being sent to
+        self._tried: dict[Key, set[str]] = {}  # share -> partners that failed it since the last retry round
+        self._sent_to: dict[str, set[str]] = {}  # run -> partners that were sent replicas of it (its drops)
         self._newest: dict[tuple[str, int], int] = {}  # (run, rank) -> newest step committed
         self._checked = time.monotonic()  # when the holders were last asked
-        self._down: dict[str, float] = {}  # peer -> monotonic time until which it is skipped
-        self._links: dict[str, wire.Link] = {}
+        self._backoff = Backoff(config.heartbeat)
+        self._links: dict[str, wire.Link] = {}  # this thread's own, for holds, drop and ping
+        self._senders: dict[str, PartnerSender] = {}  # one per partner, made as it is first sent a share
+        self._pacer = Pacer(config.rate)
         self._stop = False
         self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0,
-                         "replicas_lost": 0}
+                         "replicas_lost": 0, "drop_messages": 0, "dropped_steps": 0}
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-send", daemon=True)
         self.busy: Callable[[], bool] = lambda: False  # the daemon is receiving or committing a step
         # (run, step, rank, seconds from local commit to held by `replicas` partners): the
         # peer tier's persist time for the interval advice (ckptd.daemon.measuring)
         self.on_replicated: Callable[[str, int, int, float], None] | None = None
         self._committed_at: dict[Key, float] = {}  # shares not yet fully replicated -> commit time
-        self._busy_seen = 0.0
-        self._paced_until = 0.0  # monotonic time by which the bytes sent so far are allowed ([peer] rate)
 
     # -- from other threads ----------------------------------------------------------------
     def start(self) -> None:
@@ -93,6 +100,8 @@ class Replicator:
             self._stop = True
             self._cv.notify()
         self.thread.join()
+        for sender in list(self._senders.values()):
+            sender.close()
 
     def enqueue(self, run: str, step: int, rank: int) -> None:
         """After the local commit of a share (the syncer thread): replicate it."""
@@ -101,35 +110,40 @@ class Replicator:
             # resume from an older step (a new attempt) the new attempt's shares are what a recovery wants
             self._newest[(run, rank)] = step
             for k in [k for k in self._holders if k[0] == run and k[2] == rank and k[1] != step]:
-                del self._holders[k]  # superseded
-                self._committed_at.pop(k, None)
+                self._forget_share(k)  # superseded
             self._holders[(run, step, rank)] = set()
             self._committed_at[(run, step, rank)] = time.time()
             self._queue.append((run, step, rank))
             self._cv.notify()
 
     def dropped(self, run: str, steps: list[int]) -> None:
-        """Retention deleted ``steps`` of ``run`` here: partners drop their replicas."""
+        """Retention deleted ``steps`` of ``run`` here: partners drop their replicas (at
+        the next heartbeat, with every other step deleted meanwhile)."""
         with self._cv:
-            for k in [k for k in self._holders if k[0] == run and k[1] in set(steps)]:
-                del self._holders[k]
-                self._committed_at.pop(k, None)
-            self._drops.append((run, steps))
-            self._cv.notify()
+            gone = set(steps)
+            for k in [k for k in self._holders if k[0] == run and k[1] in gone]:
+                self._forget_share(k)
+            self._drops.setdefault(run, set()).update(gone)
 
     def figures(self) -> dict[str, Any]:
         with self._cv:
-            now = time.monotonic()
             holding: dict[str, int] = {p: 0 for p in self.peers}
             for peers in self._holders.values():
                 for p in peers:
                     holding[p] = holding.get(p, 0) + 1
             return dict(self.figures_, thread_restarts=sum(supervise.restarts().values()),
                         rate=self.cfg.rate, under_replicated=len(self._under_replicated()), peers=list(self.peers),
-                        down=sorted(p for p, t in self._down.items() if t > now), holding=holding)
+                        holding=holding, sending=sum(len(p) for p in self._sending.values()),
+                        **self._backoff.figures())
 
     def _under_replicated(self) -> list[Key]:
         return [k for k, peers in self._holders.items() if len(peers) < self.cfg.replicas]
+
+    def _forget_share(self, key: Key) -> None:
+        """No replica of ``key`` is wanted any more (superseded, deleted); the lock held."""
+        self._holders.pop(key, None)
+        self._committed_at.pop(key, None)
+        self._tried.pop(key, None)
 
     # -- the thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -138,56 +152,187 @@ class Replicator:
             link.close()
 
     def _run(self) -> None:
-        try:  # this thread alone (Linux: a thread's own nice value); the daemon's others keep theirs
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError) as exc:
-            log.debug("ckptd-peer-send keeps the daemon's priority: %s", exc)
         self._check_peers()
         while True:
             with self._cv:
-                while not (self._stop or self._queue or self._drops or self._check_due()):
+                while not (self._stop or self._queue or self._check_due()):
                     self._cv.wait(max(0.01, self._checked + self.cfg.heartbeat - time.monotonic()))
                 if self._stop:
                     break
-                drop = self._drops.popleft() if self._drops else None
-                key = self._queue.popleft() if drop is None and self._queue else None
+                # the heartbeat's checks first when due: a long queue never holds them off
+                key = self._queue.popleft() if self._queue and not self._check_due() else None
             try:
-                if drop is not None:
-                    self._send_drop(*drop)
-                elif key is not None:
-                    if key in self._under_replicated():
-                        self._replicate(key)
+                if key is not None:
+                    self._assign(key)
                 else:
+                    self._checked = time.monotonic()
+                    self._send_drops()
+                    self._probe()
                     self._check_holders()
             except Exception:  # a bug: reported, and the next share is still replicated
-                log.exception("replicating %s failed", drop or key)
+                log.exception("replicating %s failed", key or "(the heartbeat's checks)")
 
     def _check_due(self) -> bool:
         return time.monotonic() >= self._checked + self.cfg.heartbeat
 
+    def _assign(self, key: Key) -> None:
+        """Give ``key`` to as many partners as it lacks, the first of its order that are
+        neither holding it, nor sending it, nor failed it this round, nor backed off."""
+        run, step, rank = key
+        with self._cv:
+            if key not in self._holders:  # superseded or deleted meanwhile
+                return
+            have, sending = self._holders[key], self._sending.get(key, set())
+            want = self.cfg.replicas - len(have) - len(sending)
+            skip = have | sending | self._tried.get(key, set())
+            candidates = [p for p in partners.of(self.cfg, run, rank)
+                          if p in self.peers and p not in skip and not self._backoff.skipped(p)][:max(want, 0)]
+            held = len(have)
+        if want <= 0:
+            return
+        if not candidates:
+            if not sending:
+                log.warning("run %r step %d rank %d has %d of %d replicas: no other peer took it "
+                            "(under-replicated; retried every %g s)", run, step, rank, held, self.cfg.replicas,
+                            self.cfg.heartbeat)
+            return
+        failpoints.hit("peer.replicate")  # a node that dies between its commit and its replication (tests)
+        job = self._job(key)
+        with self._cv:
+            if job is None:
+                self._forget_share(key)
+                return
+            if key not in self._holders:
+                return
+            for peer in candidates:
+                self._sending.setdefault(key, set()).add(peer)
+                self._sender(peer).put(job)
+
+    def _job(self, key: Key) -> Job | None:
+        """``key``'s manifest as committed here, or None (and why) if it cannot be sent."""
+        run, step, rank = key
+        step_path = layout.step_dir(self.root, run, step)
+        try:
+            m = index.read_share(step_path, rank)
+            data = layout.read_small(step_path / layout.manifest_name(rank), 64 * 2**20) if m is not None else b""
+        except (CheckpointCorrupt, OSError) as exc:
+            log.warning("cannot replicate run %r step %d rank %d: %s", run, step, rank, exc)
+            return None
+        if m is None:  # deleted meanwhile
+            return None
+        if any(t.offset is None for t in m.tensors.values()):
+            log.warning("run %r step %d rank %d is not replicated: it has chunked (compressed) HDF5 datasets, "
+                        "whose bytes a holder cannot check (docs/tiers.md)", run, step, rank)
+            return None
+        return Job(key, m, data, self.keep_last(run))
+
+    def _sender(self, peer: str) -> PartnerSender:
+        sender = self._senders.get(peer)
+        if sender is None:
+            sender = self._senders[peer] = PartnerSender(
+                len(self._senders) + 1, peer, self.ctx, self.keys, self.cfg, self.root, self._pacer,
+                lambda: self.busy(), self._wanted, self._done, direct_io=self.direct_io)
+            sender.start()
+        return sender
+
+    def _wanted(self, key: Key) -> bool:
+        with self._cv:
+            return key in self._holders and not self._stop
+
+    def _done(self, peer: str, job: Job, outcome: str, nbytes: int, seconds: float) -> None:
+        """A partner's thread ended a job (``sender``'s outcomes)."""
+        key = job.key
+        replicated = None
+        with self._cv:
+            sending = self._sending.get(key)
+            if sending is not None:
+                sending.discard(peer)
+                if not sending:
+                    del self._sending[key]
+            if outcome in (HELD, REFUSED, DOWN):
+                self._sent_to.setdefault(key[0], set()).add(peer)  # it may hold a replica: its drops go there
+                self.figures_["send_seconds"] += seconds
+            if outcome == HELD:
+                self._backoff.answered(peer)
+                self.figures_["replicated_shares"] += 1
+                self.figures_["replicated_bytes"] += nbytes
+                if key in self._holders:
+                    self._holders[key].add(peer)
+                    if len(self._holders[key]) >= self.cfg.replicas:
+                        replicated = self._committed_at.pop(key, None)
+                elif not layout.step_dir(self.root, key[0], key[1]).exists():
+                    # retention deleted the step while it was being sent (its drop may have gone
+                    # before the partner held it): the partner drops it at the next heartbeat
+                    self._drops.setdefault(key[0], set()).add(key[1])
+                log.debug("run %r step %d rank %d replicated to %s", *key, peer)
+            elif outcome in (REFUSED, DOWN, RETURNED):
+                if outcome != RETURNED:
+                    self.figures_["failures"] += 1
+                    self._tried.setdefault(key, set()).add(peer)
+                if outcome == DOWN:
+                    self._backoff.failed(peer)
+                if key in self._holders and not self._stop:
+                    self._queue.append(key)  # to the next peers of its order
+                    self._cv.notify()
+            elif outcome == GONE:
+                self._forget_share(key)
+            else:
+                assert outcome == DROPPED, outcome
+        if replicated is not None and self.on_replicated is not None:
+            self.on_replicated(*key, max(0.0, time.time() - replicated))
+
+    def _control(self, peer: str) -> wire.Link:
+        link = self._links.get(peer)
+        if link is None:
+            link = self._links[peer] = wire.Link(self.ctx, peer, self.keys)
+        return link
+
+    def _ask(self, requests: dict[str, dict[str, Any]], timeout: float) -> dict[str, dict[str, Any] | Exception]:
+        """``ask_all`` on this thread's links; a peer without an answer gets a new link
+        (no stale answer is ever read as a later one's)."""
+        links: dict[str, wire.Link] = {}
+        answers: dict[str, dict[str, Any] | Exception] = {}
+        for peer in requests:
+            try:
+                links[peer] = self._control(peer)
+            except wire.PeerRefused as exc:  # no key for it
+                answers[peer] = exc
+        answers.update(ask_all(links, {p: r for p, r in requests.items() if p in links}, timeout))
+        for peer, answer in answers.items():
+            if isinstance(answer, Exception):
+                link = self._links.pop(peer, None)
+                if link is not None:
+                    link.close()
+        return answers
+
     def _check_holders(self) -> None:
-        """Ask each partner holding one of this node's newest shares which it still
-        holds; forget the replicas of one that does not answer or no longer holds them,
-        and queue every under-replicated share again (to the partners it lacks)."""
-        self._checked = time.monotonic()
+        """Ask the partners holding this node's newest shares, all at once, which they
+        still hold; forget the replicas of one that does not answer or no longer holds
+        them, and queue every under-replicated share again (to the partners it lacks)."""
         with self._cv:
             by_peer: dict[str, list[Key]] = {}
             for key, peers in self._holders.items():
                 for p in peers:
                     by_peer.setdefault(p, []).append(key)
-        for peer, keys in by_peer.items():
+            self._tried.clear()  # a new round: every partner may be tried again
+        requests = {p: {"op": "holds", "shares": [list(k) for k in keys[:wire.MAX_SHARES_ASKED]]}
+                    for p, keys in by_peer.items()}
+        for peer, answer in self._ask(requests, self.cfg.timeout).items():
+            keys = by_peer[peer][:wire.MAX_SHARES_ASKED]
             try:
-                answer, _ = self._link(peer).request({"op": "holds", "shares": [list(k) for k in keys]},
-                                                     timeout=self.cfg.timeout)
+                if isinstance(answer, Exception):
+                    raise answer
                 held = wire.field(answer, "held", list)
                 if len(held) != len(keys):
                     raise ProtocolError(f"{peer}: holds answered {len(held)} of {len(keys)} shares")
                 lost = [k for k, h in zip(keys, held) if h is not True]
                 why = "no longer holds them (restarted, or evicted them for newer steps)"
+                with self._cv:
+                    self._backoff.answered(peer)
             except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                self._forget(peer)
-                self._down[peer] = time.monotonic() + self.cfg.heartbeat
-                lost, why = keys, f"does not answer ({exc})"
+                with self._cv:
+                    skip = self._backoff.failed(peer)
+                lost, why = keys, f"does not answer ({exc}; skipped for {skip:g} s)"
             if not lost:
                 continue
             with self._cv:
@@ -199,6 +344,51 @@ class Replicator:
         with self._cv:
             self._queue.extend(k for k in self._under_replicated() if k not in self._queue)
 
+    def _probe(self) -> None:
+        """Ping, all at once, the partners that failed and whose back-off has run out
+        (none that a share is on its way to: its transfer tells): one that answers is
+        tried again at once, one that does not is skipped twice as long, so that
+        ``ckptd status`` says which are back even while no share needs them."""
+        with self._cv:
+            busy = set().union(*self._sending.values())
+            due = [p for p in self._backoff.due() if p not in busy]
+        for peer, answer in self._ask({p: {"op": "ping"} for p in due}, self.cfg.timeout).items():
+            with self._cv:
+                if isinstance(answer, Exception):
+                    self._backoff.failed(peer)
+                else:
+                    self._backoff.answered(peer)
+                    log.info("peer %s answers again", peer)
+
+    def _send_drops(self) -> None:
+        """Every step retention deleted since the last heartbeat, to the partners that
+        were sent replicas of its run: one message per partner (split at
+        ``wire.MAX_STEPS_DROPPED`` steps), all sent at once, answered within one
+        ``timeout``; a partner backed off is not asked (its replicas go by its own
+        ``keep_last`` and budget)."""
+        with self._cv:
+            drops, self._drops = self._drops, {}
+            per_peer: dict[str, list[dict[str, list[int]]]] = {}
+            for run in sorted(drops):
+                for peer in sorted(self._sent_to.get(run, ())):
+                    if not self._backoff.skipped(peer):
+                        _add_steps(per_peer.setdefault(peer, [{}]), run, sorted(drops[run]))
+        while per_peer:
+            requests: dict[str, dict[str, Any]] = {p: {"op": "drop", "runs": batches.pop(0)}
+                                                   for p, batches in per_peer.items()}
+            per_peer = {p: b for p, b in per_peer.items() if b}
+            answers = self._ask(requests, self.cfg.timeout)
+            with self._cv:
+                self.figures_["drop_messages"] += len(requests)
+                self.figures_["dropped_steps"] += sum(len(s) for r in requests.values() for s in r["runs"].values())
+                for peer, answer in answers.items():
+                    if isinstance(answer, Exception):
+                        log.info("peer %s did not take a drop of %d run(s)' deleted steps: %s (it forgets them "
+                                 "by its own keep_last and budget)", peer, len(requests[peer]["runs"]), answer)
+                        per_peer.pop(peer, None)
+                    else:
+                        self._backoff.answered(peer)
+
     def _check_peers(self) -> None:
         """Say at start which peers cannot be reached, and drop any that is this daemon."""
         if self.cfg.listen in self.cfg.peers:
@@ -207,190 +397,25 @@ class Replicator:
         if not self.peers:
             log.warning("[peer] peers names no other daemon: nothing is replicated; list the other nodes' "
                         "[peer] listen endpoints")
-        for p in list(self.peers):
-            try:
-                answer, _ = self._link(p).request({"op": "ping"}, timeout=self.cfg.timeout * 3)
-            except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                self._forget(p)
+        answers = self._ask({p: {"op": "ping"} for p in self.peers}, self.cfg.timeout * 3)
+        for p, answer in answers.items():
+            if isinstance(answer, Exception):
                 log.warning("[peer] peer %s is unreachable at start (%s); shares go to the next peers until "
-                            "it answers", p, exc)
-                continue
-            if answer.get("node") == self.node_id:
+                            "it answers", p, answer)
+            elif answer.get("node") == self.node_id:
                 self.peers = tuple(q for q in self.peers if q != p)
                 log.warning("[peer] peer %s is this daemon itself; it is ignored", p)
             else:
                 log.info("[peer] peer %s answers", p)
 
-    def _link(self, peer: str) -> wire.Link:
-        link = self._links.get(peer)
-        if link is None:
-            link = self._links[peer] = wire.Link(self.ctx, peer, self.keys, hwm=self.cfg.window * 2 + 4)
-        return link
 
-    def _forget(self, peer: str) -> None:
-        link = self._links.pop(peer, None)
-        if link is not None:
-            link.close()
-
-    def _replicate(self, key: Key) -> None:
-        run, step, rank = key
-        failpoints.hit("peer.replicate")  # a node that dies between its commit and its replication (tests)
-        with self._cv:
-            if step != self._newest.get((run, rank), step):
-                self._holders.pop(key, None)
-                self._committed_at.pop(key, None)
-                return
-        step_path = layout.step_dir(self.root, run, step)
-        try:
-            m = index.read_share(step_path, rank)
-            share = _Share.open(step_path, m) if m is not None else None
-        except (CheckpointCorrupt, OSError) as exc:
-            log.warning("cannot replicate run %r step %d rank %d: %s", run, step, rank, exc)
-            share = None
-        if share is not None and any(t.offset is None for t in m.tensors.values()):  # type: ignore[union-attr]
-            share.close()
-            share = None
-            log.warning("run %r step %d rank %d is not replicated: it has chunked (compressed) HDF5 datasets, "
-                        "whose bytes a holder cannot check (docs/tiers.md)", run, step, rank)
-        if share is None:  # deleted meanwhile
-            with self._cv:
-                self._holders.pop(key, None)
-                self._committed_at.pop(key, None)
-            return
-        try:
-            self._to_partners(key, share)
-        finally:
-            share.close()
-
-    def _to_partners(self, key: Key, share: "_Share") -> None:
-        run, step, rank = key
-        step_path = share.path
-        manifest_json = layout.read_small(step_path / layout.manifest_name(rank), 64 * 2**20)
-        with self._cv:
-            have = set(self._holders.get(key, ()))
-        want, done = self.cfg.replicas - len(have), 0
-        now = time.monotonic()
-        for peer in (p for p in partners.of(self.cfg, run, rank) if p in self.peers):
-            if done >= want:
-                break
-            if self._down.get(peer, 0) > now or peer in have:  # a partner holding it already is not sent it again
-                continue
-            t0 = time.monotonic()
-            try:
-                self._send(peer, run, step, rank, manifest_json, share)
-            except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                self.figures_["failures"] += 1
-                if not isinstance(exc, wire.PeerRefused):  # slow or dead: skipped for a while
-                    self._down[peer] = time.monotonic() + self.cfg.heartbeat
-                self._forget(peer)
-                log.warning("peer %s did not take run %r step %d rank %d (%s); trying the next peer",
-                            peer, run, step, rank, exc)
-                continue
-            done += 1
-            with self._cv:
-                if key in self._holders:
-                    self._holders[key].add(peer)
-            self.figures_["replicated_shares"] += 1
-            self.figures_["replicated_bytes"] += sum(share.sizes.values())
-            self.figures_["send_seconds"] += time.monotonic() - t0
-            log.debug("run %r step %d rank %d replicated to %s", run, step, rank, peer)
-        with self._cv:
-            held = len(self._holders[key]) if key in self._holders else None
-            first = self._committed_at.pop(key, None) if held is not None and held >= self.cfg.replicas else None
-        if first is not None and self.on_replicated is not None:
-            self.on_replicated(run, step, rank, max(0.0, time.time() - first))
-        if held is not None and held < self.cfg.replicas:
-            log.warning("run %r step %d rank %d has %d of %d replicas: no other peer took it "
-                        "(under-replicated; retried every %g s)", run, step, rank, held, self.cfg.replicas,
-                        self.cfg.heartbeat)
-
-    def _yield(self) -> None:
-        """Wait while the daemon is busy with a step (and a moment after: the gaps between
-        a save's tensors), at most ``stall``/4."""
-        deadline = time.monotonic() + self.cfg.stall / 4
-        while time.monotonic() < deadline and not self._stop:
-            now = time.monotonic()
-            if self.busy():
-                self._busy_seen = now
-            elif now - self._busy_seen > YIELD_AFTER_S:
-                return
-            time.sleep(0.02)
-
-    def _pace(self, n: int) -> None:
-        """Hold ``n`` bytes back until ``[peer] rate`` lets them go (nothing without a rate):
-        replication's sending stays under the cap, against training's own traffic."""
-        if not self.cfg.rate:
-            return
-        now = time.monotonic()
-        self._paced_until = max(self._paced_until, now - 1.0)  # an idle second banks at most one second
-        wait = self._paced_until - now
-        if wait > 0:
-            time.sleep(wait)
-        self._paced_until += n / self.cfg.rate
-
-    def _send(self, peer: str, run: str, step: int, rank: int, manifest_json: bytes, share: "_Share") -> None:
-        link, stall = self._link(peer), self.cfg.stall
-        offer = {"op": "offer", "run": run, "step": step, "rank": rank, "manifest": manifest_json,
-                 "files": share.sizes, "keep_last": self.keep_last(run)}
-        answer, _ = link.request(offer, timeout=stall)
-        xfer = wire.field(answer, "xfer", int)
-        in_flight: deque[int] = deque()
-        for file, size in share.sizes.items():
-            for off in range(0, size, self.cfg.frame):
-                if len(in_flight) >= self.cfg.window:
-                    link.recv(in_flight.popleft(), timeout=stall)
-                self._yield()
-                data = share.read(file, off, self.cfg.frame)
-                self._pace(len(data))
-                part = {"op": "part", "xfer": xfer, "file": file, "offset": off}
-                in_flight.append(link.send(part, data, timeout=stall))
-        while in_flight:
-            link.recv(in_flight.popleft(), timeout=stall)
-        link.request({"op": "done", "xfer": xfer}, timeout=stall)
-
-    def _send_drop(self, run: str, steps: list[int]) -> None:
-        now = time.monotonic()
-        for peer in self.peers:
-            if self._down.get(peer, 0) > now:
-                continue
-            try:
-                self._link(peer).request({"op": "drop", "run": run, "steps": steps}, timeout=self.cfg.timeout)
-            except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                self._forget(peer)
-                log.debug("peer %s did not take a drop of run %r steps %s: %s", peer, run, steps, exc)
-
-
-class _Share:
-    """A committed share's data files, open for reading parts (from the page cache,
-    just after the commit); the holder checks every byte against the manifest."""
-
-    def __init__(self, path: Path, fds: dict[str, int]) -> None:
-        self.path = path
-        self.fds = fds
-        self.sizes = {f: os.fstat(fd).st_size for f, fd in fds.items()}
-
-    @classmethod
-    def open(cls, path: Path, m: Any) -> "_Share | None":
-        fds: dict[str, int] = {}
-        dir_fd = layout.open_step_dir(path)
-        try:
-            for file in sorted(set(m.files) | {t.file for t in m.tensors.values()}):
-                try:
-                    fds[file] = layout.open_regular(file, dir_fd=dir_fd)
-                except FileNotFoundError:
-                    for fd in fds.values():
-                        os.close(fd)
-                    return None
-        finally:
-            os.close(dir_fd)
-        return cls(path, fds)
-
-    def read(self, file: str, offset: int, length: int) -> bytes:
-        data = os.pread(self.fds[file], length, offset)
-        if len(data) != min(length, self.sizes[file] - offset):
-            raise CheckpointCorrupt(f"{self.path / file} shrank while being replicated")
-        return data
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+def _add_steps(batches: list[dict[str, list[int]]], run: str, steps: list[int]) -> None:
+    """Add ``steps`` of ``run`` to the last of ``batches``, starting a new batch each
+    time one reaches ``wire.MAX_STEPS_DROPPED`` steps."""
+    while steps:
+        room = wire.MAX_STEPS_DROPPED - sum(len(s) for s in batches[-1].values())
+        if room <= 0:
+            batches.append({})
+            continue
+        batches[-1].setdefault(run, []).extend(steps[:room])
+        steps = steps[room:]

@@ -173,13 +173,16 @@ class PeerServer:
             if len(shares) > wire.MAX_SHARES_ASKED:
                 raise ProtocolError(f"holds: {len(shares)} shares asked at once")
             return {"held": [self._holds(s) for s in shares]}, None
-        if op == "drop":
-            steps = wire.field(h, "steps", list)
-            if len(steps) > wire.MAX_STEPS_DROPPED:
-                raise ProtocolError(f"drop: {len(steps)} steps at once")
-            n = self.holder.drop(check_run(wire.field(h, "run", str)), [s for s in steps if isinstance(s, int)],
-                                 owner=self._writer(user, "drop"))
-            return {"dropped": n}, None
+        if op == "drop":  # {runs: {run: [step, ...]}} (batched), or {run, steps}
+            runs: dict[Any, Any] = (wire.field(h, "runs", dict) if "runs" in h
+                                    else {wire.field(h, "run", str): wire.field(h, "steps", list)})
+            if not all(isinstance(r, str) and isinstance(s, list) for r, s in runs.items()):
+                raise ProtocolError("drop: runs must map run names to lists of steps")
+            n = sum(len(s) for s in runs.values())
+            if n > wire.MAX_STEPS_DROPPED:
+                raise ProtocolError(f"drop: {n} steps at once, more than {wire.MAX_STEPS_DROPPED}")
+            wanted = {check_run(r): [s for s in steps if isinstance(s, int)] for r, steps in runs.items()}
+            return {"dropped": self.holder.drop_many(wanted, owner=self._writer(user, "drop"))}, None
         if op == "steps":
             limit = wire.field(h, "limit", int)
             if not 1 <= limit <= wire.MAX_STEPS_ANSWERED:

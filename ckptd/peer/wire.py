@@ -13,7 +13,9 @@ Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answ
   its checksum; only then does the holder serve the share.
 - ``holds`` ``{shares: [[run, step, rank], ...]}`` -> ``{held: [bool, ...]}``: which of
   these shares this daemon holds in memory (a sender's liveness check of its partners).
-- ``drop`` ``{run, steps}`` -> ``{}``: the sender's retention deleted these steps.
+- ``drop`` ``{runs: {run: [step, ...]}}`` (or one run: ``{run, steps}``) -> ``{dropped}``:
+  the sender's retention deleted these steps (a sender batches them: one message per
+  heartbeat, at most ``MAX_STEPS_DROPPED`` steps in all).
 - ``steps`` ``{run, limit, step?}`` -> ``{steps: [{step, shares: [{rank, attempt,
   world_size, where}]}], more}``: the newest ``limit`` (at most ``MAX_STEPS_ANSWERED``)
   steps of a run of which this daemon can serve a share, newest first (``step``: that
@@ -51,7 +53,7 @@ MAX_STEPS_ANSWERED = 64  # steps in one ``steps`` answer
 MAX_SHARES_ANSWERED = 4096  # shares in one ``steps`` answer
 MAX_RANKS_ASKED = 4096  # ranks in one ``manifests`` request
 MAX_SHARES_ASKED = 100_000  # shares in one ``holds``
-MAX_STEPS_DROPPED = 100_000  # steps in one ``drop``
+MAX_STEPS_DROPPED = 100_000  # steps in one ``drop``, over all its runs
 MAX_FILES_OFFERED = 100_000  # files in one ``offer``
 
 

@@ -60,7 +60,8 @@ class PeerReplica:
             self.ctx.term()
             raise
         self._curve = server_curve
-        self.replicator = Replicator(self.ctx, config.root, cfg, self.keys, keep_last, node_id)
+        self.replicator = Replicator(self.ctx, config.root, cfg, self.keys, keep_last, node_id,
+                                     direct_io=config.daemon.direct_io)
         self.cfg = cfg
 
     def start(self) -> None:
@@ -112,7 +113,12 @@ def status_lines(p: dict[str, Any]) -> list[str]:
            f"replica(s) each); {p['replicated_shares']} sent ({size(p['replicated_bytes'])}), "
            f"{p['failures']} failed, {p.get('replicas_lost', 0)} lost with their holder"]
     down = set(p.get("down", ()))
+    backoff = p.get("backoff", {})
     for peer in p.get("peers", ()):
-        state = "not answering, skipped for now" if peer in down else "up"
+        state = "up"
+        if peer in backoff:
+            b = backoff[peer]
+            state = (f"not answering ({b['failures']} time(s) in a row), skipped for {b['skipped_s']:.0f} s more"
+                     if peer in down else f"not answering ({b['failures']} time(s) in a row), tried again next")
         out.append(f"  partner {peer}: {state}; holds {p.get('holding', {}).get(peer, 0)} of this node's newest shares")
     return out

@@ -1,0 +1,188 @@
+"""The sending side of the peer tier (docs/tiers.md, "Replication"): real daemons on
+127.0.0.1 stand for nodes. A hung partner and a dead one never hold up the share's
+way to a healthy one, and are backed off; retention's drops reach only the partners
+that were sent replicas, batched."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from ckptd.config import load as load_config
+from ckptd.peer import partners
+from ckptd.peer.backoff import CAP_HEARTBEATS
+from ckptd.tiers.peer_reader import PeerTier
+from conftest import Daemon, free_port
+from test_peer import _held, _status, _status_text, _wait
+
+
+def test_a_hung_partner_and_a_dead_one_never_hold_up_the_healthy_one(tmp_path: Path) -> None:
+    """Of the three partners of the share's order, the first is SIGSTOPped (its socket
+    still accepts, nothing answers) and the second killed: each new step reaches the
+    third within a few ``timeout``s, never one ``stall`` (20 s) per share, and the two
+    are tried again only as their back-off lets them (heartbeat 0.5 s, doubling); the
+    hung one, woken, is found back by a ping."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(4)]
+    cfg = {"listen": listens[0], "peers": listens[1:], "stall": "20s", "timeout": "0.5s", "heartbeat": "0.5s",
+           "memory": "64MiB"}
+    sender = Daemon(tmp_path / "sender", tables={"peer": cfg})
+    order = partners.of(load_config(sender.config).peer, "job", 0)
+    hung, dead, healthy = (Daemon(tmp_path / f"p{i}", tables={"peer": {"listen": e, "peers": [listens[0]]}})
+                           for i, e in enumerate(order))
+    nodes = [sender, hung, dead, healthy]
+    try:
+        for n in (hung, dead, healthy, sender):
+            n.start()
+        _wait(lambda: f"peer {order[0]} answers" in sender.log_text(), "the first partner connected")
+        assert hung.pid is not None
+        os.kill(hung.pid, signal.SIGSTOP)  # connected, and silent from now on
+        dead.kill()
+        t0 = time.monotonic()
+        waits = []
+        with sender.producer("job", staging_size="8MiB") as p:
+            for step in range(1, 9):
+                began = time.monotonic()
+                p.save({"w": torch.full((65536,), float(step))}, step).wait(30)
+                _wait(lambda: _held(healthy).get((step, 0)) == "memory", f"step {step} held by the healthy partner")
+                waits.append(time.monotonic() - began)
+        # at worst both back-offs ended together: two timeouts, then the transfer
+        assert max(waits) < 10, waits
+        status = _status(sender)["peer"]
+        elapsed = time.monotonic() - t0  # the failures counted so far (pings once backed off, too)
+        assert status["under_replicated"] == 0 and status["holding"][order[2]] == 1, status
+        # each silent partner was tried (a share offered, or a ping once backed off) at most once
+        # per back-off period: heartbeat, 2x, 4x ... up to CAP_HEARTBEATS x; the n-th failure in
+        # a row comes at the earliest the sum of the n-1 skips before it after the first
+        skips = itertools.accumulate(0.5 * min(2 ** i, CAP_HEARTBEATS) for i in range(1000))
+        most = 1 + sum(1 for s in skips if s <= elapsed)
+        for peer in order[:2]:
+            tried = status["backoff"][peer]["failures"]
+            assert 1 <= tried <= most, (peer, tried, most, elapsed, status)
+        assert 2 <= status["failures"] <= sum(status["backoff"][p]["failures"] for p in order[:2]), status
+        text = _status_text(sender)
+        for peer in order[:2]:
+            assert f"partner {peer}: not answering (" in text and " time(s) in a row)" in text, text
+        assert f"partner {order[2]}: up; holds 1 of this node's newest shares" in text, text
+        # the hung partner wakes up: pinged once its back-off runs out, it is up again
+        os.kill(hung.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        _wait(lambda: order[0] not in _status(sender)["peer"]["backoff"], "the woken partner back", timeout=60)
+        assert f"partner {order[0]}: up" in _status_text(sender)
+        assert f"peer {order[0]} answers again" in sender.log_text()
+    finally:
+        if hung.alive():
+            os.kill(hung.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        for n in nodes:
+            n.cleanup()
+
+
+def test_drops_are_batched_and_go_only_to_the_partners_that_were_sent_replicas(tmp_path: Path) -> None:
+    """Two runs whose retention keeps one step, 12 saves each: their deleted steps reach
+    the holder in at most one drop message per heartbeat (2 s), and the third daemon,
+    never sent a replica, gets none; the holder forgets the replicas of deleted steps."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
+    cfg = {"listen": listens[0], "peers": listens[1:], "heartbeat": "2s", "memory": "64MiB"}
+    sender = Daemon(tmp_path / "sender", tables={"peer": cfg, "retention": {"keep_last": 1}}, metrics="127.0.0.1:0")
+    order = partners.of(load_config(sender.config).peer, "a", 0)
+    assert order == partners.of(load_config(sender.config).peer, "b", 0)  # the ring: one order per node
+    holder, bystander = (Daemon(tmp_path / f"p{i}", tables={"peer": {"listen": e, "peers": [listens[0]]}})
+                         for i, e in enumerate(order))
+    nodes = [sender, holder, bystander]
+    try:
+        for n in nodes:
+            n.start()
+        t0 = time.monotonic()
+        with sender.producer("a", staging_size="4MiB") as pa, sender.producer("b", staging_size="4MiB") as pb:
+            for step in range(1, 13):
+                for p in (pa, pb):
+                    p.save({"w": torch.full((4096,), float(step))}, step).wait(30)
+        # only the newest step of each run stays held: the one before it went by its owner's
+        # drop, not by keep_last (the holder keeps at least two steps of a rank otherwise)
+        _wait(lambda: _held_run(holder, "a") == _held_run(holder, "b") == {(12, 0): "memory"},
+              "the deleted steps dropped at the holder")
+        elapsed = time.monotonic() - t0
+        sent, held, other = _status(sender)["peer"], _status(holder)["peer"], _status(bystander)["peer"]
+        assert other["drop_requests"] == 0 and other["held_shares"] == 0, other
+        # 22 retention passes (11 per run): one message per heartbeat at most, both runs in each
+        assert 1 <= held["drop_requests"] <= math.ceil(elapsed / 2) + 1, (held, elapsed)
+        assert held["drop_requests"] < 11 and held["held_shares"] == 2, held
+        assert sent["drop_messages"] == held["drop_requests"] and sent["dropped_steps"] >= 11, sent
+        with urllib.request.urlopen(_status(sender)["metrics"], timeout=30) as page:
+            assert f"ckptd_peer_drop_messages_total {float(sent['drop_messages'])}" in page.read().decode()
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def _held_run(node: Daemon, run: str) -> dict:
+    tier = PeerTier(load_config(node.config))
+    tier.endpoints = [tier.cfg.listen]
+    return {k: c[0][1] for k, c in tier.holdings(run).items() if c[0][1] == "memory"}
+
+
+def _resident(path: Path) -> int:
+    """Bytes of ``path`` in the page cache (util-linux ``fincore``)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True, timeout=30, check=True)
+    return int(out.stdout.split()[0])
+
+
+def _direct_io_works(folder: Path) -> bool:
+    try:
+        fd = os.open(folder / "probe", os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(folder / "probe")
+    return True
+
+
+def test_replication_reads_the_files_with_o_direct_and_leaves_the_page_cache_alone(tmp_path: Path) -> None:
+    """With [daemon] direct_io (the default) a share's files are written past the page
+    cache; replication reads them back the same way, in frame-sized aligned parts: the
+    replica is held bit-exact and the files are still not in the page cache."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    sender = Daemon(tmp_path / "sender", tables={"peer": {"listen": listens[0], "peers": [listens[1]],
+                                                          "frame": "1MiB", "window": 2}})
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
+    try:
+        holder.start()
+        sender.start()
+        w = torch.randn(6 * 2**20 + 12345)  # ~24 MiB: 24 parts through 3 slots, and a short tail
+        with sender.producer("job", staging_size="64MiB") as p:
+            p.save({"w": w}, 1).wait(30)
+        _wait(lambda: _held(holder).get((1, 0)) == "memory", "held")
+        files = [f for f in (sender.root / "job" / "step-000000000001").iterdir() if f.suffix == ".safetensors"]
+        size = sum(f.stat().st_size for f in files)
+        assert size > w.nbytes, files
+        if _direct_io_works(sender.root):
+            assert sum(_resident(f) for f in files) < size // 8, [(f.name, _resident(f)) for f in files]
+        tier = PeerTier(load_config(holder.config))
+        tier.endpoints = [tier.cfg.listen]
+        endpoint, where, m = tier.holdings("job")[(1, 0)][0]
+        assert where == "memory"
+        got = tier.read_files(endpoint, m, {f.name: f.stat().st_size for f in files})
+        assert all(bytes(got[f.name]) == f.read_bytes() for f in files)  # the holder's copy, byte for byte
+    finally:
+        for n in (sender, holder):
+            n.cleanup()
+
+
+def test_a_drop_message_carries_at_most_the_bound_of_steps_over_all_its_runs() -> None:
+    from ckptd.peer import wire
+    from ckptd.peer.replicator import _add_steps
+
+    bound = wire.MAX_STEPS_DROPPED
+    batches: list[dict[str, list[int]]] = [{}]
+    _add_steps(batches, "a", list(range(bound - 2)))
+    _add_steps(batches, "b", list(range(bound + 5)))
+    assert [sum(map(len, b.values())) for b in batches] == [bound, bound, 3]
+    assert batches[0]["a"] == list(range(bound - 2)) and batches[0]["b"] == [0, 1]
+    assert sum((b.get("b", []) for b in batches), []) == list(range(bound + 5))  # each step once, in order
