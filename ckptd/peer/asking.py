@@ -1,6 +1,6 @@
 """One request to several peers at once, the answers collected within one deadline:
 the sender's liveness checks (``holds``), its batched ``drop``s and its first
-``ping``s. A peer that is down or slow costs the others nothing: it is the one
+``ping``s, and a reader's ``steps`` and ``manifests`` (``ckptd.tiers.peer_reader``). A peer that is down or slow costs the others nothing: it is the one
 left without an answer when the deadline passes."""
 
 from __future__ import annotations

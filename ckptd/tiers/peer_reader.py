@@ -42,6 +42,7 @@ from ..durable import atomic_write, replacing, write_all
 from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from ..peer import wire
+from ..peer.asking import ask_all
 from ..peer.holder import check_headers
 from ..peer.pages import Prefault
 from .local import NAME as ROOT
@@ -174,45 +175,21 @@ class PeerTier:
                 links[e] = wire.Link(self.ctx, e, keys)
             except wire.PeerRefused as exc:  # no key file for this peer in curve_peers
                 _warn_once(f"peer tier: {exc}; that peer is not asked")
-        answers: dict[str, dict[str, Any]] = {}
         try:
-            self._ask_all(links, requests, answers, now + self.cfg.timeout)
+            answers = ask_all(links, {e: requests[e] for e in links}, self.cfg.timeout)
         finally:
             for link in links.values():
                 link.close()
-        for e in links:
-            if e in answers:
-                _silent.pop(e, None)
+        for e, answer in answers.items():
+            if not isinstance(answer, wire.PeerDown):
+                _silent.pop(e, None)  # it answered, if only with an error
+                if isinstance(answer, Exception):
+                    log.info("peer tier: %s", answer)
                 continue
             back_off = min(DEAD_MAX_S, 2 * _silent[e][1] if e in _silent else DEAD_S)
             _silent[e] = (time.monotonic() + back_off, back_off)
             log.info("peer tier: %s did not answer within %g s; not asked for %g s", e, self.cfg.timeout, back_off)
-        return {e: a for e, a in answers.items() if a}
-
-    @staticmethod
-    def _ask_all(links: dict[str, wire.Link], requests: dict[str, dict[str, Any]],
-                 answers: dict[str, dict[str, Any]], deadline: float) -> None:
-        """Send each link its request as soon as it is connected and collect the answers
-        into ``answers`` until each answered or ``deadline`` passed ({} for an error)."""
-        poller = zmq.Poller()
-        by_sock = {link.sock: e for e, link in links.items()}
-        for link in links.values():
-            poller.register(link.sock, zmq.POLLOUT)
-        sent: dict[str, int] = {}
-        while len(answers) < len(links) and (left := deadline - time.monotonic()) > 0:
-            for sock, event in poller.poll(int(left * 1000) + 1):
-                e = by_sock[sock]
-                try:
-                    if event & zmq.POLLOUT and e not in sent:
-                        sent[e] = links[e].send(requests[e], timeout=0.001)
-                        poller.modify(sock, zmq.POLLIN)
-                    elif event & zmq.POLLIN:
-                        answers[e], _ = links[e].recv(sent[e], timeout=0.001)
-                        poller.unregister(sock)
-                except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                    log.info("peer tier: %s", exc)
-                    answers[e] = {}
-                    poller.unregister(sock)
+        return {e: a for e, a in answers.items() if not isinstance(a, Exception)}
 
     def summary(self, run: str, step: int | None = None) -> Summary:
         """What the peers can serve of the newest ``STEPS_ASKED`` steps of ``run`` (or of
