@@ -445,8 +445,11 @@ def test_a_lost_node_with_several_ranks_fetches_their_shares_from_several_peers(
                 assert torch.equal(ckptd.load("job", 1, rank=r)["w"], saved[r][1])  # from memory, not the root
             assert not (nodes[0].root / "job").exists()
             out = torch.empty(65536)
-            ckptd.load("job", 1, rank=2, out={"w": out})  # reads local files: the root is filled first
-            assert torch.equal(out, saved[2][1])
+            got = ckptd.load("job", 1, rank=2, out={"w": out})  # from memory straight into out
+            assert got["w"].data_ptr() == out.data_ptr() and torch.equal(out, saved[2][1])
+            assert not (nodes[0].root / "job").exists()
+            mapped = ckptd.load("job", 1, rank=2, mmap=True)  # maps local files: the root is filled first
+            assert torch.equal(mapped["w"], saved[2][1])
         sources = {line.split(" from ")[1].split()[0] for line in caplog.text.splitlines() if "fetched from" in line}
         assert len([1 for line in caplog.text.splitlines() if "fetched from" in line]) == 3, caplog.text
         # each rank from its own first partner: fanned in from every peer that the ranks' orders start with

@@ -62,7 +62,7 @@ def load(
                          "would copy every byte at once: load without mmap=True")
     path, manifests, source = find_in_tiers(run, step, root, remote, fill=False)
     whole = rank is None and manifests[0].world_size > 1 and env.rank() is None
-    if source is not None and source.fills_root and (whole or out is not None or mmap):
+    if source is not None and source.fills_root and (whole or mmap or out is not None and not source.reads_into):
         source.fill()  # these read local files: the peers' shares come into the root first
         path, manifests, source = find_in_tiers(run, manifests[0].step, root, remote)
     # one rank's share is the whole state, its tensors held in several pieces assembled
@@ -108,11 +108,14 @@ def load(
     # from the bucket unless every file it needs was written here (the node that wrote it)
     writers = {manifest.rank} | {manifest.replicas[n] for n in wanted if n in manifest.replicas}
     if source is not None and not all(own_share_here(path, manifests[r]) for r in writers):
-        if out is not None or mmap:
+        if mmap or out is not None and not source.reads_into:
             raise ValueError(f"load(out=/mmap=True) reads local files, and rank {manifest.rank}'s share of step "
                              f"{manifest.step} is only in {source.url}: load without them, or fetch it first")
-        # from that tier (the peers' memory, the bucket), what this root lacks; checksums checked
-        tensors = source.read_tensors(manifest, wanted_records, lambda recs: read_tensors(path, recs, verify=verify))
+        # from that tier (the peers' memory, the bucket), what this root lacks, into out= where
+        # given (the peers: straight from their memory); checksums checked
+        into = destinations(out, records, manifest.step) if out is not None else None
+        tensors = source.read_tensors(manifest, wanted_records,
+                                      lambda recs: read_tensors(path, recs, verify=verify, into=into), into)
     else:
         into = destinations(out, records, manifest.step) if out is not None else None
         if into is None and devicecopy.is_cuda(map_location):

@@ -38,6 +38,7 @@ from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from ..peer import wire
 from ..peer.holder import check_headers
 from ..peer.pages import Prefault
+from ..reader.files import bytes_of
 from .local import NAME as ROOT
 from .peer import NAME
 
@@ -280,9 +281,11 @@ class PeerTier:
                     os.close(fd)
         atomic_write(step_dir / layout.manifest_name(m.rank), m.to_json())
 
-    def read_records(self, endpoint: str, m: Manifest, records: dict[str, TensorRecord]) -> dict[str, Any]:
-        """Tensors of ``m``'s share read from ``endpoint`` straight into their own memory,
-        each checked against its checksum (CheckpointCorrupt if one does not match)."""
+    def read_records(self, endpoint: str, m: Manifest, records: dict[str, TensorRecord],
+                     into: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Tensors of ``m``'s share read from ``endpoint`` straight into their own memory
+        (or into ``into``'s tensors of their names: ``load(out=)``), each checked against its
+        checksum (CheckpointCorrupt if one does not match)."""
         import torch
 
         bufs = {}
@@ -292,14 +295,18 @@ class PeerTier:
             for name, rec in records.items():
                 if rec.offset is None:
                     raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
-                bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
-                view = memoryview(bufs[name].numpy())  # type: ignore[arg-type]
+                if into is not None and name in into:
+                    view = bytes_of(into[name])
+                else:
+                    bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
+                    view = memoryview(bufs[name].numpy())  # type: ignore[arg-type]
                 ranges.append((rec.file, rec.offset, view, checks.later([(name, view, rec.checksum)])))
             self._read_ranges(endpoint, m, ranges)
             checks.wait()
         finally:
             checks.close()
-        return {name: rec.as_tensor(bufs[name]) for name, rec in records.items()}
+        return {name: rec.as_tensor(bufs[name]) if name in bufs else into[name]  # type: ignore[index]
+                for name, rec in records.items()}
 
     def read_files(self, endpoint: str, m: Manifest, sizes: dict[str, int]) -> dict[str, memoryview]:
         """The files of a share, read from ``endpoint`` and checked: every tensor against
@@ -416,7 +423,8 @@ class PeerHolding:
     ``ckptd.tiers.base.Holding``."""
 
     url = "the peers' memory"
-    fills_root = True  # loads that read local files fetch the peers' shares first
+    fills_root = True  # loads that read local files (the whole state, mmap=True) fetch the peers' shares first
+    reads_into = True  # load(out=): straight from a peer's memory into the caller's tensors
 
     def __init__(self, tier: PeerTier, run: str, step: int, base: Path,
                  held: dict[tuple[int, int], list[tuple[str, str, Manifest]]], manifests: list[Manifest]) -> None:
@@ -429,10 +437,12 @@ class PeerHolding:
         self.tier.fill(self.run, self.step, self.base, self.held)
 
     def read_tensors(self, manifest: Manifest, records: dict[str, TensorRecord],
-                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]]) -> dict[str, Any]:
+                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]],
+                     into: dict[str, Any] | None = None) -> dict[str, Any]:
         """``records`` (of one rank's share, its replicated tensors included): those of
         shares in the local root through ``local``, the others from the first peer whose
-        bytes match every checksum."""
+        bytes match every checksum (into ``into``'s tensors where given: a bad copy's bytes
+        are overwritten by the next peer's)."""
         path = layout.step_dir(self.base, self.run, self.step)
         by_writer: dict[int, dict[str, TensorRecord]] = {}
         for name, rec in records.items():
@@ -445,7 +455,7 @@ class PeerHolding:
             problems = []
             for endpoint, where, m in self.held.get((self.step, writer), []):
                 try:
-                    out.update(self.tier.read_records(endpoint, m, recs))
+                    out.update(self.tier.read_records(endpoint, m, recs, into))
                     break
                 except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
                     log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
