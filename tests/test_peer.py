@@ -211,6 +211,11 @@ def test_a_damaged_replica_is_skipped_for_the_next(tmp_path, monkeypatch, caplog
             state = ckptd.load("job", 1)
         assert torch.equal(state["w"], saved[1])
         assert f"from {listens[1]} (memory) not used" in caplog.text and "does not match its checksum" in caplog.text
+        out = torch.zeros_like(saved[1])
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ckptd.peer"):  # load(out=): the bad copy's bytes overwritten
+            assert ckptd.load("job", 1, out={"w": out})["w"].data_ptr() == out.data_ptr()
+        assert torch.equal(out, saved[1]) and "does not match its checksum" in caplog.text
         assert ckptd.load("job", 1, verify=True)["step"] == 1  # what was written is the good copy
     finally:
         for n in nodes:

@@ -143,6 +143,15 @@ class Link:
                 raise ProtocolError(f"{self.endpoint}: a part of {max(n, 0)} bytes, not {len(dst)}")
             return header
 
+    def recv_bytes(self, rid: int, n: int, *, timeout: float) -> memoryview:
+        """The bytes answering request ``rid``: exactly ``n`` of them, else ProtocolError;
+        the message's own memory, writable (libzmq received it there: no copy made).
+        PeerDown and PeerRefused as ``recv``."""
+        _, frame = self.recv(rid, timeout=timeout)
+        if frame is None or len(frame) != n:
+            raise ProtocolError(f"{self.endpoint}: an answer of {0 if frame is None else len(frame)} bytes, not {n}")
+        return frame.buffer
+
     def _discard_rest(self) -> None:
         while self.sock.getsockopt(zmq.RCVMORE):
             self.sock.recv_into(bytearray())
