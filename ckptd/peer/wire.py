@@ -16,11 +16,15 @@ Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answ
 - ``drop`` ``{run, steps}`` -> ``{}``: the sender's retention deleted these steps.
 - ``list`` ``{run}`` -> ``{shares: [{step, rank, manifest, where}]}``: what this
   daemon can serve of a run, from memory (replicas) or its own disk.
-- ``read`` ``{run, step, rank, file, offset, length}`` -> ``{}`` + the bytes.
+- ``read`` ``{run, step, rank, file, offset, length}`` -> ``{}`` + the bytes: of a
+  share held in memory, any range within the file (a view of that memory, sent without
+  a copy: a plaintext reader asks for a tensor of up to 64 MiB in one message, which
+  becomes the tensor's memory on its side); of a share on disk, at most ``frame`` bytes
+  (+ 64 KiB).
 
 An answer is ``{id, ok: true, ...}`` or ``{id, ok: false, error}``. Every field is
 bounded before use: counts by the ``MAX_*`` limits below, offsets and lengths by the
-file's size and the frame size; a request that breaks a bound, or any other request
+file's size (and, read from disk, the frame size); a request that breaks a bound, or any other request
 the holder cannot handle, is answered with an error (never a dead thread).
 """
 

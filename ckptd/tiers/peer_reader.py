@@ -46,10 +46,14 @@ log = logging.getLogger("ckptd.peer")
 
 TIER = NAME
 FETCH_THREADS = 4  # shares fetched at once into the root
-# A tensor up to this size, read from a peer's memory into new memory, comes in one message
-# that becomes the tensor's own memory (no copy out of it: the bytes are moved once, by the
-# kernel). Larger ones come in ``frame``-sized parts. At 100 Mbit/s such a message takes 5 s,
-# within a default ``stall`` (10 s) that the receiver waits for it.
+# A tensor up to this size, read in plaintext from a peer's memory into new memory, comes in
+# one message that becomes the tensor's own memory (no copy out of it: the bytes are moved
+# once, by the kernel). Larger ones come in ``frame``-sized parts. At 100 Mbit/s such a
+# message takes 5 s, within a default ``stall`` (10 s) that the receiver waits for it.
+# Under CurveZMQ libzmq copies every message into buffers of its size on both ends (to
+# encrypt, to decrypt): for messages this large those are new pages each time, and 512 MiB
+# across a 10gbit link took 4.7-6.4 s against 3.6-4.6 s in 4 MiB parts (whose buffers the
+# allocator reuses), so there a share always comes in parts.
 WHOLE_MAX = 64 * 2**20
 DEAD_S = 10.0  # a peer that did not answer a list is not asked again for this long
 _silent: dict[str, float] = {}  # endpoint -> monotonic time until which it is not asked
@@ -292,7 +296,7 @@ class PeerTier:
         (or into ``into``'s tensors of their names: ``load(out=)``), each checked against its
         checksum (CheckpointCorrupt if one does not match). ``memory``: the peer holds the
         share in memory, and serves a tensor of up to ``WHOLE_MAX`` bytes in one message,
-        which becomes the tensor's memory."""
+        which becomes the tensor's memory (in plaintext)."""
         import torch
 
         bufs, ranges, fresh = {}, [], []
@@ -302,7 +306,7 @@ class PeerTier:
             spans = [(name, 0, rec.nbytes, rec.checksum)]
             if into is not None and name in into:
                 ranges.append(_Range(rec.file, rec.offset, bytes_of(into[name]), spans))
-            elif memory and 0 < rec.nbytes <= WHOLE_MAX:
+            elif memory and self.keys is None and 0 < rec.nbytes <= WHOLE_MAX:
                 ranges.append(_Range(rec.file, rec.offset, None, spans, whole=rec.nbytes))
             else:
                 bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
