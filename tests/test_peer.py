@@ -453,8 +453,12 @@ def test_a_lost_node_with_several_ranks_fetches_their_shares_from_several_peers(
             got = ckptd.load("job", 1, rank=2, out={"w": out})  # from memory straight into out
             assert got["w"].data_ptr() == out.data_ptr() and torch.equal(out, saved[2][1])
             assert not (nodes[0].root / "job").exists()
-            mapped = ckptd.load("job", 1, rank=2, mmap=True)  # maps local files: the root is filled first
+            mapped = ckptd.load("job", 1, rank=2, mmap=True)  # maps local files: that share comes in first, alone
             assert torch.equal(mapped["w"], saved[2][1])
+            step_dir = nodes[0].root / "job" / "step-000000000001"
+            assert sorted(p.name for p in step_dir.glob("manifest-*")) == ["manifest-r00002.json"]
+            whole = ckptd.load("job", 1)  # the whole state reads every share: the other two come in
+            assert torch.equal(whole["w"], saved[0][1])  # a tensor every rank saved: rank 0's
         sources = {line.split(" from ")[1].split()[0] for line in caplog.text.splitlines() if "fetched from" in line}
         assert len([1 for line in caplog.text.splitlines() if "fetched from" in line]) == 3, caplog.text
         # each rank from its own first partner: fanned in from every peer that the ranks' orders start with

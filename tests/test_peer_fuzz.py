@@ -26,7 +26,7 @@ from test_peer import _held, _save, _status, _wait
 
 FUZZ_MESSAGES = 600
 FUZZ_SECONDS = 40.0
-OPS = ["ping", "offer", "part", "done", "holds", "drop", "list", "read", "nonsense", None]
+OPS = ["ping", "offer", "part", "done", "holds", "drop", "steps", "manifests", "read", "nonsense", None]
 EXTREME_INTS = [0, 1, -1, 2**31, 2**62, 2**63 - 1, 2**64 - 1, -2**63]
 
 
@@ -72,7 +72,7 @@ def _request(rng: random.Random, i: int) -> list[bytes]:
     if rng.random() < 0.25:  # garbage frames
         return [rng.randbytes(rng.randrange(0, 200)) for _ in range(rng.randrange(1, 4))]
     fields = ["run", "step", "rank", "file", "offset", "length", "xfer", "files", "manifest", "keep_last",
-              "shares", "steps"]
+              "shares", "steps", "limit", "ranks"]
     header = {"op": rng.choice(OPS), "id": i}
     for name in rng.sample(fields, rng.randrange(len(fields))):
         header[name] = _value(rng)

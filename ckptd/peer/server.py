@@ -17,6 +17,7 @@ import zmq
 from .. import index, layout
 from ..daemon import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
+from ..manifest import Manifest
 from ..names import check_run
 from . import supervise, wire
 from .holder import Full, Holder, NotYours
@@ -47,6 +48,8 @@ class PeerServer:
         self.max_read = max_frame
         self._logged: dict[str, float] = {}  # unexpected failures -> when last logged
         self._muted: set[int] = set()  # transfers a failpoint stopped answering (tests)
+        self.served: dict[str, list[int]] = {}  # op -> [requests answered, bytes sent]
+        self._disk: dict[Path, tuple[tuple[int, int, int], Manifest | None]] = {}  # own shares, by manifest file
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-serve", daemon=True)
 
@@ -73,7 +76,9 @@ class PeerServer:
                 answer, payload = self._answer(rest)
             except _NoAnswer:
                 continue
+            op = answer.pop(_OP, None)
             frames_out = [ident, wire.pack(answer)] + ([payload] if payload is not None else [])
+            self._count(op, sum(len(f) for f in frames_out[1:]))
             try:
                 self.sock.send_multipart(frames_out, copy=payload is None, flags=zmq.NOBLOCK)
             except (zmq.Again, zmq.ZMQError) as exc:  # the asker is gone, or has a backlog
@@ -98,9 +103,22 @@ class PeerServer:
             if self._log_now(type(exc).__name__):
                 log.exception("peer request %r failed", header.get("op"))
         answer.setdefault("ok", True)
+        answer[_OP] = header.get("op")
         rid = header.get("id")
         answer["id"] = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
         return answer, payload
+
+    def _count(self, op: Any, nbytes: int) -> None:
+        """Requests answered and bytes sent, by op (``served`` in ``ckptd status --json``):
+        what readers and senders cost this node."""
+        op = op if isinstance(op, str) and op in _COUNTED else "other"
+        counts = self.served.setdefault(op, [0, 0])
+        counts[0] += 1
+        counts[1] += nbytes
+
+    def figures(self) -> dict[str, Any]:
+        served = {op: {"requests": n, "bytes": b} for op, (n, b) in list(self.served.items())}
+        return {"served": served, "served_bytes": sum(v["bytes"] for v in served.values())}
 
     def _log_now(self, what: str) -> bool:
         now = time.monotonic()
@@ -162,8 +180,20 @@ class PeerServer:
             n = self.holder.drop(check_run(wire.field(h, "run", str)), [s for s in steps if isinstance(s, int)],
                                  owner=self._writer(user, "drop"))
             return {"dropped": n}, None
-        if op == "list":
-            return {"shares": self._list(check_run(wire.field(h, "run", str)))}, None
+        if op == "steps":
+            limit = wire.field(h, "limit", int)
+            if not 1 <= limit <= wire.MAX_STEPS_ANSWERED:
+                raise ProtocolError(f"steps: limit {limit} is not within 1 to {wire.MAX_STEPS_ANSWERED}")
+            only = h.get("step")
+            if only is not None:
+                only = wire.field(h, "step", int)
+            return self._steps(check_run(wire.field(h, "run", str)), limit, only), None
+        if op == "manifests":
+            ranks = wire.field(h, "ranks", list)
+            if len(ranks) > wire.MAX_RANKS_ASKED or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                              for r in ranks):
+                raise ProtocolError(f"manifests: ranks must be at most {wire.MAX_RANKS_ASKED} integers")
+            return self._manifests(check_run(wire.field(h, "run", str)), wire.field(h, "step", int), ranks), None
         if op == "read":
             return {}, self._read(h)
         raise ProtocolError(f"unknown peer request {str(op)[:64]!r}")
@@ -175,22 +205,83 @@ class PeerServer:
             raise ProtocolError(f"holds: {share!r} is not [run, step, rank]")
         return self.holder.get((share[0], share[1], share[2])) is not None
 
-    def _list(self, run: str) -> list[dict[str, Any]]:
-        out = [{"step": r.manifest.step, "rank": r.manifest.rank, "manifest": r.manifest_json, "where": "memory"}
-               for r in self.holder.shares(run)]
-        seen = {(s["step"], s["rank"]) for s in out}
-        for step, path in index.step_dirs(self.root / run) if (self.root / run).is_dir() else []:
-            for rank in _manifest_ranks(path):
-                if (step, rank) in seen:
-                    continue
-                try:
-                    m = index.read_share(path, rank)
-                except (CheckpointCorrupt, OSError):
-                    continue
-                if m is not None and m.step == step and m.run == run:
-                    data = layout.read_small(path / layout.manifest_name(rank), 64 * 2**20)
-                    out.append({"step": step, "rank": rank, "manifest": data, "where": "disk"})
-        return out
+    def _steps(self, run: str, limit: int, only: int | None) -> dict[str, Any]:
+        """The newest ``limit`` steps of ``run`` of which this daemon can serve a share
+        (``only``: that step alone), newest first: for each, the shares' rank, attempt,
+        world size and where (memory: a replica; disk: this node's own root), memory
+        first. At most ``MAX_SHARES_ANSWERED`` shares; ``more``: steps were left out."""
+        held: dict[int, dict[int, dict[str, Any]]] = {}
+        for r in self.holder.shares(run):
+            m = r.manifest
+            if only is None or m.step == only:
+                held.setdefault(m.step, {})[m.rank] = _summary(m, "memory")
+        run_dir = self.root / run
+        on_disk = [(s, p) for s, p in (index.step_dirs(run_dir) if run_dir.is_dir() else []) if only in (None, s)]
+        steps = sorted(set(held) | {s for s, _ in on_disk}, reverse=True)
+        paths = dict(on_disk)
+        out: list[dict[str, Any]] = []
+        count = 0
+        for step in steps:
+            if len(out) == limit:
+                return {"steps": out, "more": True}
+            shares = held.get(step, {})
+            if step in paths:
+                for rank in _manifest_ranks(paths[step]):
+                    if rank not in shares and (own := self._disk_share(paths[step], run, step, rank)) is not None:
+                        shares[rank] = _summary(own, "disk")
+            if not shares:
+                continue
+            if count + len(shares) > wire.MAX_SHARES_ANSWERED:
+                return {"steps": out, "more": True}
+            count += len(shares)
+            out.append({"step": step, "shares": [shares[r] for r in sorted(shares)]})
+        return {"steps": out, "more": False}
+
+    def _manifests(self, run: str, step: int, ranks: list[int]) -> dict[str, Any]:
+        """The manifests of those of ``ranks``' shares of ``step`` this daemon can serve,
+        from memory before disk; ``left``: ranks it holds but left out of this answer to
+        keep it under ``MAX_MANIFEST_BYTES`` (ask again for them)."""
+        out: list[dict[str, Any]] = []
+        left: list[int] = []
+        total = 0
+        path = layout.step_dir(self.root, run, step)
+        for rank in dict.fromkeys(ranks):
+            replica = self.holder.get((run, step, rank))
+            if replica is not None:
+                data, where = replica.manifest_json, "memory"
+            elif self._disk_share(path, run, step, rank) is not None:
+                data, where = layout.read_small(path / layout.manifest_name(rank), wire.MAX_HEADER_BYTES - 2**20), "disk"
+            else:
+                continue
+            if out and total + len(data) > wire.MAX_MANIFEST_BYTES:
+                left.append(rank)
+                continue
+            total += len(data)
+            out.append({"rank": rank, "where": where, "manifest": data})
+        return {"manifests": out, "left": left}
+
+    def _disk_share(self, path: Path, run: str, step: int, rank: int) -> Manifest | None:
+        """This node's own committed share, read once per version of its manifest file."""
+        name = path / layout.manifest_name(rank)
+        try:
+            st = os.stat(name, follow_symlinks=False)
+        except OSError:
+            return None
+        ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._disk.get(name)
+        if cached is not None and cached[0] == ident:
+            return cached[1]
+        m: Manifest | None = None
+        try:
+            m = index.read_share(path, rank)
+        except (CheckpointCorrupt, OSError):
+            pass
+        if m is not None and (m.run, m.step) != (run, step):
+            m = None
+        if len(self._disk) >= 4096:  # a bounded cache: the steps a reader asks are the newest
+            self._disk.clear()
+        self._disk[name] = (ident, m)
+        return m
 
     def _read(self, h: dict[str, Any]) -> Any:
         run = check_run(wire.field(h, "run", str))
@@ -231,6 +322,10 @@ class PeerServer:
             os.close(fd)
 
 
+_OP = "\x00op"  # the op an answer is to, for the counts; taken out before it is sent
+_COUNTED = frozenset({"ping", "offer", "part", "done", "holds", "drop", "steps", "manifests", "read"})
+
+
 class _NoAnswer(Exception):
     pass
 
@@ -238,6 +333,10 @@ class _NoAnswer(Exception):
 def _within(file: str, offset: int, length: int, size: int) -> None:
     if offset + length > size:
         raise ProtocolError(f"read: {length} bytes at {offset} lie beyond the end of {file} ({size} bytes)")
+
+
+def _summary(m: Manifest, where: str) -> dict[str, Any]:
+    return {"rank": m.rank, "attempt": m.attempt, "world_size": m.world_size, "where": where}
 
 
 def _user(frame: Any) -> str | None:

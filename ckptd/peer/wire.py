@@ -14,8 +14,18 @@ Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answ
 - ``holds`` ``{shares: [[run, step, rank], ...]}`` -> ``{held: [bool, ...]}``: which of
   these shares this daemon holds in memory (a sender's liveness check of its partners).
 - ``drop`` ``{run, steps}`` -> ``{}``: the sender's retention deleted these steps.
-- ``list`` ``{run}`` -> ``{shares: [{step, rank, manifest, where}]}``: what this
-  daemon can serve of a run, from memory (replicas) or its own disk.
+- ``steps`` ``{run, limit, step?}`` -> ``{steps: [{step, shares: [{rank, attempt,
+  world_size, where}]}], more}``: the newest ``limit`` (at most ``MAX_STEPS_ANSWERED``)
+  steps of a run of which this daemon can serve a share, newest first (``step``: that
+  step alone), each share ``where`` it is: ``memory`` (a replica) or ``disk`` (its own
+  root), one entry a rank, memory first; at most ``MAX_SHARES_ANSWERED`` shares in all;
+  ``more``: older steps were left out. No manifest: a reader learns which step is
+  complete across the peers from these, then asks for the manifests it lacks.
+- ``manifests`` ``{run, step, ranks}`` -> ``{manifests: [{rank, where, manifest}],
+  left}``: the manifests of those of ``ranks`` (at most ``MAX_RANKS_ASKED``) whose
+  shares of ``step`` this daemon can serve, memory before disk; ranks it does not hold
+  are left out; ``left``: ranks it holds but left out to keep the manifests of one
+  answer under ``MAX_MANIFEST_BYTES`` (ask again for them).
 - ``read`` ``{run, step, rank, file, offset, length}`` -> ``{}`` + the bytes: of a
   share held in memory, any range within the file (a view of that memory, sent without
   a copy: a plaintext reader asks for a tensor of up to 64 MiB in one message, which
@@ -39,7 +49,11 @@ import zmq
 
 from ..errors import ConfigError, PeerDown, PeerRefused, ProtocolError  # PeerDown, PeerRefused: re-exported
 
-MAX_HEADER_BYTES = 64 * 2**20  # a list answer carries manifests
+MAX_HEADER_BYTES = 64 * 2**20  # a ``manifests`` answer carries manifests
+MAX_MANIFEST_BYTES = 48 * 2**20  # manifests in one ``manifests`` answer (one larger one is answered alone)
+MAX_STEPS_ANSWERED = 64  # steps in one ``steps`` answer
+MAX_SHARES_ANSWERED = 4096  # shares in one ``steps`` answer
+MAX_RANKS_ASKED = 4096  # ranks in one ``manifests`` request
 MAX_SHARES_ASKED = 100_000  # shares in one ``holds``
 MAX_STEPS_DROPPED = 100_000  # steps in one ``drop``
 MAX_FILES_OFFERED = 100_000  # files in one ``offer``

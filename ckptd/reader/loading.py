@@ -62,9 +62,9 @@ def load(
                          "would copy every byte at once: load without mmap=True")
     path, manifests, source = find_in_tiers(run, step, root, remote, fill=False)
     whole = rank is None and manifests[0].world_size > 1 and env.rank() is None
-    if source is not None and source.fills_root and (whole or mmap or out is not None and not source.reads_into):
-        source.fill()  # these read local files: the peers' shares come into the root first
-        path, manifests, source = find_in_tiers(run, manifests[0].step, root, remote)
+    if source is not None and source.fills_root and whole:
+        source.fill()  # the whole state reads local files: the peers' shares come into the root first
+        source = None
     # one rank's share is the whole state, its tensors held in several pieces assembled
     whole = whole or (manifests[0].world_size == 1 and rank in (None, 0) and out is None and not mmap
                       and source is None
@@ -107,6 +107,8 @@ def load(
     wanted_records = {n: records[n] for n in wanted}
     # from the bucket unless every file it needs was written here (the node that wrote it)
     writers = {manifest.rank} | {manifest.replicas[n] for n in wanted if n in manifest.replicas}
+    if source is not None and source.fills_root and (mmap or out is not None and not source.reads_into):
+        source.fill(writers)  # these read local files: the shares they read come into the root first
     if source is not None and not all(own_share_here(path, manifests[r]) for r in writers):
         if mmap or out is not None and not source.reads_into:
             raise ValueError(f"load(out=/mmap=True) reads local files, and rank {manifest.rank}'s share of step "

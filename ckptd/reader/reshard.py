@@ -93,7 +93,7 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     targets, and only those, are fetched into the local root first (checksums
     checked), then read as a local step is.
     """
-    path, manifests, source = find_in_tiers(run, step, root, remote)
+    path, manifests, source = find_in_tiers(run, step, root, remote, fill=False)
     rank = env.group_rank()  # per-rank values stored whole: this rank's own copy is preferred
     pieces = pieces_of(manifests)
     saved = _saved_structure(path, manifests, rank)

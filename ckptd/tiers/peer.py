@@ -101,7 +101,7 @@ class PeerReplica:
 
     def figures(self) -> dict[str, Any]:
         return {"listen": self.cfg.listen, "replicas": self.cfg.replicas, **self.holder.figures(),
-                **self.replicator.figures()}
+                **self.replicator.figures(), **self.server.figures()}
 
 
 def status_lines(p: dict[str, Any]) -> list[str]:

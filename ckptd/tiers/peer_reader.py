@@ -5,27 +5,33 @@ lacks into it.
 
 With a ``[peer]`` table in the config found by the usual rule, ``ckptd.latest``
 counts a step complete when every rank's share is in the local root or with some
-peer, and ``ckptd.load`` / ``load_into`` first fill the local root with the
-shares of the step it lacks: each from the first peer whose copy verifies (every
-tensor against the manifest's checksum; a bad copy is logged and the next peer
-asked), written through the durable path (data files fsynced, manifest last), so
-that the local rules hold for it as for a share the daemon wrote. Peers are asked
-all at once and given ``[peer] timeout``, together, to answer a list; one that does
-not is skipped, and not asked again for ``DEAD_S`` seconds (a dead node costs a
-recovery that long, once, whatever the number of dead nodes).
+peer, and ``ckptd.load`` / ``load_into`` first fill the local root with the shares
+they read that it lacks: each from the first peer whose copy verifies (every tensor
+against the manifest's checksum; a bad copy is logged and the next peer asked),
+written through the durable path (data files fsynced, manifest last), so that the
+local rules hold for it as for a share the daemon wrote, and once a node (a lock a
+share). A reader asks each peer a small summary (``steps``), then the manifests it
+lacks of the step it picked, one holder a rank (``manifests``: docs/tiers.md,
+"Recovery"). Peers are asked all at once and given ``[peer] timeout``, together, to
+answer; one that does not is skipped, and not asked again for ``DEAD_S`` seconds,
+doubled while it stays silent (a dead node costs a reader ``timeout`` once, whatever
+the number of dead nodes).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import zmq
 
@@ -55,25 +61,54 @@ FETCH_THREADS = 4  # shares fetched at once into the root
 # across a 10gbit link took 4.7-6.4 s against 3.6-4.6 s in 4 MiB parts (whose buffers the
 # allocator reuses), so there a share always comes in parts.
 WHOLE_MAX = 64 * 2**20
-DEAD_S = 10.0  # a peer that did not answer a list is not asked again for this long
-_silent: dict[str, float] = {}  # endpoint -> monotonic time until which it is not asked
+STEPS_ASKED = 16  # newest steps each peer is asked about for ``latest`` (wire.MAX_STEPS_ANSWERED at most)
+DEAD_S = 10.0  # a peer that did not answer is not asked again for this long, doubled while it stays silent
+DEAD_MAX_S = 160.0  # ... up to this
+LEARNT_S = 10.0  # what ``latest`` learnt of its step serves a ``find`` of that step this long
+LOCK_WAIT_S = 600.0  # another process fetching the same share is waited for this long at most
+_silent: dict[str, tuple[float, float]] = {}  # endpoint -> (monotonic time until which it is not asked, back-off)
+_warned: set[str] = set()  # warnings already logged by this process
+_learnt: dict[tuple[Any, ...], tuple[float, "Held"]] = {}  # (endpoints, base, run, step) -> (until, held)
+
+Copy = tuple[str, str, Manifest]  # (endpoint, "memory" or "disk", the share's manifest)
+Held = dict[tuple[int, int], list[Copy]]  # (step, rank) -> the peers that can serve it, memory first
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A share a peer says (``steps``) it can serve; its manifest is asked only if needed."""
+
+    endpoint: str
+    where: str  # "memory" or "disk"
+    attempt: str | None
+    world_size: int
+
+
+Summary = dict[int, dict[int, list[Seen]]]  # step -> rank -> the peers that can serve it, memory first
 
 
 def reader_keys(config: Config) -> Any:
-    """A reader's CurveZMQ keys for the peers: ``[producer]`` keys where set, else the
-    daemon's own key pair where this process can read it, else none (plain TCP)."""
+    """A reader's CurveZMQ keys for the peers. With ``[peer] curve_peers`` (one key pair
+    per node), this node's daemon key pair, dialing each peer with the key named for its
+    endpoint: the peer port admits only the nodes' keys, never a producer's. Else (the
+    nodes share one key pair) the ``[producer]`` keys where set, else the shared daemon
+    key pair; none for plain TCP. ConfigError naming the key file this process cannot
+    read, and what to do."""
     p, d = config.producer, config.daemon
-    if p.curve_server_key and p.curve_secret_key:
-        return client_keys(config.peer.listen, config)
-    if d.curve_secret_key:
+    if config.peer.curve_peers or not (p.curve_server_key and p.curve_secret_key):
+        if not d.curve_secret_key:
+            return None
         from ..peer.keys import daemon_curve
 
         try:
             return daemon_curve(config)[1]
         except ConfigError as exc:
-            raise ConfigError(f"cannot reach the peer tier with CurveZMQ: {exc}; set [producer] curve_server_key "
-                              "and curve_secret_key") from None
-    return None
+            raise ConfigError(
+                f"cannot reach the peer tier with CurveZMQ: {exc}. A reader presents this node's daemon key "
+                f"pair ([daemon] curve_secret_key {config.resolve_path(d.curve_secret_key)}): run it as the "
+                "daemon's user, or make the key readable by the training processes' group (chgrp GROUP FILE; "
+                "chmod 640 FILE; docs/security.md)") from None
+    return client_keys(config.peer.listen, config)
 
 
 class PeerTier:
@@ -117,61 +152,58 @@ class PeerTier:
                  world_size: int | None) -> tuple[CheckpointInfo | None, Callable[[float], str]]:
         """For ``wait_complete(tier="peer")``: every rank's share in some peer's memory
         (the local root and the peers' disks do not count)."""
-        held = {k: [c for c in v if c[1] == "memory"] for k, v in self.holdings(run).items()}
-        info = self.step_info(run, step, Path("/nonexistent"), {k: v for k, v in held.items() if v})
-        have = sorted(r for (s, r), v in held.items() if s == step and v)
+        nowhere = Path("/nonexistent")
+        seen = self.summary(run, step).get(step, {})
+        memory = {r: m for r, copies in seen.items() if (m := [c for c in copies if c.where == "memory"])}
+        info = self.step_info(run, step, nowhere, self.resolve(run, step, nowhere, memory))
+        have = sorted(memory)
         return info, lambda timeout: (
             f"step {step} of run {run!r} has no replica in a peer's memory for every rank after {timeout:g} s: "
             f"rank(s) {have or 'none'} have one (see `ckptd status`: peer.under_replicated, peer.down)")
 
-    # -- what the peers hold ---------------------------------------------------------------
-    def holdings(self, run: str) -> dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]]:
-        """(step, rank) -> [(endpoint, "memory" or "disk", manifest)], memory first.
-
-        Every endpoint is asked at once, with one deadline (``timeout``) for all of
-        them; one that does not answer is not asked again for ``DEAD_S`` seconds (a
-        reader calls this for ``latest`` and again for ``load``: a dead node costs the
-        first call ``timeout``, no more)."""
+    # -- asking the peers -------------------------------------------------------------------
+    def _ask(self, requests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Send each endpoint its request, all at once, and collect the answers with one
+        deadline (``timeout``) for all. A peer that does not answer is not asked again
+        for ``DEAD_S`` seconds, doubled each time it stays silent (up to ``DEAD_MAX_S``),
+        reset once it answers: a dead node costs a reader ``timeout`` once, then
+        rarely. A process that cannot read its keys asks nobody (one WARNING)."""
+        try:
+            keys = self.keys
+        except ConfigError as exc:  # ``latest`` still answers from the local root (and the bucket)
+            _warn_once(f"peer tier: not asked, it holds nothing for this process: {exc}")
+            return {}
         now = time.monotonic()
-        ask = [e for e in self.endpoints if _silent.get(e, 0) <= now]
-        for e in self.endpoints:
-            if e not in ask:
-                log.info("peer tier: %s not asked: it did not answer %.0f s ago", e, now - _silent[e] + DEAD_S)
-        links = {e: wire.Link(self.ctx, e, self.keys) for e in ask}
+        links: dict[str, wire.Link] = {}
+        for e in requests:
+            until, back_off = _silent.get(e, (0.0, 0.0))
+            if until > now:
+                log.info("peer tier: %s not asked: it did not answer %.0f s ago", e, now - until + back_off)
+                continue
+            try:
+                links[e] = wire.Link(self.ctx, e, keys)
+            except wire.PeerRefused as exc:  # no key file for this peer in curve_peers
+                _warn_once(f"peer tier: {exc}; that peer is not asked")
         answers: dict[str, dict[str, Any]] = {}
         try:
-            self._ask_all(links, {"op": "list", "run": run}, answers, now + self.cfg.timeout)
+            self._ask_all(links, requests, answers, now + self.cfg.timeout)
         finally:
             for link in links.values():
                 link.close()
-        out: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]] = {}
-        for e in ask:
-            if e not in answers:
-                _silent[e] = time.monotonic() + DEAD_S
-                log.info("peer tier: %s did not answer within %g s; not asked for %g s", e, self.cfg.timeout, DEAD_S)
+        for e in links:
+            if e in answers:
+                _silent.pop(e, None)
                 continue
-            try:
-                shares = wire.field(answers[e], "shares", list)
-            except ProtocolError as exc:
-                log.info("peer tier: %s", exc)
-                continue
-            for s in shares:
-                try:
-                    m = Manifest.from_json(wire.field(s, "manifest", bytes), f"a manifest from {e}")
-                except (CheckpointCorrupt, ProtocolError) as exc:
-                    log.warning("peer tier: %s", exc)
-                    continue
-                if m.run == run and (m.step, m.rank) == (s.get("step"), s.get("rank")):
-                    out.setdefault((m.step, m.rank), []).append((e, str(s.get("where")), m))
-        for copies in out.values():
-            copies.sort(key=lambda c: c[1] != "memory")
-        return out
+            back_off = min(DEAD_MAX_S, 2 * _silent[e][1] if e in _silent else DEAD_S)
+            _silent[e] = (time.monotonic() + back_off, back_off)
+            log.info("peer tier: %s did not answer within %g s; not asked for %g s", e, self.cfg.timeout, back_off)
+        return {e: a for e, a in answers.items() if a}
 
     @staticmethod
-    def _ask_all(links: dict[str, wire.Link], request: dict[str, Any], answers: dict[str, dict[str, Any]],
-                 deadline: float) -> None:
-        """Send ``request`` to every link as soon as it is connected and collect the
-        answers into ``answers`` until each answered or ``deadline`` passed."""
+    def _ask_all(links: dict[str, wire.Link], requests: dict[str, dict[str, Any]],
+                 answers: dict[str, dict[str, Any]], deadline: float) -> None:
+        """Send each link its request as soon as it is connected and collect the answers
+        into ``answers`` until each answered or ``deadline`` passed ({} for an error)."""
         poller = zmq.Poller()
         by_sock = {link.sock: e for e, link in links.items()}
         for link in links.values():
@@ -182,7 +214,7 @@ class PeerTier:
                 e = by_sock[sock]
                 try:
                     if event & zmq.POLLOUT and e not in sent:
-                        sent[e] = links[e].send(request, timeout=0.001)
+                        sent[e] = links[e].send(requests[e], timeout=0.001)
                         poller.modify(sock, zmq.POLLIN)
                     elif event & zmq.POLLIN:
                         answers[e], _ = links[e].recv(sent[e], timeout=0.001)
@@ -192,22 +224,159 @@ class PeerTier:
                     answers[e] = {}
                     poller.unregister(sock)
 
-    def latest(self, run: str, base: Path | None = None,
-               held: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]] | None = None) -> CheckpointInfo | None:
-        """The newest step whose every rank's share is in the local root or with a peer."""
+    def summary(self, run: str, step: int | None = None) -> Summary:
+        """What the peers can serve of the newest ``STEPS_ASKED`` steps of ``run`` (or of
+        ``step`` alone), from one small ``steps`` answer each: no manifest."""
+        request: dict[str, Any] = {"op": "steps", "run": run, "limit": STEPS_ASKED if step is None else 1}
+        if step is not None:
+            request["step"] = step
+        out: Summary = {}
+        for e, answer in self._ask({e: request for e in self.endpoints}).items():
+            try:
+                for entry in _maps(wire.field(answer, "steps", list), "steps"):
+                    s = wire.field(entry, "step", int)
+                    for share in _maps(wire.field(entry, "shares", list), "shares"):
+                        rank, world = wire.field(share, "rank", int), wire.field(share, "world_size", int)
+                        attempt = share.get("attempt")
+                        if step not in (None, s) or rank >= world or not isinstance(attempt, (str, type(None))):
+                            raise ProtocolError(f"steps: share {share!r} of step {s} does not fit")
+                        seen = Seen(e, str(share.get("where")), attempt, world)
+                        out.setdefault(s, {}).setdefault(rank, []).append(seen)
+            except ProtocolError as exc:
+                log.warning("peer tier: %s answered a bad list of steps, not used: %s", e, exc)
+                out = {s: {r: [c for c in v if c.endpoint != e] for r, v in ranks.items()} for s, ranks in out.items()}
+        order = {e: i for i, e in enumerate(self.endpoints)}  # after memory, as configured: not as they answered
+        for ranks in out.values():
+            for copies in ranks.values():
+                copies.sort(key=lambda c: (c.where != "memory", order[c.endpoint]))
+        return out
+
+    def _manifests(self, run: str, step: int, holders: dict[int, builtins.list[Seen]]) -> dict[int, builtins.list[Copy]]:
+        """The manifest of each rank in ``holders``, asked of one holder a rank (the
+        first, memory first; the next where that one fails), each checked to be the
+        share the holder listed (run, step, rank, attempt, world size). rank -> the
+        holders that agree, each with that manifest (their copies are the same share)."""
+        got: dict[int, builtins.list[Copy]] = {}
+        tried = dict.fromkeys(holders, 0)
+        for _ in range(wire.MAX_STEPS_ANSWERED):  # rounds: a holder that keeps answering ``left`` ends too
+            asked: dict[str, builtins.list[int]] = {}
+            for r, hs in holders.items():
+                if r not in got and tried[r] < len(hs):
+                    asked.setdefault(hs[tried[r]].endpoint, []).append(r)
+            if not asked:
+                break
+            answers = self._ask({e: {"op": "manifests", "run": run, "step": step, "ranks": ranks}
+                                 for e, ranks in asked.items()})
+            for e, ranks in asked.items():
+                left = self._take(run, step, e, answers.get(e), {r: holders[r][tried[r]:] for r in ranks}, got)
+                for r in ranks:
+                    if r not in got and r not in left:
+                        tried[r] += 1
+        return got
+
+    @staticmethod
+    def _take(run: str, step: int, e: str, answer: dict[str, Any] | None, asked: dict[int, builtins.list[Seen]],
+              got: dict[int, builtins.list[Copy]]) -> set[int]:
+        """The manifests of one ``manifests`` answer into ``got`` (``asked``: rank -> the
+        holders not yet tried, ``e`` first); the ranks it left out for its size (to be
+        asked again)."""
+        if answer is None:
+            return set()
+        try:
+            entries = _maps(wire.field(answer, "manifests", list), "manifests")
+            left = wire.field(answer, "left", list)
+        except ProtocolError as exc:
+            log.warning("peer tier: %s: %s", e, exc)
+            return set()
+        for entry in entries:
+            rank = entry.get("rank")
+            if not isinstance(rank, int) or rank not in asked or rank in got:
+                continue
+            seen, rest = asked[rank][0], asked[rank][1:]
+            try:
+                m = Manifest.from_json(wire.field(entry, "manifest", bytes), f"a manifest from {e}")
+            except (CheckpointCorrupt, ProtocolError) as exc:
+                log.warning("peer tier: %s", exc)
+                continue
+            if (m.run, m.step, m.rank, m.attempt, m.world_size) != (run, step, rank, seen.attempt, seen.world_size):
+                log.warning("peer tier: %s sent a manifest of run %r step %d rank %d attempt %r of %d ranks for "
+                            "the share it listed as run %r step %d rank %d attempt %r of %d; not used", e, m.run,
+                            m.step, m.rank, m.attempt, m.world_size, run, step, rank, seen.attempt, seen.world_size)
+                continue
+            got[rank] = [(c.endpoint, c.where, m) for c in [seen, *rest]]  # one attempt, world size: one share
+        return {r for r in left if isinstance(r, int)}
+
+    # -- what the peers hold ---------------------------------------------------------------
+    def resolve(self, run: str, step: int, path: Path, seen: dict[int, builtins.list[Seen]]) -> Held:
+        """The copies of ``step``'s shares that ``path`` (the step's local folder) lacks,
+        if the peers can complete it: each rank's manifest asked of one holder. The
+        shares must be of one attempt and world size, and where the local root holds
+        some of the step, of that attempt too. {} when the peers cannot complete it
+        (then no manifest is asked)."""
+        local = {r: m for r in _ranks(path) if (m := _read_share(path, r)) is not None}
+        if local:
+            first = next(iter(local.values()))
+            groups = [(first.attempt, first.world_size)]
+        else:  # the attempt most ranks are held of first
+            count: dict[tuple[str | None, int], int] = {}
+            for copies in seen.values():
+                for key in {(c.attempt, c.world_size) for c in copies}:
+                    count[key] = count.get(key, 0) + 1
+            groups = sorted(count, key=lambda k: -count[k])
+        for attempt, world in groups:
+            need = [r for r in range(world) if not (r in local and (local[r].attempt, local[r].world_size)
+                                                    == (attempt, world))]
+            holders = {r: [c for c in seen.get(r, []) if (c.attempt, c.world_size) == (attempt, world)] for r in need}
+            if not all(holders.values()):
+                continue
+            got = self._manifests(run, step, holders)
+            if len(got) == len(need):
+                return {(step, r): copies for r, copies in got.items()}
+        return {}
+
+    def holdings(self, run: str) -> Held:
+        """(step, rank) -> [(endpoint, "memory" or "disk", manifest)], memory first, for
+        the newest steps the peers list (``ckptd status`` and tests: a reader asks
+        only for the step it needs, ``latest``/``find``)."""
+        out: Held = {}
+        for step, seen in self.summary(run).items():
+            for rank, copies in self._manifests(run, step, seen).items():
+                out[(step, rank)] = copies
+        return out
+
+    def latest(self, run: str, base: Path | None = None) -> CheckpointInfo | None:
+        """The newest step whose every rank's share is in the local root or with a peer:
+        one ``steps`` answer from each peer, then the manifests of the candidate's ranks
+        the root lacks, from one holder each; a ``find`` of it that follows uses them."""
         base = self._base() if base is None else base
-        held = self.holdings(run) if held is None else held
+        seen = self.summary(run)
         run_dir = base / run
-        local_steps = dict(index.step_dirs(run_dir)) if run_dir.is_dir() else {}
-        for step in sorted({s for s, _ in held} | set(local_steps), reverse=True):
+        local_steps = {s for s, _ in index.step_dirs(run_dir)} if run_dir.is_dir() else set()
+        for step in sorted(set(seen) | local_steps, reverse=True):
             path = layout.step_dir(base, run, step)
+            held = self.resolve(run, step, path, seen.get(step, {}))
             info = self.step_info(run, step, path, held)
             if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
+                now = time.monotonic()
+                for key in [k for k, (until, _) in _learnt.items() if until <= now]:  # a latest no find followed
+                    del _learnt[key]
+                _learnt[self._key(base, run, step)] = (now + LEARNT_S, held)
                 return info
         return None
 
-    def step_info(self, run: str, step: int, path: Path,
-                  held: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]]) -> CheckpointInfo | None:
+    def _key(self, base: Path, run: str, step: int) -> tuple[Any, ...]:
+        return tuple(self.endpoints), str(base), run, step
+
+    def held(self, run: str, step: int, base: Path) -> Held:
+        """The copies of ``step``'s shares the root at ``base`` lacks: what ``latest``
+        learnt of it a moment ago, else asked of the peers for that step alone."""
+        learnt = _learnt.pop(self._key(base, run, step), None)
+        if learnt is not None and learnt[0] > time.monotonic():
+            return learnt[1]
+        path = layout.step_dir(base, run, step)
+        return self.resolve(run, step, path, self.summary(run, step).get(step, {}))
+
+    def step_info(self, run: str, step: int, path: Path, held: Held) -> CheckpointInfo | None:
         manifests, tiers = [], set()
         candidates = [m for (s, _), copies in held.items() if s == step for _, _, m in copies[:1]]
         local = {r: m for r in _ranks(path) if (m := _read_share(path, r)) is not None}
@@ -233,43 +402,57 @@ class PeerTier:
     def source(self, run: str, step: int, base: Path) -> "PeerHolding | None":
         """The step as local root and peers together hold it, if every rank's share is there."""
         path = layout.step_dir(base, run, step)
-        held = self.holdings(run)
+        held = self.held(run, step, base)
         info = self.step_info(run, step, path, held)
         if info is None:
             return None
         manifests = [_read_share(path, r) or held[(step, r)][0][2] for r in range(info.world_size)]
         return PeerHolding(self, run, step, base, held, manifests)  # type: ignore[arg-type]
 
-    def fill(self, run: str, step: int, base: Path,
-             held: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]] | None = None) -> int:
-        """Fetch every share of ``step`` that the local root lacks and a peer has into
-        the root; how many were fetched."""
+    def fill(self, run: str, step: int, base: Path, held: Held | None = None,
+             ranks: Iterable[int] | None = None) -> int:
+        """Fetch the shares of ``ranks`` (None: every rank) of ``step`` that the local root
+        lacks into it; how many were missing. CheckpointNotFound naming the ranks no peer
+        served a good copy of."""
         path = layout.step_dir(base, run, step)
-        held = self.holdings(run) if held is None else held
+        held = self.held(run, step, base) if held is None else held
         info = self.step_info(run, step, path, held)
         if info is None:
-            return 0
-        missing = [r for r in range(info.world_size) if _read_share(path, r) is None]
-        if len(missing) <= 1:
-            return sum(self._fetch_one(run, step, r, base, held) for r in missing)
-        # several shares at once: the ranks' partners differ (partners.order), so a lost
-        # node's recovery fans in from several peers
-        with ThreadPoolExecutor(min(len(missing), FETCH_THREADS), thread_name_prefix="ckptd-peer-fetch") as pool:
-            return sum(pool.map(lambda r: self._fetch_one(run, step, r, base, held), missing))
+            raise CheckpointNotFound(f"run {run!r} step {step} is no longer complete in the local root and with "
+                                     "its peers; load another step (ckptd.latest)")
+        wanted = range(info.world_size) if ranks is None else sorted(set(ranks))
+        missing = [r for r in wanted if _read_share(path, r) is None]
+        if len(missing) > 1:  # the ranks' partners differ (partners.order): a recovery fans in from several peers
+            with ThreadPoolExecutor(min(len(missing), FETCH_THREADS), thread_name_prefix="ckptd-peer-fetch") as pool:
+                list(pool.map(lambda r: self._fetch_one(run, step, r, base, held), missing))
+        elif missing:
+            self._fetch_one(run, step, missing[0], base, held)
+        lacking = [r for r in missing if _read_share(path, r) is None]
+        if lacking:
+            raise CheckpointNotFound(f"run {run!r} step {step}: no peer served a good copy of rank(s) {lacking} "
+                                     "(see the warnings above); load another step (ckptd.latest)")
+        return len(missing)
 
-    def _fetch_one(self, run: str, step: int, rank: int, base: Path,
-                   held: dict[tuple[int, int], builtins.list[tuple[str, str, Manifest]]]) -> bool:
-        """Rank ``rank``'s share from the first peer whose copy verifies, into the root."""
-        for endpoint, where, m in held.get((step, rank), []):
-            try:
-                self.fetch_share(endpoint, m, base)
-            except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
-                log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
-                            run, step, rank, endpoint, where, exc)
-                continue
-            log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", run, step, rank, endpoint, where)
-            return True
-        return False
+    def _fetch_one(self, run: str, step: int, rank: int, base: Path, held: Held) -> None:
+        """Rank ``rank``'s share from the first peer whose copy verifies, into the root;
+        once a node: under a lock on the share, and not if another process of the node
+        fetched it meanwhile."""
+        path = layout.step_dir(base, run, step)
+        layout.ensure_real_dir(path, base)
+        with _share_lock(path, rank):
+            if _read_share(path, rank) is not None:
+                log.info("peer tier: run %r step %d rank %d is in the root: fetched by another process", run,
+                         step, rank)
+                return
+            for endpoint, where, m in held.get((step, rank), []):
+                try:
+                    self.fetch_share(endpoint, m, base)
+                except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                    log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
+                                run, step, rank, endpoint, where, exc)
+                    continue
+                log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", run, step, rank, endpoint, where)
+                return
 
     def fetch_share(self, endpoint: str, m: Manifest, base: Path) -> None:
         """One share from one peer, checked, then written into ``base`` (data files, then
@@ -444,8 +627,9 @@ class PeerHolding:
         self.manifests = manifests
 
     def fill(self, ranks: Iterable[int] | None = None) -> None:
-        """Fetch the shares the local root lacks (of every rank: the peers serve whole shares)."""
-        self.tier.fill(self.run, self.step, self.base, self.held)
+        """Fetch the shares of ``ranks`` (None: every rank) the local root lacks into it,
+        each once a node (several local ranks loading at once wait for one fetch)."""
+        self.tier.fill(self.run, self.step, self.base, self.held, ranks)
 
     def read_tensors(self, manifest: Manifest, records: dict[str, TensorRecord],
                      local: Callable[[dict[str, TensorRecord]], dict[str, Any]],
@@ -476,6 +660,58 @@ class PeerHolding:
                 raise CheckpointNotFound(f"run {self.run!r} step {self.step} rank {writer}: no peer served a "
                                          f"good copy ({'; '.join(problems) or 'none holds it now'})")
         return out
+
+
+def _maps(value: builtins.list[Any], what: str) -> builtins.list[dict[str, Any]]:
+    if not all(isinstance(v, dict) for v in value):
+        raise ProtocolError(f"{what}: an entry is not a map")
+    return value
+
+
+@contextlib.contextmanager
+def _share_lock(path: Path, rank: int) -> Iterator[None]:
+    """Held while this process fetches rank ``rank``'s share into step folder ``path``:
+    an flock on ``.fetch-rNNNNN.lock`` there (a name the index, retention and recovery
+    leave alone: not a manifest, chunk or temp file). Its holder removes it before
+    letting go, and a process that then finds the file it locked gone takes a new one,
+    so none is left behind and no two hold it. Waited for ``LOCK_WAIT_S`` at most
+    (nothing waits forever): then fetched without it (the durable path keeps it whole)."""
+    name = path / f".fetch-r{rank:05d}.lock"
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.warning("peer tier: %s is still locked after %g s; fetching without it", name,
+                                    LOCK_WAIT_S)
+                        yield
+                        return
+                    time.sleep(0.05)
+            try:
+                same = os.stat(name, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                try:
+                    yield
+                finally:
+                    name.unlink(missing_ok=True)  # while still locked: the next one in takes a new file
+                return
+        finally:
+            os.close(fd)
+
+
+def _warn_once(message: str) -> None:
+    """A WARNING logged once a process: a reader polling the tier (``wait_complete``)
+    would repeat it every poll."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
 
 
 def _ranks(path: Path) -> list[int]:

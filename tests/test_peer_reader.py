@@ -1,0 +1,349 @@
+"""The reader's side of the peer tier (docs/tiers.md, "Recovery"): the keys a training
+process presents to its peers, with real daemons on 127.0.0.1 standing for nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+import ckptd
+from ckptd.config import load as load_config
+from ckptd.layout import is_data_file
+from ckptd.peer import wire
+from ckptd.tiers.peer_reader import PeerTier
+from conftest import Daemon, free_port
+from test_peer import _held, _save, _status, _wait
+from test_peer_fuzz import node_keys
+
+
+def _keyed_pair(tmp_path, **producer: object) -> tuple[Daemon, Daemon, dict[str, Path]]:
+    """Two nodes, each its own key pair ([peer] curve_peers); ``producer``: a [producer]
+    table in both configs besides. Also the secret key file of each node's listen."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    secrets = node_keys(tmp_path / "nodekeys", listens)
+    nodes = []
+    for i, listen in enumerate(listens):
+        peer = {"listen": listen, "peers": [listens[1 - i]], "curve_peers": str(tmp_path / "nodekeys" / "peers")}
+        tables = {"peer": peer, **({"producer": producer} if producer else {})}
+        nodes.append(Daemon(tmp_path / f"node{i}", tables=tables, curve_secret_key=str(secrets[listen])))
+    return nodes[0], nodes[1], {str(n.config): secrets[listen] for n, listen in zip(nodes, listens)}
+
+
+def test_a_lost_node_recovers_from_its_peer_under_per_node_keys(tmp_path, keys, monkeypatch) -> None:
+    """With [peer] curve_peers the peer port admits only the nodes' keys: the reader
+    presents its node's daemon key pair, even where the config also names a
+    producer's keys (which that port refuses)."""
+    a, b, _ = _keyed_pair(tmp_path, curve_server_key=str(keys["server"]), curve_secret_key=str(keys["alice"]))
+    try:
+        a.start()
+        b.start()
+        saved = _save(a, range(1, 3))
+        _wait(lambda: _held(b).get((2, 0)) == "memory", "A's newest share held by B")
+        a.kill()
+        shutil.rmtree(a.root)
+        a.start()
+        monkeypatch.setenv("CKPTD_CONFIG", str(a.config))
+        info = ckptd.latest("job")
+        assert info is not None and info.step == 2, info
+        state = ckptd.load("job")
+        assert state["step"] == 2 and torch.equal(state["w"], saved[2])
+    finally:
+        for n in (a, b):
+            n.cleanup()
+
+
+READER = textwrap.dedent("""
+    import json, logging, sys
+    import ckptd
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    first, again = ckptd.latest("job"), ckptd.latest("job")
+    w = ckptd.load("job", first.step)["w"]
+    print(json.dumps({"steps": [first.step, again.step], "tiers": list(first.tiers), "w0": float(w[0])}))
+""")
+
+
+def test_an_unreadable_daemon_key_leaves_the_peers_out_with_one_warning(tmp_path) -> None:
+    """A training process that cannot read its node's daemon key: ``latest`` answers
+    from the local root, and one WARNING names the file and what to do."""
+    a, b, secrets = _keyed_pair(tmp_path)
+    try:
+        a.start()
+        b.start()
+        saved = _save(a, range(1, 3))
+        _wait(lambda: _held(b).get((2, 0)) == "memory", "A's newest share held by B")
+        secret = secrets[str(a.config)]
+        os.chmod(secret, 0)  # the daemon read it at start; a reader of another user cannot
+        # root reads any file: drop the capability that lets it, as an ordinary user lacks it
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+        out = subprocess.run(prefix + [sys.executable, "-c", READER], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, CKPTD_CONFIG=str(a.config)))
+        assert out.returncode == 0, out.stderr
+        answer = json.loads(out.stdout)
+        assert answer == {"steps": [2, 2], "tiers": ["local"], "w0": float(saved[2][0])}, answer
+        warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
+        assert len(warnings) == 1, out.stderr
+        assert str(secret) in warnings[0] and "run it as the daemon's user" in warnings[0], warnings
+        assert "chmod 640" in warnings[0] and "docs/security.md" in warnings[0], warnings
+    finally:
+        for n in (a, b):
+            n.cleanup()
+
+
+# -- bounded answers, and what a load costs each peer ---------------------------------------
+def _node(tmp_path: Path, name: str, listen: str, peers: list[str], **peer: object) -> Daemon:
+    return Daemon(tmp_path / name, tables={"peer": {"listen": listen, "peers": peers, "timeout": "1s", **peer}})
+
+
+def _served(node: Daemon) -> dict:
+    """What node's peer port answered: op -> {requests, bytes}."""
+    return _status(node)["peer"]["served"]
+
+
+def _ask_raw(endpoint: str, header: dict) -> dict:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(msgpack.packb(dict(header, id=1), use_bin_type=True))
+        assert sock.poll(10000), f"{endpoint} did not answer {header}"
+        return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_a_peer_with_many_steps_answers_within_bounds_and_a_load_asks_each_peer_once(tmp_path, monkeypatch) -> None:
+    """B wrote rank 0 of 80 steps, A rank 1 of steps 70-79: a fresh node C finds step 79
+    (the newest both hold) and loads it. Each peer answers a bounded summary once, and
+    manifests only of the shares C lacks, one holder a rank."""
+    a_, b_, c_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    a = _node(tmp_path, "a", a_, [b_])
+    b = _node(tmp_path, "b", b_, [a_])
+    c = _node(tmp_path, "c", c_, [a_, b_])
+    try:
+        for n in (a, b, c):
+            n.start()
+        saved0 = _save(b, range(1, 81), nbytes=4096, rank=0, world=2)
+        saved1 = _save(a, range(70, 80), nbytes=4096, rank=1, world=2)
+        # the bounds, asked raw: at most MAX_STEPS_ANSWERED steps, newest first; more is an error
+        answer = _ask_raw(b_, {"op": "steps", "run": "job", "limit": wire.MAX_STEPS_ANSWERED})
+        assert answer["ok"] and answer["more"] is True, answer
+        assert [s["step"] for s in answer["steps"]] == list(range(80, 80 - wire.MAX_STEPS_ANSWERED, -1))
+        assert answer["steps"][0]["shares"] == [{"rank": 0, "attempt": None, "world_size": 2, "where": "disk"}]
+        for bad in ({"limit": wire.MAX_STEPS_ANSWERED + 1}, {"limit": 0}, {"limit": 2**62}):
+            refused = _ask_raw(b_, {"op": "steps", "run": "job", **bad})
+            assert refused["ok"] is False and "limit" in refused["error"], refused
+        one = _ask_raw(b_, {"op": "steps", "run": "job", "limit": 1, "step": 3})
+        assert [s["step"] for s in one["steps"]] == [3] and one["more"] is False, one
+        refused = _ask_raw(b_, {"op": "manifests", "run": "job", "step": 79,
+                                "ranks": list(range(wire.MAX_RANKS_ASKED + 1))})
+        assert refused["ok"] is False and f"at most {wire.MAX_RANKS_ASKED}" in refused["error"], refused
+        got = _ask_raw(b_, {"op": "manifests", "run": "job", "step": 79, "ranks": [0, 1, 7]})
+        assert [(m["rank"], m["where"]) for m in got["manifests"]] == [(0, "disk")] and got["left"] == [], got
+
+        before = {n: _served(n) for n in (a, b)}
+        monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
+        monkeypatch.setenv("RANK", "1")
+        info = ckptd.latest("job")
+        assert info is not None and info.step == 79 and info.tiers == ("peer",), info
+        state = ckptd.load("job")  # latest, then find: what latest learnt serves find
+        assert state["step"] == 79 and torch.equal(state["w"], saved1[79])
+        assert torch.equal(ckptd.load("job", 79, rank=0)["w"], saved0[79])
+        cost = {n: {op: _diff(before[n], _served(n), op) for op in ("steps", "manifests", "read")} for n in (a, b)}
+        for n in (a, b):  # latest, latest+find, find: one summary each, manifests only of the lacking ranks
+            assert cost[n]["steps"][0] == 3, cost
+            assert cost[n]["manifests"][0] <= 3, cost
+        # each rank's manifest asked of one holder per call: rank 1 of A (its disk), rank 0 of one of them
+        assert 3 <= sum(cost[n]["manifests"][0] for n in (a, b)) <= 6, cost
+        assert cost[a]["steps"][1] + cost[b]["steps"][1] < 16 * 1024, cost  # summaries of 16 steps, not manifests
+        print("cost per peer of latest + load + load(rank=0):", {str(n.base.name): v for n, v in cost.items()})
+    finally:
+        for n in (a, b, c):
+            n.cleanup()
+
+
+def _diff(before: dict, after: dict, op: str) -> tuple[int, int]:
+    b, a = before.get(op, {"requests": 0, "bytes": 0}), after.get(op, {"requests": 0, "bytes": 0})
+    return a["requests"] - b["requests"], a["bytes"] - b["bytes"]
+
+
+# -- once a node: several local ranks loading the same step ---------------------------------
+LOADER = textwrap.dedent("""
+    import json, os
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    import ckptd
+    rank, n = int(os.environ["RANK"]), int(os.environ["NBYTES"]) // 4
+    state = {"w": torch.empty(n)}
+    dist.init_process_group("gloo")
+    assert ckptd.latest("job").step == 1  # imports and asks the peers: what each does before the fetch
+    dist.barrier()  # then every rank fetches at the same moment
+    info = ckptd.load_into(state, "job", 1)  # the share this rank reads: rank 0's, the peers' only
+    want = torch.arange(n, dtype=torch.float32) + 1000
+    Path(os.environ["OUT"], f"r{rank}.json").write_text(json.dumps({"step": info.step,
+                                                                     "exact": torch.equal(state["w"], want)}))
+    dist.destroy_process_group()
+""")
+
+
+def test_local_ranks_loading_at_once_fetch_the_share_once_a_node(tmp_path) -> None:
+    """Three local rank processes (torchrun, gloo's env) on a node whose root lacks the
+    share: it is read from the peers once (a lock a share in the root), and each
+    process's tensors are bit-exact."""
+    a_, b_, c_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    a = _node(tmp_path, "a", a_, [b_], memory="64MiB")
+    b = _node(tmp_path, "b", b_, [a_])
+    c = _node(tmp_path, "c", c_, [a_, b_])
+    nbytes = 16 << 20
+    try:
+        for n in (a, b, c):
+            n.start()
+        _save(b, range(1, 2), nbytes=nbytes)
+        _wait(lambda: _held(a).get((1, 0)) == "memory", "B's share held by A")
+        step_b = b.root / "job" / "step-000000000001"
+        share = sum(p.stat().st_size for p in step_b.iterdir() if is_data_file(p.name))
+        before = {n: _diff({}, _served(n), "read")[1] for n in (a, b)}
+        script, out = tmp_path / "loader.py", tmp_path / "out"
+        script.write_text(LOADER)
+        out.mkdir()
+        env = dict(os.environ, CKPTD_CONFIG=str(c.config), NBYTES=str(nbytes), OUT=str(out), OMP_NUM_THREADS="1",
+                   GLOO_SOCKET_IFNAME="lo")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                               str(script)], env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        results = [json.loads((out / f"r{r}.json").read_text()) for r in range(3)]
+        assert results == [{"step": 1, "exact": True}] * 3, results
+        read = sum(_diff({}, _served(n), "read")[1] - before[n] for n in (a, b))
+        assert share <= read < 2 * share, (read, share)  # once, with its answers' headers
+        assert not list((c.root / "job" / "step-000000000001").glob(".fetch-*")), "a lock file was left behind"
+    finally:
+        for n in (a, b, c):
+            n.cleanup()
+
+
+# -- dead peers: backed off, never stalling the others ---------------------------------------
+def test_a_stopped_and_a_killed_peer_are_backed_off_without_stalling_the_others(tmp_path, monkeypatch,
+                                                                                caplog) -> None:
+    """Of C's peers, A is stopped (SIGSTOP: its port accepts, nothing answers) and K is
+    killed; B holds the share. Each read waits ``timeout`` once for both together; a
+    silent peer is then left out for a back-off that doubles while it stays silent (up to
+    the cap) and ends when it answers."""
+    from ckptd.tiers import peer_reader
+
+    monkeypatch.setattr(peer_reader, "DEAD_S", 0.5)
+    monkeypatch.setattr(peer_reader, "DEAD_MAX_S", 2.0)
+    a_, b_, c_, k_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(4))
+    a = _node(tmp_path, "a", a_, [b_])
+    b = _node(tmp_path, "b", b_, [a_])
+    k = _node(tmp_path, "k", k_, [b_])
+    c = _node(tmp_path, "c", c_, [a_, k_, b_])
+    try:
+        for n in (a, b, k, c):
+            n.start()
+        saved = _save(b, range(1, 2))
+        k.kill()
+        os.kill(a.pid, signal.SIGSTOP)
+        monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
+        tier = PeerTier(load_config(c.config), c.root)
+        with caplog.at_level("INFO", logger="ckptd.peer"):
+            t0 = time.monotonic()
+            info = tier.latest("job")
+            first = time.monotonic() - t0
+            assert {e: peer_reader._silent[e][1] for e in (a_, k_)} == {a_: 0.5, k_: 0.5}
+            assert 1 in tier.summary("job")  # at once: within the back-off, neither is asked
+        assert info is not None and info.step == 1
+        assert first < 2 * tier.cfg.timeout, f"{first:.1f} s: the silent peers were waited for one after the other"
+        assert f"{a_} not asked: it did not answer" in caplog.text and f"{k_} not asked" in caplog.text
+        assert b_ not in peer_reader._silent and c_ not in peer_reader._silent
+        assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
+        backs = []
+        for _ in range(3):  # silent again each time it is asked: 1, 2, then the cap
+            _wait(lambda: peer_reader._silent[a_][0] < time.monotonic(), "the back-off over", timeout=5)
+            tier.summary("job")
+            backs.append(peer_reader._silent[a_][1])
+        assert backs == [1.0, 2.0, 2.0], backs
+        os.kill(a.pid, signal.SIGCONT)  # it answers again: asked at once, its back-off ended
+        _wait(lambda: peer_reader._silent[a_][0] < time.monotonic(), "the back-off over", timeout=5)
+        assert 1 in tier.summary("job")
+        assert a_ not in peer_reader._silent and peer_reader._silent[k_][1] == 2.0
+    finally:
+        if a.alive():
+            os.kill(a.pid, signal.SIGCONT)
+        for n in (a, b, k, c):
+            n.cleanup()
+
+
+# -- agreement, and answers split by their size ----------------------------------------------
+def test_a_step_whose_peer_shares_disagree_with_the_local_root_is_not_taken(tmp_path, monkeypatch) -> None:
+    """C wrote rank 0 of steps 4 and 5 (attempt a1); B holds rank 1 of step 4 of a1 and
+    of step 5 of another attempt: step 5 is not complete (the peer's share disagrees
+    with the root's), step 4 is."""
+    b_, c_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    b = _node(tmp_path, "b", b_, [c_])
+    c = _node(tmp_path, "c", c_, [b_])
+    try:
+        for n in (b, c):
+            n.start()
+        mine = _save(c, range(4, 6), rank=0, world=2, attempt="a1")
+        theirs = _save(b, range(4, 5), rank=1, world=2, attempt="a1")
+        _save(b, range(5, 6), rank=1, world=2, attempt="a2")
+        monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
+        info = ckptd.latest("job")
+        assert info is not None and info.step == 4 and set(info.tiers) == {"local", "peer"}, info
+        assert torch.equal(ckptd.load("job", rank=1)["w"], theirs[4])
+        assert torch.equal(ckptd.load("job", 4, rank=0)["w"], mine[4])
+        with pytest.raises(ckptd.CheckpointNotFound):
+            ckptd.load("job", 5, rank=1)
+    finally:
+        for n in (b, c):
+            n.cleanup()
+
+
+def test_manifests_beyond_one_answer_are_asked_again(tmp_path, monkeypatch) -> None:
+    """A peer port whose answers hold one manifest each (``MAX_MANIFEST_BYTES`` made
+    tiny; the real server, in this process) names the ranks it left out; the reader
+    asks again for them and finds the step complete."""
+    from ckptd.peer.holder import Holder
+    from ckptd.peer.server import PeerServer
+
+    writer = Daemon(tmp_path / "w")
+    writer.start()
+    saved = {r: _save(writer, range(1, 2), rank=r, world=3) for r in range(3)}
+    writer.cleanup()
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    server = PeerServer(ctx, listen, writer.root, Holder(64 << 20, 5.0), None, (4 << 20) + 65536, "n")
+    server.start()
+    monkeypatch.setattr(wire, "MAX_MANIFEST_BYTES", 1)
+    try:
+        c = Daemon(tmp_path / "c", tables={"peer": {"listen": listen, "peers": [listen]}})  # its config only
+        c.root.mkdir()
+        tier = PeerTier(load_config(c.config), c.root)
+        info = tier.latest("job")
+        assert info is not None and info.step == 1 and info.world_size == 3, info
+        assert server.served["manifests"][0] == 3 and server.served["steps"][0] == 1, server.served
+        holding = tier.find("job", 1)  # what latest learnt: nothing asked
+        assert holding is not None and server.served["steps"][0] == 1, server.served
+        holding.fill([2])
+        assert sorted(p.name for p in (c.root / "job" / "step-000000000001").glob("manifest-*")) == [
+            "manifest-r00002.json"]
+        monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
+        out = torch.empty(65536)
+        ckptd.load("job", 1, rank=2, out={"w": out})
+        assert torch.equal(out, saved[2][1])
+    finally:
+        server.close()
+        ctx.term()
