@@ -200,7 +200,7 @@ def test_a_damaged_replica_is_skipped_for_the_next(tmp_path, monkeypatch, caplog
         monkeypatch.delenv("CKPTD_FAILPOINTS")
         nodes[0].start()
         nodes[2].start()
-        saved = _save(nodes[0], range(1, 2))
+        saved = _save(nodes[0], range(1, 2), nbytes=17 * 2**20 + 4096)  # out=: two parts, copied 1 MiB at a time
         _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated")
         assert _held(nodes[1]).get((1, 0)) == _held(nodes[2]).get((1, 0)) == "memory"
         nodes[0].kill()

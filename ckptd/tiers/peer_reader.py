@@ -61,6 +61,12 @@ FETCH_THREADS = 4  # shares fetched at once into the root
 # across a 10gbit link took 4.7-6.4 s against 3.6-4.6 s in 4 MiB parts (whose buffers the
 # allocator reuses), so there a share always comes in parts.
 WHOLE_MAX = 64 * 2**20
+# Read in plaintext from a peer's memory into the caller's tensors (``load(out=)``), a tensor
+# comes in parts of this size (below glibc's largest mmap threshold, 32 MiB, so that libzmq's
+# buffer for each is reused memory, not new pages), each copied into place a slice of
+# ``SLICE`` bytes at a time and the slice hashed at once, while it is in the CPU's cache.
+INTO_PART = 16 * 2**20
+SLICE = 2**20
 STEPS_ASKED = 16  # newest steps each peer is asked about for ``latest`` (wire.MAX_STEPS_ANSWERED at most)
 DEAD_S = 10.0  # a peer that did not answer is not asked again for this long, doubled while it stays silent
 DEAD_MAX_S = 160.0  # ... up to this
@@ -488,7 +494,8 @@ class PeerTier:
                 raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
             spans = [(name, 0, rec.nbytes, rec.checksum)]
             if into is not None and name in into:
-                ranges.append(_Range(rec.file, rec.offset, bytes_of(into[name]), spans))
+                part = INTO_PART if memory and self.keys is None else 0
+                ranges.append(_Range(rec.file, rec.offset, bytes_of(into[name]), spans, part=part))
             elif memory and self.keys is None and 0 < rec.nbytes <= WHOLE_MAX:
                 ranges.append(_Range(rec.file, rec.offset, None, spans, whole=rec.nbytes))
             else:
@@ -527,8 +534,8 @@ class PeerTier:
         where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
         for r in ranges:
             r.check_empty(where)
-        parts = ((r, off, r.whole or min(self.cfg.frame, r.size - off)) for r in ranges
-                 for off in range(0, r.size, r.whole or self.cfg.frame))
+        parts = ((r, off, min(r.part or self.cfg.frame, r.size - off)) for r in ranges
+                 for off in range(0, r.size, r.part or self.cfg.frame))
         link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4)
         prefault = Prefault(fresh, self.cfg.frame)
         try:
@@ -548,6 +555,11 @@ class PeerTier:
                 rid, r, off, n = in_flight.popleft()
                 if r.whole:
                     r.view = link.recv_bytes(rid, n, timeout=self.cfg.stall)
+                elif r.part:
+                    data = link.recv_bytes(rid, n, timeout=self.cfg.stall)
+                    ask()  # the next part on its way before this one is copied and hashed
+                    r.copy_in(off, data, where)
+                    continue
                 else:
                     link.recv_into(rid, r.view[off:off + n], timeout=self.cfg.stall)  # type: ignore[index]
                 ask()  # the next part on its way before this one is hashed
@@ -562,12 +574,14 @@ class _Range:
     (name, start, end, checksum), relative to ``view``. Each tensor is hashed part by part
     as its bytes land, in order, and compared once its last byte is in. ``whole``: the
     range's size, read in one message whose memory becomes ``view`` (``view`` None until
-    then)."""
+    then); ``part``: the size of the parts it is read in, each copied into ``view``
+    (``copy_in``; 0: ``frame``-sized parts received straight into ``view``)."""
 
     def __init__(self, file: str, offset: int, view: memoryview | None,
-                 spans: builtins.list[tuple[str, int, int, str]], *, whole: int = 0) -> None:
+                 spans: builtins.list[tuple[str, int, int, str]], *, whole: int = 0, part: int = 0) -> None:
         self.file, self.offset, self.view, self.whole = file, offset, view, whole
         self.size = whole if view is None else len(view)
+        self.part = whole or part
         self.spans = spans
         self._todo = deque(sorted(spans, key=lambda s: s[1]))
         self._open: builtins.list[tuple[str, int, int, str, Checksum]] = []
@@ -577,6 +591,13 @@ class _Range:
         for name, start, end, want in [s for s in self._todo if s[1] == s[2]]:
             self._todo.remove((name, start, end, want))
             _compare(where, name, Checksum(), want)
+
+    def copy_in(self, begin: int, data: memoryview, where: str) -> None:
+        """``data`` into ``view`` from ``begin``, a ``SLICE`` at a time, each hashed at once."""
+        for at in range(0, len(data), SLICE):
+            n = min(SLICE, len(data) - at)
+            self.view[begin + at:begin + at + n] = data[at:at + n]  # type: ignore[index]
+            self.landed(begin + at, begin + at + n, where)
 
     def landed(self, begin: int, end: int, where: str) -> None:
         """Bytes ``begin``..``end`` of ``view`` are in (parts land in order)."""
