@@ -200,7 +200,7 @@ def test_a_damaged_replica_is_skipped_for_the_next(tmp_path, monkeypatch, caplog
         monkeypatch.delenv("CKPTD_FAILPOINTS")
         nodes[0].start()
         nodes[2].start()
-        saved = _save(nodes[0], range(1, 2))
+        saved = _save(nodes[0], range(1, 2), nbytes=17 * 2**20 + 4096)  # out=: two parts, copied 1 MiB at a time
         _wait(lambda: _status(nodes[0])["peer"]["under_replicated"] == 0, "replicated")
         assert _held(nodes[1]).get((1, 0)) == _held(nodes[2]).get((1, 0)) == "memory"
         nodes[0].kill()
@@ -211,6 +211,11 @@ def test_a_damaged_replica_is_skipped_for_the_next(tmp_path, monkeypatch, caplog
             state = ckptd.load("job", 1)
         assert torch.equal(state["w"], saved[1])
         assert f"from {listens[1]} (memory) not used" in caplog.text and "does not match its checksum" in caplog.text
+        out = torch.zeros_like(saved[1])
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ckptd.peer"):  # load(out=): the bad copy's bytes overwritten
+            assert ckptd.load("job", 1, out={"w": out})["w"].data_ptr() == out.data_ptr()
+        assert torch.equal(out, saved[1]) and "does not match its checksum" in caplog.text
         assert ckptd.load("job", 1, verify=True)["step"] == 1  # what was written is the good copy
     finally:
         for n in nodes:
@@ -445,8 +450,11 @@ def test_a_lost_node_with_several_ranks_fetches_their_shares_from_several_peers(
                 assert torch.equal(ckptd.load("job", 1, rank=r)["w"], saved[r][1])  # from memory, not the root
             assert not (nodes[0].root / "job").exists()
             out = torch.empty(65536)
-            ckptd.load("job", 1, rank=2, out={"w": out})  # reads local files: that share comes in first, alone
-            assert torch.equal(out, saved[2][1])
+            got = ckptd.load("job", 1, rank=2, out={"w": out})  # from memory straight into out
+            assert got["w"].data_ptr() == out.data_ptr() and torch.equal(out, saved[2][1])
+            assert not (nodes[0].root / "job").exists()
+            mapped = ckptd.load("job", 1, rank=2, mmap=True)  # maps local files: that share comes in first, alone
+            assert torch.equal(mapped["w"], saved[2][1])
             step_dir = nodes[0].root / "job" / "step-000000000001"
             assert sorted(p.name for p in step_dir.glob("manifest-*")) == ["manifest-r00002.json"]
             whole = ckptd.load("job", 1)  # the whole state reads every share: the other two come in

@@ -28,11 +28,15 @@ Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answ
   shares of ``step`` this daemon can serve, memory before disk; ranks it does not hold
   are left out; ``left``: ranks it holds but left out to keep the manifests of one
   answer under ``MAX_MANIFEST_BYTES`` (ask again for them).
-- ``read`` ``{run, step, rank, file, offset, length}`` -> ``{}`` + the bytes.
+- ``read`` ``{run, step, rank, file, offset, length}`` -> ``{}`` + the bytes: of a
+  share held in memory, any range within the file (a view of that memory, sent without
+  a copy: a plaintext reader asks for a tensor of up to 64 MiB in one message, which
+  becomes the tensor's memory on its side); of a share on disk, at most ``frame`` bytes
+  (+ 64 KiB).
 
 An answer is ``{id, ok: true, ...}`` or ``{id, ok: false, error}``. Every field is
 bounded before use: counts by the ``MAX_*`` limits below, offsets and lengths by the
-file's size and the frame size; a request that breaks a bound, or any other request
+file's size (and, read from disk, the frame size); a request that breaks a bound, or any other request
 the holder cannot handle, is answered with an error (never a dead thread).
 """
 
@@ -158,6 +162,15 @@ class Link:
                 self._discard_rest()
                 raise ProtocolError(f"{self.endpoint}: a part of {max(n, 0)} bytes, not {len(dst)}")
             return header
+
+    def recv_bytes(self, rid: int, n: int, *, timeout: float) -> memoryview:
+        """The bytes answering request ``rid``: exactly ``n`` of them, else ProtocolError;
+        the message's own memory, writable (libzmq received it there: no copy made).
+        PeerDown and PeerRefused as ``recv``."""
+        _, frame = self.recv(rid, timeout=timeout)
+        if frame is None or len(frame) != n:
+            raise ProtocolError(f"{self.endpoint}: an answer of {0 if frame is None else len(frame)} bytes, not {n}")
+        return frame.buffer
 
     def _discard_rest(self) -> None:
         while self.sock.getsockopt(zmq.RCVMORE):

@@ -158,7 +158,7 @@ class _DataFile:
                 buf = self._mapped(rec)
             else:
                 buf = torch.empty(rec.nbytes, dtype=torch.uint8) if dst is None else None
-                view = memoryview(buf.numpy()) if dst is None else _bytes_of(dst)
+                view = memoryview(buf.numpy()) if dst is None else bytes_of(dst)
                 got = pread_into(self.fd, view, rec.offset) if rec.nbytes else 0
                 if got != rec.nbytes:
                     raise self._corrupt(name, f"is truncated: {got} of {rec.nbytes} bytes at offset {rec.offset}; "
@@ -175,7 +175,7 @@ class _DataFile:
 
             self._check_structure(name, rec)  # its size against its storage, before allocating by it
             buf = torch.empty(rec.nbytes, dtype=torch.uint8) if dst is None else None
-            target = buf.numpy() if dst is None else np.frombuffer(_bytes_of(dst), dtype=np.uint8)
+            target = buf.numpy() if dst is None else np.frombuffer(bytes_of(dst), dtype=np.uint8)
             try:
                 self._file().read_into(name, rec, target)
             except CheckpointCorrupt as exc:
@@ -237,7 +237,7 @@ def read_range(fd: int, path: Path, name: str, rec: TensorRecord, start: int, ds
                                 "the newest undamaged one)")
 
 
-def _bytes_of(t: Any) -> memoryview:
+def bytes_of(t: Any) -> memoryview:
     """The memory of a contiguous CPU tensor or numpy array, as writable bytes."""
     import numpy as np
 

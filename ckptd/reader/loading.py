@@ -107,14 +107,17 @@ def load(
     wanted_records = {n: records[n] for n in wanted}
     # from the bucket unless every file it needs was written here (the node that wrote it)
     writers = {manifest.rank} | {manifest.replicas[n] for n in wanted if n in manifest.replicas}
-    if source is not None and source.fills_root and (out is not None or mmap):
+    if source is not None and source.fills_root and (mmap or out is not None and not source.reads_into):
         source.fill(writers)  # these read local files: the shares they read come into the root first
     if source is not None and not all(own_share_here(path, manifests[r]) for r in writers):
-        if out is not None or mmap:
+        if mmap or out is not None and not source.reads_into:
             raise ValueError(f"load(out=/mmap=True) reads local files, and rank {manifest.rank}'s share of step "
                              f"{manifest.step} is only in {source.url}: load without them, or fetch it first")
-        # from that tier (the peers' memory, the bucket), what this root lacks; checksums checked
-        tensors = source.read_tensors(manifest, wanted_records, lambda recs: read_tensors(path, recs, verify=verify))
+        # from that tier (the peers' memory, the bucket), what this root lacks, into out= where
+        # given (the peers: straight from their memory); checksums checked
+        into = destinations(out, records, manifest.step) if out is not None else None
+        tensors = source.read_tensors(manifest, wanted_records,
+                                      lambda recs: read_tensors(path, recs, verify=verify, into=into), into)
     else:
         into = destinations(out, records, manifest.step) if out is not None else None
         if into is None and devicecopy.is_cuda(map_location):

@@ -18,17 +18,22 @@ class Holding(Protocol):
 
     url: str  # where, in messages
     manifests: list[Manifest]
-    # whether loads that read local files (the whole state, out=, mmap=True) fetch its
-    # shares into the root first: the peers' memory is near; a bucket's whole step is not
+    # whether loads that read local files (the whole state, mmap=True) fetch its shares
+    # into the root first: the peers' memory is near; a bucket's whole step is not
     fills_root: bool
+    # whether ``read_tensors`` reads into the caller's tensors (``load(out=)`` straight
+    # from the tier, nothing written to the root)
+    reads_into: bool
 
     def fill(self, ranks: Iterable[int] | None = None) -> None:
         """Fetch the shares of ``ranks`` (None: every share the local root lacks) into it."""
 
     def read_tensors(self, manifest: Manifest, records: dict[str, TensorRecord],
-                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]]) -> dict[str, Any]:
+                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]],
+                     into: dict[str, Any] | None = None) -> dict[str, Any]:
         """``records`` of ``manifest``'s share (its replicated tensors included) read into
-        memory, every checksum checked; ``local`` reads those of shares in the local root."""
+        memory, every checksum checked; ``local`` reads those of shares in the local root.
+        ``into`` (where ``reads_into``): tensors by name to read into instead of new memory."""
 
 
 class Tier(Protocol):

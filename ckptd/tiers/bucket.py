@@ -97,6 +97,7 @@ class BucketHolding:
     downloaded into the root."""
 
     fills_root = False  # a whole step out of a bucket is not near: loads that need files say so
+    reads_into = False  # load(out=) reads local files: refused for a step only in the bucket
 
     def __init__(self, store: Store, run: str, step: int, manifests: list[Manifest], base: Path) -> None:
         self.store, self.run, self.step, self.base = store, run, step, base
@@ -108,7 +109,10 @@ class BucketHolding:
             fetch.fetch_share(self.store, self.run, self.step, r, self.base)
 
     def read_tensors(self, manifest: Manifest, records: dict[str, TensorRecord],
-                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]]) -> dict[str, Any]:
+                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]],
+                     into: dict[str, Any] | None = None) -> dict[str, Any]:
+        if into is not None:
+            raise ValueError("load(out=) of a step only in the bucket: load without out=, or fetch it first")
         return fetch.read_tensors(self.store, manifest, records)  # checksums always checked
 
 

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -40,11 +40,12 @@ from ..config import Config, ConfigError
 from ..transport.curve import client_keys
 from ..durable import atomic_write, replacing, write_all
 from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
-from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
+from ..manifest import CheckpointInfo, Checksum, Manifest, TensorRecord
 from ..peer import wire
 from ..peer.asking import ask_all
 from ..peer.holder import check_headers
 from ..peer.pages import Prefault
+from ..reader.files import bytes_of
 from .local import NAME as ROOT
 from .peer import NAME
 
@@ -52,6 +53,21 @@ log = logging.getLogger("ckptd.peer")
 
 TIER = NAME
 FETCH_THREADS = 4  # shares fetched at once into the root
+# A tensor up to this size, read in plaintext from a peer's memory into new memory, comes in
+# one message that becomes the tensor's own memory (no copy out of it: the bytes are moved
+# once, by the kernel). Larger ones come in ``frame``-sized parts. At 100 Mbit/s such a
+# message takes 5 s, within a default ``stall`` (10 s) that the receiver waits for it.
+# Under CurveZMQ libzmq copies every message into buffers of its size on both ends (to
+# encrypt, to decrypt): for messages this large those are new pages each time, and 512 MiB
+# across a 10gbit link took 4.7-6.4 s against 3.6-4.6 s in 4 MiB parts (whose buffers the
+# allocator reuses), so there a share always comes in parts.
+WHOLE_MAX = 64 * 2**20
+# Read in plaintext from a peer's memory into the caller's tensors (``load(out=)``), a tensor
+# comes in parts of this size (below glibc's largest mmap threshold, 32 MiB, so that libzmq's
+# buffer for each is reused memory, not new pages), each copied into place a slice of
+# ``SLICE`` bytes at a time and the slice hashed at once, while it is in the CPU's cache.
+INTO_PART = 16 * 2**20
+SLICE = 2**20
 STEPS_ASKED = 16  # newest steps each peer is asked about for ``latest`` (wire.MAX_STEPS_ANSWERED at most)
 DEAD_S = 10.0  # a peer that did not answer is not asked again for this long, doubled while it stays silent
 DEAD_MAX_S = 160.0  # ... up to this
@@ -440,133 +456,156 @@ class PeerTier:
                     os.close(fd)
         atomic_write(step_dir / layout.manifest_name(m.rank), m.to_json())
 
-    def read_records(self, endpoint: str, m: Manifest, records: dict[str, TensorRecord]) -> dict[str, Any]:
-        """Tensors of ``m``'s share read from ``endpoint`` straight into their own memory,
-        each checked against its checksum (CheckpointCorrupt if one does not match)."""
+    def read_records(self, endpoint: str, m: Manifest, records: dict[str, TensorRecord],
+                     into: dict[str, Any] | None = None, *, memory: bool = False) -> dict[str, Any]:
+        """Tensors of ``m``'s share read from ``endpoint`` straight into their own memory
+        (or into ``into``'s tensors of their names: ``load(out=)``), each checked against its
+        checksum (CheckpointCorrupt if one does not match). ``memory``: the peer holds the
+        share in memory, and serves a tensor of up to ``WHOLE_MAX`` bytes in one message,
+        which becomes the tensor's memory (in plaintext)."""
         import torch
 
-        bufs = {}
-        ranges = []
-        checks = _Checks(f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}")
-        try:
-            for name, rec in records.items():
-                if rec.offset is None:
-                    raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
+        bufs, ranges, fresh = {}, [], []
+        for name, rec in records.items():
+            if rec.offset is None:
+                raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
+            spans = [(name, 0, rec.nbytes, rec.checksum)]
+            if into is not None and name in into:
+                part = INTO_PART if memory and self.keys is None else 0
+                ranges.append(_Range(rec.file, rec.offset, bytes_of(into[name]), spans, part=part))
+            elif memory and self.keys is None and 0 < rec.nbytes <= WHOLE_MAX:
+                ranges.append(_Range(rec.file, rec.offset, None, spans, whole=rec.nbytes))
+            else:
                 bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
-                view = memoryview(bufs[name].numpy())  # type: ignore[arg-type]
-                ranges.append((rec.file, rec.offset, view, checks.later([(name, view, rec.checksum)])))
-            self._read_ranges(endpoint, m, ranges)
-            checks.wait()
-        finally:
-            checks.close()
-        return {name: rec.as_tensor(bufs[name]) for name, rec in records.items()}
+                fresh.append(memoryview(bufs[name].numpy()))  # type: ignore[arg-type]
+                ranges.append(_Range(rec.file, rec.offset, fresh[-1], spans))
+        self._read_ranges(endpoint, m, ranges, fresh)
+        for r in ranges:
+            if r.whole:  # the message's memory, kept alive by the tensor made over it
+                bufs[r.spans[0][0]] = torch.frombuffer(r.view, dtype=torch.uint8)
+        return {name: rec.as_tensor(bufs[name]) if name in bufs else into[name]  # type: ignore[index]
+                for name, rec in records.items()}
 
     def read_files(self, endpoint: str, m: Manifest, sizes: dict[str, int]) -> dict[str, memoryview]:
         """The files of a share, read from ``endpoint`` and checked: every tensor against
-        its checksum (each as soon as its bytes are in, while the next ones arrive) and
-        each chunk file's header against the manifest. CheckpointCorrupt if one does not
-        match."""
+        its checksum (as its bytes arrive) and each chunk file's header against the
+        manifest. CheckpointCorrupt if one does not match."""
         where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
         import torch
 
         # torch.empty, not bytearray(n): no zero-filling pass over the pages before the bytes come
         out = {f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in sizes.items()}  # type: ignore[arg-type]
-        checks = _Checks(where)
-        try:
-            ranges = []
-            for file, buf in out.items():
-                ranges += _segments(m, file, buf, checks)
-            self._read_ranges(endpoint, m, ranges)
-            checks.wait()
-        finally:
-            checks.close()
+        ranges = [_Range(file, 0, buf, _tensor_spans(m, file, len(buf))) for file, buf in out.items()]
+        self._read_ranges(endpoint, m, ranges, list(out.values()))
         check_headers(m, out, where)
         return out
 
-    def _read_ranges(self, endpoint: str, m: Manifest,
-                     ranges: builtins.list[tuple[str, int, memoryview, Callable[[], None]]]) -> None:
-        """Fill each (file, offset, memory) from ``endpoint``, in ``frame``-sized parts
-        with ``window`` of them in flight, each received by libzmq straight into its
-        place; call a range's callable once all of it is in."""
+    def _read_ranges(self, endpoint: str, m: Manifest, ranges: builtins.list["_Range"],
+                     fresh: builtins.list[memoryview]) -> None:
+        """Fill each range's memory from ``endpoint``, in ``frame``-sized parts with
+        ``window`` of them in flight, each received by libzmq straight into its place and
+        its tensors' bytes hashed right after (while they are in the CPU's cache), the next
+        part asked for first; CheckpointCorrupt as soon as a tensor's last byte is in and
+        its checksum does not match. ``fresh``: memory allocated for this read, whose pages
+        a thread faults in ahead of the bytes."""
+        where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
+        for r in ranges:
+            r.check_empty(where)
+        parts = ((r, off, min(r.part or self.cfg.frame, r.size - off)) for r in ranges
+                 for off in range(0, r.size, r.part or self.cfg.frame))
         link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4)
-        prefault = Prefault([view for _, _, view, _ in ranges], self.cfg.frame)
+        prefault = Prefault(fresh, self.cfg.frame)
         try:
-            in_flight: deque[tuple[int, memoryview, Callable[[], None] | None]] = deque()
+            in_flight: deque[tuple[int, _Range, int, int]] = deque()
 
-            def land() -> None:
-                rid, dst, landed = in_flight.popleft()
-                link.recv_into(rid, dst, timeout=self.cfg.stall)
-                if landed is not None:
-                    landed()
+            def ask() -> None:
+                part = next(parts, None)
+                if part is not None:
+                    r, off, n = part
+                    req = {"op": "read", "run": m.run, "step": m.step, "rank": m.rank, "file": r.file,
+                           "offset": r.offset + off, "length": n}
+                    in_flight.append((link.send(req, timeout=self.cfg.stall), r, off, n))
 
-            for file, offset, view, landed in ranges:
-                if not len(view):
-                    landed()
-                    continue
-                for off in range(0, len(view), self.cfg.frame):
-                    if len(in_flight) >= self.cfg.window:
-                        land()
-                    dst = view[off:off + self.cfg.frame]
-                    last = off + self.cfg.frame >= len(view)
-                    req = {"op": "read", "run": m.run, "step": m.step, "rank": m.rank, "file": file,
-                           "offset": offset + off, "length": len(dst)}
-                    in_flight.append((link.send(req, timeout=self.cfg.stall), dst, landed if last else None))
+            for _ in range(self.cfg.window):
+                ask()
             while in_flight:
-                land()
+                rid, r, off, n = in_flight.popleft()
+                if r.whole:
+                    r.view = link.recv_bytes(rid, n, timeout=self.cfg.stall)
+                elif r.part:
+                    data = link.recv_bytes(rid, n, timeout=self.cfg.stall)
+                    ask()  # the next part on its way before this one is copied and hashed
+                    r.copy_in(off, data, where)
+                    continue
+                else:
+                    link.recv_into(rid, r.view[off:off + n], timeout=self.cfg.stall)  # type: ignore[index]
+                ask()  # the next part on its way before this one is hashed
+                r.landed(off, off + n, where)
         finally:
             prefault.close()
             link.close()
 
 
-class _Checks:
-    """Checksums of tensors whose bytes are in, computed on a thread of their own while
-    the next parts arrive (xxh3 and libzmq's receive both release the GIL)."""
+class _Range:
+    """Bytes of one file (from ``offset``) into ``view``, and the tensors among them:
+    (name, start, end, checksum), relative to ``view``. Each tensor is hashed part by part
+    as its bytes land, in order, and compared once its last byte is in. ``whole``: the
+    range's size, read in one message whose memory becomes ``view`` (``view`` None until
+    then); ``part``: the size of the parts it is read in, each copied into ``view``
+    (``copy_in``; 0: ``frame``-sized parts received straight into ``view``)."""
 
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-peer-check")
-        self.pending: list[Future[None]] = []
+    def __init__(self, file: str, offset: int, view: memoryview | None,
+                 spans: builtins.list[tuple[str, int, int, str]], *, whole: int = 0, part: int = 0) -> None:
+        self.file, self.offset, self.view, self.whole = file, offset, view, whole
+        self.size = whole if view is None else len(view)
+        self.part = whole or part
+        self.spans = spans
+        self._todo = deque(sorted(spans, key=lambda s: s[1]))
+        self._open: builtins.list[tuple[str, int, int, str, Checksum]] = []
 
-    def later(self, tensors: list[tuple[str, memoryview, str]]) -> Callable[[], None]:
-        """What checks ``tensors`` (name, bytes, checksum) once their bytes are in."""
-        def submit() -> None:
-            for name, view, want in tensors:
-                self.pending.append(self.pool.submit(self._check, name, view, want))
-        return submit
+    def check_empty(self, where: str) -> None:
+        """Tensors of no bytes: their checksum is the empty string's, compared now."""
+        for name, start, end, want in [s for s in self._todo if s[1] == s[2]]:
+            self._todo.remove((name, start, end, want))
+            _compare(where, name, Checksum(), want)
 
-    def _check(self, name: str, view: memoryview, want: str) -> None:
-        if checksum([view] if len(view) else []) != want:
-            raise CheckpointCorrupt(f"{self.where}: tensor {name!r} does not match its checksum")
+    def copy_in(self, begin: int, data: memoryview, where: str) -> None:
+        """``data`` into ``view`` from ``begin``, a ``SLICE`` at a time, each hashed at once."""
+        for at in range(0, len(data), SLICE):
+            n = min(SLICE, len(data) - at)
+            self.view[begin + at:begin + at + n] = data[at:at + n]  # type: ignore[index]
+            self.landed(begin + at, begin + at + n, where)
 
-    def wait(self) -> None:
-        """CheckpointCorrupt naming the first tensor that did not match."""
-        for f in self.pending:
-            f.result()
+    def landed(self, begin: int, end: int, where: str) -> None:
+        """Bytes ``begin``..``end`` of ``view`` are in (parts land in order)."""
+        while self._todo and self._todo[0][1] < end:
+            self._open.append((*self._todo.popleft(), Checksum()))
+        for span in list(self._open):
+            name, start, stop, want, h = span
+            if max(begin, start) < min(end, stop):
+                h.update(self.view[max(begin, start):min(end, stop)])  # type: ignore[index]
+            if stop <= end:
+                self._open.remove(span)
+                _compare(where, name, h, want)
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+
+def _compare(where: str, name: str, h: Checksum, want: str) -> None:
+    if h.text() != want:
+        raise CheckpointCorrupt(f"{where}: tensor {name!r} does not match its checksum")
 
 
-def _segments(m: Manifest, file: str, buf: memoryview,
-              checks: _Checks) -> list[tuple[str, int, memoryview, Callable[[], None]]]:
-    """``file``'s bytes as consecutive ranges, each ending where a tensor of it ends,
-    whose callable checks the tensors that end there."""
-    ends: dict[int, list[tuple[str, TensorRecord]]] = {}
+def _tensor_spans(m: Manifest, file: str, size: int) -> list[tuple[str, int, int, str]]:
+    """The tensors ``file`` holds: (name, start, end, checksum) within it."""
+    out = []
     for name, t in m.tensors.items():
         if t.file != file:
             continue
         if t.offset is None:
             raise CheckpointCorrupt(f"tensor {name!r} is a chunked (compressed) HDF5 dataset, whose bytes the peer "
                                     "tier cannot check")
-        if t.offset + t.nbytes > len(buf):
+        if t.offset + t.nbytes > size:
             raise CheckpointCorrupt(f"tensor {name!r} lies beyond the end of {file}")
-        ends.setdefault(t.offset + t.nbytes, []).append((name, t))
-
-    out, start = [], 0
-    for end in sorted(set(ends) | {len(buf)}):
-        tensors = [(name, buf[t.offset:end], t.checksum) for name, t in ends.get(end, [])]  # type: ignore[misc]
-        out.append((file, start, buf[start:end], checks.later(tensors)))
-        start = end
+        out.append((name, t.offset, t.offset + t.nbytes, t.checksum))
     return out
 
 
@@ -576,7 +615,8 @@ class PeerHolding:
     ``ckptd.tiers.base.Holding``."""
 
     url = "the peers' memory"
-    fills_root = True  # loads that read local files fetch the peers' shares first
+    fills_root = True  # loads that read local files (the whole state, mmap=True) fetch the peers' shares first
+    reads_into = True  # load(out=): straight from a peer's memory into the caller's tensors
 
     def __init__(self, tier: PeerTier, run: str, step: int, base: Path,
                  held: dict[tuple[int, int], list[tuple[str, str, Manifest]]], manifests: list[Manifest]) -> None:
@@ -590,10 +630,12 @@ class PeerHolding:
         self.tier.fill(self.run, self.step, self.base, self.held, ranks)
 
     def read_tensors(self, manifest: Manifest, records: dict[str, TensorRecord],
-                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]]) -> dict[str, Any]:
+                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]],
+                     into: dict[str, Any] | None = None) -> dict[str, Any]:
         """``records`` (of one rank's share, its replicated tensors included): those of
         shares in the local root through ``local``, the others from the first peer whose
-        bytes match every checksum."""
+        bytes match every checksum (into ``into``'s tensors where given: a bad copy's bytes
+        are overwritten by the next peer's)."""
         path = layout.step_dir(self.base, self.run, self.step)
         by_writer: dict[int, dict[str, TensorRecord]] = {}
         for name, rec in records.items():
@@ -606,7 +648,7 @@ class PeerHolding:
             problems = []
             for endpoint, where, m in self.held.get((self.step, writer), []):
                 try:
-                    out.update(self.tier.read_records(endpoint, m, recs))
+                    out.update(self.tier.read_records(endpoint, m, recs, into, memory=where == "memory"))
                     break
                 except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
                     log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
