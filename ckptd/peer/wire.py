@@ -95,12 +95,15 @@ class Link:
 
     _ids = itertools.count(1)
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, keys: Any = None, *, hwm: int = 64) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, keys: Any = None, *, hwm: int = 64,
+                 max_message: int = MAX_HEADER_BYTES) -> None:
         from ..transport.curve import secure_client
 
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a peer that answers more than was asked is cut off by libzmq, not buffered
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message + 65536)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a peer not (yet) connected

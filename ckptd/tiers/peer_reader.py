@@ -513,7 +513,8 @@ class PeerTier:
             r.check_empty(where)
         parts = ((r, off, min(r.part or self.cfg.frame, r.size - off)) for r in ranges
                  for off in range(0, r.size, r.part or self.cfg.frame))
-        link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4)
+        link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4,
+                         max_message=max(wire.MAX_HEADER_BYTES, WHOLE_MAX, self.cfg.frame))
         prefault = Prefault(fresh, self.cfg.frame)
         try:
             in_flight: deque[tuple[int, _Range, int, int]] = deque()
