@@ -138,11 +138,17 @@ def test_a_peer_with_many_steps_answers_within_bounds_and_a_load_asks_each_peer_
             n.start()
         saved0 = _save(b, range(1, 81), nbytes=4096, rank=0, world=2)
         saved1 = _save(a, range(70, 80), nbytes=4096, rank=1, world=2)
+        # A's newest share (step 79 rank 1) replicated to B: then what B answers is settled
+        _wait(lambda: {"rank": 1, "attempt": None, "world_size": 2, "where": "memory"} in
+              _ask_raw(b_, {"op": "steps", "run": "job", "limit": 1, "step": 79})["steps"][0]["shares"],
+              "A's step 79 held by B")
         # the bounds, asked raw: at most MAX_STEPS_ANSWERED steps, newest first; more is an error
         answer = _ask_raw(b_, {"op": "steps", "run": "job", "limit": wire.MAX_STEPS_ANSWERED})
         assert answer["ok"] and answer["more"] is True, answer
         assert [s["step"] for s in answer["steps"]] == list(range(80, 80 - wire.MAX_STEPS_ANSWERED, -1))
         assert answer["steps"][0]["shares"] == [{"rank": 0, "attempt": None, "world_size": 2, "where": "disk"}]
+        assert answer["steps"][1]["shares"] == [{"rank": 0, "attempt": None, "world_size": 2, "where": "disk"},
+                                                {"rank": 1, "attempt": None, "world_size": 2, "where": "memory"}]
         for bad in ({"limit": wire.MAX_STEPS_ANSWERED + 1}, {"limit": 0}, {"limit": 2**62}):
             refused = _ask_raw(b_, {"op": "steps", "run": "job", **bad})
             assert refused["ok"] is False and "limit" in refused["error"], refused
@@ -152,7 +158,8 @@ def test_a_peer_with_many_steps_answers_within_bounds_and_a_load_asks_each_peer_
                                 "ranks": list(range(wire.MAX_RANKS_ASKED + 1))})
         assert refused["ok"] is False and f"at most {wire.MAX_RANKS_ASKED}" in refused["error"], refused
         got = _ask_raw(b_, {"op": "manifests", "run": "job", "step": 79, "ranks": [0, 1, 7]})
-        assert [(m["rank"], m["where"]) for m in got["manifests"]] == [(0, "disk")] and got["left"] == [], got
+        assert sorted((m["rank"], m["where"]) for m in got["manifests"]) == [(0, "disk"), (1, "memory")], got
+        assert got["left"] == [], got
 
         before = {n: _served(n) for n in (a, b)}
         monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
@@ -166,7 +173,7 @@ def test_a_peer_with_many_steps_answers_within_bounds_and_a_load_asks_each_peer_
         for n in (a, b):  # latest, latest+find, find: one summary each, manifests only of the lacking ranks
             assert cost[n]["steps"][0] == 3, cost
             assert cost[n]["manifests"][0] <= 3, cost
-        # each rank's manifest asked of one holder per call: rank 1 of A (its disk), rank 0 of one of them
+        # each rank's manifest asked of one holder per call: rank 1 of B (its memory), rank 0 of one of them
         assert 3 <= sum(cost[n]["manifests"][0] for n in (a, b)) <= 6, cost
         assert cost[a]["steps"][1] + cost[b]["steps"][1] < 16 * 1024, cost  # summaries of 16 steps, not manifests
         print("cost per peer of latest + load + load(rank=0):", {str(n.base.name): v for n, v in cost.items()})

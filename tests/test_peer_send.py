@@ -98,9 +98,15 @@ def test_drops_are_batched_and_go_only_to_the_partners_that_were_sent_replicas(t
     try:
         for n in nodes:
             n.start()
-        t0 = time.monotonic()
         with sender.producer("a", staging_size="4MiB") as pa, sender.producer("b", staging_size="4MiB") as pb:
-            for step in range(1, 13):
+            for p in (pa, pb):
+                p.save({"w": torch.full((4096,), 1.0)}, 1).wait(30)
+            # the holder has a replica of each run: from now on every step retention deletes is
+            # dropped there (saves back to back supersede their replicas before they are sent)
+            _wait(lambda: _held_run(holder, "a") == _held_run(holder, "b") == {(1, 0): "memory"},
+                  "step 1 of both runs held")
+            t0 = time.monotonic()
+            for step in range(2, 13):
                 for p in (pa, pb):
                     p.save({"w": torch.full((4096,), float(step))}, step).wait(30)
         # only the newest step of each run stays held: the one before it went by its owner's
