@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import socket
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -18,6 +17,7 @@ from typing import Iterator
 import pytest
 
 import forkserver
+from ports import free_port  # noqa: F401  (the tests import it from here)
 from ckptd import Producer
 from ckptd.transport import curve
 from ckptd.daemon.launcher import ServeProcess
@@ -235,13 +235,6 @@ def keys(tmp_path: Path) -> dict[str, Path]:
     os.link(alice_public, clients / "alice.key")
     return {"server": server_public, "server_secret": server_secret, "clients": clients,
             "alice": alice_secret, "mallory": mallory_secret}
-
-
-def free_port() -> int:
-    # The config needs the port itself (port 0 is refused), so borrow a free one.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_tcp(make_daemon, keys: dict[str, Path]):

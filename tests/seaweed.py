@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,26 +24,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ports import GAP, free_port_pair
+
 ACCESS_KEY = "ckptdtest"
 SECRET_KEY = "ckptdtest-secret-key"
 WEED = str(Path(sys.executable).with_name("weed"))
-
-
-def _free_port_pair() -> int:
-    """A port P such that P and P + 10000 are both free now (P below 55000)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 55000:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free pair of ports (P, P + 10000) on 127.0.0.1")
 
 
 class SeaweedS3:
@@ -59,12 +43,8 @@ class SeaweedS3:
         self.sock_dir = Path(tempfile.mkdtemp(prefix="sw", dir="/tmp"))
         names = ("master", "volume", "filer", "s3", "admin")
         self.ports: dict[str, int] = {}
-        for name in names:
-            while True:
-                port = _free_port_pair()
-                if port not in self.ports.values() and port + 10000 not in self.ports.values():
-                    break
-            self.ports[name] = port
+        for name in names:  # each a new one: the pairs are handed out in turn
+            self.ports[name] = free_port_pair()
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         self.identities = base / "s3.json"
         self.identities.write_text(json.dumps({"identities": [{
@@ -81,7 +61,7 @@ class SeaweedS3:
                 f"-filer.localSocket={self.sock_dir}/f.sock", f"-s3.localSocket={self.sock_dir}/s.sock",
                 "-master.volumeSizeLimitMB=256", "-master.volumePreallocate=false"]
         for name in ("master", "volume", "filer", "s3", "admin"):
-            args += [f"-{name}.port={p[name]}", f"-{name}.port.grpc={p[name] + 10000}"]
+            args += [f"-{name}.port={p[name]}", f"-{name}.port.grpc={p[name] + GAP}"]
         return args
 
     def env(self) -> dict[str, str]:
@@ -123,7 +103,7 @@ class SeaweedS3:
                 self.proc.wait()
         self.proc = None
         for port in self.ports.values():
-            for grpc in (port, port + 10000):
+            for grpc in (port, port + GAP):
                 for path in glob.glob(f"/tmp/seaweedfs-*-grpc-{grpc}.sock"):
                     try:
                         os.unlink(path)
