@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import ckptd
 from ckptd.config import load as load_config
+from ckptd.peer.backoff import Backoff
 from ckptd.tiers.peer_reader import PeerTier
 from conftest import Daemon, free_port
 
@@ -420,7 +421,7 @@ def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, 
         a.start()
         monkeypatch.setenv("CKPTD_CONFIG", str(a.config))  # a reader with admitted keys
         assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
-        monkeypatch.setattr("ckptd.tiers.peer_reader.DEAD_S", 0.0)  # each refused reader below asks afresh
+        monkeypatch.setattr("ckptd.tiers.peer_reader.SILENT", Backoff(0.0, 0.0))  # each refused reader below asks afresh
         stranger = PeerTier(load_config(node(0, "mallory").config))  # valid keys, not admitted
         assert stranger.holdings("job") == {}
         plain = Daemon(tmp_path / "plain", tables={"peer": {"listen": listens[0], "peers": [listens[1]]}})

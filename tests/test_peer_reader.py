@@ -21,6 +21,7 @@ import zmq
 import ckptd
 from ckptd.config import load as load_config
 from ckptd.layout import is_data_file
+from ckptd.peer.backoff import Backoff
 from ckptd.peer import wire
 from ckptd.tiers.peer_reader import PeerTier
 from conftest import Daemon, free_port
@@ -250,8 +251,8 @@ def test_a_stopped_and_a_killed_peer_are_backed_off_without_stalling_the_others(
     the cap) and ends when it answers."""
     from ckptd.tiers import peer_reader
 
-    monkeypatch.setattr(peer_reader, "DEAD_S", 0.5)
-    monkeypatch.setattr(peer_reader, "DEAD_MAX_S", 2.0)
+    silent = Backoff(0.5, 2.0)
+    monkeypatch.setattr(peer_reader, "SILENT", silent)
     a_, b_, c_, k_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(4))
     a = _node(tmp_path, "a", a_, [b_])
     b = _node(tmp_path, "b", b_, [a_])
@@ -269,23 +270,23 @@ def test_a_stopped_and_a_killed_peer_are_backed_off_without_stalling_the_others(
             t0 = time.monotonic()
             info = tier.latest("job")
             first = time.monotonic() - t0
-            assert {e: peer_reader._silent[e][1] for e in (a_, k_)} == {a_: 0.5, k_: 0.5}
+            assert {e: silent.period(e) for e in (a_, k_)} == {a_: 0.5, k_: 0.5}
             assert 1 in tier.summary("job")  # at once: within the back-off, neither is asked
         assert info is not None and info.step == 1
         assert first < 2 * tier.cfg.timeout, f"{first:.1f} s: the silent peers were waited for one after the other"
         assert f"{a_} not asked: it did not answer" in caplog.text and f"{k_} not asked" in caplog.text
-        assert b_ not in peer_reader._silent and c_ not in peer_reader._silent
+        assert silent.period(b_) == silent.period(c_) == 0
         assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
         backs = []
         for _ in range(3):  # silent again each time it is asked: 1, 2, then the cap
-            _wait(lambda: peer_reader._silent[a_][0] < time.monotonic(), "the back-off over", timeout=5)
+            _wait(lambda: not silent.skipped(a_), "the back-off over", timeout=5)
             tier.summary("job")
-            backs.append(peer_reader._silent[a_][1])
+            backs.append(silent.period(a_))
         assert backs == [1.0, 2.0, 2.0], backs
         os.kill(a.pid, signal.SIGCONT)  # it answers again: asked at once, its back-off ended
-        _wait(lambda: peer_reader._silent[a_][0] < time.monotonic(), "the back-off over", timeout=5)
+        _wait(lambda: not silent.skipped(a_), "the back-off over", timeout=5)
         assert 1 in tier.summary("job")
-        assert a_ not in peer_reader._silent and peer_reader._silent[k_][1] == 2.0
+        assert silent.period(a_) == 0 and silent.period(k_) == 2.0
     finally:
         if a.alive():
             os.kill(a.pid, signal.SIGCONT)

@@ -43,7 +43,7 @@ from ..daemon import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
 from . import partners, supervise, wire
 from .asking import ask_all
-from .backoff import Backoff
+from .backoff import CAP_HEARTBEATS, Backoff
 from .sender import DOWN, DROPPED, GONE, HELD, REFUSED, RETURNED, Job, Pacer, PartnerSender
 
 log = logging.getLogger("ckptd.peer")
@@ -77,7 +77,7 @@ class Replicator:
         self._sent_to: dict[str, set[str]] = {}  # run -> partners that were sent replicas of it (its drops)
         self._newest: dict[tuple[str, int], int] = {}  # (run, rank) -> newest step committed
         self._checked = time.monotonic()  # when the holders were last asked
-        self._backoff = Backoff(config.heartbeat)
+        self._backoff = Backoff(config.heartbeat, config.heartbeat * CAP_HEARTBEATS)
         self._links: dict[str, wire.Link] = {}  # this thread's own, for holds, drop and ping
         self._senders: dict[str, PartnerSender] = {}  # one per partner, made as it is first sent a share
         self._pacer = Pacer(config.rate)

@@ -13,9 +13,9 @@ local rules hold for it as for a share the daemon wrote, and once a node (a lock
 share). A reader asks each peer a small summary (``steps``), then the manifests it
 lacks of the step it picked, one holder a rank (``manifests``: docs/tiers.md,
 "Recovery"). Peers are asked all at once and given ``[peer] timeout``, together, to
-answer; one that does not is skipped, and not asked again for ``DEAD_S`` seconds,
-doubled while it stays silent (a dead node costs a reader ``timeout`` once, whatever
-the number of dead nodes).
+answer; one that does not is not asked again for ``DEAD_S`` seconds, doubled while
+it stays silent, up to ``DEAD_MAX_S`` (``SILENT``: a dead node costs a reader
+``timeout`` once, whatever the number of dead nodes).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
 from ..manifest import CheckpointInfo, Checksum, Manifest, TensorRecord
 from ..peer import wire
 from ..peer.asking import ask_all
+from ..peer.backoff import Backoff
 from ..peer.holder import check_headers
 from ..peer.pages import Prefault
 from ..reader.files import bytes_of
@@ -73,7 +74,7 @@ DEAD_S = 10.0  # a peer that did not answer is not asked again for this long, do
 DEAD_MAX_S = 160.0  # ... up to this
 LEARNT_S = 10.0  # what ``latest`` learnt of its step serves a ``find`` of that step this long
 LOCK_WAIT_S = 600.0  # another process fetching the same share is waited for this long at most
-_silent: dict[str, tuple[float, float]] = {}  # endpoint -> (monotonic time until which it is not asked, back-off)
+SILENT = Backoff(DEAD_S, DEAD_MAX_S)  # the peers this process does not ask for now
 _warned: set[str] = set()  # warnings already logged by this process
 _learnt: dict[tuple[Any, ...], tuple[float, "Held"]] = {}  # (endpoints, base, run, step) -> (until, held)
 
@@ -173,19 +174,17 @@ class PeerTier:
         """Send each endpoint its request, all at once, and collect the answers with one
         deadline (``timeout``) for all. A peer that does not answer is not asked again
         for ``DEAD_S`` seconds, doubled each time it stays silent (up to ``DEAD_MAX_S``),
-        reset once it answers: a dead node costs a reader ``timeout`` once, then
+        reset once it answers (``SILENT``): a dead node costs a reader ``timeout`` once, then
         rarely. A process that cannot read its keys asks nobody (one WARNING)."""
         try:
             keys = self.keys
         except ConfigError as exc:  # ``latest`` still answers from the local root (and the bucket)
             _warn_once(f"peer tier: not asked, it holds nothing for this process: {exc}")
             return {}
-        now = time.monotonic()
         links: dict[str, wire.Link] = {}
         for e in requests:
-            until, back_off = _silent.get(e, (0.0, 0.0))
-            if until > now:
-                log.info("peer tier: %s not asked: it did not answer %.0f s ago", e, now - until + back_off)
+            if SILENT.skipped(e):
+                log.info("peer tier: %s not asked: it did not answer; asked again in %.0f s", e, SILENT.left(e))
                 continue
             try:
                 links[e] = wire.Link(self.ctx, e, keys)
@@ -198,12 +197,11 @@ class PeerTier:
                 link.close()
         for e, answer in answers.items():
             if not isinstance(answer, wire.PeerDown):
-                _silent.pop(e, None)  # it answered, if only with an error
+                SILENT.answered(e)  # it answered, if only with an error
                 if isinstance(answer, Exception):
                     log.info("peer tier: %s", answer)
                 continue
-            back_off = min(DEAD_MAX_S, 2 * _silent[e][1] if e in _silent else DEAD_S)
-            _silent[e] = (time.monotonic() + back_off, back_off)
+            back_off = SILENT.failed(e)
             log.info("peer tier: %s did not answer within %g s; not asked for %g s", e, self.cfg.timeout, back_off)
         return {e: a for e, a in answers.items() if not isinstance(a, Exception)}
 
