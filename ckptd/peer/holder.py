@@ -67,6 +67,7 @@ class Holder:
         self._lock = threading.Lock()
         self._held: dict[Key, Replica] = {}
         self._incoming: dict[int, Replica] = {}
+        self._verifying: dict[int, Replica] = {}  # received whole, being checksummed (``done``): room still taken
         self._xfers = itertools.count(1)
         self._arrivals = itertools.count()
         self.evicted = 0
@@ -121,24 +122,29 @@ class Holder:
             r = self._incoming.get(xfer)
             if r is not None and r.owner != owner:
                 raise NotYours(f"transfer {xfer} is another peer's")
-            self._incoming.pop(xfer, None)
+            if r is not None:
+                self._verifying[xfer] = self._incoming.pop(xfer)
         if r is None:
             raise KeyError(f"transfer {xfer} is unknown")
-        short = [f for f, b in r.files.items() if r.received[f] != len(b)]
-        if short:
-            raise CheckpointCorrupt(f"{', '.join(short)}: not every byte arrived")
         try:
-            verify(r.manifest, r.files, "a replica received")
-        except CheckpointCorrupt:
+            short = [f for f, b in r.files.items() if r.received[f] != len(b)]
+            if short:
+                raise CheckpointCorrupt(f"{', '.join(short)}: not every byte arrived")
+            try:
+                verify(r.manifest, r.files, "a replica received")  # outside the lock: the other ops go on
+            except CheckpointCorrupt:
+                with self._lock:
+                    self.rejected += 1
+                raise
             with self._lock:
-                self.rejected += 1
-            raise
-        with self._lock:
-            self._check_owner(r.key, owner)  # held meanwhile by another owner: theirs stays
-            r.arrival = next(self._arrivals)
-            self._held[r.key] = r
-            self._tidy(r.key[0])
-        return r.key
+                self._check_owner(r.key, owner)  # held meanwhile by another owner: theirs stays
+                r.arrival = next(self._arrivals)
+                self._held[r.key] = r
+                self._tidy(r.key[0])
+            return r.key
+        finally:
+            with self._lock:
+                del self._verifying[xfer]
 
     def _check_owner(self, key: Key, owner: str | None) -> None:
         held = self._held.get(key)
@@ -227,7 +233,7 @@ class Holder:
             self.evicted += 1
 
     def _used(self) -> int:
-        return sum(r.nbytes for r in self._held.values()) + sum(r.nbytes for r in self._incoming.values())
+        return sum(r.nbytes for d in (self._held, self._incoming, self._verifying) for r in d.values())
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -252,7 +258,7 @@ class Holder:
         with self._lock:
             return {"held_bytes": sum(r.nbytes for r in self._held.values()), "held_shares": len(self._held),
                     "held_steps": len({(k[0], k[1]) for k in self._held}),
-                    "receiving_bytes": sum(r.nbytes for r in self._incoming.values()),
+                    "receiving_bytes": sum(r.nbytes for d in (self._incoming, self._verifying) for r in d.values()),
                     "memory": self.budget, "evicted": self.evicted, "rejected": self.rejected,
                     "drop_requests": self.drop_requests,
                     "evictable_shares": len(self._evictable())}

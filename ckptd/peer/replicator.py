@@ -29,7 +29,6 @@ replicas of that run to, all at once and within one ``timeout``.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -51,7 +50,7 @@ log = logging.getLogger("ckptd.peer")
 Key = tuple[str, int, int]
 
 
-class Replicator:
+class Replicator(supervise.Supervised):
     def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
                  keep_last: Callable[[str], int], node_id: str, *, direct_io: bool = False) -> None:
         if config.rate and config.frame / config.rate > config.stall / 2:
@@ -67,7 +66,7 @@ class Replicator:
         self.keys = keys
         self.keep_last = keep_last
         self.peers = tuple(p for p in config.peers if p != config.listen)
-        self._cv = threading.Condition()
+        super().__init__("ckptd-peer-send")
         self._queue: deque[Key] = deque()  # shares to (re)assign to partners
         self._drops: dict[str, set[int]] = {}  # run -> steps retention deleted here, not yet sent
         # the newest share of each (run, rank) committed here -> the partners holding it
@@ -81,10 +80,8 @@ class Replicator:
         self._links: dict[str, wire.Link] = {}  # this thread's own, for holds, drop and ping
         self._senders: dict[str, PartnerSender] = {}  # one per partner, made as it is first sent a share
         self._pacer = Pacer(config.rate)
-        self._stop = False
         self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0,
                          "replicas_lost": 0, "drop_messages": 0, "dropped_steps": 0}
-        self.thread = threading.Thread(target=self._loop, name="ckptd-peer-send", daemon=True)
         self.busy: Callable[[], bool] = lambda: False  # the daemon is receiving or committing a step
         # (run, step, rank, seconds from local commit to held by `replicas` partners): the
         # peer tier's persist time for the interval advice (ckptd.daemon.measuring)
@@ -92,14 +89,8 @@ class Replicator:
         self._committed_at: dict[Key, float] = {}  # shares not yet fully replicated -> commit time
 
     # -- from other threads ----------------------------------------------------------------
-    def start(self) -> None:
-        self.thread.start()
-
     def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self.thread.join()
+        super().close()
         for sender in list(self._senders.values()):
             sender.close()
 
@@ -146,8 +137,7 @@ class Replicator:
         self._tried.pop(key, None)
 
     # -- the thread ------------------------------------------------------------------------
-    def _loop(self) -> None:
-        supervise.run(self.thread.name, self._run, lambda: self._stop)
+    def _closing(self) -> None:
         for link in self._links.values():
             link.close()
 

@@ -78,7 +78,7 @@ class Pacer:
             time.sleep(wait)
 
 
-class PartnerSender:
+class PartnerSender(supervise.Supervised):
     def __init__(self, index: int, peer: str, ctx: zmq.Context, keys: Any, cfg: PeerConfig, root: Path,
                  pacer: Pacer, busy: Callable[[], bool], wanted: Callable[[Key], bool],
                  on_done: Callable[[str, Job, str, int, float], None], *, direct_io: bool = False) -> None:
@@ -89,29 +89,17 @@ class PartnerSender:
         self.busy = busy  # the daemon is receiving or committing a step: parts wait
         self.wanted = wanted  # whether a job is still worth sending (not superseded meanwhile)
         self.on_done = on_done
-        self._cv = threading.Condition()
         self._jobs: deque[Job] = deque()
-        self._stop = False
         self._link: wire.Link | None = None
         self._busy_seen = 0.0
-        self.thread = threading.Thread(target=self._loop, name=f"ckptd-peer-send-{index}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self.thread.join()
+        super().__init__(f"ckptd-peer-send-{index}")
 
     def put(self, job: Job) -> None:
         with self._cv:
             self._jobs.append(job)
             self._cv.notify()
 
-    def _loop(self) -> None:
-        supervise.run(self.thread.name, self._run, lambda: self._stop)
+    def _closing(self) -> None:
         self._forget()
         with self._cv:
             left, self._jobs = list(self._jobs), deque()

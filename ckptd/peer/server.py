@@ -1,16 +1,22 @@
 """The ``ckptd-peer-serve`` thread: a ROUTER on ``[peer] listen`` that receives
 replicas into the holder and serves shares to readers, from memory (replicas) or
 from this daemon's own root (its committed shares: a node recovering finds the
-surviving nodes' shares there)."""
+surviving nodes' shares there).
+
+A ``done`` is answered from the ``ckptd-peer-verify`` thread: it checksums a whole
+share (about a second for 10 GB), and meanwhile the serve thread answers the others,
+whose readers would otherwise wait, time out and back this node off."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -52,48 +58,78 @@ class PeerServer:
         self._disk: dict[Path, tuple[tuple[int, int, int], Manifest | None]] = {}  # own shares, by manifest file
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-serve", daemon=True)
+        # the verify thread's answers, and a socket that wakes the serve thread for each
+        self._verified: deque[tuple[bytes, dict[str, Any]]] = deque()
+        self._wake = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        self._wake[0].bind(f"inproc://ckptd-peer-verified-{id(self)}")
+        self._wake[1].connect(f"inproc://ckptd-peer-verified-{id(self)}")
+        self._verifier = _Verifier(self)
 
     def start(self) -> None:
+        self._verifier.start()
         self.thread.start()
 
     def close(self) -> None:
         self._stop.set()
         self.thread.join()
-        self.sock.close(linger=0)
+        self._verifier.close()
+        for sock in (self.sock, *self._wake):
+            sock.close(linger=0)
 
     def _loop(self) -> None:
         supervise.run(self.thread.name, self._serve, self._stop.is_set)
 
     def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake[0], zmq.POLLIN)
         while not self._stop.is_set():
-            if not self.sock.poll(200, zmq.POLLIN):
+            ready = dict(poller.poll(200))
+            if self._wake[0] in ready:
+                while self._wake[0].poll(0):
+                    self._wake[0].recv()
+                while self._verified:
+                    self._send(*self._verified.popleft(), None)
+            if self.sock not in ready:
                 self.holder.expire()
                 continue
             frames = self.sock.recv_multipart(copy=False)
             failpoints.hit("peer.serve_loop")  # a failure outside any handler: the thread restarts
             ident, rest = frames[0].bytes, frames[1:]
+            header: dict[str, Any] = {}
             try:
-                answer, payload = self._answer(rest)
+                answer, payload = self._guard(header, lambda: self._parse(header, rest))
             except _NoAnswer:
                 continue
-            op = answer.pop(_OP, None)
-            frames_out = [ident, wire.pack(answer)] + ([payload] if payload is not None else [])
-            self._count(op, sum(len(f) for f in frames_out[1:]))
-            try:
-                self.sock.send_multipart(frames_out, copy=payload is None, flags=zmq.NOBLOCK)
-            except (zmq.Again, zmq.ZMQError) as exc:  # the asker is gone, or has a backlog
-                log.debug("cannot answer a peer: %s", exc)
+            except _Later as later:
+                self._verifier.put((ident, header, later.make))
+                continue
+            self._send(ident, answer, payload)
 
-    def _answer(self, rest: list[Any]) -> tuple[dict[str, Any], Any]:
-        """The answer to one request (frames after the asker's identity): any failure,
-        expected or not, is an error answer, never an exception out of the loop."""
-        header: dict[str, Any] = {}
+    def _send(self, ident: bytes, answer: dict[str, Any], payload: Any) -> None:
+        op = answer.pop(_OP, None)
+        frames_out = [ident, wire.pack(answer)] + ([payload] if payload is not None else [])
+        self._count(op, sum(len(f) for f in frames_out[1:]))
         try:
-            if not rest:
-                raise ProtocolError("an empty peer request")
-            header = wire.unpack(rest[0])
-            answer, payload = self._handle(header, rest[1] if len(rest) > 1 else None, _user(rest[0]))
-        except _NoAnswer:
+            self.sock.send_multipart(frames_out, copy=payload is None, flags=zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as exc:  # the asker is gone, or has a backlog
+            log.debug("cannot answer a peer: %s", exc)
+
+    def _parse(self, header: dict[str, Any], rest: list[Any]) -> tuple[dict[str, Any], Any]:
+        """Handle one request (the frames after the asker's identity), its header read into ``header``."""
+        if not rest:
+            raise ProtocolError("an empty peer request")
+        header.update(wire.unpack(rest[0]))
+        return self._handle(header, rest[1] if len(rest) > 1 else None, _user(rest[0]))
+
+    def _guard(self, header: dict[str, Any],
+               make: Callable[[], tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
+        """The answer ``make`` gives to the request ``header``: any failure, expected or
+        not, is an error answer, never an exception out of the loop (but ``_NoAnswer``
+        and ``_Later``, which say what to do instead)."""
+        try:
+            answer, payload = make()
+        except (_NoAnswer, _Later):
             raise
         except (ProtocolError, CheckpointCorrupt, Full, NotYours, KeyError, ValueError, OSError) as exc:
             answer, payload = {"ok": False, "error": str(exc) if not isinstance(exc, KeyError) else exc.args[0]}, None
@@ -165,9 +201,7 @@ class PeerServer:
             xfer = wire.field(h, "xfer", int)
             if xfer in self._muted:
                 raise _NoAnswer
-            key = self.holder.done(xfer, owner=self._writer(user, "done"))
-            log.info("holding run %r step %d rank %d for a peer", *key)
-            return {}, None
+            raise _Later(functools.partial(self._done, xfer, self._writer(user, "done")))
         if op == "holds":
             shares = wire.field(h, "shares", list)
             if len(shares) > wire.MAX_SHARES_ASKED:
@@ -200,6 +234,11 @@ class PeerServer:
         if op == "read":
             return {}, self._read(h)
         raise ProtocolError(f"unknown peer request {str(op)[:64]!r}")
+
+    def _done(self, xfer: int, owner: str | None) -> tuple[dict[str, Any], Any]:
+        key = self.holder.done(xfer, owner=owner)  # on the verify thread: it checksums the share
+        log.info("holding run %r step %d rank %d for a peer", *key)
+        return {}, None
 
     def _holds(self, share: Any) -> bool:
         """Whether ``share`` ([run, step, rank]) is held here in memory."""
@@ -331,6 +370,41 @@ _COUNTED = frozenset({"ping", "offer", "part", "done", "holds", "drop", "steps",
 
 class _NoAnswer(Exception):
     pass
+
+
+class _Later(Exception):
+    """From ``_handle``: this answer is made on the verify thread, by ``make``."""
+
+    def __init__(self, make: Callable[[], tuple[dict[str, Any], Any]]) -> None:
+        super().__init__()
+        self.make = make
+
+
+class _Verifier(supervise.Supervised):
+    """The ``ckptd-peer-verify`` thread: makes the answers ``_Later`` defers, in turn,
+    and hands each to the serve thread (which alone sends on the port)."""
+
+    def __init__(self, server: PeerServer) -> None:
+        super().__init__("ckptd-peer-verify")
+        self.server = server
+        self._jobs: deque[tuple[bytes, dict[str, Any], Callable[[], tuple[dict[str, Any], Any]]]] = deque()
+
+    def put(self, job: tuple[bytes, dict[str, Any], Callable[[], tuple[dict[str, Any], Any]]]) -> None:
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stop or self._jobs):
+                    self._cv.wait()
+                if self._stop:
+                    return
+                ident, header, make = self._jobs.popleft()
+            answer, _ = self.server._guard(header, make)
+            self.server._verified.append((ident, answer))
+            self.server._wake[1].send(b"", zmq.NOBLOCK)  # this thread alone sends on this end
 
 
 def _within(file: str, offset: int, length: int, size: int) -> None:

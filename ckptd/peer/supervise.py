@@ -44,3 +44,32 @@ def run(name: str, loop: Callable[[], None], stopping: Callable[[], bool]) -> No
             log.exception("thread %s failed (restart %d); it starts again", name, n)
         pause = RESTART_PAUSE_S[0] if time.monotonic() - began > 10 else min(pause * 2, RESTART_PAUSE_S[1])
         time.sleep(pause)
+
+
+class Supervised:
+    """A peer-tier thread that waits on ``_cv`` for work or ``_stop``: ``_run`` is its
+    loop, kept alive by ``run``; ``_closing`` runs on that thread once it ends."""
+
+    def __init__(self, name: str) -> None:
+        self._cv = threading.Condition()
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self.thread.join()
+
+    def _loop(self) -> None:
+        run(self.thread.name, self._run, lambda: self._stop)
+        self._closing()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _closing(self) -> None:
+        pass
