@@ -49,8 +49,8 @@ def test_a_hung_partner_and_a_dead_one_never_hold_up_the_healthy_one(tmp_path: P
         waits = []
         with sender.producer("job", staging_size="8MiB") as p:
             for step in range(1, 9):
-                began = time.monotonic()
                 p.save({"w": torch.full((65536,), float(step))}, step).wait(30)
+                began = time.monotonic()  # committed: from here on, replication's time
                 _wait(lambda: _held(healthy).get((step, 0)) == "memory", f"step {step} held by the healthy partner")
                 waits.append(time.monotonic() - began)
         # at worst both back-offs ended together: two timeouts, then the transfer

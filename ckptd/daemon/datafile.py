@@ -25,6 +25,10 @@ from collections import deque
 from itertools import islice
 from typing import Any, Iterable
 
+# fileio.buffer_address imports numpy where it is first called: here, the daemon imports
+# it as it starts, not in its first commit (which, at nice 19 on a busy host, took 30 s)
+import numpy  # noqa: F401
+
 from ..format.fileio import buffer_address
 
 BLOCK = 4096  # O_DIRECT alignment of addresses, offsets and lengths (the common logical block size)
