@@ -78,7 +78,7 @@ class Pacer:
             time.sleep(wait)
 
 
-class PartnerSender(supervise.Supervised):
+class PartnerSender(supervise.Queued[Job]):
     def __init__(self, index: int, peer: str, ctx: zmq.Context, keys: Any, cfg: PeerConfig, root: Path,
                  pacer: Pacer, busy: Callable[[], bool], wanted: Callable[[Key], bool],
                  on_done: Callable[[str, Job, str, int, float], None], *, direct_io: bool = False) -> None:
@@ -89,15 +89,9 @@ class PartnerSender(supervise.Supervised):
         self.busy = busy  # the daemon is receiving or committing a step: parts wait
         self.wanted = wanted  # whether a job is still worth sending (not superseded meanwhile)
         self.on_done = on_done
-        self._jobs: deque[Job] = deque()
         self._link: wire.Link | None = None
         self._busy_seen = 0.0
         super().__init__(f"ckptd-peer-send-{index}")
-
-    def put(self, job: Job) -> None:
-        with self._cv:
-            self._jobs.append(job)
-            self._cv.notify()
 
     def _closing(self) -> None:
         self._forget()
@@ -111,13 +105,7 @@ class PartnerSender(supervise.Supervised):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (OSError, AttributeError) as exc:
             log.debug("%s keeps the daemon's priority: %s", self.thread.name, exc)
-        while True:
-            with self._cv:
-                while not (self._stop or self._jobs):
-                    self._cv.wait()
-                if self._stop:
-                    return
-                job = self._jobs.popleft()
+        while (job := self._next()) is not None:
             try:
                 self._one(job)
             except BaseException:  # a bug: the job is handed back before the thread restarts

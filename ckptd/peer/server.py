@@ -380,28 +380,20 @@ class _Later(Exception):
         self.make = make
 
 
-class _Verifier(supervise.Supervised):
+Deferred = tuple[bytes, dict[str, Any], Callable[[], tuple[dict[str, Any], Any]]]  # (asker, header, make)
+
+
+class _Verifier(supervise.Queued[Deferred]):
     """The ``ckptd-peer-verify`` thread: makes the answers ``_Later`` defers, in turn,
     and hands each to the serve thread (which alone sends on the port)."""
 
     def __init__(self, server: PeerServer) -> None:
         super().__init__("ckptd-peer-verify")
         self.server = server
-        self._jobs: deque[tuple[bytes, dict[str, Any], Callable[[], tuple[dict[str, Any], Any]]]] = deque()
-
-    def put(self, job: tuple[bytes, dict[str, Any], Callable[[], tuple[dict[str, Any], Any]]]) -> None:
-        with self._cv:
-            self._jobs.append(job)
-            self._cv.notify()
 
     def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._stop or self._jobs):
-                    self._cv.wait()
-                if self._stop:
-                    return
-                ident, header, make = self._jobs.popleft()
+        while (job := self._next()) is not None:
+            ident, header, make = job
             answer, _ = self.server._guard(header, make)
             self.server._verified.append((ident, answer))
             self.server._wake[1].send(b"", zmq.NOBLOCK)  # this thread alone sends on this end

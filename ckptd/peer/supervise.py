@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
-from typing import Callable
+from collections import Counter, deque
+from typing import Callable, Generic, TypeVar
 
 log = logging.getLogger("ckptd.peer")
 
@@ -73,3 +73,26 @@ class Supervised:
 
     def _closing(self) -> None:
         pass
+
+
+J = TypeVar("J")
+
+
+class Queued(Supervised, Generic[J]):
+    """A ``Supervised`` thread that does the jobs ``put`` hands it, in turn: its ``_run``
+    takes each from ``_next`` until that says it is stopping (None)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._jobs: deque[J] = deque()
+
+    def put(self, job: J) -> None:
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify()
+
+    def _next(self) -> J | None:
+        with self._cv:
+            while not (self._stop or self._jobs):
+                self._cv.wait()
+            return None if self._stop else self._jobs.popleft()
