@@ -337,7 +337,7 @@ class PeerConfig:
     frame: int = _opt(4 * 2**20, _positive(parse_size))  # bytes per message of a transfer
     window: int = _opt(8, _positive(lambda v: _count(v)))  # messages of a transfer in flight
     stall: float = _opt(10.0, _positive(parse_duration))  # no answer this long: the peer is slow or dead
-    timeout: float = _opt(1.0, _positive(parse_duration))  # a reader's wait for a peer's list
+    timeout: float = _opt(1.0, _positive(parse_duration))  # a reader's wait for the peers' answers; a sender's for a partner's
     # how often partners holding this node's newest shares are asked whether they still do,
     # and under-replicated shares are tried again (a failed peer is skipped this long)
     heartbeat: float = _opt(5.0, _positive(parse_duration))
