@@ -114,6 +114,10 @@ def test_drops_are_batched_and_go_only_to_the_partners_that_were_sent_replicas(t
         _wait(lambda: _held_run(holder, "a") == _held_run(holder, "b") == {(12, 0): "memory"},
               "the deleted steps dropped at the holder")
         elapsed = time.monotonic() - t0
+        # the holder counts a drop as it arrives, the sender once its answer is back: equal once
+        # the last exchange is over
+        _wait(lambda: _status(sender)["peer"]["drop_messages"] == _status(holder)["peer"]["drop_requests"],
+              "the sender counted every drop the holder took")
         sent, held, other = _status(sender)["peer"], _status(holder)["peer"], _status(bystander)["peer"]
         assert other["drop_requests"] == 0 and other["held_shares"] == 0, other
         # 22 retention passes (11 per run): one message per heartbeat at most, both runs in each
