@@ -71,11 +71,11 @@ class HandoffRefused(Exception):
 
 
 class PeerDown(Exception):
-    """A peer did not answer in time (slow, full of backlog, or dead) (peer/wire.py)."""
+    """A peer did not answer in time (slow, full of backlog, or dead) (peer/messages.py)."""
 
 
 class PeerRefused(Exception):
-    """A peer answered with an error (peer/wire.py)."""
+    """A peer answered with an error (peer/messages.py)."""
 
 
 class PeerMemoryFull(Exception):

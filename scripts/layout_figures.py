@@ -215,6 +215,120 @@ def format_imports_daemon(mods: dict[str, Path]) -> list[str]:
             for d in sorted(graph[m]) if d == f"{PACKAGE}.daemon" or d.startswith(f"{PACKAGE}.daemon.")]
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between ``ckptd``'s subpackages and top-level modules."""
+    def top(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        out.setdefault(top(m), set()).update(top(d) for d in deps)
+    for m, deps in out.items():
+        deps.discard(m)
+        deps.discard(PACKAGE)
+    out.pop(PACKAGE, None)
+    return out
+
+
+def class_attributes(path: Path, name: str) -> list[str]:
+    """The attributes a class's methods assign on ``self``."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            attrs = set()
+            for sub in ast.walk(node):
+                targets = sub.targets if isinstance(sub, ast.Assign) else (
+                    [sub.target] if isinstance(sub, (ast.AnnAssign, ast.AugAssign)) else [])
+                for t in targets:
+                    for e in ast.walk(t):
+                        if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
+                                and e.value.id == "self"):
+                            attrs.add(e.attr)
+            return sorted(attrs)
+    return []
+
+
+def functions(mods: dict[str, Path]) -> list[tuple[int, str]]:
+    """(lines, module:qualified name) of every function and method, longest first."""
+    out = []
+    for mod, path in mods.items():
+        def walk(node: ast.AST, prefix: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    name = prefix + child.name
+                    out.append((child.end_lineno - child.lineno + 1, f"{mod}:{name}"))
+                    walk(child, name + ".")
+                elif isinstance(child, ast.ClassDef):
+                    walk(child, prefix + child.name + ".")
+        walk(ast.parse(path.read_text(), str(path)), "")
+    return sorted(out, reverse=True)
+
+
+PRAGMAS = ("# type:", "# noqa", "# pragma", "#!", "# fmt:")
+
+
+def comment_density(mods: dict[str, Path]) -> tuple[int, int]:
+    """(comments, code lines) over the package: a comment is a ``#`` token other than a
+    pragma; a code line holds a token other than a comment or a docstring."""
+    import io
+    import tokenize
+    comments = code = 0
+    for path in mods.values():
+        text = path.read_text()
+        doc_lines: set[int] = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                        and isinstance(body[0].value.value, str):
+                    doc_lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+        lines: set[int] = set()
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT:
+                if not tok.string.startswith(PRAGMAS):
+                    comments += 1
+            elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                  tokenize.ENDMARKER):
+                lines.update(range(tok.start[0], tok.end[0] + 1))
+        code += len(lines - doc_lines)
+    return comments, code
+
+
+def docstring_lines(mods: dict[str, Path]) -> list[int]:
+    """The length in lines of each module's docstring (0 where there is none)."""
+    out = []
+    for path in mods.values():
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=True)
+        out.append(len(doc.splitlines()) if doc else 0)
+    return out
+
+
+def repeated_names(mods: dict[str, Path]) -> list[str]:
+    """File names (``server.py``) that stand in more than one folder of the package."""
+    seen: dict[str, list[str]] = {}
+    for mod, path in mods.items():
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(mod)
+    return sorted(f"{n}: {', '.join(ms)}" for n, ms in seen.items() if len(ms) > 1)
+
+
+READER_BANNED = ("fills_root", "reads_into", "unreachable")
+
+
+def reader_asks_tiers(mods: dict[str, Path]) -> list[str]:
+    """Names under ``ckptd/reader`` by which a reader would ask a tier what it can do."""
+    out = []
+    for mod, path in mods.items():
+        if mod.startswith(f"{PACKAGE}.reader"):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                out += [f"{mod}:{i} {w}" for w in READER_BANNED if w in line]
+    return out
+
+
+def docs_figures(root: Path) -> dict:
+    pages = sorted((root / "docs").glob("*"))
+    return {"pages": len([p for p in pages if p.is_file()]),
+            "kb": round(sum(p.stat().st_size for p in pages if p.is_file()) / 1000, 1)}
+
+
 def figures(root: Path) -> dict:
     mods = modules(root)
     graph, private = imports(mods)
@@ -222,7 +336,13 @@ def figures(root: Path) -> dict:
     top_comps = cycles(imports(mods, in_functions=False)[0])
     sizes = sorted(((sum(1 for _ in p.open()), m) for m, p in mods.items()), reverse=True)
     top = [m for m in mods if m.count(".") == 1 and not mods[m].name == "__init__.py"]
+    tc_graph, _ = imports(mods, type_checking=True)
+    funcs = functions(mods)
+    comments, code = comment_density(mods)
+    docs = sorted(docstring_lines(mods))
+    load_len = [n for n, f in funcs if f == f"{PACKAGE}.reader.loading:load"]
     return {
+        "lines": sum(n for n, _ in sizes),
         "modules": len(mods),
         "top_level_modules": len(top),
         "longest": [{"module": m, "lines": n} for n, m in sizes[:8]],
@@ -235,6 +355,20 @@ def figures(root: Path) -> dict:
         "format_branches": format_branches(mods),
         "format_imports_daemon": format_imports_daemon(mods),
         "tier_branches": tier_branches(mods),
+        "cycles_type_checking": cycles(tc_graph),
+        "package_cycles": cycles(package_graph(tc_graph)),
+        "daemon_attributes": class_attributes(root / PACKAGE / "daemon" / "server.py", "Daemon"),
+        "reader_asks_tiers": reader_asks_tiers(mods),
+        "tier_modules_over_300": [m for n, m in sizes if m.startswith(f"{PACKAGE}.tiers") and n > 300],
+        "repeated_module_names": repeated_names(mods),
+        "reader_load_lines": load_len[0] if load_len else None,
+        "functions_over_60": [f"{f} {n}" for n, f in funcs if n > 60],
+        "longest_functions": [f"{f} {n}" for n, f in funcs[:6]],
+        "comments_per_1000": round(1000 * comments / max(code, 1), 1),
+        "code_lines": code,
+        "median_docstring_lines": docs[len(docs) // 2] if len(docs) % 2 else (
+            (docs[len(docs) // 2 - 1] + docs[len(docs) // 2]) / 2),
+        "docs": docs_figures(root),
     }
 
 
@@ -263,6 +397,23 @@ def main() -> None:
           + "".join(f"\n  {b}" for b in f["format_imports_daemon"]))
     print(f"tier-name branches outside {PACKAGE}/tiers: {len(f['tier_branches'])}"
           + "".join(f"\n  {b}" for b in f["tier_branches"]))
+    print(f"lines of {PACKAGE}/: {f['lines']}")
+    print(f"cycles, TYPE_CHECKING imports included: {len(f['cycles_type_checking'])}"
+          + "".join(f"\n  {' <-> '.join(c)}" for c in f["cycles_type_checking"]))
+    print(f"package cycles: {len(f['package_cycles'])}"
+          + "".join(f"\n  {' <-> '.join(c)}" for c in f["package_cycles"]))
+    print(f"Daemon attributes: {len(f['daemon_attributes'])} ({', '.join(f['daemon_attributes'])})")
+    print(f"reader names asking a tier what it can do: {len(f['reader_asks_tiers'])}"
+          + "".join(f"\n  {b}" for b in f["reader_asks_tiers"]))
+    print(f"tier modules over 300 lines: {f['tier_modules_over_300']}")
+    print(f"repeated module names: {len(f['repeated_module_names'])}"
+          + "".join(f"\n  {b}" for b in f["repeated_module_names"]))
+    print(f"reader.load: {f['reader_load_lines']} lines")
+    print(f"functions over 60 lines: {len(f['functions_over_60'])}"
+          + "".join(f"\n  {b}" for b in f["functions_over_60"]))
+    print(f"inline comments per 1,000 code lines: {f['comments_per_1000']} ({f['code_lines']} code lines)")
+    print(f"median module docstring: {f['median_docstring_lines']} lines")
+    print(f"docs/: {f['docs']['pages']} pages, {f['docs']['kb']} KB")
 
 
 if __name__ == "__main__":

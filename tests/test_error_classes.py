@@ -50,8 +50,8 @@ def test_the_scan_sees_an_exception_class() -> None:
     ("ckptd.daemon.assembly", "StepError", "StepError"),
     ("ckptd.daemon.failpoints", "Failpoint", "Failpoint"),
     ("ckptd.transport.handoff", "HandoffRefused", "HandoffRefused"),
-    ("ckptd.peer.wire", "PeerDown", "PeerDown"),
-    ("ckptd.peer.wire", "PeerRefused", "PeerRefused"),
+    ("ckptd.peer.messages", "PeerDown", "PeerDown"),
+    ("ckptd.peer.messages", "PeerRefused", "PeerRefused"),
     ("ckptd.peer.holder", "Full", "PeerMemoryFull"),
 ])
 def test_old_import_names_still_work(module: str, name: str, home: str) -> None:

@@ -24,7 +24,7 @@ import ckptd
 from ckptd.config import load as load_config
 from ckptd.layout import is_data_file
 from ckptd.peer.backoff import Backoff
-from ckptd.peer import wire
+from ckptd.peer import messages
 from ckptd.tiers.peer_reader import PeerTier
 from conftest import Daemon, free_port
 from test_peer import _held, _save, _status, _wait
@@ -146,20 +146,20 @@ def test_a_peer_with_many_steps_answers_within_bounds_and_a_load_asks_each_peer_
               _ask_raw(b_, {"op": "steps", "run": "job", "limit": 1, "step": 79})["steps"][0]["shares"],
               "A's step 79 held by B")
         # the bounds, asked raw: at most MAX_STEPS_ANSWERED steps, newest first; more is an error
-        answer = _ask_raw(b_, {"op": "steps", "run": "job", "limit": wire.MAX_STEPS_ANSWERED})
+        answer = _ask_raw(b_, {"op": "steps", "run": "job", "limit": messages.MAX_STEPS_ANSWERED})
         assert answer["ok"] and answer["more"] is True, answer
-        assert [s["step"] for s in answer["steps"]] == list(range(80, 80 - wire.MAX_STEPS_ANSWERED, -1))
+        assert [s["step"] for s in answer["steps"]] == list(range(80, 80 - messages.MAX_STEPS_ANSWERED, -1))
         assert answer["steps"][0]["shares"] == [{"rank": 0, "attempt": None, "world_size": 2, "where": "disk"}]
         assert answer["steps"][1]["shares"] == [{"rank": 0, "attempt": None, "world_size": 2, "where": "disk"},
                                                 {"rank": 1, "attempt": None, "world_size": 2, "where": "memory"}]
-        for bad in ({"limit": wire.MAX_STEPS_ANSWERED + 1}, {"limit": 0}, {"limit": 2**62}):
+        for bad in ({"limit": messages.MAX_STEPS_ANSWERED + 1}, {"limit": 0}, {"limit": 2**62}):
             refused = _ask_raw(b_, {"op": "steps", "run": "job", **bad})
             assert refused["ok"] is False and "limit" in refused["error"], refused
         one = _ask_raw(b_, {"op": "steps", "run": "job", "limit": 1, "step": 3})
         assert [s["step"] for s in one["steps"]] == [3] and one["more"] is False, one
         refused = _ask_raw(b_, {"op": "manifests", "run": "job", "step": 79,
-                                "ranks": list(range(wire.MAX_RANKS_ASKED + 1))})
-        assert refused["ok"] is False and f"at most {wire.MAX_RANKS_ASKED}" in refused["error"], refused
+                                "ranks": list(range(messages.MAX_RANKS_ASKED + 1))})
+        assert refused["ok"] is False and f"at most {messages.MAX_RANKS_ASKED}" in refused["error"], refused
         got = _ask_raw(b_, {"op": "manifests", "run": "job", "step": 79, "ranks": [0, 1, 7]})
         assert sorted((m["rank"], m["where"]) for m in got["manifests"]) == [(0, "disk"), (1, "memory")], got
         assert got["left"] == [], got
@@ -329,7 +329,7 @@ def test_manifests_beyond_one_answer_are_asked_again(tmp_path, monkeypatch) -> N
     tiny; the real server, in this process) names the ranks it left out; the reader
     asks again for them and finds the step complete."""
     from ckptd.peer.holder import Holder
-    from ckptd.peer.server import PeerServer
+    from ckptd.peer.port import PeerServer
 
     writer = Daemon(tmp_path / "w")
     writer.start()
@@ -339,7 +339,7 @@ def test_manifests_beyond_one_answer_are_asked_again(tmp_path, monkeypatch) -> N
     ctx = zmq.Context()
     server = PeerServer(ctx, listen, writer.root, Holder(64 << 20, 5.0), None, (4 << 20) + 65536, "n")
     server.start()
-    monkeypatch.setattr(wire, "MAX_MANIFEST_BYTES", 1)
+    monkeypatch.setattr(messages, "MAX_MANIFEST_BYTES", 1)
     try:
         c = Daemon(tmp_path / "c", tables={"peer": {"listen": listen, "peers": [listen]}})  # its config only
         c.root.mkdir()
@@ -368,7 +368,7 @@ def test_the_port_answers_others_while_a_received_share_is_verified(tmp_path, mo
     its ``done`` is answered."""
     from ckptd.peer import holder as holding
     from ckptd.peer.holder import Holder
-    from ckptd.peer.server import PeerServer
+    from ckptd.peer.port import PeerServer
 
     writer = Daemon(tmp_path / "w")
     writer.start()

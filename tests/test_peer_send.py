@@ -186,10 +186,10 @@ def test_replication_reads_the_files_with_o_direct_and_leaves_the_page_cache_alo
 
 
 def test_a_drop_message_carries_at_most_the_bound_of_steps_over_all_its_runs() -> None:
-    from ckptd.peer import wire
+    from ckptd.peer import messages
     from ckptd.peer.replicator import _add_steps
 
-    bound = wire.MAX_STEPS_DROPPED
+    bound = messages.MAX_STEPS_DROPPED
     batches: list[dict[str, list[int]]] = [{}]
     _add_steps(batches, "a", list(range(bound - 2)))
     _add_steps(batches, "b", list(range(bound + 5)))

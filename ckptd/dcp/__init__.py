@@ -34,8 +34,8 @@ that waiting happens off the training thread.
 """
 
 from .metadata import METADATA_KEY, decode_metadata, encode_metadata, synthesize_metadata
-from .reader import StorageReader
-from .writer import AsyncStorageWriter, StorageWriter
+from .storage_reader import StorageReader
+from .storage_writer import AsyncStorageWriter, StorageWriter
 
 __all__ = ["AsyncStorageWriter", "METADATA_KEY", "StorageReader", "StorageWriter", "decode_metadata",
            "encode_metadata", "synthesize_metadata"]

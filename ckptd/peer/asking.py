@@ -11,10 +11,10 @@ from typing import Any
 import zmq
 
 from ..errors import PeerDown, PeerRefused, ProtocolError
-from . import wire
+from . import messages
 
 
-def ask_all(links: dict[str, wire.Link], requests: dict[str, dict[str, Any]],
+def ask_all(links: dict[str, messages.Link], requests: dict[str, dict[str, Any]],
             timeout: float) -> dict[str, dict[str, Any] | Exception]:
     """Send ``requests[peer]`` on ``links[peer]`` for every peer, without waiting on any
     one; each peer's answer header, or the exception that stands for it (PeerDown: not

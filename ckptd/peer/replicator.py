@@ -22,7 +22,7 @@ counts as a replica lost, and the share goes to the next peer of its order.
 
 Retention's deletions reach the partners batched: each ``heartbeat`` one ``drop`` per
 partner carrying every step of every run deleted since (at most
-``wire.MAX_STEPS_DROPPED`` steps a message), sent only to the partners this node sent
+``messages.MAX_STEPS_DROPPED`` steps a message), sent only to the partners this node sent
 replicas of that run to, all at once and within one ``timeout``.
 """
 
@@ -40,7 +40,7 @@ from .. import index, layout
 from ..config import ConfigError, PeerConfig
 from ..daemon import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
-from . import partners, supervise, wire
+from . import messages, partners, supervise
 from .asking import ask_all
 from .backoff import CAP_HEARTBEATS, Backoff
 from .sender import DOWN, DROPPED, GONE, HELD, REFUSED, RETURNED, Job, Pacer, PartnerSender
@@ -77,7 +77,7 @@ class Replicator(supervise.Supervised):
         self._newest: dict[tuple[str, int], int] = {}  # (run, rank) -> newest step committed
         self._checked = time.monotonic()  # when the holders were last asked
         self._backoff = Backoff(config.heartbeat, config.heartbeat * CAP_HEARTBEATS)
-        self._links: dict[str, wire.Link] = {}  # this thread's own, for holds, drop and ping
+        self._links: dict[str, messages.Link] = {}  # this thread's own, for holds, drop and ping
         self._senders: dict[str, PartnerSender] = {}  # one per partner, made as it is first sent a share
         self._pacer = Pacer(config.rate)
         self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0,
@@ -271,21 +271,21 @@ class Replicator(supervise.Supervised):
         if replicated is not None and self.on_replicated is not None:
             self.on_replicated(*key, max(0.0, time.time() - replicated))
 
-    def _control(self, peer: str) -> wire.Link:
+    def _control(self, peer: str) -> messages.Link:
         link = self._links.get(peer)
         if link is None:
-            link = self._links[peer] = wire.Link(self.ctx, peer, self.keys)
+            link = self._links[peer] = messages.Link(self.ctx, peer, self.keys)
         return link
 
     def _ask(self, requests: dict[str, dict[str, Any]], timeout: float) -> dict[str, dict[str, Any] | Exception]:
         """``ask_all`` on this thread's links; a peer without an answer gets a new link
         (no stale answer is ever read as a later one's)."""
-        links: dict[str, wire.Link] = {}
+        links: dict[str, messages.Link] = {}
         answers: dict[str, dict[str, Any] | Exception] = {}
         for peer in requests:
             try:
                 links[peer] = self._control(peer)
-            except wire.PeerRefused as exc:  # no key for it
+            except messages.PeerRefused as exc:  # no key for it
                 answers[peer] = exc
         answers.update(ask_all(links, {p: r for p, r in requests.items() if p in links}, timeout))
         for peer, answer in answers.items():
@@ -305,21 +305,21 @@ class Replicator(supervise.Supervised):
                 for p in peers:
                     by_peer.setdefault(p, []).append(key)
             self._tried.clear()  # a new round: every partner may be tried again
-        requests = {p: {"op": "holds", "shares": [list(k) for k in keys[:wire.MAX_SHARES_ASKED]]}
+        requests = {p: {"op": "holds", "shares": [list(k) for k in keys[:messages.MAX_SHARES_ASKED]]}
                     for p, keys in by_peer.items()}
         for peer, answer in self._ask(requests, self.cfg.timeout).items():
-            keys = by_peer[peer][:wire.MAX_SHARES_ASKED]
+            keys = by_peer[peer][:messages.MAX_SHARES_ASKED]
             try:
                 if isinstance(answer, Exception):
                     raise answer
-                held = wire.field(answer, "held", list)
+                held = messages.field(answer, "held", list)
                 if len(held) != len(keys):
                     raise ProtocolError(f"{peer}: holds answered {len(held)} of {len(keys)} shares")
                 lost = [k for k, h in zip(keys, held) if h is not True]
                 why = "no longer holds them (restarted, or evicted them for newer steps)"
                 with self._cv:
                     self._backoff.answered(peer)
-            except (wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+            except (messages.PeerDown, messages.PeerRefused, ProtocolError) as exc:
                 with self._cv:
                     skip = self._backoff.failed(peer)
                 lost, why = keys, f"does not answer ({exc}; skipped for {skip:g} s)"
@@ -353,7 +353,7 @@ class Replicator(supervise.Supervised):
     def _send_drops(self) -> None:
         """Every step retention deleted since the last heartbeat, to the partners that
         were sent replicas of its run: one message per partner (split at
-        ``wire.MAX_STEPS_DROPPED`` steps), all sent at once, answered within one
+        ``messages.MAX_STEPS_DROPPED`` steps), all sent at once, answered within one
         ``timeout``; a partner backed off is not asked (its replicas go by its own
         ``keep_last`` and budget)."""
         with self._cv:
@@ -401,9 +401,9 @@ class Replicator(supervise.Supervised):
 
 def _add_steps(batches: list[dict[str, list[int]]], run: str, steps: list[int]) -> None:
     """Add ``steps`` of ``run`` to the last of ``batches``, starting a new batch each
-    time one reaches ``wire.MAX_STEPS_DROPPED`` steps."""
+    time one reaches ``messages.MAX_STEPS_DROPPED`` steps."""
     while steps:
-        room = wire.MAX_STEPS_DROPPED - sum(len(s) for s in batches[-1].values())
+        room = messages.MAX_STEPS_DROPPED - sum(len(s) for s in batches[-1].values())
         if room <= 0:
             batches.append({})
             continue

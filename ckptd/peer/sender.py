@@ -32,7 +32,7 @@ from ..config import PeerConfig
 from ..daemon.datafile import BLOCK
 from ..errors import CheckpointCorrupt, PeerDown, PeerRefused, ProtocolError
 from ..manifest import Manifest
-from . import supervise, wire
+from . import messages, supervise
 
 log = logging.getLogger("ckptd.peer")
 
@@ -89,7 +89,7 @@ class PartnerSender(supervise.Queued[Job]):
         self.busy = busy  # the daemon is receiving or committing a step: parts wait
         self.wanted = wanted  # whether a job is still worth sending (not superseded meanwhile)
         self.on_done = on_done
-        self._link: wire.Link | None = None
+        self._link: messages.Link | None = None
         self._busy_seen = 0.0
         super().__init__(f"ckptd-peer-send-{index}")
 
@@ -153,14 +153,14 @@ class PartnerSender(supervise.Queued[Job]):
 
     def _send(self, job: Job, share: "ShareFiles") -> None:
         if self._link is None:
-            self._link = wire.Link(self.ctx, self.peer, self.keys, hwm=self.cfg.window * 2 + 4)
+            self._link = messages.Link(self.ctx, self.peer, self.keys, hwm=self.cfg.window * 2 + 4)
         link, stall = self._link, self.cfg.stall
         run, step, rank = job.key
         offer = {"op": "offer", "run": run, "step": step, "rank": rank, "manifest": job.manifest_json,
                  "files": share.sizes, "keep_last": job.keep_last}
         # not connected (IMMEDIATE), hung or dead: found out within `timeout`, not `stall`
         answer, _ = link.request(offer, timeout=self.cfg.timeout)
-        xfer = wire.field(answer, "xfer", int)
+        xfer = messages.field(answer, "xfer", int)
         in_flight: deque[int] = deque()
         for file, size in share.sizes.items():
             for off in range(0, size, self.cfg.frame):

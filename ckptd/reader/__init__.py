@@ -20,7 +20,7 @@ from .checks import check, check_structure, share_records
 from .files import read_range, read_tensors
 from .loading import destinations, load, verify
 from .reshard import Piece, Target, fill, load_into, load_whole, pieces_of
-from .steps import find, find_in_tiers, latest, latest_local, list_checkpoints, pick_rank
+from .finding import find, find_in_tiers, latest, latest_local, list_checkpoints, pick_rank
 
 __all__ = [
     "Piece", "Target", "check", "check_structure", "destinations", "fill", "find", "find_in_tiers", "latest",

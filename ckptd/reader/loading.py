@@ -18,7 +18,7 @@ from .checks import check, check_structure, share_records, unflatten_state
 from .files import read_tensors
 from .optim import is_optimizer_state
 from .reshard import load_whole
-from .steps import find, find_in_tiers, own_share_here, pick_rank
+from .finding import find, find_in_tiers, own_share_here, pick_rank
 
 
 @measures.timed_restore(0)  # a resume's time, for the interval advice (docs/advise.md)

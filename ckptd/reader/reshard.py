@@ -31,7 +31,7 @@ from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from ..sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
 from . import optim
 from .files import read_range, read_tensors
-from .steps import find_in_tiers
+from .finding import find_in_tiers
 
 READ_THREADS = 8
 SPLIT_BYTES = 32 << 20  # a direct read larger than this is shared out between threads

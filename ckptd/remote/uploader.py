@@ -32,7 +32,7 @@ from ..config import RemoteConfig
 from ..errors import CheckpointCorrupt
 from ..manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
 from ..retention import PIN_FILE
-from . import catalog, retention as remote_retention
+from . import catalog, expiry as remote_retention
 from .store import RemoteAuthError, RemoteError, Store
 
 log = logging.getLogger("ckptd.remote")

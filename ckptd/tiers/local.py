@@ -60,7 +60,7 @@ class LocalTier:
         return [steps[s] for s in sorted(steps)]
 
     def find(self, run: str, step: int) -> None:
-        """The root is read in place (``ckptd.reader.steps.find``): never a holding."""
+        """The root is read in place (``ckptd.reader.finding.find``): never a holding."""
         return None
 
     def complete(self, run: str, step: int,

@@ -43,7 +43,7 @@ class PeerReplica:
         from ..peer.holder import Holder
         from ..peer.keys import daemon_curve
         from ..peer.replicator import Replicator
-        from ..peer.server import PeerServer
+        from ..peer.port import PeerServer
 
         cfg = config.peer
         if cfg.listen in cfg.peers and len(cfg.peers) == 1:

@@ -41,7 +41,7 @@ from ..transport.curve import client_keys
 from ..durable import atomic_write, replacing, write_all
 from ..errors import CheckpointCorrupt, CheckpointNotFound, ProtocolError
 from ..manifest import CheckpointInfo, Checksum, Manifest, TensorRecord
-from ..peer import wire
+from ..peer import messages
 from ..peer.asking import ask_all
 from ..peer.backoff import Backoff
 from ..peer.holder import check_headers
@@ -69,7 +69,7 @@ WHOLE_MAX = 64 * 2**20
 # ``SLICE`` bytes at a time and the slice hashed at once, while it is in the CPU's cache.
 INTO_PART = 16 * 2**20
 SLICE = 2**20
-STEPS_ASKED = 16  # newest steps each peer is asked about for ``latest`` (wire.MAX_STEPS_ANSWERED at most)
+STEPS_ASKED = 16  # newest steps each peer is asked about for ``latest`` (messages.MAX_STEPS_ANSWERED at most)
 DEAD_S = 10.0  # a peer that did not answer is not asked again for this long, doubled while it stays silent
 DEAD_MAX_S = 160.0  # ... up to this
 LEARNT_S = 10.0  # what ``latest`` learnt of its step serves a ``find`` of that step this long
@@ -181,14 +181,14 @@ class PeerTier:
         except ConfigError as exc:  # ``latest`` still answers from the local root (and the bucket)
             _warn_once(f"peer tier: not asked, it holds nothing for this process: {exc}")
             return {}
-        links: dict[str, wire.Link] = {}
+        links: dict[str, messages.Link] = {}
         for e in requests:
             if SILENT.skipped(e):
                 log.info("peer tier: %s not asked: it did not answer; asked again in %.0f s", e, SILENT.left(e))
                 continue
             try:
-                links[e] = wire.Link(self.ctx, e, keys)
-            except wire.PeerRefused as exc:  # no key file for this peer in curve_peers
+                links[e] = messages.Link(self.ctx, e, keys)
+            except messages.PeerRefused as exc:  # no key file for this peer in curve_peers
                 _warn_once(f"peer tier: {exc}; that peer is not asked")
         try:
             answers = ask_all(links, {e: requests[e] for e in links}, self.cfg.timeout)
@@ -196,7 +196,7 @@ class PeerTier:
             for link in links.values():
                 link.close()
         for e, answer in answers.items():
-            if not isinstance(answer, wire.PeerDown):
+            if not isinstance(answer, messages.PeerDown):
                 SILENT.answered(e)  # it answered, if only with an error
                 if isinstance(answer, Exception):
                     log.info("peer tier: %s", answer)
@@ -214,10 +214,10 @@ class PeerTier:
         out: Summary = {}
         for e, answer in self._ask({e: request for e in self.endpoints}).items():
             try:
-                for entry in _maps(wire.field(answer, "steps", list), "steps"):
-                    s = wire.field(entry, "step", int)
-                    for share in _maps(wire.field(entry, "shares", list), "shares"):
-                        rank, world = wire.field(share, "rank", int), wire.field(share, "world_size", int)
+                for entry in _maps(messages.field(answer, "steps", list), "steps"):
+                    s = messages.field(entry, "step", int)
+                    for share in _maps(messages.field(entry, "shares", list), "shares"):
+                        rank, world = messages.field(share, "rank", int), messages.field(share, "world_size", int)
                         attempt = share.get("attempt")
                         if step not in (None, s) or rank >= world or not isinstance(attempt, (str, type(None))):
                             raise ProtocolError(f"steps: share {share!r} of step {s} does not fit")
@@ -239,7 +239,7 @@ class PeerTier:
         holders that agree, each with that manifest (their copies are the same share)."""
         got: dict[int, builtins.list[Copy]] = {}
         tried = dict.fromkeys(holders, 0)
-        for _ in range(wire.MAX_STEPS_ANSWERED):  # rounds: a holder that keeps answering ``left`` ends too
+        for _ in range(messages.MAX_STEPS_ANSWERED):  # rounds: a holder that keeps answering ``left`` ends too
             asked: dict[str, builtins.list[int]] = {}
             for r, hs in holders.items():
                 if r not in got and tried[r] < len(hs):
@@ -264,8 +264,8 @@ class PeerTier:
         if answer is None:
             return set()
         try:
-            entries = _maps(wire.field(answer, "manifests", list), "manifests")
-            left = wire.field(answer, "left", list)
+            entries = _maps(messages.field(answer, "manifests", list), "manifests")
+            left = messages.field(answer, "left", list)
         except ProtocolError as exc:
             log.warning("peer tier: %s: %s", e, exc)
             return set()
@@ -275,7 +275,7 @@ class PeerTier:
                 continue
             seen, rest = asked[rank][0], asked[rank][1:]
             try:
-                m = Manifest.from_json(wire.field(entry, "manifest", bytes), f"a manifest from {e}")
+                m = Manifest.from_json(messages.field(entry, "manifest", bytes), f"a manifest from {e}")
             except (CheckpointCorrupt, ProtocolError) as exc:
                 log.warning("peer tier: %s", exc)
                 continue
@@ -428,7 +428,7 @@ class PeerTier:
             for endpoint, where, m in held.get((step, rank), []):
                 try:
                     self.fetch_share(endpoint, m, base)
-                except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                except (CheckpointCorrupt, messages.PeerDown, messages.PeerRefused, ProtocolError) as exc:
                     log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
                                 run, step, rank, endpoint, where, exc)
                     continue
@@ -511,8 +511,8 @@ class PeerTier:
             r.check_empty(where)
         parts = ((r, off, min(r.part or self.cfg.frame, r.size - off)) for r in ranges
                  for off in range(0, r.size, r.part or self.cfg.frame))
-        link = wire.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4,
-                         max_message=max(wire.MAX_HEADER_BYTES, WHOLE_MAX, self.cfg.frame))
+        link = messages.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4,
+                         max_message=max(messages.MAX_HEADER_BYTES, WHOLE_MAX, self.cfg.frame))
         prefault = Prefault(fresh, self.cfg.frame)
         try:
             in_flight: deque[tuple[int, _Range, int, int]] = deque()
@@ -649,7 +649,7 @@ class PeerHolding:
                 try:
                     out.update(self.tier.read_records(endpoint, m, recs, into, memory=where == "memory"))
                     break
-                except (CheckpointCorrupt, wire.PeerDown, wire.PeerRefused, ProtocolError) as exc:
+                except (CheckpointCorrupt, messages.PeerDown, messages.PeerRefused, ProtocolError) as exc:
                     log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
                                 self.run, self.step, writer, endpoint, where, exc)
                     problems.append(f"{endpoint}: {exc}")

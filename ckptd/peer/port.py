@@ -25,7 +25,7 @@ from ..daemon import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
 from ..manifest import Manifest
 from ..names import check_run
-from . import supervise, wire
+from . import messages, supervise
 from .holder import Full, Holder, NotYours
 
 log = logging.getLogger("ckptd.peer")
@@ -42,7 +42,7 @@ class PeerServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, 1000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max(max_frame, wire.MAX_HEADER_BYTES) + 4096)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max(max_frame, messages.MAX_HEADER_BYTES) + 4096)
         if curve is not None:
             curve.secure(ctx, self.sock)
         try:
@@ -108,7 +108,7 @@ class PeerServer:
 
     def _send(self, ident: bytes, answer: dict[str, Any], payload: Any) -> None:
         op = answer.pop(_OP, None)
-        frames_out = [ident, wire.pack(answer)] + ([payload] if payload is not None else [])
+        frames_out = [ident, messages.pack(answer)] + ([payload] if payload is not None else [])
         self._count(op, sum(len(f) for f in frames_out[1:]))
         try:
             self.sock.send_multipart(frames_out, copy=payload is None, flags=zmq.NOBLOCK)
@@ -119,7 +119,7 @@ class PeerServer:
         """Handle one request (the frames after the asker's identity), its header read into ``header``."""
         if not rest:
             raise ProtocolError("an empty peer request")
-        header.update(wire.unpack(rest[0]))
+        header.update(messages.unpack(rest[0]))
         return self._handle(header, rest[1] if len(rest) > 1 else None, _user(rest[0]))
 
     def _guard(self, header: dict[str, Any],
@@ -174,16 +174,16 @@ class PeerServer:
         if op == "ping":
             return {"node": self.node_id, "listen": self.listen}, None
         if op == "offer":
-            files = wire.field(h, "files", dict)
-            if len(files) > wire.MAX_FILES_OFFERED:
+            files = messages.field(h, "files", dict)
+            if len(files) > messages.MAX_FILES_OFFERED:
                 raise ProtocolError(f"offer: {len(files)} files at once")
             if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in files.items()):
                 raise ProtocolError("offer: files must map names to sizes")
-            xfer = self.holder.offer(wire.field(h, "manifest", bytes), files, wire.field(h, "keep_last", int),
+            xfer = self.holder.offer(messages.field(h, "manifest", bytes), files, messages.field(h, "keep_last", int),
                                      owner=self._writer(user, "offer"))
             return {"xfer": xfer}, None
         if op == "part":
-            xfer = wire.field(h, "xfer", int)
+            xfer = messages.field(h, "xfer", int)
             if xfer in self._muted:
                 raise _NoAnswer
             try:
@@ -194,43 +194,43 @@ class PeerServer:
                 raise _NoAnswer from None
             if payload is None:
                 raise ProtocolError("part: no bytes")
-            self.holder.part(xfer, wire.field(h, "file", str), wire.field(h, "offset", int), payload.buffer,
+            self.holder.part(xfer, messages.field(h, "file", str), messages.field(h, "offset", int), payload.buffer,
                              owner=self._writer(user, "part"))
             return {}, None
         if op == "done":
-            xfer = wire.field(h, "xfer", int)
+            xfer = messages.field(h, "xfer", int)
             if xfer in self._muted:
                 raise _NoAnswer
             raise _Later(functools.partial(self._done, xfer, self._writer(user, "done")))
         if op == "holds":
-            shares = wire.field(h, "shares", list)
-            if len(shares) > wire.MAX_SHARES_ASKED:
+            shares = messages.field(h, "shares", list)
+            if len(shares) > messages.MAX_SHARES_ASKED:
                 raise ProtocolError(f"holds: {len(shares)} shares asked at once")
             return {"held": [self._holds(s) for s in shares]}, None
         if op == "drop":  # {runs: {run: [step, ...]}} (batched), or {run, steps}
-            runs: dict[Any, Any] = (wire.field(h, "runs", dict) if "runs" in h
-                                    else {wire.field(h, "run", str): wire.field(h, "steps", list)})
+            runs: dict[Any, Any] = (messages.field(h, "runs", dict) if "runs" in h
+                                    else {messages.field(h, "run", str): messages.field(h, "steps", list)})
             if not all(isinstance(r, str) and isinstance(s, list) for r, s in runs.items()):
                 raise ProtocolError("drop: runs must map run names to lists of steps")
             n = sum(len(s) for s in runs.values())
-            if n > wire.MAX_STEPS_DROPPED:
-                raise ProtocolError(f"drop: {n} steps at once, more than {wire.MAX_STEPS_DROPPED}")
+            if n > messages.MAX_STEPS_DROPPED:
+                raise ProtocolError(f"drop: {n} steps at once, more than {messages.MAX_STEPS_DROPPED}")
             wanted = {check_run(r): [s for s in steps if isinstance(s, int)] for r, steps in runs.items()}
             return {"dropped": self.holder.drop_many(wanted, owner=self._writer(user, "drop"))}, None
         if op == "steps":
-            limit = wire.field(h, "limit", int)
-            if not 1 <= limit <= wire.MAX_STEPS_ANSWERED:
-                raise ProtocolError(f"steps: limit {limit} is not within 1 to {wire.MAX_STEPS_ANSWERED}")
+            limit = messages.field(h, "limit", int)
+            if not 1 <= limit <= messages.MAX_STEPS_ANSWERED:
+                raise ProtocolError(f"steps: limit {limit} is not within 1 to {messages.MAX_STEPS_ANSWERED}")
             only = h.get("step")
             if only is not None:
-                only = wire.field(h, "step", int)
-            return self._steps(check_run(wire.field(h, "run", str)), limit, only), None
+                only = messages.field(h, "step", int)
+            return self._steps(check_run(messages.field(h, "run", str)), limit, only), None
         if op == "manifests":
-            ranks = wire.field(h, "ranks", list)
-            if len(ranks) > wire.MAX_RANKS_ASKED or not all(isinstance(r, int) and not isinstance(r, bool)
+            ranks = messages.field(h, "ranks", list)
+            if len(ranks) > messages.MAX_RANKS_ASKED or not all(isinstance(r, int) and not isinstance(r, bool)
                                                               for r in ranks):
-                raise ProtocolError(f"manifests: ranks must be at most {wire.MAX_RANKS_ASKED} integers")
-            return self._manifests(check_run(wire.field(h, "run", str)), wire.field(h, "step", int), ranks), None
+                raise ProtocolError(f"manifests: ranks must be at most {messages.MAX_RANKS_ASKED} integers")
+            return self._manifests(check_run(messages.field(h, "run", str)), messages.field(h, "step", int), ranks), None
         if op == "read":
             return {}, self._read(h)
         raise ProtocolError(f"unknown peer request {str(op)[:64]!r}")
@@ -273,7 +273,7 @@ class PeerServer:
                         shares[rank] = _summary(own, "disk")
             if not shares:
                 continue
-            if count + len(shares) > wire.MAX_SHARES_ANSWERED:
+            if count + len(shares) > messages.MAX_SHARES_ANSWERED:
                 return {"steps": out, "more": True}
             count += len(shares)
             out.append({"step": step, "shares": [shares[r] for r in sorted(shares)]})
@@ -292,10 +292,10 @@ class PeerServer:
             if replica is not None:
                 data, where = replica.manifest_json, "memory"
             elif self._disk_share(path, run, step, rank) is not None:
-                data, where = layout.read_small(path / layout.manifest_name(rank), wire.MAX_HEADER_BYTES - 2**20), "disk"
+                data, where = layout.read_small(path / layout.manifest_name(rank), messages.MAX_HEADER_BYTES - 2**20), "disk"
             else:
                 continue
-            if out and total + len(data) > wire.MAX_MANIFEST_BYTES:
+            if out and total + len(data) > messages.MAX_MANIFEST_BYTES:
                 left.append(rank)
                 continue
             total += len(data)
@@ -326,9 +326,9 @@ class PeerServer:
         return m
 
     def _read(self, h: dict[str, Any]) -> Any:
-        run = check_run(wire.field(h, "run", str))
-        key = (run, wire.field(h, "step", int), wire.field(h, "rank", int))
-        file, offset, length = wire.field(h, "file", str), wire.field(h, "offset", int), wire.field(h, "length", int)
+        run = check_run(messages.field(h, "run", str))
+        key = (run, messages.field(h, "step", int), messages.field(h, "rank", int))
+        file, offset, length = messages.field(h, "file", str), messages.field(h, "offset", int), messages.field(h, "length", int)
         if not layout.is_data_file(file):
             raise ProtocolError(f"read: {file!r} is not a data file")
         replica = self.holder.get(key)
