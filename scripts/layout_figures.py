@@ -231,6 +231,8 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def class_attributes(path: Path, name: str) -> list[str]:
     """The attributes a class's methods assign on ``self``."""
+    if not path.exists():
+        return []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ClassDef) and node.name == name:
             attrs = set()
@@ -324,7 +326,7 @@ def reader_asks_tiers(mods: dict[str, Path]) -> list[str]:
 
 
 def docs_figures(root: Path) -> dict:
-    pages = sorted((root / "docs").glob("*"))
+    pages = sorted((root / "docs").glob("*")) if (root / "docs").is_dir() else []
     return {"pages": len([p for p in pages if p.is_file()]),
             "kb": round(sum(p.stat().st_size for p in pages if p.is_file()) / 1000, 1)}
 
