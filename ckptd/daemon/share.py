@@ -6,6 +6,7 @@ share's storage format (``ckptd.format``) returns: a format never sees them.
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 import time
@@ -93,15 +94,32 @@ class Share:
         return seq
 
 
+class ResultKind(str, enum.Enum):
+    FREED = "freed"  # received bytes let go of: written
+    FAILED = "failed"  # let go of, unwritten: the share failed
+    COMMITTED = "committed"
+    COMMIT_FAILED = "commit_failed"
+    DISCARDED = "discarded"
+
+
+@dataclass(frozen=True)
+class CommitToken:
+    """Who asked for a commit, passed back with its result."""
+
+    identity: bytes  # the session that sent it
+    seq: int  # of the commit message
+    received: int  # tensor bytes received for the step
+
+
 @dataclass
 class Result:
-    kind: str  # "freed" | "failed" | "committed" | "commit_failed" | "discarded"
+    kind: ResultKind
     share: Share
     nbytes: int = 0  # of the daemon's own memory, let go of
     seqs: list[int] = field(default_factory=list)  # shared-memory pieces no longer used
     info: CheckpointInfo | None = None
     message: str = ""
-    token: Any = None  # the caller's, passed back with commit results
+    token: CommitToken | None = None
 
 
 @dataclass

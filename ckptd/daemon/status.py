@@ -1,73 +1,78 @@
 """What the daemon says about itself: systemd's ``STATUS=`` line, the ``status``
-message's report (what ``ckptd status`` prints, docs/protocol.md), and the live
-figures the metrics thread reads (docs/service.md).
-
-Each is read from the running ``Daemon``; none changes it.
+message's report (what ``ckptd status`` prints), and the live figures the metrics
+thread reads. Each reads the daemon's parts (``Reporter``); none changes them.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .. import tiers
-
-if TYPE_CHECKING:
-    from .server import Daemon
-
-
-def line(d: Daemon) -> str:
-    """The one line systemd shows (``systemctl status``)."""
-    if d.stopping:
-        return (f"stopping: {len(d.committing)} commit(s) in progress, {len(d.open_steps())} "
-                "open step(s); new steps are refused")
-    runs = sorted({s.run for s in d.sessions.values()})
-    text = f"{len(d.sessions)} producer(s)"
-    if runs:
-        text += f" of run(s) {', '.join(runs[:4])}{', ...' if len(runs) > 4 else ''}"
-    text += f"; {d.queued / 2**20:.1f} MiB queued"
-    last = d.figures.last_commit
-    if last is None:
-        return text + "; no commit yet"
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["time"]))
-    return text + f"; last commit: run {last['run']} step {last['step']} at {when}"
+from ..config import Config
+from ..version import __version__
+from .ledger import Ledger
+from .lifecycle import Lifecycle
+from .sessions import Sessions
+from .upkeep import Upkeep
 
 
-def live_figures(d: Daemon) -> dict[str, Any]:
-    """Figures of the moment, for the metrics thread: plain reads, no iteration."""
-    return {"queued_bytes": d.queued, "memory_budget": d.cfg.memory_budget,
-            "producers": len(d.sessions), "commits_in_progress": len(d.committing),
-            "draining": d.stopping, **_tiers(d),
-            "advice": d.measuring.all_advice() if d.measuring else {}}
+class Reporter:
+    def __init__(self, config: Config, lifecycle: Lifecycle, sessions: Sessions, ledger: Ledger,
+                 upkeep: Upkeep) -> None:
+        self._config = config
+        self._lifecycle = lifecycle
+        self._sessions = sessions
+        self._ledger = ledger
+        self._upkeep = upkeep
 
+    def line(self) -> str:
+        """The one line systemd shows (``systemctl status``)."""
+        sessions, ledger = self._sessions, self._ledger
+        if self._lifecycle.stopping:
+            return (f"stopping: {ledger.commits} commit(s) in progress, {len(sessions.open_steps())} "
+                    "open step(s); new steps are refused")
+        runs = sorted({s.run for s in sessions})
+        text = f"{len(sessions)} producer(s)"
+        if runs:
+            text += f" of run(s) {', '.join(runs[:4])}{', ...' if len(runs) > 4 else ''}"
+        text += f"; {ledger.queued / 2**20:.1f} MiB queued"
+        last = ledger.figures.last_commit
+        if last is None:
+            return text + "; no commit yet"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["time"]))
+        return text + f"; last commit: run {last['run']} step {last['step']} at {when}"
 
-def report(d: Daemon) -> dict[str, Any]:
-    """What `ckptd status` prints (the wire's ``report``)."""
-    snap, now = d.figures.snapshot(), time.time()
-    return {
-        "version": d.version, "pid": os.getpid(), "state": "stopping" if d.stopping else "serving",
-        "endpoint": d.endpoint, "root": str(d.root), "time": now, "started": snap["started"],
-        "metrics": d.metrics.url if d.metrics else None,
-        "queued_bytes": d.queued, "memory_budget": d.cfg.memory_budget,
-        "commits_in_progress": len(d.committing),
-        "producers": [
-            {"run": s.run, "rank": s.rank, "world_size": s.world_size, "pid": s.pid, "host": s.host,
-             "transport": "shm" if s.shm is not None else "inline",
-             "open_steps": sorted(k for k, st in s.steps.items() if st.share.error is None)}
-            for s in d.sessions.values()
-        ],
-        "commits": snap["commits"], "bytes_written": snap["bytes_written"], "bytes_reused": snap["bytes_reused"],
-        "errors": snap["errors"],
-        "replica_mismatches": snap["replica_mismatches"],  # tensors whose replicas disagreed (ckptd.replicas)
-        "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
-        "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
-        "runs": snap["runs"],
-        **_tiers(d),  # each tier's: "remote" (the uploads, with [remote]), "peer" (replicas sent and held)
-        "advice": d.measuring.all_advice() if d.measuring else {},  # per run (docs/advise.md)
-    }
+    def live_figures(self) -> dict[str, Any]:
+        """Figures of the moment, for the metrics thread: plain reads, no iteration."""
+        ledger = self._ledger
+        return {"queued_bytes": ledger.queued, "memory_budget": ledger.memory_budget,
+                "producers": len(self._sessions), "commits_in_progress": ledger.commits,
+                "draining": self._lifecycle.stopping, **self._upkeep.tier_figures(),
+                "advice": ledger.measuring.all_advice()}
 
-
-def _tiers(d: Daemon) -> dict[str, Any]:
-    """Each tier's figures by its name (docs/tiers.md); null for one not configured."""
-    return d.upkeep.tier_figures() if d.upkeep else dict.fromkeys(tiers.replica_names())
+    def report(self) -> dict[str, Any]:
+        """What `ckptd status` prints (the wire's ``report``)."""
+        ledger, config = self._ledger, self._config
+        snap, now = ledger.figures.snapshot(), time.time()
+        return {
+            "version": __version__, "pid": os.getpid(),
+            "state": "stopping" if self._lifecycle.stopping else "serving",
+            "endpoint": config.endpoint, "root": str(config.root), "time": now, "started": snap["started"],
+            "metrics": self._lifecycle.metrics_url,
+            "queued_bytes": ledger.queued, "memory_budget": ledger.memory_budget,
+            "commits_in_progress": ledger.commits,
+            "producers": [
+                {"run": s.run, "rank": s.rank, "world_size": s.world_size, "pid": s.pid, "host": s.host,
+                 "transport": "shm" if s.shm is not None else "inline",
+                 "open_steps": sorted(k for k, st in s.steps.items() if st.share.error is None)}
+                for s in self._sessions
+            ],
+            "commits": snap["commits"], "bytes_written": snap["bytes_written"], "bytes_reused": snap["bytes_reused"],
+            "errors": snap["errors"], "replica_mismatches": snap["replica_mismatches"],
+            "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
+            "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
+            "runs": snap["runs"],
+            **self._upkeep.tier_figures(),
+            "advice": ledger.measuring.all_advice(),
+        }

@@ -53,7 +53,7 @@ from ..index import read_manifests
 from ..manifest import Checksum, CheckpointInfo, Manifest, TensorRecord, checksum
 from .attempts import read_manifest
 from .datafile import Bounce, DataFile, Throttle
-from .share import Result, Share, Stream
+from .share import CommitToken, Result, ResultKind, Share, Stream
 
 log = logging.getLogger("ckptd.writer")
 HOST = socket.gethostname()
@@ -127,7 +127,7 @@ class Writer:
         refer to that step's stored copies (reuse), on the thread that writes the share."""
         self._jobs(share).put((self._do_same, (share, base_step, items)))
 
-    def commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
+    def commit(self, share: Share, state: Any, metadata: dict, token: CommitToken | None) -> None:
         with self._committing_lock:
             self._committing[(share.run, share.rank)] = share  # a base for the next step (_base)
         # via the share's writer queue, so it follows every write of this share
@@ -175,7 +175,7 @@ class Writer:
 
     def _report_freed(self, share: Share, held: int, seqs: list[int]) -> None:
         """Received bytes are let go of: written, or dropped because the share failed."""
-        kind = "freed" if share.error is None else "failed"
+        kind = ResultKind.FREED if share.error is None else ResultKind.FAILED
         self._notify(Result(kind, share, held, seqs, message=share.error or ""))
 
     # -- what the formats ask of the writer (through ShareIO), on its threads ----------------
@@ -440,7 +440,7 @@ class Writer:
         finally:
             os.close(fd)
 
-    def _do_commit(self, share: Share, state: Any, metadata: dict, token: Any) -> None:
+    def _do_commit(self, share: Share, state: Any, metadata: dict, token: CommitToken | None) -> None:
         share.before = None
         key = (share.run, share.rank)
         with self._committing_lock:
@@ -462,11 +462,11 @@ class Writer:
             else:
                 share.close_dir()
                 share.settled.set()
-                self._notify(Result("committed", share, info=info, token=token))
+                self._notify(Result(ResultKind.COMMITTED, share, info=info, token=token))
                 return
         self._remove_files(share)
         share.settled.set()
-        self._notify(Result("commit_failed", share, message=share.error or "", token=token))
+        self._notify(Result(ResultKind.COMMIT_FAILED, share, message=share.error or "", token=token))
 
     def _write_manifest(self, share: Share, state: Any, metadata: dict) -> CheckpointInfo:
         self.ensure_dir(share)  # a step with no tensors has no data files
@@ -534,7 +534,7 @@ class Writer:
         for future in list(share.inflight):  # its files still being written by the pool
             future.exception()
         self._remove_files(share)
-        self._notify(Result("discarded", share))
+        self._notify(Result(ResultKind.DISCARDED, share))
 
     def _remove_files(self, share: Share) -> None:
         # Relative to the run and step folders, each opened without following a symlink:
