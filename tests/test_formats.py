@@ -25,7 +25,7 @@ import torch
 
 import ckptd
 from ckptd import dtypes, format as formats, layout
-from ckptd.daemon.share import Result, Share
+from ckptd.daemon.share import Result, Share, ShareId
 from ckptd.daemon.writer import Writer
 from ckptd.errors import CheckpointCorrupt
 from ckptd.format import Entry
@@ -70,7 +70,7 @@ class Step:
     def __init__(self, root: Path, fmt: str, step: int, threads: int = 1) -> None:
         self.results: queue.SimpleQueue[Result] = queue.SimpleQueue()
         self.writer = Writer(self.results.put, fsync=False, threads=threads)
-        self.share = Share(root, RUN, 0, 1, step, format=fmt)
+        self.share = Share(ShareId(root, RUN, 0, 1, step, format=fmt))
 
     def batch(self, tensors: dict[str, torch.Tensor]) -> None:
         self.writer.write_chunk(self.share, [entry(n, t) for n, t in tensors.items()], 0, [])
@@ -148,8 +148,8 @@ def test_unchanged_tensors_refer_to_the_earlier_steps_copies(tmp_path: Path, fmt
     second.finish("committed")
 
     unchanged = sum(t.numel() * t.element_size() for n, t in expected(2).items() if n != "b.x")
-    assert second.share.recognised == unchanged - big().numel() * 2
-    assert second.share.reused + second.share.copied == unchanged
+    assert second.share.written.recognised == unchanged - big().numel() * 2
+    assert second.share.written.reused + second.share.written.copied == unchanged
     shutil.rmtree(layout.step_dir(tmp_path, RUN, 1))  # what step 2 needs is in its own folder
     loaded = ckptd.load(RUN, 2, root=tmp_path, verify=True)
     assert all(same_bits(loaded[n], t) for n, t in expected(2).items())

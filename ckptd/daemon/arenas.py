@@ -3,7 +3,7 @@
 A producer on the daemon's host passes its staging arena's descriptor over a unix
 socket beside the ZeroMQ one (``ckptd.transport.handoff``); its hello names it by token, and
 the daemon maps it read-only, so tensors arrive as offsets into it, not as bytes on
-the socket (docs/protocol.md). ``Arenas`` owns that socket's connections and which
+the socket (docs/design.md). ``Arenas`` owns that socket's connections and which
 commits are still being written out of which arena.
 """
 
@@ -21,15 +21,12 @@ from .share import Share
 
 log = logging.getLogger("ckptd.daemon")
 
-Arena = tuple[int, int]  # an arena's identity: (st_dev, st_ino) of its memfd
+Arena = tuple[int, int]
 
 
 class Arenas:
     def __init__(self) -> None:
-        self.listener: handoff.Listener | None = None  # none until ``listen``; never for tcp://
-        # Commits in flight whose bytes are in a producer's shared arena, by arena: if the
-        # same arena comes back in a new hello (the producer reconnected), it is about to
-        # be reused, and those commits must not complete with bytes overwritten under them.
+        self.listener: handoff.Listener | None = None
         self.commits: dict[Arena, list[Share]] = {}
 
     def listen(self, ipc_path: str) -> None:
@@ -76,7 +73,7 @@ class Arenas:
             except (OSError, ValueError) as exc:
                 why = f"mapping its staging memory failed: {exc}"
         if claimed is not None:
-            os.close(claimed.fd)  # the mapping keeps the memory alive
+            os.close(claimed.fd)
         if why is not None:
             log.warning("producer of run %r rank %s (pid %s): %s; it sends tensors inline",
                         h["run"], h["rank"], h["pid"], why)

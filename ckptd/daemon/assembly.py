@@ -1,14 +1,10 @@
-"""Assembling one rank's share of a step from ``tensor`` messages, on the main loop.
+"""Assembling one rank's share of a step from ``tensor`` messages (``OpenStep``).
 
-Pieces become tensors; small tensors gather into a chunk that goes to the writer
-whole once it reaches ``chunk_size`` (a safetensors header must know every
-tensor first); a tensor of ``chunk_size`` or more gets a file of its own, written
-piece by piece as it arrives. The received buffers are ZeroMQ frames, or views of a
-producer's shared staging arena, and are handed on as they are: nothing here
-copies tensor bytes. A piece in shared memory carries its wire sequence number
-along to the writer, which reports it written, so that the producer reuses that
-memory only once the daemon no longer needs it. Any inconsistency in
-what a producer declares is a ``StepError`` that fails this step only.
+Small tensors gather into a chunk that goes to the writer whole at ``chunk_size``; a
+larger tensor, or one in pieces, gets a file of its own, written as it arrives.
+Buffers are handed on as they came (frames, or views of a producer's arena): nothing
+here copies tensor bytes. An inconsistent declaration is a ``StepError`` that fails
+this step only.
 """
 
 from __future__ import annotations
@@ -18,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes, replicas
-from ..errors import StepError  # re-exported: its home was here
+from ..errors import StepError
 from ..format import Entry
 from ..manifest import Shard
 from ..names import check_name
-from .share import Share, Stream
+from .share import Declared, Share, Stream
 from .writer import Writer
 
 
@@ -32,10 +28,10 @@ class Partial:
 
     entry: Entry
     received: int = 0
-    stream: Stream | None = None  # set for a tensor large enough for a file of its own
-    held: int = 0  # bytes of its pieces in the daemon's memory (not in shared memory)
-    seqs: list[int] = field(default_factory=list)  # its pieces in shared memory
-    frozen: bool = False  # declared frozen (save(frozen=...)): never in a chunk with other tensors
+    stream: Stream | None = None
+    held: int = 0
+    seqs: list[int] = field(default_factory=list)
+    frozen: bool = False
 
 
 @dataclass(eq=False)
@@ -50,7 +46,7 @@ class OpenStep:
     chunk_bytes: int = 0
     chunk_held: int = 0
     chunk_seqs: list[int] = field(default_factory=list)
-    chunk_frozen: bool = False  # the chunk holds declared-frozen tensors (only those)
+    chunk_frozen: bool = False
     received_bytes: int = 0
 
     @property
@@ -112,11 +108,10 @@ class OpenStep:
         partial = self.partial = Partial(Entry(name, dtype, h["shape"], h["nbytes"], [], numpy=h["numpy"],
                                                shard=shard), frozen=bool(h["frozen"]))
         self.names.add(name)
-        # A tensor that comes in pieces (``first`` is not all of it) is written as it
-        # arrives too: pieces held until the last one came filled memory_budget, and the
-        # daemon, no longer reading, never got the last ones (a deadlock).
+        # A tensor in pieces is written as it arrives: held whole, its pieces could fill
+        # memory_budget, and the daemon, no longer reading, never gets the last ones.
         if partial.entry.nbytes >= self.chunk_size or first < partial.entry.nbytes:
-            self.flush()  # keep chunk files in emit order
+            self.flush()
             partial.stream = self.writer.open_stream(self.share, partial.entry)
         return partial
 
@@ -149,9 +144,6 @@ class OpenStep:
         self.complete += 1
         if partial.stream is None:
             if partial.frozen != self.chunk_frozen:
-                # Frozen tensors fill chunk files of their own, which a later step that
-                # declares them unchanged links whole (daemon.reuse: a file is linked
-                # only if every tensor in it is unchanged).
                 self.flush()
                 self.chunk_frozen = partial.frozen
             self.chunk.append(partial.entry)
@@ -175,7 +167,7 @@ class OpenStep:
         if partial is None:
             return 0, []
         if partial.stream is not None:
-            self.writer.stream_piece(partial.stream, b"", True, 0, [])  # the writer closes the file
+            self.writer.stream_piece(partial.stream, b"", True, 0, [])
             return 0, []
         partial.entry.buffers.clear()
         return partial.held, partial.seqs
@@ -191,24 +183,24 @@ class OpenStep:
                 f"commit of step {h['step']} declares {h['ntensors']} tensors, "
                 f"but the daemon received {self.complete}"
             )
-        self.share.replicas = self._replicas(h["replicas"] or {})
-        self.share.replica_digests, self.share.compare_replicas = _digests(h["digests"] or {}, h["compare"])
+        digests, compare = _digests(h["digests"] or {}, h["compare"])
+        self.share.declared = Declared(self._written_by(h["replicas"] or {}), digests, compare)
 
-    def _replicas(self, replicas: dict[Any, Any]) -> dict[str, int]:
-        """The commit's ``replicas``: tensors of the state that another rank writes."""
+    def _written_by(self, written_by: dict[Any, Any]) -> dict[str, int]:
+        """The commit's ``replicas`` field: tensors of the state that another rank writes."""
         share = self.share
-        for name, writer in replicas.items():
+        for name, writer in written_by.items():
             try:
                 check_name(name)
             except ValueError as exc:
                 raise StepError(f"replicas: {exc}") from None
             if name in self.names:
                 raise StepError(f"replicas: tensor {name!r} was also sent by this rank")
-            if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer < share.world_size \
+            if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer < share.id.world_size \
                     or writer == share.rank:
                 raise StepError(f"replicas: tensor {name!r} names writer rank {writer!r}, not another rank "
-                                f"of 0..{share.world_size - 1}")
-        return dict(replicas)
+                                f"of 0..{share.id.world_size - 1}")
+        return dict(written_by)
 
 
 def _digests(digests: dict[Any, Any], policy: Any) -> tuple[dict[str, str], str | None]:

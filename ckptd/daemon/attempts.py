@@ -1,13 +1,8 @@
-"""Saving a step again: what becomes of a rank's share that is already on disk.
+"""Saving a step again: what becomes of a rank's share already on disk (``resave``).
 
-- The step is complete (``ckptd.index.one_attempt``): it is never overwritten; the
-  error says how to tell what is complete and what to save instead.
-- The rank's share was committed by an earlier attempt of the job (``ckptd.attempt``)
-  and the step never became complete: the new attempt's share replaces it. The old
-  manifest goes first, then the files it names, on the I/O thread that writes the new
-  share, before any of its files (``Writer.replace_earlier``).
-- The same attempt committed it already: a second save of one step is refused, as
-  before attempts existed; so is any save of a producer that has no attempt.
+A complete step is never overwritten; a share an earlier attempt of the job committed
+in a step that never became complete is replaced by the new attempt's
+(``Writer.replace_earlier``); a second save by the same attempt is refused.
 """
 
 from __future__ import annotations
@@ -23,8 +18,8 @@ from ..manifest import MAX_MANIFEST_BYTES, Manifest
 
 @dataclass(frozen=True)
 class Verdict:
-    error: str | None = None  # the step may not be written: why, and what to do
-    replace: bool = False  # an earlier attempt's share is there: replace it
+    error: str | None = None
+    replace: bool = False
 
 
 GO = Verdict()
@@ -50,7 +45,7 @@ def resave(step_dir: Path, run: str, rank: int, step: int, attempt: str | None, 
             f"step {step} of run {run!r} is already committed by every rank{by}: it is complete, and a complete "
             f"checkpoint is never overwritten; ckptd.latest({run!r}) (or `ckptd latest {run}`) tells the newest "
             "complete step: resume from it and save the steps after it, or save under a new step number")
-    if earlier is None:  # replaced or removed since it was seen
+    if earlier is None:
         return GO
     if attempt is None or earlier.attempt == attempt:
         hint = ("; a restarted job's producers need an attempt of their own (torchrun gives one; elsewhere "

@@ -1,17 +1,9 @@
-"""Writing a data file sequentially, with O_DIRECT where the filesystem allows it.
+"""Writing a data file front to back, with O_DIRECT where the filesystem allows it.
 
-Measured here (1 GiB, then fsync): buffered writes 0.9-1.4 GB/s, O_DIRECT from
-page-aligned memory 2.3-3.1 GB/s, O_DIRECT through an aligned bounce buffer
-1.7-1.8 GB/s. So a buffer that starts on a page, at a page-aligned file offset,
-goes to the disk as it is (shared staging regions of 1 MiB and more are
-page-aligned, and a chunk's data starts on a page); anything else is gathered
-into a page-aligned bounce buffer first. The file's last partial block is
-written padded, then the file is truncated to its true length.
-
-A filesystem that refuses O_DIRECT (tmpfs, some network filesystems) answers
-EINVAL at open or at the first write; the file then carries on buffered, and
-the filesystem is not asked again. ``Throttle`` caps the bytes per second, for
-``[daemon] write_rate``.
+Page-aligned buffers go to the disk as they are, gathered into one ``writev``; the
+rest passes through a page-aligned bounce buffer (``Bounce``), and the last partial
+block is written padded, then truncated. A filesystem that refuses O_DIRECT is
+written buffered from then on. ``Throttle`` caps the bytes per second (``write_rate``).
 """
 
 from __future__ import annotations
@@ -25,17 +17,15 @@ from collections import deque
 from itertools import islice
 from typing import Any, Iterable
 
-# fileio.buffer_address imports numpy where it is first called: here, the daemon imports
-# it as it starts, not in its first commit (which, at nice 19 on a busy host, took 30 s)
-import numpy  # noqa: F401
+import numpy  # noqa: F401  (fileio needs it: imported at start, not in the first commit)
 
 from ..format.fileio import buffer_address
 
 BLOCK = 4096  # O_DIRECT alignment of addresses, offsets and lengths (the common logical block size)
-BOUNCE = 8 * 2**20  # the bounce buffer; measured: 8 MiB writes are as fast as larger ones
-_DIRECT_MAX = 64 * 2**20  # largest single O_DIRECT write (the floor's own call size: benchmarks/limits.py)
-_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
-_no_direct: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
+BOUNCE = 8 * 2**20
+_DIRECT_MAX = 64 * 2**20
+_IOV_MAX = 1024
+_no_direct: set[int] = set()
 _no_direct_lock = threading.Lock()
 
 
@@ -44,7 +34,7 @@ class Throttle:
 
     def __init__(self, rate: int) -> None:
         self.rate = rate
-        self._next = 0.0  # monotonic time at which the bytes granted so far are "paid"
+        self._next = 0.0
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> None:
@@ -64,17 +54,17 @@ class DataFile:
 
     def __init__(self, fd: int, *, direct: bool, bounce: "Bounce", throttle: Throttle | None = None) -> None:
         self.fd = fd
-        self.size = 0  # bytes of the file, counting what waits in the bounce buffer
+        self.size = 0
         self._bounce = bounce
-        self._fill = 0  # bytes waiting in the bounce buffer; the file holds size - fill
-        self._tail = b""  # between calls: this file's partial last block (the buffer is the thread's)
+        self._fill = 0
+        self._tail = b""
         self._error: OSError | None = None
         self._throttle = throttle
-        self._queued: list[memoryview] = []  # aligned bytes waiting for one pwritev (write)
+        self._queued: list[memoryview] = []
         self._queued_bytes = 0
-        self._bounce_queued = False  # the bounce buffer's bytes are among them
+        self._bounce_queued = False
         self.direct = direct and _direct_allowed(fd)
-        if direct and not self.direct:  # opened with O_DIRECT on a filesystem that refused it before
+        if direct and not self.direct:
             _clear_direct(fd)
 
     @classmethod
@@ -92,15 +82,13 @@ class DataFile:
         """Write ``buffers`` in order; they may be reused once this returns. Page-aligned
         runs go to the disk as they are, gathered into one ``writev`` of up to
         ``_DIRECT_MAX`` bytes: the kernel then has every one of their requests in
-        flight at once. Written one buffer at a time, a 4 MiB tensor was one request
-        at a time, and a chunk file's durable time was 0.73-0.82x an O_DIRECT write of
-        the same bytes in 64 MiB calls; gathered, 0.94-1.13x (docs/performance.md)."""
+        flight at once (docs/performance.md)."""
         self._claim_bounce()
         try:
             self._write_each(buffers)
-            self._flush()  # the caller's buffers are its own again once this returns
+            self._flush()
         except BaseException:
-            self._queued, self._queued_bytes, self._bounce_queued = [], 0, False  # never written later
+            self._queued, self._queued_bytes, self._bounce_queued = [], 0, False
             raise
 
     def _write_each(self, buffers: Iterable[Any]) -> None:
@@ -108,18 +96,17 @@ class DataFile:
             view = memoryview(buf).cast("B")
             self.size += len(view)
             if not self.direct:
-                self._drain()  # bytes left in the bounce buffer (O_DIRECT refused since) come first
+                self._drain()
                 self._write_all(view)
                 continue
             while view:
                 if self._fill % BLOCK == 0 and len(view) >= BLOCK and buffer_address(view) % BLOCK == 0:
-                    # the file offset is block-aligned now, and so is this buffer
                     self._queue_bounce()
                     n = min(len(view) - len(view) % BLOCK, _DIRECT_MAX)
                     self._queue(view[:n])
                     view = view[n:]
                     continue
-                if self._bounce_queued:  # its bytes must reach the file before it is refilled
+                if self._bounce_queued:
                     self._flush()
                 n = min(len(view), len(self._bounce.view) - self._fill)
                 self._bounce.view[self._fill:self._fill + n] = view[:n]
@@ -153,7 +140,7 @@ class DataFile:
         """Take the thread's bounce buffer from the file whose bytes wait in it: that file
         writes its whole blocks and keeps its partial last block aside until its next
         call (two streamed tensors, interleaved, overwrote each other's bytes there)."""
-        if self._error is not None:  # a write of this file failed while another file took over
+        if self._error is not None:
             raise self._error
         owner = self._bounce.owner
         if owner is self:
@@ -161,7 +148,7 @@ class DataFile:
         if owner is not None:
             try:
                 owner._set_aside()
-            except OSError as exc:  # that file's failure, raised at its own next call
+            except OSError as exc:
                 owner._error, owner._fill = exc, 0
         self._bounce.owner = self
         if self._tail:
@@ -185,11 +172,11 @@ class DataFile:
             self._bounce.view[tail:padded] = bytes(padded - tail)
             self._fill = padded
             self._drain()
-            os.ftruncate(self.fd, self.size)  # drop the padding of the last block
+            os.ftruncate(self.fd, self.size)
         return self.fd
 
     def close(self) -> None:
-        if self._bounce.owner is self:  # what waits there is dropped with the file
+        if self._bounce.owner is self:
             self._bounce.owner, self._fill = None, 0
         if self.fd >= 0:
             os.close(self.fd)
@@ -210,11 +197,11 @@ class DataFile:
             except OSError as exc:
                 if exc.errno != errno.EINVAL or not self.direct:
                     raise
-                self._refuse_direct()  # (nothing was written: the same again, buffered)
+                self._refuse_direct()
                 continue
             if self._throttle is not None:
                 self._throttle.take(n)
-            while n:  # drop what was written; a short write leaves the rest of a buffer
+            while n:
                 head = pending[0]
                 if n >= len(head):
                     n -= len(head)
@@ -236,7 +223,7 @@ class Bounce:
     def __init__(self, size: int = BOUNCE) -> None:
         self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
         self.view = memoryview(self._mm)
-        self.owner: DataFile | None = None  # the file whose bytes wait in it
+        self.owner: DataFile | None = None
 
 
 def _clear_direct(fd: int) -> None:

@@ -32,14 +32,14 @@ from .lifecycle import Lifecycle
 from .owners import NotOwner, principal
 from .replies import Replies
 from .sessions import Session, Sessions
-from .share import CommitToken, Result, ResultKind, Share
+from .share import CommitToken, Result, ResultKind, Share, ShareId
 from .status import Reporter
 from .upkeep import Upkeep
 from .writer import Writer
 
 log = logging.getLogger("ckptd.daemon")
 
-SESSIONLESS = frozenset({"hello", "latest", "list", "status"})  # a first message, and the CLI's questions
+SESSIONLESS = frozenset({"hello", "latest", "list", "status"})
 IN_SESSION = frozenset({"ping", "tensor", "tensors", "same", "commit", "abort", "drain", "bye"})
 # How long `latest` waits for the commits of its run under way (every byte received,
 # the fsyncs left): a job restarted right after handing over its last save must see
@@ -66,7 +66,7 @@ class Handlers:
         self.writer = writer
         self.upkeep = upkeep
         self.reporter = reporter
-        self._settling: list[tuple[bytes, int, str, float]] = []  # `latest` asked: (identity, seq, run, deadline)
+        self._settling: list[tuple[bytes, int, str, float]] = []
 
     def dispatch(self, frames: list[zmq.Frame]) -> None:
         """Handle one message as it came off the ROUTER socket: ``[identity, header, payload?]``."""
@@ -101,7 +101,6 @@ class Handlers:
             self.ledger.figures.error("protocol")
             self.replies.send(identity, "error", seq=header.get("seq"), step=None, message=str(exc))
 
-    # -- without a session --------------------------------------------------------------
     def on_hello(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
         if self.lifecycle.stopping:
             log.info("refused a producer of run %r (pid %s): the daemon is stopping", h["run"], h["pid"])
@@ -161,7 +160,7 @@ class Handlers:
         if own is not None:
             self.sessions.end(own, "said hello again")
         gone = self.sessions.holding(h["run"], h["rank"])
-        if gone is not None:  # a restarted trainer: its predecessor's steps can never complete
+        if gone is not None:
             self.sessions.end(gone, "was replaced by a new producer for the same rank",
                               failed=(gone.pid, gone.host) != (h["pid"], h["host"]))
 
@@ -169,7 +168,7 @@ class Handlers:
         mapped = self.arenas.map(h)
         if mapped is not None:
             sess.shm, sess.arena = mapped
-            self.arenas.reused(sess.arena)  # before the welcome: nothing is reused yet
+            self.arenas.reused(sess.arena)
             # At most a quarter of the arena per chunk: writing one never waits for it to fill.
             sess.chunk_size = max(1, min(self.cfg.chunk_size, len(sess.shm) // 4))
 
@@ -178,7 +177,7 @@ class Handlers:
             check_run(h["run"])
         except ValueError as exc:
             raise ProtocolError(f"latest: {exc}") from None
-        if self.ledger.committing(h["run"]):  # answered once they are done
+        if self.ledger.committing(h["run"]):
             self._settling.append((identity, h["seq"], h["run"], time.monotonic() + SETTLE_S))
             return
         self._answer_latest(identity, h["seq"], h["run"])
@@ -214,7 +213,7 @@ class Handlers:
         header = wire.encode("listing", seq=h["seq"], root=str(self.root),
                              checkpoints=[{**i.to_dict(), "pinned": i.step in pinned} for i in infos])
         size = len(header)
-        if size > wire.MAX_HEADER_BYTES:  # no reader would take it
+        if size > wire.MAX_HEADER_BYTES:
             raise ProtocolError(f"list: the {len(infos)} checkpoints of run {run!r} take {size} bytes, more "
                                 f"than a reply may ({wire.MAX_HEADER_BYTES}); read the root instead "
                                 "(`ckptd list RUN` without --endpoint)")
@@ -223,19 +222,18 @@ class Handlers:
     def on_status(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
         self.replies.send(identity, "report", seq=h["seq"], status=self.reporter.report())
 
-    # -- within a session ----------------------------------------------------------------
     def on_ping(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         self.replies.send(sess.identity, "pong", seq=h["seq"])
 
     def on_tensor(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
-        seq = sess.received = h["seq"]  # an inline piece is received: its staging is free
-        self.upkeep.received()  # a snapshot is under way: copies to the tiers hold off
+        seq = sess.received = h["seq"]
+        self.upkeep.received()
         open_step = self.open_step(sess, h["step"], seq)
         if open_step.share.error is not None:
-            return  # failed and reported; dropped until the producer aborts
+            return
         try:
             if payload is not None:
-                if len(payload) > self.cfg.max_frame:  # libzmq's limit also admits the largest headers
+                if len(payload) > self.cfg.max_frame:
                     raise StepError(f"tensor {h['name']!r}: a piece of {len(payload)} bytes exceeds "
                                     f"max_frame ({self.cfg.max_frame})")
                 self.ledger.hold(open_step.add_piece(h, payload.buffer))
@@ -244,7 +242,7 @@ class Handlers:
         except StepError as exc:
             self.sessions.fail_step(sess, open_step, str(exc), seq)
             return
-        sess.unwritten.append(seq)  # its staging is free once the writer is done with it
+        sess.unwritten.append(seq)
         self._flush_if_filling(sess)
 
     def on_tensors(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
@@ -257,7 +255,7 @@ class Handlers:
         try:
             for piece in wire.batch_pieces(h):
                 open_step.add_piece(piece, _shared_piece(sess, piece), seq)
-                taken += piece["length"] > 0  # an empty tensor holds no piece of the region
+                taken += piece["length"] > 0
         except StepError as exc:
             self.sessions.fail_step(sess, open_step, str(exc), seq)
         if taken:
@@ -289,7 +287,7 @@ class Handlers:
         except StepError as exc:
             if share.error is None:
                 self.sessions.fail_step(sess, open_step, str(exc), seq)
-            else:  # the step failed earlier: this is the commit's answer
+            else:
                 self.replies.send(sess.identity, "error", seq=seq, step=step,
                                   message=f"step {step} was not committed: {share.error}")
             self.sessions.drop_step(sess, step)
@@ -313,20 +311,19 @@ class Handlers:
     def on_bye(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         self.sessions.end(sess, "said bye")
 
-    # -- what the I/O threads report ----------------------------------------------------
     def on_result(self, r: Result) -> None:
         """Account for bytes written; answer a commit, or report a failed write at once."""
         self.ledger.free(r.nbytes)
         share = r.share
         if r.seqs:
-            sess = self.sessions.get(share.owner)
+            sess = self.sessions.get(share.id.owner)
             if sess is not None:
                 sess.mark_written(r.seqs)
                 self.sessions.ack(sess)
         if r.kind is ResultKind.FAILED:
             self._report_failure(share, r.message)
         elif r.kind in (ResultKind.COMMITTED, ResultKind.COMMIT_FAILED):
-            timing = self.ledger.end_commit((share.run, share.rank, share.step))  # a waiting `latest` may go
+            timing = self.ledger.end_commit((share.run, share.rank, share.step))
             self.arenas.committed(share)
             assert r.token is not None
             if r.kind is ResultKind.COMMITTED:
@@ -340,14 +337,14 @@ class Handlers:
         share, figures, measuring = r.share, self.ledger.figures, self.ledger.measuring
         assert r.info is not None
         secs = max(time.monotonic() - share.started, 1e-9)
-        nbytes = token.received + share.copied - share.recognised  # the bytes stored anew
+        nbytes = token.received + share.written.copied - share.written.recognised
         log.info("committed run=%s step=%d rank=%d bytes=%d reused=%d tensors=%d seconds=%.3f "
-                 "rate=%s", share.run, share.step, share.rank, nbytes, share.reused,
-                 len(share.records), secs, units.rate(nbytes, secs))
-        figures.committed(share.run, share.step, share.rank, nbytes, secs, share.reused)
+                 "rate=%s", share.run, share.step, share.rank, nbytes, share.written.reused,
+                 len(share.written.records), secs, units.rate(nbytes, secs))
+        figures.committed(share.run, share.step, share.rank, nbytes, secs, share.written.reused)
         if share.mismatches:
             figures.replica_mismatch(share.mismatches)
-        measuring.committed(share.run, share.rank, share.step, share.attempt, timing, secs)
+        measuring.committed(share.run, share.rank, share.step, share.id.attempt, timing, secs)
         self.replies.send(token.identity, "committed", seq=token.seq, step=share.step, info=r.info.to_dict(),
                           advice=measuring.advice(share.run, max_age=1.0))
 
@@ -360,7 +357,6 @@ class Handlers:
                 self.ledger.figures.error("step")
                 self.replies.send(sess.identity, "error", seq=None, step=share.step, message=message)
 
-    # -- steps -------------------------------------------------------------------------
     def open_step(self, sess: Session, step: int, seq: int) -> OpenStep:
         """The open step ``step`` of ``sess``, created on first use. A step that may not
         be written is returned already failed, so that the rest of its messages are
@@ -369,15 +365,16 @@ class Handlers:
         if open_step is not None:
             return open_step
         open_step = sess.steps[step] = OpenStep(
-            Share(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format, owner=sess.identity,
-                  attempt=sess.attempt, chunk_size=self.cfg.chunk_size, host=sess.host),
+            Share(ShareId(self.root, sess.run, sess.rank, sess.world_size, step, format=sess.format,
+                          chunk_size=self.cfg.chunk_size, owner=sess.identity, attempt=sess.attempt,
+                          host=sess.host)),
             self.writer, sess.chunk_size)
         try:
             check_step(step)
         except ValueError as exc:
             self.sessions.fail_step(sess, open_step, str(exc), seq)
             return open_step
-        if self.lifecycle.stopping:  # steps begun before SIGTERM finish, new ones do not start
+        if self.lifecycle.stopping:
             self.sessions.fail_step(sess, open_step, (
                 f"the daemon is stopping: step {step} of run {sess.run!r} was refused and not saved; "
                 "save it again once the daemon has restarted"), seq, discard=False)
@@ -399,7 +396,7 @@ def _check_commit(open_step: OpenStep, h: dict[str, Any]) -> tuple[Any, dict[str
     if not isinstance(metadata, dict):
         raise StepError("commit metadata must be a JSON object")
     missing = [n for n in state_mod.tensor_names(structure)
-               if n not in open_step.names and n not in open_step.share.replicas]
+               if n not in open_step.names and n not in open_step.share.declared.written_by]
     if missing:
         raise StepError(f"the saved state refers to tensors never sent: {missing[:5]}")
     return structure, metadata

@@ -1,18 +1,10 @@
-"""A real ``ckptd serve`` as a child process, from config sections: for a notebook, a
-test or a benchmark that wants a daemon of its own for a while.
-
-    from ckptd.daemon.launcher import ServeProcess
+"""A real ``ckptd serve`` as a child process (``ServeProcess``), from config sections.
 
     with ServeProcess("work", {"daemon": {"chunk_size": "4MiB"}}) as daemon:
         with ckptd.Producer(daemon.endpoint, "run") as p:
             p.save(model.state_dict(), step=1).wait()
 
-The config is written once, as TOML, into ``folder`` (``config.toml``; the daemon's
-output goes to ``daemon.log`` beside it). Ready means the daemon sent ``READY=1`` on
-the notify socket the launcher gave it: it sends that only once it listens and the
-start-up clean-up of its root is done (docs/service.md), on ipc:// and tcp:// alike and
-at any log level. Stopping is SIGTERM (the daemon drains and exits 0), then SIGKILL
-after a bound. docs/service.md says more.
+Ready means READY=1 on the notify socket it gave the daemon; stop is SIGTERM, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -46,10 +38,10 @@ def _toml_value(value: Any, where: str) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float, str)):
-        return json.dumps(value)  # JSON's spelling of strings and finite numbers is TOML's
+        return json.dumps(value)
     if isinstance(value, os.PathLike):
         return json.dumps(os.fspath(value))
-    if isinstance(value, (list, tuple)):  # e.g. [peer] peers
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v, where) for v in value) + "]"
     raise TypeError(f"config value {where} = {value!r}: a {type(value).__name__} has no TOML spelling here; "
                     "give a bool, number, string, path or list of them")
@@ -70,16 +62,16 @@ class ServeProcess:
         self.folder.mkdir(parents=True, exist_ok=True)
         tables = {table: dict(values) for table, values in (sections or {}).items()}
         daemon = tables.setdefault("daemon", {})
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="ckd", dir="/tmp"))  # for the notify socket too
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="ckd", dir="/tmp"))
         daemon.setdefault("endpoint", f"ipc://{self.sock_dir}/d.sock")
         daemon.setdefault("root", str(self.folder / "ckpt"))
-        tables = {"daemon": tables.pop("daemon"), **tables}  # [daemon] first, as people write it
+        tables = {"daemon": tables.pop("daemon"), **tables}
         self.endpoint: str = str(daemon["endpoint"])
-        self.root = self.folder / daemon["root"]  # the daemon reads a relative root from the config's folder
+        self.root = self.folder / daemon["root"]
         self.config = self.folder / "config.toml"
         self.config.write_text(toml_text(tables))
         self.log = self.folder / "daemon.log"
-        self.wrap: list[str] = []  # a command the daemon runs under, e.g. ["unshare", "-m", ...]
+        self.wrap: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self._notify: _NotifySocket | None = None
 
@@ -198,10 +190,10 @@ class _NotifySocket:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.unlink(missing_ok=True)  # a previous incarnation's
+        path.unlink(missing_ok=True)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(str(path))
-        self._sock.settimeout(0.1)  # how soon close() is noticed
+        self._sock.settimeout(0.1)
         self.ready = threading.Event()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._read, name=f"notify-{path}", daemon=True)

@@ -12,7 +12,7 @@ from typing import Any
 from .measuring import Measuring
 from .metrics import Figures
 
-CommitKey = tuple[str, int, int]  # (run, rank, step)
+CommitKey = tuple[str, int, int]
 
 
 class Ledger:
@@ -21,7 +21,7 @@ class Ledger:
         self.figures = figures
         self.measuring = measuring
         self.queued = 0  # bytes received and not yet written
-        self._commits: dict[CommitKey, Any] = {}  # each commit under way -> the producer's timing of it
+        self._commits: dict[CommitKey, Any] = {}
 
     def hold(self, nbytes: int) -> None:
         self.queued += nbytes

@@ -32,12 +32,12 @@ class Lifecycle:
         self.notifier = Notifier()
         self.metrics: MetricsServer | None = None
         self.stopping = False
-        self.why = ""  # why open steps stop being waited for, told to their producers
+        self.why = ""
         self._drain_timeout = drain_timeout
-        self._deadline = math.inf  # when open steps stop being waited for
+        self._deadline = math.inf
         self._last_progress = 0.0
         self._signals: list[int] = []
-        self._status = ""  # the last STATUS= sent
+        self._status = ""
         self._next_ping = self._next_housekeeping = 0.0
         self._lock_fd = -1
 
@@ -58,7 +58,6 @@ class Lifecycle:
             taken.append(self._signals.pop(0))
         return taken
 
-    # -- the drain ---------------------------------------------------------------------
     def begin_drain(self, now: float) -> None:
         self.stopping = True
         self._deadline = now + self._drain_timeout
@@ -85,7 +84,6 @@ class Lifecycle:
         if now < self._deadline or now - self._last_progress < STALL_S:
             self.notifier.send(f"EXTEND_TIMEOUT_USEC={int(EXTEND_S * 1e6)}")
 
-    # -- the loop's clock ----------------------------------------------------------------
     def ping(self, now: float) -> float:
         """Send WATCHDOG=1 when due; the seconds until the next one (at most one)."""
         watchdog = self.notifier.watchdog_s
@@ -102,7 +100,6 @@ class Lifecycle:
         self._next_housekeeping = now + HOUSEKEEPING_S
         return True
 
-    # -- what systemd and the operator see -------------------------------------------------
     def notify(self, text: str, *lines: str) -> None:
         """Send ``lines`` (READY=1, ...) with STATUS=``text``; alone, only a changed STATUS=."""
         if lines or text != self._status:

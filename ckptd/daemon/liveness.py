@@ -1,18 +1,9 @@
-"""Noticing at once that a local producer's process died.
+"""Noticing at once that a local producer's process died (``Liveness``).
 
-Over ``ipc://`` the kernel names the producer's process (``ckptd.transport.pidwatch``):
-the daemon watches it, and every pidfd sits in one epoll set whose descriptor the
-main loop polls, so a death wakes the loop. Where pidfds are not available the
-process's start time in ``/proc/<pid>/stat`` is compared once a second instead.
-
-A dead producer's last messages may still be on their way through libzmq's I/O
-thread (a commit sent just before it died must still be committed), so its session
-ends only once it has been dead and silent for ``GRACE_S`` while the daemon reads.
-``tcp://`` producers have no pid the daemon can trust: the session timeout applies.
-A local producer silent for ``session_timeout`` whose process keeps running (its
-training thread holding the GIL in a long call, a starved node) keeps its session up
-to ``BUSY_TIMEOUTS`` session timeouts (``pidwatch.Silence``); a stopped or hung one
-does not.
+Over ipc:// the kernel names the producer's process; its pidfd sits in one epoll set
+the main loop polls (or its start time is compared once a second). A dead producer's
+session ends once it has been dead and silent for ``GRACE_S``, so that its last
+messages are still read; tcp:// producers have the session timeout only.
 """
 
 from __future__ import annotations
@@ -35,7 +26,7 @@ BUSY_TIMEOUTS = 6  # a silent producer whose process keeps running: given up on 
 class _Watched:
     process: ProcessWatch
     silence: Silence
-    died: float | None = None  # monotonic time its death was noticed
+    died: float | None = None
 
 
 class Liveness:

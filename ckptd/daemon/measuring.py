@@ -1,11 +1,8 @@
-"""The daemon's side of the interval advice: it records, per run, what each save cost
-and which attempts of the job failed, and keeps ``<root>/<run>/.measures.<host>.json``
-current (the format is ``ckptd.measures``'s; the model is docs/advise.md's).
+"""The daemon's side of the interval advice (``Measuring``): per run, what each save
+cost and which attempts failed, kept in ``<root>/<run>/.measures.<host>.json``.
 
-The main loop calls ``hello``, ``committed`` and ``ended``; the uploader thread calls
-``uploaded``; the metrics thread and ``ckptd status`` call ``advice``: one lock
-guards the records. Files are written on the ``ckptd-measures`` thread, at most
-once a second per run, so the main loop never waits on a disk for them.
+The main loop and the tiers' threads record; ``advice`` answers any thread, under one
+lock; the ``ckptd-measures`` thread writes the files, at most once a second per run.
 """
 
 from __future__ import annotations
@@ -24,11 +21,11 @@ from ..names import check_run
 
 log = logging.getLogger("ckptd.daemon")
 WRITE_EVERY_S = 1.0
-MAX_RUNS = 1000  # runs whose records stay in memory (and in `ckptd status`, the metrics)
+MAX_RUNS = 1000
 
 
 def parse_timing(value: Any) -> tuple[float | None, float | None]:
-    """A commit's ``timing`` map (docs/protocol.md): (stall seconds, restore seconds); a
+    """A commit's ``timing`` map (docs/design.md): (stall seconds, restore seconds); a
     missing or bad value is None (the timing informs the advice, it never fails a commit)."""
     if not isinstance(value, dict):
         return None, None
@@ -49,17 +46,16 @@ class Measuring:
         self.tiers = tiers
         self.file = measures.file_name()
         self._lock = threading.Lock()
-        self._runs: OrderedDict[str, dict[str, Any]] = OrderedDict()  # this host's records, per run, last used last
+        self._runs: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._dirty: set[str] = set()
-        self._cache: dict[str, tuple[float, dict[str, Any]]] = {}  # run -> (monotonic time, advice)
+        self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
         # producers without attempt: one failure per generation, and a hello after it starts the next
-        self._none_gen: dict[str, tuple[int, bool]] = {}  # run -> (generation, failed already)
+        self._none_gen: dict[str, tuple[int, bool]] = {}
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._write_loop, name="ckptd-measures", daemon=True)
         self._thread.start()
 
-    # -- events (the main loop; the uploader) ---------------------------------------------------
     def hello(self, run: str, attempt: str | None) -> None:
         with self._lock:
             m = self._run(run)
@@ -83,7 +79,7 @@ class Measuring:
                 m["first_seen"] = now
             m["saves"].append({"step": step, "rank": rank, "attempt": attempt, "time": now,
                                "stall_s": stall, "persist_s": persist_s})
-            if len(m["saves"]) == 1:  # an answer cached before any save (the welcome's) measured nothing
+            if len(m["saves"]) == 1:
                 self._cache.pop(run, None)
             if restore is not None:
                 m["restores"].append({"attempt": attempt, "rank": rank, "time": now, "seconds": restore})
@@ -109,7 +105,7 @@ class Measuring:
         with self._lock:
             m = self._run(run)
             key = None
-            if attempt is None:  # no attempt to tell failures apart: one per generation
+            if attempt is None:
                 key, failed = self._none_gen.get(run, (0, False))
                 if failed:
                     return
@@ -124,7 +120,6 @@ class Measuring:
         log.info("run %s: attempt %s failed (%s); %d failure(s) recorded", run, attempt, why, len(m["failures"]))
         self._wake.set()
 
-    # -- the advice (any thread) -----------------------------------------------------------------
     def advice(self, run: str, max_age: float = 0.0) -> dict[str, Any] | None:
         """The run's advice, with one entry per tier under ``tiers``; None if never seen.
         ``max_age``: an answer figured this many seconds ago will do (a commit's reply:
@@ -146,7 +141,6 @@ class Measuring:
             runs = list(self._runs)
         return {run: a for run in runs if (a := self.advice(run)) is not None}
 
-    # -- the files ------------------------------------------------------------------------------------
     def _run(self, run: str) -> dict[str, Any]:
         """This host's records of ``run``: from its file at first use (they survive a restart)."""
         m = self._runs.get(run)
@@ -161,10 +155,10 @@ class Measuring:
             if failed:
                 self._none_gen[run] = (max(failed) + 1, False)
             self._runs[run] = m
-            while len(self._runs) > MAX_RUNS:  # the least recently used: its file keeps it
+            while len(self._runs) > MAX_RUNS:
                 old = next(r for r in self._runs if r != run)
                 if old in self._dirty:
-                    break  # written first; dropped at a later call
+                    break
                 del self._runs[old]
                 self._cache.pop(old, None)
         return m
@@ -191,12 +185,12 @@ class Measuring:
             self._dirty.clear()
         for run, data in todo.items():
             run_dir = self.root / run
-            if not run_dir.is_dir() or run_dir.is_symlink():  # a run with no step on disk: nothing to put beside
+            if not run_dir.is_dir() or run_dir.is_symlink():
                 with self._lock:
-                    self._dirty.add(run)  # written once its folder exists
+                    self._dirty.add(run)
                 continue
             try:
-                atomic_write(run_dir / self.file, data, fsync=False)  # figures, not checkpoints
+                atomic_write(run_dir / self.file, data, fsync=False)
             except OSError as exc:
                 log.warning("cannot write %s: %s", run_dir / self.file, exc.strerror or exc)
 

@@ -1,14 +1,8 @@
-"""The daemon's live figures, and the Prometheus endpoint that serves them.
+"""The daemon's figures (``Figures``) and the Prometheus endpoint (``MetricsServer``).
 
-``Figures`` holds what happened (commits, bytes, latencies, errors, each run's last
-commit). Only the main loop changes it, next to the log line of the same event;
-``snapshot()`` gives a consistent copy to ``ckptd status`` and to the scrape.
-Figures of the moment (queued bytes, producers) are read from the daemon when
-asked, through a ``live`` callable.
-
-``MetricsServer`` answers ``GET /metrics`` on its own thread, ``ckptd-metrics``,
-building the exposition at scrape time from a snapshot, so the main loop does no
-Prometheus work at all. ``prometheus_client`` is imported here only.
+Only the main loop changes ``Figures``; ``snapshot()`` gives a consistent copy to
+``ckptd status`` and to the scrape, which ``ckptd-metrics`` answers at scrape time.
+``prometheus_client`` is imported here only.
 """
 
 from __future__ import annotations
@@ -28,30 +22,28 @@ from ..tiers import bucket, peer
 
 log = logging.getLogger("ckptd.daemon")
 
-# Seconds from a step's first tensor to its durable manifest: from a small model on
-# a fast disk to tens of GiB on a slow one.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 ERROR_KINDS = ("protocol", "step", "commit")  # a bad message; a step failed before commit; a failed commit
-MAX_RUNS = 1000  # runs whose last commit is remembered (the most recent ones)
+MAX_RUNS = 1000
 
 
-RECENT = 20  # commits that `ckptd status` figures its recent throughput from
+RECENT = 20
 
 
 class Figures:
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # the scrape thread reads while the main loop writes
+        self._lock = threading.Lock()
         self.started = time.time()
         self.commits = 0
         self.bytes_written = 0
         self.bytes_reused = 0
         self.errors = dict.fromkeys(ERROR_KINDS, 0)
-        self._buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one is +Inf
+        self._buckets = [0] * (len(LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
-        self._runs: OrderedDict[str, dict[str, Any]] = OrderedDict()  # oldest commit first
+        self._runs: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.last_commit: dict[str, Any] | None = None
-        self._recent: deque[tuple[int, float]] = deque(maxlen=RECENT)  # (bytes, seconds) of the last commits
-        self.replica_mismatches = 0  # tensors of completed steps whose replicas disagreed (ckptd.replicas)
+        self._recent: deque[tuple[int, float]] = deque(maxlen=RECENT)
+        self.replica_mismatches = 0
 
     def committed(self, run: str, step: int, rank: int, nbytes: int, seconds: float, reused: int = 0) -> None:
         """A share committed: ``nbytes`` of tensor data written, ``reused`` referring to
@@ -98,7 +90,6 @@ class Figures:
                             "sum": self._latency_sum, "count": total},
                 "runs": {run: dict(v) for run, v in self._runs.items()},
                 "last_commit": dict(self.last_commit) if self.last_commit else None,
-                # the last commits' bytes over their time from first byte to durable
                 "recent": {"commits": len(self._recent), "bytes": sum(b for b, _ in self._recent),
                            "seconds": sum(t for _, t in self._recent)},
             }
@@ -123,7 +114,7 @@ class _Collector:
                                   "not written again: they refer to an earlier step's stored copy.",
                                   value=snap["bytes_reused"])
         yield CounterMetricFamily("ckptd_replica_mismatch", "Replicated tensors whose copies on different "
-                                  "ranks disagreed, in the steps this daemon completed (docs/replicas.md).",
+                                  "ranks disagreed, in the steps this daemon completed (docs/reliability.md).",
                                   value=snap["replica_mismatches"])
         lat = snap["latency"]
         buckets = [(_le(b), c) for b, c in zip(lat["buckets"], lat["cumulative"])]
@@ -162,7 +153,7 @@ class _Collector:
         yield stamp
         yield age
         yield step
-        for tier, families in _TIER_FAMILIES.items():  # the tiers the config has (their figures: not None)
+        for tier, families in _TIER_FAMILIES.items():
             if live.get(tier):
                 yield from families(live[tier])
         if live.get("advice"):
@@ -224,34 +215,33 @@ def _remote_families(r: dict[str, Any]) -> Iterator[Any]:
 
 
 def _peer_families(p: dict[str, Any]) -> Iterator[Any]:
-    """The peer tier (ckptd/peer/): replicas sent and held."""
+    """The peer tier (ckptd/peer/): copies sent to partners and held for other nodes."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    yield GaugeMetricFamily("ckptd_peer_under_replicated", "Shares committed here with fewer replicas in "
-                            "peers' memory than [peer] replicas.", value=p["under_replicated"])
-    yield GaugeMetricFamily("ckptd_peer_held_bytes", "Bytes of other nodes' replicas held in memory.",
+    yield GaugeMetricFamily("ckptd_peer_under_replicated", "Shares committed here with fewer copies in "
+                            "partners' memory than [peer] replicas asks for.", value=p["under_replicated"])
+    yield GaugeMetricFamily("ckptd_peer_held_bytes", "Bytes of other nodes' copies held in memory.",
                             value=p["held_bytes"])
     yield GaugeMetricFamily("ckptd_peer_held_shares", "Other nodes' shares held in memory.", value=p["held_shares"])
     yield CounterMetricFamily("ckptd_peer_replicated_bytes", "File bytes sent to partners' memory.",
                               value=p["replicated_bytes"])
     yield CounterMetricFamily("ckptd_peer_failures", "Transfers a partner did not take (slow, full, dead).",
                               value=p["failures"])
-    yield CounterMetricFamily("ckptd_peer_replicas_lost", "Replicas of this node's shares that a partner no "
+    yield CounterMetricFamily("ckptd_peer_replicas_lost", "Copies of this node's shares that a partner no "
                               "longer held (dead, restarted, evicted), sent again to the next peer.",
                               value=p.get("replicas_lost", 0))
     yield GaugeMetricFamily("ckptd_peer_partners_down", "Partners that did not answer, skipped for now "
                             "(backed off: heartbeat, 2x, 4x ... up to 12 heartbeats).", value=len(p.get("down", ())))
     yield CounterMetricFamily("ckptd_peer_drop_messages", "Batched drop messages sent to partners (retention's "
                               "deletions, one per partner per heartbeat).", value=p.get("drop_messages", 0))
-    yield CounterMetricFamily("ckptd_peer_evicted", "Replicas held that made room for newer ones.",
+    yield CounterMetricFamily("ckptd_peer_evicted", "Copies held that made room for newer ones.",
                               value=p["evicted"])
-    yield CounterMetricFamily("ckptd_peer_rejected", "Replicas received whose bytes did not match their "
+    yield CounterMetricFamily("ckptd_peer_rejected", "Copies received whose bytes did not match their "
                               "checksums (never held).", value=p["rejected"])
     yield CounterMetricFamily("ckptd_peer_thread_restarts", "Peer tier threads (serve, send) that failed and "
                               "were started again.", value=p.get("thread_restarts", 0))
 
 
-# each tier's families, by its name in the live figures (ckptd.tiers.replica_names)
 _TIER_FAMILIES: dict[str, Callable[[dict[str, Any]], Iterator[Any]]] = {
     bucket.NAME: _remote_families, peer.NAME: _peer_families,
 }

@@ -1,17 +1,9 @@
 """The daemon's side of two systemd protocols, without libsystemd.
 
-**Notification** (sd_notify(3)). A ``Type=notify`` service finds ``NOTIFY_SOCKET``
-in its environment: a filesystem path, or ``@name`` for Linux's abstract socket
-namespace. It sends datagrams of newline-separated ``KEY=VALUE`` lines there:
-``READY=1``, ``STATUS=...``, ``WATCHDOG=1``, ``STOPPING=1``,
-``EXTEND_TIMEOUT_USEC=...``. systemd learns the sender's pid from the socket's
-credentials, so these must come from the main process (they do: the main loop
-sends them). Outside systemd there is no ``NOTIFY_SOCKET`` and every send is a
-no-op, so ``ckptd serve`` behaves the same from a shell.
-
-**The journal's stream.** When stderr is connected to journald (``JOURNAL_STREAM``
-names its device and inode), a ``<N>`` prefix on a line sets that entry's syslog
-priority, so ``journalctl -p warning`` finds ckptd's warnings and errors.
+``Notifier`` sends sd_notify(3) datagrams (READY=1, STATUS=, WATCHDOG=1, STOPPING=1,
+EXTEND_TIMEOUT_USEC=) to ``NOTIFY_SOCKET`` from the main process, a no-op outside
+systemd; ``use_journal_priorities`` prefixes log lines with their syslog priority when
+stderr is the journal, so that ``journalctl -p warning`` finds ckptd's warnings.
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ class Notifier:
             return False
         try:
             self._sock.sendto("\n".join(lines).encode(), self.address)
-        except OSError as exc:  # the manager went away or its queue is full: not fatal
+        except OSError as exc:
             if not self._warned:
                 self._warned = True
                 log.warning("cannot notify the service manager at %s: %s", _shown(self.address), exc)
@@ -74,10 +66,10 @@ def status_line(text: str) -> str:
 
 def _address(value: str) -> str | bytes | None:
     if value.startswith("@") and len(value) > 1:
-        return b"\0" + value[1:].encode()  # the abstract namespace
+        return b"\0" + value[1:].encode()
     if value.startswith("/"):
         return value
-    if value:  # e.g. vsock:..., which a local daemon is never given
+    if value:
         log.warning("ignoring NOTIFY_SOCKET=%r: only paths and @abstract names are supported", value)
     return None
 
@@ -87,7 +79,7 @@ def _watchdog_interval(usec: str, pid: str) -> float | None:
     if not usec:
         return None
     if pid and pid != str(os.getpid()):
-        return None  # meant for another process
+        return None
     try:
         value = int(usec)
     except ValueError:
@@ -102,7 +94,6 @@ def _shown(address: str | bytes | None) -> str:
     return str(address)
 
 
-# -- the journal --------------------------------------------------------------------------------
 
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 

@@ -1,15 +1,9 @@
-"""Who may write a run through the daemon (``[daemon] shared_runs = false``, the default).
+"""Who may write a run through the daemon (``[daemon] shared_runs = false``).
 
-A run belongs to whoever first wrote it through the daemon: over ``ipc://``, the
-Unix user of the producer's process, which the kernel reports to libzmq
-(SO_PEERCRED, the frame's ``Peer-Address`` property ``host:uid:gid:pid``); over
-``tcp://``, the CurveZMQ public key it authenticated with (the ``User-Id`` the
-ZAP handler gave it). The owner is recorded in ``<root>/<run>/.owner``. Producers
-of anyone else are refused at ``hello``, so they can neither add steps to the run
-nor apply their retention keys to it (which could delete its checkpoints).
-
-root and the daemon's own user are trusted with every run, and claim none: they
-could change the files directly anyway.
+A run belongs to whoever first wrote it: the Unix user of the producer over ipc://,
+its CurveZMQ key over tcp:// (``principal``), recorded in ``<root>/<run>/.owner``.
+``Owners.check`` refuses anyone else's producer at hello. root and the daemon's own
+user are trusted with every run and claim none.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from typing import Any
 
 from .. import layout
 from ..durable import atomic_write
-from ..errors import NotOwner  # re-exported: its home was here
+from ..errors import NotOwner
 
 log = logging.getLogger("ckptd.daemon")
 OWNER_FILE = ".owner"
@@ -37,7 +31,7 @@ def principal(frame: Any, *, tcp: bool) -> str | None:
             return f"key:{user}" if user else None
         parts = frame.get("Peer-Address").split(":")  # host:uid:gid:pid
         return f"uid:{int(parts[-3])}" if len(parts) >= 4 else None
-    except Exception:  # no such property (an older libzmq, another transport)
+    except Exception:
         return None
 
 
@@ -45,7 +39,7 @@ class Owners:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.trusted = {"uid:0", f"uid:{os.getuid()}"}
-        self._known: dict[str, str] = {}  # run -> owner, as read or written
+        self._known: dict[str, str] = {}
 
     def check(self, run: str, who: str | None) -> None:
         """Let ``who`` write ``run`` (claiming it if nobody has), or raise NotOwner."""

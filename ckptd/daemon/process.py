@@ -29,9 +29,9 @@ def keep_freed_memory() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
-        return  # not glibc: nothing to tune
+        return
     m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's maximum
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)
     libc.mallopt(m_trim_threshold, 2**31 - 1)
     libc.mallopt(m_arena_max, 2)
 

@@ -1,11 +1,8 @@
-"""Start-up clean-up: remove what a crash left behind.
+"""Start-up clean-up (``remove_orphans``): remove what a crash left behind.
 
-A step's files that no manifest names were being written when a daemon died;
-they are garbage (docs/format.md). Only names ckptd itself writes are touched, and
-symlinks are never followed: run and step folders are opened with
-``O_NOFOLLOW`` and everything inside them is read, listed and removed relative
-to their descriptors, so a symlink planted in the root (to /etc, say) is at most
-skipped, and nothing outside the root is read or removed.
+A step's files that no manifest names are garbage. Only names ckptd writes are
+touched, and everything is opened and removed relative to descriptors of folders
+opened without following symlinks: nothing outside the root is read or removed.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from ..retention import TRASH_PREFIX, remove_trash_at
 
 log = logging.getLogger("ckptd.recovery")
 
-_MARKER_LIMIT = 4096  # r<rank>.writing: a host name and a pid
+_MARKER_LIMIT = 4096
 
 
 def remove_orphans(root: Path) -> int:
@@ -35,7 +32,7 @@ def remove_orphans(root: Path) -> int:
             continue
         try:
             run_fd = layout.open_real_dir(root / run)
-        except OSError as exc:  # replaced by a symlink since the listing, or gone
+        except OSError as exc:
             log.warning("skipped %s: %s", root / run, exc.strerror)
             continue
         try:
@@ -43,7 +40,6 @@ def remove_orphans(root: Path) -> int:
                 if layout.parse_step_dir(name) is not None:
                     removed += _clean_step(run_fd, root / run / name)
                 elif name.startswith(TRASH_PREFIX):
-                    # a deletion that was made invisible, then interrupted
                     remove_trash_at(run_fd, name, root / run)
                     log.info("removed %s, a deletion interrupted by a crash", root / run / name)
             removed += _remove_temps(run_fd, root / run)
@@ -111,8 +107,8 @@ def _clean_step_at(fd: int, run_fd: int, step_path: Path) -> int:
             continue
         try:
             if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                continue  # ckptd writes no folders here; a folder by a file's name is not ours
-            os.unlink(name, dir_fd=fd)  # a symlink is removed itself, never its target
+                continue
+            os.unlink(name, dir_fd=fd)
             removed += 1
             log.info("removed orphan %s", step_path / name)
         except OSError as exc:
@@ -121,7 +117,7 @@ def _clean_step_at(fd: int, run_fd: int, step_path: Path) -> int:
         try:
             os.rmdir(step_path.name, dir_fd=run_fd)
         except OSError:
-            pass  # not empty: files ckptd did not write
+            pass
     return removed
 
 
@@ -134,14 +130,13 @@ def _claimed_elsewhere(fd: int, step_path: Path, names: list[str]) -> set[str]:
         if layout.WRITING.fullmatch(name):
             try:
                 text = layout.read_small(name, _MARKER_LIMIT, dir_fd=fd).decode("utf-8", "replace")
-            except OSError as exc:  # cannot tell whose: keep them
+            except OSError as exc:
                 if not isinstance(exc, FileNotFoundError):
                     log.warning("%s: unreadable writing marker, its rank's files are left: %s",
                                 step_path / name, exc.strerror)
                 others.add(layout.file_rank(name))
                 continue
-            # Empty: a daemon died between creating the marker and writing its host
-            # (kill -9 here left it, and its rank's files, for good); taken as this host's.
+            # empty: the daemon died before writing its host into it; taken as this host's
             if text.split("\n", 1)[0] not in ("", socket.gethostname()):
                 others.add(layout.file_rank(name))
     return {n for n in names if layout.file_rank(n) in others}

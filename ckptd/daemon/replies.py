@@ -23,18 +23,18 @@ from .arenas import Arenas
 
 log = logging.getLogger("ckptd.daemon")
 
-IPC_PATH_MAX = 107  # sun_path in struct sockaddr_un, less the terminating NUL
+IPC_PATH_MAX = 107
 
 
 class Replies:
     def __init__(self, config: Config) -> None:
         self.endpoint = config.endpoint
         self._max_frame = config.daemon.max_frame
-        self.curve = CurveServer.from_config(config)  # tcp://: keys checked before anything starts
-        self.reading = False  # the loop polls the socket: the daemon is within its memory budget
+        self.curve = CurveServer.from_config(config)
+        self.reading = False
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
-        self._ipc: unixsock.BoundSocket | None = None  # the socket file, ours alone to remove
+        self._ipc: unixsock.BoundSocket | None = None
 
     @property
     def local(self) -> bool:
@@ -43,10 +43,9 @@ class Replies:
     def bind(self, arenas: Arenas) -> None:
         self._ctx = zmq.Context()
         router = self._router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, 100_000)
         router.setsockopt(zmq.LINGER, 2000)
-        # libzmq itself disconnects a peer that sends a larger frame.
         router.setsockopt(zmq.MAXMSGSIZE, max(self._max_frame, wire.MAX_HEADER_BYTES) + 4096)
         path = Path(self.endpoint[len("ipc://"):]) if self.local else None
         if path is not None:
@@ -66,9 +65,8 @@ class Replies:
         if len(str(path).encode()) > IPC_PATH_MAX:
             raise CheckpointError(f"ipc socket path {path} is longer than {IPC_PATH_MAX} bytes; "
                                   "choose a shorter [daemon] endpoint")
-        # This folder's permissions decide who may connect (docs/security.md).
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if unixsock.in_use(str(path), socket.SOCK_STREAM):  # libzmq would replace a live daemon's file
+        if unixsock.in_use(str(path), socket.SOCK_STREAM):
             raise CheckpointError(
                 f"another process (a ckptd daemon of another root?) already serves {self.endpoint}; "
                 "stop it, or give this daemon another [daemon] endpoint")
@@ -108,14 +106,14 @@ class Replies:
         assert self._router is not None
         try:
             self._router.send_multipart([identity, header], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the peer is gone or not reading
+        except zmq.ZMQError as exc:
             log.debug("reply %s to %s dropped: %s", op, identity.hex(), exc)
 
     def close(self) -> None:
         if self._router is not None:
             self._router.close()
             self._router = None
-        self.curve.close()  # its ZAP thread holds a socket, which ctx.term() would wait for
+        self.curve.close()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -1,54 +1,10 @@
 """Tensors a step shares with an earlier one: a checkpoint costs what changed.
 
-A frozen base model under LoRA, frozen embeddings, buffers that never change:
-their bytes are the same at every step. The writer does not write them again.
-It finds the *base* of a share (the newest earlier step of the run in which this
-rank committed a share of the same world size and format), and where a tensor
-there has the same name, dtype, shape, placement and checksum, the new record
-refers to the stored bytes instead.
-
-Every data file of a step folder holds only tensors of that step, with that
-step's values: ``safetensors`` opened on the folder's files sees exactly the step.
-So a chunk file is placed once the step's whole set of unchanged tensors is known,
-at its commit (``ckptd.format.chunk``'s ``place``), before the manifest:
-
-- a base chunk file whose every tensor is unchanged in this step, under the same
-  name, is **hard-linked** into the new step folder under a new data-file name of
-  this rank (``r<rank>-<seq>.safetensors``), and the new records name that file
-  with the base's offsets, keys and checksums;
-- the unchanged tensors of a base file that also holds others (changed in this
-  step, or not in it) are **copied** in the kernel (``copy_file_range``: a
-  reflink where the filesystem shares blocks) into new chunk files of this step,
-  of up to ``chunk_size``, which hold only such tensors: the next step that leaves
-  them unchanged links them whole. Declared frozen tensors come in chunk files of their
-  own (``save(frozen=)`` sends them first, marked ``frozen``), so under LoRA every
-  file of the frozen base is linked.
-
-HDF5 steps link the base's whole file (``r<rank>-<step>.h5``, named for the step
-that wrote it, beside the share's own ``r<rank>.h5``) as soon as a tensor is
-recognised, and ``r<rank>.h5`` shows exactly the step through HDF5 external links
-to the datasets of this step: that file is what HDF5 tools open.
-
-So every step folder holds every byte its manifests name, and nothing else
-changes: readers, ``verify``, ``export``, the uploader and ``safetensors.safe_open``
-see ordinary files; deleting the base step (retention, ``ckptd delete``, an
-earlier attempt replaced) removes only its names, never data that a kept step
-refers to; a crash before the new manifest leaves links and copies that no
-manifest names, which start-up removes like any orphan, and the base untouched.
-Where the filesystem refuses hard links, the file is copied in the kernel
-instead: correct, not cheaper.
-
-Two ways in:
-- the daemon **recognises** unchanged tensors of a chunk by checksum (``[daemon]
-  reuse_unchanged``); a tensor large enough to be streamed into a file of its own
-  is written as it arrives, before its checksum is known, so only ``frozen=``
-  saves its write;
-- the producer **declares** them (``save(..., frozen=[globs])``): it sends their
-  descriptions without their bytes, naming the step it last committed them in
-  (``same`` message), and the writer refers to that step's copy or fails the step.
-
-A checksum is 64 bits of xxh3: two different tensors of the same name, dtype and
-shape in consecutive steps collide with probability 2**-64.
+``Base`` is this rank's committed share of an earlier step (``Base.find``). A tensor
+unchanged since it (same name, dtype, shape, placement and checksum: recognised by
+the writer, or declared by ``save(frozen=...)``) refers to its stored bytes: a base
+file whose every tensor is unchanged is hard-linked into the new step folder, the
+rest copied in the kernel, so every step folder holds every byte its manifests name.
 """
 
 from __future__ import annotations
@@ -77,9 +33,9 @@ class Base:
         self.path = path
         self.manifest = manifest
         self._dir_fd = dir_fd
-        self._links: dict[str, str] = {}  # base file -> its name in the new step folder
-        self._idents: dict[str, tuple[int, int]] = {}  # base file -> (device, inode), checked
-        self._lock = threading.Lock()  # pool threads link files of the same share
+        self._links: dict[str, str] = {}
+        self._idents: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def find(cls, root: Path, run: str, rank: int, step: int, world_size: int, fmt: str,
@@ -104,7 +60,7 @@ class Base:
                 continue
             try:
                 manifest = manifestcache.read(layout.manifest_name(rank), fd, str(path / layout.manifest_name(rank)))
-            except (OSError, CheckpointCorrupt):  # no share of this rank there (or a damaged one)
+            except (OSError, CheckpointCorrupt):
                 os.close(fd)
                 continue
             if manifest.world_size != world_size or manifest.format != fmt:
@@ -124,7 +80,7 @@ class Base:
         if r is None or r.dtype != dtype or r.shape != shape or r.numpy != numpy:
             return None
         if r.shard is None or shard is None:
-            return r if r.shard is shard else None  # both whole, or one a piece: not the same
+            return r if r.shard is shard else None
         return r if r.shard.to_dict() == shard.to_dict() else None
 
     def match(self, e: Entry) -> TensorRecord | None:
@@ -139,8 +95,8 @@ class Base:
             if name is None:
                 name = name_for()
                 if self._place(file, share, name):
-                    with share.lock:
-                        share.files.append(name)
+                    with share.written.lock:
+                        share.written.files.append(name)
                 self._links[file] = name
         return name
 
@@ -173,10 +129,10 @@ class Base:
         HDF5 file, linked for another base of the same share)."""
         want = self.manifest.files.get(file)
         try:
-            os.link(file, name, src_dir_fd=self._dir_fd, dst_dir_fd=share.dir_fd, follow_symlinks=False)
+            os.link(file, name, src_dir_fd=self._dir_fd, dst_dir_fd=share.written.dir_fd, follow_symlinks=False)
         except FileExistsError:
             src = os.stat(file, dir_fd=self._dir_fd, follow_symlinks=False)
-            dst = os.stat(name, dir_fd=share.dir_fd, follow_symlinks=False)
+            dst = os.stat(name, dir_fd=share.written.dir_fd, follow_symlinks=False)
             if (src.st_dev, src.st_ino) != (dst.st_dev, dst.st_ino):
                 raise OSError(errno.EEXIST, f"{share.dir / name} exists and is not {self.path / file}") from None
             return False
@@ -185,14 +141,14 @@ class Base:
                 raise OSError(exc.errno, f"linking {self.path / file} into {share.dir}: {exc.strerror}") from None
             log.info("cannot hard-link %s (%s): copying it", self.path / file, exc.strerror)
             self._copy(file, share, name)
-        st = os.stat(name, dir_fd=share.dir_fd, follow_symlinks=False)
+        st = os.stat(name, dir_fd=share.written.dir_fd, follow_symlinks=False)
         why = None
         if not stat.S_ISREG(st.st_mode):  # a symlink planted in the base: linked as itself, never followed
             why = "is not a regular file"
-        elif want is not None and st.st_size != want:  # truncated since its commit: never refer to it
+        elif want is not None and st.st_size != want:
             why = f"is {st.st_size} bytes, not the {want} its manifest records"
         if why is not None:
-            os.unlink(name, dir_fd=share.dir_fd)
+            os.unlink(name, dir_fd=share.written.dir_fd)
             raise OSError(errno.EIO, f"{self.path / file} {why}")
         return True
 
@@ -200,7 +156,7 @@ class Base:
         src = layout.open_regular(file, dir_fd=self._dir_fd)
         try:
             dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                          dir_fd=share.dir_fd)
+                          dir_fd=share.written.dir_fd)
             try:
                 left = os.fstat(src).st_size
                 while left > 0:

@@ -81,7 +81,6 @@ class Daemon:
         self.reporter: Reporter | None = None
         self.handlers: Handlers | None = None
 
-    # -- start and stop -------------------------------------------------------------
     def start(self) -> None:
         """Lock the root, clean it, bind. After this the daemon is ready to serve."""
         config, cfg, root = self.config, self.config.daemon, self.config.root
@@ -125,14 +124,13 @@ class Daemon:
             self.upkeep.close()
             self.upkeep = None
         if self.ledger is not None:
-            self.ledger.measuring.close()  # after the tiers: their last figures are written too
+            self.ledger.measuring.close()
         self.replies.close()
         self.arenas.close()
         if self.sessions is not None:
             self.sessions.liveness.close()
         self.lifecycle.close()
 
-    # -- the loop ---------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Serve until SIGTERM or SIGINT, then drain: refuse new steps, finish the rest,
         exit. The loop wakes at least every second, and twice per watchdog interval,
@@ -172,7 +170,7 @@ class Daemon:
         if self.ledger.commits or self.sessions.open_steps():
             return False
         if self.replies.reading:
-            self._read_batch()  # what already waits (new steps) gets its refusal now
+            self._read_batch()
         return True
 
     def poll(self) -> dict[Any, int]:
@@ -182,7 +180,7 @@ class Daemon:
         timeout = self.lifecycle.ping(now)
         if self.sessions.liveness.pending():
             timeout = min(timeout, 0.1)
-        settle = self.handlers.settle_deadline()  # a `latest` waiting for its run's commits
+        settle = self.handlers.settle_deadline()
         if settle is not None:
             timeout = min(timeout, settle - now)
         reading = not self.ledger.over_budget
@@ -250,7 +248,6 @@ class Daemon:
         assert self.reporter is not None
         self.lifecycle.notify(self.reporter.line(), *lines)
 
-    # -- signals ----------------------------------------------------------------------------
     def handle_term(self, signum: int, now: float) -> None:
         """Drain: finish the commits received, wait for open steps, refuse new ones."""
         assert self.sessions is not None and self.ledger is not None
@@ -292,7 +289,6 @@ class Daemon:
                             "it" if len(later) == 1 else "them")
         self._notify_status("READY=1")
 
-    # -- shutdown ------------------------------------------------------------------------
     def _shutdown(self) -> None:
         """After the drain: let the producers go, finish what the I/O threads hold. The
         steps left here failed and were reported; any other still gets its error."""
@@ -304,20 +300,19 @@ class Daemon:
                 if open_step.share.error is None:
                     self.replies.send(sess.identity, "error", seq=None, step=step,
                                       message=f"the daemon stopped before step {step} was committed")
-            # so that the producer says "stopped" at once, not "no answer" a timeout later
             self.replies.send(sess.identity, "error", seq=None, step=None, code=wire.STOPPING,
                               message=f"the ckptd daemon (pid {os.getpid()}) stopped")
             self.sessions.end(sess, "was disconnected: the daemon is stopping")
-        self.writer.close()  # runs every queued job, commits included
+        self.writer.close()
         self.writer = None
         self.take_results()
 
 
 def serve(config: Config) -> int:
     """Run the daemon in the foreground until SIGTERM or SIGINT; return the exit status."""
-    logging.captureWarnings(True)  # a library's warnings.warn() is a log line like any other
+    logging.captureWarnings(True)
     use_journal_priorities()
-    faulthandler.enable(all_threads=True)  # a crash or the watchdog's SIGABRT logs every thread's stack
+    faulthandler.enable(all_threads=True)
     failpoints.arm(env.failpoints())
     daemon = Daemon(config)
     try:

@@ -32,18 +32,18 @@ class Session:
     pid: int
     host: str
     format: str = "chunk"
-    attempt: str | None = None  # of the job (ckptd.attempt), recorded in its manifests
+    attempt: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.time)
     steps: dict[int, OpenStep] = field(default_factory=dict)
     # The producer may reuse staging up to ``acked``: inline bytes once received, bytes
     # in shared memory once written (``unwritten``, in order).
-    received: int = 0  # newest tensor seq received
+    received: int = 0
     acked: int = 0
     unwritten: deque[int] = field(default_factory=deque)
-    written: set[int] = field(default_factory=set)  # out of order: waits for older ones
-    shm: memoryview | None = None  # the producer's staging arena, mapped read-only
-    arena: tuple[int, int] | None = None  # that arena's (st_dev, st_ino)
+    written: set[int] = field(default_factory=set)
+    shm: memoryview | None = None
+    arena: tuple[int, int] | None = None
     chunk_size: int = 0
     # A ``tensors`` batch shares one seq among tensors that may land in different chunk
     # files: the seq is written once every one of them is.
@@ -96,7 +96,7 @@ class Sessions:
         self._replies = replies
         self._writer = writer
         self._by_id: dict[bytes, Session] = {}
-        self._holder: dict[tuple[str, int], bytes] = {}  # (run, rank) -> identity
+        self._holder: dict[tuple[str, int], bytes] = {}
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._by_id.values()))
@@ -132,7 +132,6 @@ class Sessions:
         for sess in self._by_id.values():
             self.ack(sess)
 
-    # -- steps ending ------------------------------------------------------------------
     def fail_step(self, sess: Session, open_step: OpenStep, message: str, seq: int | None,
                   *, discard: bool = True) -> None:
         """Report a failed step once and throw away what was written of it."""
@@ -143,7 +142,7 @@ class Sessions:
         share.error = message
         share.reported = True
         self._release_partial(sess, open_step)
-        open_step.flush()  # the writer frees, not writes, a failed share's bytes
+        open_step.flush()
         if discard:
             self._writer.discard(share)
 
@@ -162,7 +161,6 @@ class Sessions:
         self._ledger.free(held)
         sess.mark_written(seqs)
 
-    # -- sessions ending -----------------------------------------------------------------
     def end(self, sess: Session, why: str, *, failed: bool = False) -> None:
         """End a session; ``failed``: its producer went without a goodbye (its attempt failed)."""
         log.info("producer %s %s; discarding %d unfinished step(s)", sess.label, why, len(sess.steps))
@@ -181,7 +179,7 @@ class Sessions:
         for identity, pid in self.liveness.ended(now, last_seen):
             if identity in self._by_id:
                 self.end(self._by_id[identity], f"died (process {pid} exited)", failed=True)
-            else:  # a stray watch must not stop the loop
+            else:
                 self.liveness.forget(identity)
 
     def expire(self, now: float) -> None:

@@ -1,7 +1,9 @@
 """What the daemon's writer works on: a rank's share of a step (``Share``), a tensor
 streamed into it (``Stream``), and what the I/O threads report back (``Result``).
-The main loop makes them; ``ckptd.daemon.writer``'s threads fill them, with what the
-share's storage format (``ckptd.format``) returns: a format never sees them.
+
+A share is pieces by phase: what it is (``ShareId``, fixed), what the I/O threads
+have written (``Written``), the earlier step it refers to (``BaseSearch``), and what
+its commit declares (``Declared``). A format never sees them (``writer.ShareIO``).
 """
 
 from __future__ import annotations
@@ -22,81 +24,126 @@ from ..manifest import Checksum, CheckpointInfo, TensorRecord
 _PROC_FD = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else ""
 
 
-@dataclass(eq=False)
-class Share:
-    """One rank's part of one step. Main thread creates it; the I/O threads fill it."""
+@dataclass(frozen=True)
+class ShareId:
+    """Which share: fixed by its producer's session when its first message comes."""
 
     root: Path
     run: str
     rank: int
     world_size: int
     step: int
-    records: dict[str, TensorRecord] = field(default_factory=dict)
-    files: list[str] = field(default_factory=list)
-    error: str | None = None
-    reported: bool = False  # the producer was told of ``error``
-    next_file: int = 0  # data-file sequence numbers (next_seq)
-    started: float = field(default_factory=time.monotonic)
-    dir_ready: bool = False
-    format: str = "chunk"  # its storage format (ckptd.format), which writes it on the thread it names
-    chunk_size: int = 64 * 2**20  # ``[daemon] chunk_size``: the most a file of copied tensors holds (reuse)
-    kept: Any = None  # what its format keeps open between calls (format.WriteIO.kept), held for it
-    owner: bytes = b""  # the session that sends it (its shared pieces are acknowledged to it)
-    dir_fd: int = -1  # the step folder, held open while the I/O threads write in it
-    attempt: str | None = None  # the job's attempt that writes it (ckptd.attempt)
-    replicas: dict[str, int] = field(default_factory=dict)  # tensors of its state another rank wrote
-    # replica comparison (ckptd.replicas): this rank's digests of its replicated pieces, the
-    # producer's policy, its host; and, set by the share that completes the step, how many
-    # tensors' copies disagree (ckptd_replica_mismatch_total)
-    replica_digests: dict[str, str] = field(default_factory=dict)
-    compare_replicas: str | None = None
+    format: str = "chunk"
+    chunk_size: int = 64 * 2**20
+    owner: bytes = b""  # the session that sends it, to which its shared pieces are acknowledged
+    attempt: str | None = None
     host: str | None = None
-    mismatches: int = 0
-    inflight: list[Future] = field(default_factory=list)  # its chunk files in the writer pool
-    base: Any = None  # the earlier share it refers to (reuse.Base), once looked for
-    base_sought: bool = False
-    bases: list = field(default_factory=list)  # other steps frozen= tensors refer to (reuse.Base)
-    refs: list[Ref] = field(default_factory=list)  # its tensors stored already, placed at commit
-    reused: int = 0  # bytes of its tensors that refer to an earlier step's copy (reuse)
-    recognised: int = 0  # bytes the daemon received and did not write from memory (reuse)
-    copied: int = 0  # bytes of stored copies copied into files of its own (Format.place)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # file names, records, refs
-    _seeking: threading.Lock = field(default_factory=threading.Lock)  # the base, looked for once
-    settled: threading.Event = field(default_factory=threading.Event)  # committed or failed, for good
-    before: "Share | None" = None  # this rank's share committing when this one's first chunk came
 
     @property
     def dir(self) -> Path:
         return layout.step_dir(self.root, self.run, self.step)
 
+
+@dataclass(eq=False)
+class Written:
+    """What the I/O threads have put in the step folder; ``lock`` guards files, records
+    and refs, which pool threads add to."""
+
+    records: dict[str, TensorRecord] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    refs: list[Ref] = field(default_factory=list)
+    next_file: int = 0
+    dir_ready: bool = False
+    dir_fd: int = -1
+    kept: Any = None
+    inflight: list[Future] = field(default_factory=list)
+    reused: int = 0
+    recognised: int = 0
+    copied: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(eq=False)
+class BaseSearch:
+    """The earlier share this one refers to (``reuse.Base``), looked for once."""
+
+    before: "Share | None" = None  # this rank's share committing when this one's first chunk came
+    base: Any = None
+    sought: bool = False
+    bases: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a commit declares beside the tensors (ckptd.replicas compares the digests)."""
+
+    written_by: dict[str, int] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+    compare: str | None = None
+
+
+class Share:
+    """One rank's part of one step. The main loop makes it; the I/O threads fill it."""
+
+    def __init__(self, id: ShareId) -> None:
+        self.id = id
+        self.written = Written()
+        self.search = BaseSearch()
+        self.declared = Declared()
+        self.started = time.monotonic()
+        self.error: str | None = None
+        self.reported = False
+        self.settled = threading.Event()
+        self.mismatches = 0
+
+    @property
+    def run(self) -> str:
+        return self.id.run
+
+    @property
+    def rank(self) -> int:
+        return self.id.rank
+
+    @property
+    def step(self) -> int:
+        return self.id.step
+
+    @property
+    def dir(self) -> Path:
+        return self.id.dir
+
+    @property
+    def records(self) -> dict[str, TensorRecord]:
+        return self.written.records
+
     def at(self, name: str) -> str:
-        """A path to ``name`` in the step folder that resolves through the folder's open
-        descriptor, not its name: a run or step folder swapped for a symlink after it was
-        checked redirects nothing (docs/guarantees.md). h5py and ``atomic_write`` take it too."""
-        if self.dir_fd >= 0 and _PROC_FD:
-            return f"{_PROC_FD}/{self.dir_fd}/{name}"
+        """A path to ``name`` that resolves through the step folder's open descriptor: a
+        folder swapped for a symlink after it was checked redirects nothing."""
+        if self.written.dir_fd >= 0 and _PROC_FD:
+            return f"{_PROC_FD}/{self.written.dir_fd}/{name}"
         return str(self.dir / name)
 
     def close_dir(self) -> None:
-        for base in (self.base, *self.bases):
+        for base in (self.search.base, *self.search.bases):
             if base is not None:
                 base.close()
-        self.bases.clear()
-        if self.dir_fd >= 0:
-            os.close(self.dir_fd)
-            self.dir_fd = -1
+        self.search.bases.clear()
+        if self.written.dir_fd >= 0:
+            os.close(self.written.dir_fd)
+            self.written.dir_fd = -1
 
     def next_seq(self) -> int:
-        """A new data-file sequence number of this share. The main thread numbers the files it
-        hands over; the I/O threads those they link or copy from an earlier step (reuse)."""
-        with self.lock:
-            seq, self.next_file = self.next_file, self.next_file + 1
+        """A new data-file sequence number: the main loop numbers the files it hands
+        over, the I/O threads those they link or copy from an earlier step."""
+        with self.written.lock:
+            seq, self.written.next_file = self.written.next_file, self.written.next_file + 1
         return seq
 
 
 class ResultKind(str, enum.Enum):
-    FREED = "freed"  # received bytes let go of: written
-    FAILED = "failed"  # let go of, unwritten: the share failed
+    FREED = "freed"
+    FAILED = "failed"
     COMMITTED = "committed"
     COMMIT_FAILED = "commit_failed"
     DISCARDED = "discarded"
@@ -106,17 +153,17 @@ class ResultKind(str, enum.Enum):
 class CommitToken:
     """Who asked for a commit, passed back with its result."""
 
-    identity: bytes  # the session that sent it
-    seq: int  # of the commit message
-    received: int  # tensor bytes received for the step
+    identity: bytes
+    seq: int
+    received: int
 
 
 @dataclass
 class Result:
     kind: ResultKind
     share: Share
-    nbytes: int = 0  # of the daemon's own memory, let go of
-    seqs: list[int] = field(default_factory=list)  # shared-memory pieces no longer used
+    nbytes: int = 0
+    seqs: list[int] = field(default_factory=list)
     info: CheckpointInfo | None = None
     message: str = ""
     token: CommitToken | None = None
@@ -129,5 +176,5 @@ class Stream:
     share: Share
     entry: Entry
     file: str
-    out: Any = None  # where its pieces go, while it is open: what its format's open_stream returned
+    out: Any = None
     hasher: Checksum | None = None
