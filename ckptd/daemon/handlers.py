@@ -28,12 +28,11 @@ from .assembly import OpenStep, StepError
 from .attempts import resave
 from ..transport.pidwatch import peer_pid
 from .ledger import Ledger
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, Reporter
 from .owners import NotOwner, principal
 from .replies import Replies
 from .sessions import Session, Sessions
 from .share import CommitToken, Result, ResultKind, Share, ShareId
-from .status import Reporter
 from .upkeep import Upkeep
 from .writer import Writer
 

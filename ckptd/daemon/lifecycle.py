@@ -1,23 +1,33 @@
-"""The service's life: signals, the drain on SIGTERM, and what systemd is told.
+"""The service's life: the process, signals, the drain on SIGTERM, and what it tells.
 
-Signal handlers only queue the signal (``take_signals`` hands them to the loop, as
-gunicorn's arbiter does). ``Lifecycle`` keeps the drain's deadline, the watchdog's
-pings, ``STATUS=`` and ``EXTEND_TIMEOUT_USEC`` (docs/service.md), the metrics
-endpoint and the lock on the root.
+Signal handlers only queue the signal (``Lifecycle.take_signals`` hands them to the
+loop, as gunicorn's arbiter does). ``Lifecycle`` keeps the drain's deadline, the
+watchdog's pings, ``STATUS=`` and ``EXTEND_TIMEOUT_USEC`` (docs/service.md), the
+metrics endpoint and the lock on the root; ``Reporter`` reads the parts for
+``STATUS=``, ``ckptd status`` and the metrics.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import logging
 import math
 import os
 import signal
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
+from ..config import Config
+from ..errors import CheckpointError
+from ..version import __version__
+from .ledger import Ledger
 from .metrics import MetricsServer
 from .notify import Notifier, status_line
-from .process import lock_root
+from .sessions import Sessions
+from .upkeep import Upkeep
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -25,6 +35,49 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 EXTEND_S = 10.0  # each housekeeping tick of a drain asks systemd for this much more time
 STALL_S = 60.0  # a drain that has not moved for this long stops asking
 HOUSEKEEPING_S = 1.0
+
+
+def lower_priority(nice: int) -> None:
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > current:
+        os.nice(nice - current)
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed receive buffers instead of unmapping them.
+
+    libzmq mallocs a buffer per received message; by default glibc returns
+    buffers over 32 MiB (and trims the heap) to the kernel on free, and the next
+    checkpoint faults every page back in, which costs more than receiving the
+    bytes. Memory the daemon holds stays bounded by ``memory_budget``.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)
+    libc.mallopt(m_trim_threshold, 2**31 - 1)
+    libc.mallopt(m_arena_max, 2)
+
+
+def lock_root(root: Path) -> int:
+    """Lock ``root`` for this host's daemon; return the lock's descriptor (held until exit)."""
+    # One daemon per root and host: a second one here would take the first's files
+    # for a crash's leftovers. Daemons of other hosts (shared storage) coexist.
+    path = root / f".ckptd-{socket.gethostname()}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise CheckpointError(
+            f"another ckptd daemon (pid {other or '?'}) is already serving {root}"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class Lifecycle:
@@ -118,3 +171,64 @@ class Lifecycle:
             self.metrics.close()
             self.metrics = None
         self.notifier.close()
+
+
+class Reporter:
+    def __init__(self, config: Config, lifecycle: Lifecycle, sessions: Sessions, ledger: Ledger,
+                 upkeep: Upkeep) -> None:
+        self._config = config
+        self._lifecycle = lifecycle
+        self._sessions = sessions
+        self._ledger = ledger
+        self._upkeep = upkeep
+
+    def line(self) -> str:
+        """The one line systemd shows (``systemctl status``)."""
+        sessions, ledger = self._sessions, self._ledger
+        if self._lifecycle.stopping:
+            return (f"stopping: {ledger.commits} commit(s) in progress, {len(sessions.open_steps())} "
+                    "open step(s); new steps are refused")
+        runs = sorted({s.run for s in sessions})
+        text = f"{len(sessions)} producer(s)"
+        if runs:
+            text += f" of run(s) {', '.join(runs[:4])}{', ...' if len(runs) > 4 else ''}"
+        text += f"; {ledger.queued / 2**20:.1f} MiB queued"
+        last = ledger.figures.last_commit
+        if last is None:
+            return text + "; no commit yet"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["time"]))
+        return text + f"; last commit: run {last['run']} step {last['step']} at {when}"
+
+    def live_figures(self) -> dict[str, Any]:
+        """Figures of the moment, for the metrics thread: plain reads, no iteration."""
+        ledger = self._ledger
+        return {"queued_bytes": ledger.queued, "memory_budget": ledger.memory_budget,
+                "producers": len(self._sessions), "commits_in_progress": ledger.commits,
+                "draining": self._lifecycle.stopping, **self._upkeep.tier_figures(),
+                "advice": ledger.measuring.all_advice()}
+
+    def report(self) -> dict[str, Any]:
+        """What `ckptd status` prints (the wire's ``report``)."""
+        ledger, config = self._ledger, self._config
+        snap, now = ledger.figures.snapshot(), time.time()
+        return {
+            "version": __version__, "pid": os.getpid(),
+            "state": "stopping" if self._lifecycle.stopping else "serving",
+            "endpoint": config.endpoint, "root": str(config.root), "time": now, "started": snap["started"],
+            "metrics": self._lifecycle.metrics_url,
+            "queued_bytes": ledger.queued, "memory_budget": ledger.memory_budget,
+            "commits_in_progress": ledger.commits,
+            "producers": [
+                {"run": s.run, "rank": s.rank, "world_size": s.world_size, "pid": s.pid, "host": s.host,
+                 "transport": "shm" if s.shm is not None else "inline",
+                 "open_steps": sorted(k for k, st in s.steps.items() if st.share.error is None)}
+                for s in self._sessions
+            ],
+            "commits": snap["commits"], "bytes_written": snap["bytes_written"], "bytes_reused": snap["bytes_reused"],
+            "errors": snap["errors"], "replica_mismatches": snap["replica_mismatches"],
+            "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
+            "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
+            "runs": snap["runs"],
+            **self._upkeep.tier_figures(),
+            "advice": ledger.measuring.all_advice(),
+        }

@@ -29,18 +29,16 @@ from . import failpoints
 from .arenas import Arenas
 from .handlers import Handlers
 from .ledger import Ledger
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, Reporter, keep_freed_memory, lower_priority
 from .liveness import Liveness
 from .measuring import Measuring
 from .metrics import Figures, MetricsServer
 from .notify import use_journal_priorities
 from .owners import Owners
-from .process import keep_freed_memory, lower_priority
 from .recovery import remove_orphans
 from .replies import Replies
 from .sessions import Sessions
 from .share import Result
-from .status import Reporter
 from .upkeep import Upkeep
 from .writer import Writer
 
