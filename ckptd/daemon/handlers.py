@@ -13,28 +13,32 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from .. import retention, state as state_mod, units
 from ..transport import wire
 from ..attempt import check_attempt
-from ..config import FORMATS, Config, ConfigError
+from ..config import FORMATS, ConfigError
 from ..errors import ProtocolError
 from ..names import check_rank, check_run, check_step
-from .arenas import Arenas
 from .assembly import OpenStep, StepError
 from .attempts import resave
 from ..transport.pidwatch import peer_pid
-from .ledger import Ledger
-from .lifecycle import Lifecycle, Reporter
 from .owners import NotOwner, principal
-from .replies import Replies
-from .sessions import Session, Sessions
+from .sessions import Session
 from .share import CommitToken, Result, ResultKind, Share, ShareId
-from .upkeep import Upkeep
-from .writer import Writer
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from .arenas import Arenas
+    from .ledger import Ledger
+    from .lifecycle import Lifecycle, Reporter
+    from .replies import Replies
+    from .upkeep import Upkeep
+    from .writer import Writer
+    from .sessions import Sessions
 
 log = logging.getLogger("ckptd.daemon")
 

@@ -7,10 +7,11 @@ the metrics and the interval advice.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .measuring import Measuring
-from .metrics import Figures
+if TYPE_CHECKING:
+    from .measuring import Measuring
+    from .metrics import Figures
 
 CommitKey = tuple[str, int, int]
 

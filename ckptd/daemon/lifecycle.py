@@ -18,16 +18,18 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..config import Config
 from ..errors import CheckpointError
 from ..version import __version__
-from .ledger import Ledger
-from .metrics import MetricsServer
 from .notify import Notifier, status_line
-from .sessions import Sessions
-from .upkeep import Upkeep
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from .ledger import Ledger
+    from .metrics import MetricsServer
+    from .sessions import Sessions
+    from .upkeep import Upkeep
 
 log = logging.getLogger("ckptd.daemon")
 

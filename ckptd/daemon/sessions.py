@@ -11,14 +11,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from .assembly import OpenStep
-from .ledger import Ledger
-from .liveness import Liveness
-from .owners import Owners
-from .replies import Replies
-from .writer import Writer
+
+if TYPE_CHECKING:
+    from .ledger import Ledger
+    from .liveness import Liveness
+    from .owners import Owners
+    from .replies import Replies
+    from .writer import Writer
 
 log = logging.getLogger("ckptd.daemon")
 
