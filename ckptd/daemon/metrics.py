@@ -106,16 +106,7 @@ class _Collector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         snap, live, now = self._figures.snapshot(), self._live(), time.time()
-        yield CounterMetricFamily("ckptd_commits", "Checkpoint shares (one rank of one step) committed durably.",
-                                  value=snap["commits"])
-        yield CounterMetricFamily("ckptd_bytes_written", "Tensor bytes of the checkpoints committed.",
-                                  value=snap["bytes_written"])
-        yield CounterMetricFamily("ckptd_bytes_reused", "Tensor bytes of the checkpoints committed that were "
-                                  "not written again: they refer to an earlier step's stored copy.",
-                                  value=snap["bytes_reused"])
-        yield CounterMetricFamily("ckptd_replica_mismatch", "Replicated tensors whose copies on different "
-                                  "ranks disagreed, in the steps this daemon completed (docs/reliability.md).",
-                                  value=snap["replica_mismatches"])
+        yield from _families(_TOTALS, snap)
         lat = snap["latency"]
         buckets = [(_le(b), c) for b, c in zip(lat["buckets"], lat["cumulative"])]
         buckets.append(("+Inf", lat["count"]))
@@ -129,17 +120,7 @@ class _Collector:
         for kind, n in snap["errors"].items():
             errors.add_metric([kind], n)
         yield errors
-        yield GaugeMetricFamily("ckptd_queued_bytes", "Bytes received and not yet written.",
-                                value=live["queued_bytes"])
-        yield GaugeMetricFamily("ckptd_memory_budget_bytes", "Queued bytes above which the daemon stops reading.",
-                                value=live["memory_budget"])
-        yield GaugeMetricFamily("ckptd_producers", "Producers connected.", value=live["producers"])
-        yield GaugeMetricFamily("ckptd_commits_in_progress", "Commits received and not yet durable.",
-                                value=live["commits_in_progress"])
-        yield GaugeMetricFamily("ckptd_draining", "1 while the daemon is stopping and finishing its work.",
-                                value=1 if live["draining"] else 0)
-        yield GaugeMetricFamily("ckptd_start_time_seconds", "When the daemon started (Unix time).",
-                                value=snap["started"])
+        yield from _families(_NOW, {**live, "started": snap["started"]})
         stamp = GaugeMetricFamily("ckptd_last_commit_timestamp_seconds",
                                   "Unix time of each run's last commit by this daemon.", labels=["run"])
         age = GaugeMetricFamily("ckptd_last_commit_age_seconds",
@@ -153,9 +134,9 @@ class _Collector:
         yield stamp
         yield age
         yield step
-        for tier, families in _TIER_FAMILIES.items():
+        for tier, table in _TIER_FAMILIES.items():
             if live.get(tier):
-                yield from families(live[tier])
+                yield from _families(table, live[tier])
         if live.get("advice"):
             yield from _advice_families(live["advice"])
 
@@ -191,60 +172,68 @@ def _advice_families(advice: dict[str, Any]) -> Iterator[Any]:
     yield from (seconds, steps, waste, current, failures)
 
 
-def _remote_families(r: dict[str, Any]) -> Iterator[Any]:
-    """The uploads to the remote tier (ckptd/remote/uploader.py)."""
+_TOTALS = (
+    ("c", "ckptd_commits", "Checkpoint shares (one rank of one step) committed durably.", "commits"),
+    ("c", "ckptd_bytes_written", "Tensor bytes of the checkpoints committed.", "bytes_written"),
+    ("c", "ckptd_bytes_reused", "Tensor bytes of the checkpoints committed that were not written again: they "
+     "refer to an earlier step's stored copy.", "bytes_reused"),
+    ("c", "ckptd_replica_mismatch", "Replicated tensors whose copies on different ranks disagreed, in the steps "
+     "this daemon completed (docs/reliability.md).", "replica_mismatches"),
+)
+_NOW = (
+    ("g", "ckptd_queued_bytes", "Bytes received and not yet written.", "queued_bytes"),
+    ("g", "ckptd_memory_budget_bytes", "Queued bytes above which the daemon stops reading.", "memory_budget"),
+    ("g", "ckptd_producers", "Producers connected.", "producers"),
+    ("g", "ckptd_commits_in_progress", "Commits received and not yet durable.", "commits_in_progress"),
+    ("g", "ckptd_draining", "1 while the daemon is stopping and finishing its work.", "draining"),
+    ("g", "ckptd_start_time_seconds", "When the daemon started (Unix time).", "started"),
+)
+# (kind, name, help, key): a counter ("c") or gauge ("g") of a tier's figure ``key``
+_REMOTE = (
+    ("g", "ckptd_remote_pending_shares", "Shares committed locally and not yet uploaded.", "pending_shares"),
+    ("g", "ckptd_remote_pending_bytes", "Tensor bytes committed locally and not yet uploaded (local retention "
+     "keeps them: a full disk shows here first).", "pending_bytes"),
+    ("g", "ckptd_remote_lag_seconds", "Age of the oldest commit not yet uploaded.", "lag_seconds"),
+    ("c", "ckptd_remote_uploaded_shares", "Shares uploaded (manifest last).", "shares_uploaded"),
+    ("c", "ckptd_remote_uploaded_bytes", "File bytes uploaded to the remote tier.", "bytes_uploaded"),
+    ("c", "ckptd_remote_copied_bytes", "File bytes copied inside the bucket instead of uploaded: files an "
+     "earlier step's upload holds already (daemon/reuse.py).", "bytes_copied"),
+    ("c", "ckptd_remote_upload_seconds", "Seconds spent uploading (bytes / seconds: throughput).", "upload_seconds"),
+    ("c", "ckptd_remote_failures", "Upload attempts that failed (each is retried).", "failures"),
+)
+_PEER = (
+    ("g", "ckptd_peer_under_replicated", "Shares committed here with fewer copies in partners' memory than "
+     "[peer] replicas asks for.", "under_replicated"),
+    ("g", "ckptd_peer_held_bytes", "Bytes of other nodes' copies held in memory.", "held_bytes"),
+    ("g", "ckptd_peer_held_shares", "Other nodes' shares held in memory.", "held_shares"),
+    ("c", "ckptd_peer_replicated_bytes", "File bytes sent to partners' memory.", "replicated_bytes"),
+    ("c", "ckptd_peer_failures", "Transfers a partner did not take (slow, full, dead).", "failures"),
+    ("c", "ckptd_peer_replicas_lost", "Copies of this node's shares that a partner no longer held (dead, "
+     "restarted, evicted), sent again to the next peer.", "replicas_lost"),
+    ("g", "ckptd_peer_partners_down", "Partners that did not answer, skipped for now (backed off: heartbeat, "
+     "2x, 4x ... up to 12 heartbeats).", "down"),
+    ("c", "ckptd_peer_drop_messages", "Batched drop messages sent to partners (retention's deletions, one per "
+     "partner per heartbeat).", "drop_messages"),
+    ("c", "ckptd_peer_evicted", "Copies held that made room for newer ones.", "evicted"),
+    ("c", "ckptd_peer_rejected", "Copies received whose bytes did not match their checksums (never held).",
+     "rejected"),
+    ("c", "ckptd_peer_thread_restarts", "Peer tier threads (serve, send) that failed and were started again.",
+     "thread_restarts"),
+)
+
+
+def _families(table: tuple[tuple[str, str, str, str], ...], figures: dict[str, Any]) -> Iterator[Any]:
+    """A tier's figures as metric families; a list counts its members, a figure absent is 0."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    yield GaugeMetricFamily("ckptd_remote_pending_shares", "Shares committed locally and not yet uploaded.",
-                            value=r["pending_shares"])
-    yield GaugeMetricFamily("ckptd_remote_pending_bytes", "Tensor bytes committed locally and not yet uploaded "
-                            "(local retention keeps them: a full disk shows here first).", value=r["pending_bytes"])
-    yield GaugeMetricFamily("ckptd_remote_lag_seconds", "Age of the oldest commit not yet uploaded.",
-                            value=r["lag_seconds"])
-    yield CounterMetricFamily("ckptd_remote_uploaded_shares", "Shares uploaded (manifest last).",
-                              value=r["shares_uploaded"])
-    yield CounterMetricFamily("ckptd_remote_uploaded_bytes", "File bytes uploaded to the remote tier.",
-                              value=r["bytes_uploaded"])
-    yield CounterMetricFamily("ckptd_remote_copied_bytes", "File bytes copied inside the bucket instead of "
-                              "uploaded: files an earlier step's upload holds already (daemon/reuse.py).",
-                              value=r.get("bytes_copied", 0))
-    yield CounterMetricFamily("ckptd_remote_upload_seconds", "Seconds spent uploading (bytes / seconds: "
-                              "throughput).", value=r["upload_seconds"])
-    yield CounterMetricFamily("ckptd_remote_failures", "Upload attempts that failed (each is retried).",
-                              value=r["failures"])
+    for kind, name, text, key in table:
+        value = figures.get(key, 0)
+        if isinstance(value, (list, tuple, set, dict)):
+            value = len(value)
+        yield (CounterMetricFamily if kind == "c" else GaugeMetricFamily)(name, text, value=float(value))
 
 
-def _peer_families(p: dict[str, Any]) -> Iterator[Any]:
-    """The peer tier (ckptd/peer/): copies sent to partners and held for other nodes."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    yield GaugeMetricFamily("ckptd_peer_under_replicated", "Shares committed here with fewer copies in "
-                            "partners' memory than [peer] replicas asks for.", value=p["under_replicated"])
-    yield GaugeMetricFamily("ckptd_peer_held_bytes", "Bytes of other nodes' copies held in memory.",
-                            value=p["held_bytes"])
-    yield GaugeMetricFamily("ckptd_peer_held_shares", "Other nodes' shares held in memory.", value=p["held_shares"])
-    yield CounterMetricFamily("ckptd_peer_replicated_bytes", "File bytes sent to partners' memory.",
-                              value=p["replicated_bytes"])
-    yield CounterMetricFamily("ckptd_peer_failures", "Transfers a partner did not take (slow, full, dead).",
-                              value=p["failures"])
-    yield CounterMetricFamily("ckptd_peer_replicas_lost", "Copies of this node's shares that a partner no "
-                              "longer held (dead, restarted, evicted), sent again to the next peer.",
-                              value=p.get("replicas_lost", 0))
-    yield GaugeMetricFamily("ckptd_peer_partners_down", "Partners that did not answer, skipped for now "
-                            "(backed off: heartbeat, 2x, 4x ... up to 12 heartbeats).", value=len(p.get("down", ())))
-    yield CounterMetricFamily("ckptd_peer_drop_messages", "Batched drop messages sent to partners (retention's "
-                              "deletions, one per partner per heartbeat).", value=p.get("drop_messages", 0))
-    yield CounterMetricFamily("ckptd_peer_evicted", "Copies held that made room for newer ones.",
-                              value=p["evicted"])
-    yield CounterMetricFamily("ckptd_peer_rejected", "Copies received whose bytes did not match their "
-                              "checksums (never held).", value=p["rejected"])
-    yield CounterMetricFamily("ckptd_peer_thread_restarts", "Peer tier threads (serve, send) that failed and "
-                              "were started again.", value=p.get("thread_restarts", 0))
-
-
-_TIER_FAMILIES: dict[str, Callable[[dict[str, Any]], Iterator[Any]]] = {
-    bucket.NAME: _remote_families, peer.NAME: _peer_families,
-}
+_TIER_FAMILIES = {bucket.NAME: _REMOTE, peer.NAME: _PEER}
 
 
 def _le(bound: float) -> str:
