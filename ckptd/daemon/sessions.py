@@ -27,6 +27,10 @@ log = logging.getLogger("ckptd.daemon")
 
 @dataclass(eq=False)
 class Session:
+    """One producer: ``received`` is its newest tensor seq received, ``shm`` its staging
+    arena mapped read-only (``arena``: its (st_dev, st_ino)), ``written`` the seqs written
+    out of order, each waiting for the older ones in ``unwritten``."""
+
     identity: bytes
     run: str
     rank: int

@@ -84,7 +84,10 @@ class Declared:
 
 
 class Share:
-    """One rank's part of one step. The main loop makes it; the I/O threads fill it."""
+    """One rank's part of one step. The main loop makes it; the I/O threads fill it.
+    ``reported``: the producer was told of ``error``; ``settled``: committed or failed
+    for good; ``mismatches``: replicated tensors that disagree, set by the share that
+    completes the step."""
 
     def __init__(self, id: ShareId) -> None:
         self.id = id
@@ -142,6 +145,9 @@ class Share:
 
 
 class ResultKind(str, enum.Enum):
+    """What an I/O thread reports: received bytes let go of (written, or unwritten as the
+    share FAILED), a commit's end, or a discard done."""
+
     FREED = "freed"
     FAILED = "failed"
     COMMITTED = "committed"
@@ -151,7 +157,8 @@ class ResultKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class CommitToken:
-    """Who asked for a commit, passed back with its result."""
+    """Who asked for a commit, passed back with its result: the session, the commit
+    message's seq, and the tensor bytes received for the step."""
 
     identity: bytes
     seq: int
@@ -160,6 +167,9 @@ class CommitToken:
 
 @dataclass
 class Result:
+    """``nbytes`` of the daemon's own memory and the shared-memory pieces ``seqs`` are let
+    go of; a commit's result carries its ``info`` or failure ``message``, and its token."""
+
     kind: ResultKind
     share: Share
     nbytes: int = 0
