@@ -163,8 +163,7 @@ class DataFile:
         self._drain()
 
     def finish(self) -> int:
-        """Write what waits, fix the file's length; return the descriptor (the caller
-        fsyncs and closes it)."""
+        """Write what waits, fix the file's length; return the descriptor (the caller fsyncs and closes it)."""
         self._claim_bounce()
         if self._fill:
             tail = self._fill

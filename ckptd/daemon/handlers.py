@@ -205,8 +205,7 @@ class Handlers:
         self._settling = waiting
 
     def on_list(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
-        """Every complete checkpoint of a run, each with whether it is pinned: what
-        ``ckptd list --json`` prints."""
+        """Every complete checkpoint of a run, each with whether it is pinned: what ``ckptd list --json`` prints."""
         try:
             run = check_run(h["run"])
         except ValueError as exc:

@@ -105,8 +105,7 @@ class ServeProcess:
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until the daemon sends READY=1; RuntimeError with its log if it exits or
-        ``timeout`` seconds pass first."""
+        """Until the daemon sends READY=1; RuntimeError with its log if it exits or ``timeout`` seconds pass first."""
         if self.proc is None or self._notify is None:
             raise RuntimeError("wait_ready() needs a daemon started by start() without a NOTIFY_SOCKET of the caller's")
         deadline = time.monotonic() + timeout

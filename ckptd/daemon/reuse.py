@@ -120,8 +120,7 @@ class Base:
         return ident
 
     def open(self, file: str) -> int:
-        """The base's data file ``file``, opened without following a symlink (the caller
-        closes it)."""
+        """The base's data file ``file``, opened without following a symlink (the caller closes it)."""
         return layout.open_regular(file, dir_fd=self._dir_fd)
 
     def _place(self, file: str, share: Any, name: str) -> bool:
