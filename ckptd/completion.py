@@ -27,7 +27,7 @@ def wait_complete(run: str, step: int, *, timeout: float | None = None, root: st
     target = tiers.named(tiers.chain(cfg, root=root, remote=remote), tier, cfg)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        info, missing = target.complete(run, step, world_size)
+        info, missing = target.completion(run, step, world_size)
         if info is not None:
             return info
         if deadline is not None and time.monotonic() >= deadline:

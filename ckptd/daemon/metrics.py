@@ -251,7 +251,7 @@ def _peer_families(p: dict[str, Any]) -> Iterator[Any]:
                               "were started again.", value=p.get("thread_restarts", 0))
 
 
-# each tier's families, by its name in the live figures (ckptd.tiers.replica_names)
+# each tier's families, by its name in the live figures (ckptd.tiers.target_names)
 _TIER_FAMILIES: dict[str, Callable[[dict[str, Any]], Iterator[Any]]] = {
     bucket.NAME: _remote_families, peer.NAME: _peer_families,
 }

@@ -70,4 +70,4 @@ def report(d: Daemon) -> dict[str, Any]:
 
 def _tiers(d: Daemon) -> dict[str, Any]:
     """Each tier's figures by its name (docs/tiers.md); null for one not configured."""
-    return d.upkeep.tier_figures() if d.upkeep else dict.fromkeys(tiers.replica_names())
+    return d.upkeep.tier_figures() if d.upkeep else dict.fromkeys(tiers.target_names())

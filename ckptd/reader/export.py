@@ -28,7 +28,7 @@ from ..durable import replacing
 from ..manifest import Manifest
 from ..progress import bytes_bar
 from .checks import check_structure, share_records
-from .files import read_tensors
+from ..tiers.files import read_tensors
 from .finding import find, pick_rank
 
 PT_SUFFIX = ".pt"  # torch.save's: not a storage format of the daemon's

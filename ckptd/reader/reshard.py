@@ -30,8 +30,8 @@ from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from ..sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
 from . import optim
-from .files import read_range, read_tensors
-from .finding import find_in_tiers
+from ..tiers.files import read_range, read_tensors
+from .finding import open_in_tiers
 
 READ_THREADS = 8
 SPLIT_BYTES = 32 << 20  # a direct read larger than this is shared out between threads
@@ -93,7 +93,8 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     targets, and only those, are fetched into the local root first (checksums
     checked), then read as a local step is.
     """
-    path, manifests, source = find_in_tiers(run, step, root, remote, fill=False)
+    holding = open_in_tiers(run, step, root, remote)
+    path, manifests = holding.path, holding.manifests
     rank = env.group_rank()  # per-rank values stored whole: this rank's own copy is preferred
     pieces = pieces_of(manifests)
     saved = _saved_structure(path, manifests, rank)
@@ -112,8 +113,7 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
             f"step {manifests[0].step} of run {run!r} has no " + ", ".join(map(repr, missing[:5]))
             + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
             + "; pass strict=False to load what it has and leave the rest as it is")
-    if source is not None:  # complete only in another tier: fetch what this process reads
-        source.fill({p.rank for t in plans for p, _ in _choose(t, pieces[t.name], rank)})
+    holding.materialize({p.rank for t in plans for p, _ in _choose(t, pieces[t.name], rank)})
     fill(path, plans, pieces, rank, verify)
     return CheckpointInfo.from_manifests(str(path), manifests)
 
