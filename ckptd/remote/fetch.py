@@ -17,12 +17,14 @@ from . import catalog
 from .store import RemoteError, Store
 
 
-def read_tensors(store: Store, manifest: Manifest, records: dict[str, TensorRecord]) -> dict[str, Any]:
+def read_tensors(store: Store, manifest: Manifest, records: dict[str, TensorRecord],
+                 into: dict[str, memoryview] | None = None) -> dict[str, Any]:
     """``records`` (of ``manifest``) read from the bucket and checked; CheckpointCorrupt
-    names the object and tensor that does not match."""
+    names the object and tensor that does not match. ``into``: memory to read a tensor
+    into, by name (its entry in the result is then that memory's)."""
     items = sorted(records.items(), key=lambda it: (it[1].file, it[1].offset or 0))
     with _pool(store, len(items)) as pool:
-        return dict(pool.map(lambda it: (it[0], _read_one(store, manifest, *it)), items))
+        return dict(pool.map(lambda it: (it[0], _read_one(store, manifest, it[0], it[1], (into or {}).get(it[0]))), items))
 
 
 def check(store: Store, manifests: list[Manifest]) -> list[str]:
@@ -43,16 +45,17 @@ def _pool(store: Store, n: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, min(store.concurrency, n)), thread_name_prefix="ckptd-fetch")
 
 
-def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord) -> Any:
+def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord, dst: memoryview | None = None) -> Any:
     import torch
 
     k = catalog.key(manifest.run, manifest.step, rec.file)
     if rec.offset is None:  # a chunked HDF5 dataset: no byte range of its own
         raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} is a chunked (compressed) HDF5 dataset; "
                                 "fetch the file with ckptd.tiers.bucket.fetch_share and load it locally")
-    buf = torch.empty(rec.nbytes, dtype=torch.uint8)
+    buf = torch.empty(rec.nbytes if dst is None else 0, dtype=torch.uint8)
+    view = memoryview(buf.numpy()) if dst is None else dst  # type: ignore[arg-type]
     try:
-        store.read_into(k, rec.offset, memoryview(buf.numpy()))
+        store.read_into(k, rec.offset, view)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{store.where(k)}: a file the manifest names is missing; load another "
                                 "step (`ckptd list RUN --remote` lists the bucket's)") from None
@@ -60,10 +63,10 @@ def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord) ->
         if "shorter than its manifest" not in str(exc):
             raise
         raise CheckpointCorrupt(str(exc)) from None
-    if checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
+    if checksum([view] if rec.nbytes else []) != rec.checksum:
         raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} does not match its checksum; load "
                                 "another step (`ckptd list RUN --remote` lists the bucket's)")
-    return buf.view(dtypes.torch_dtype(rec.dtype)).reshape(rec.shape)
+    return view if dst is not None else buf.view(dtypes.torch_dtype(rec.dtype)).reshape(rec.shape)
 
 
 def missing_files(manifest: Manifest, folder: Path) -> list[str]:

@@ -23,7 +23,7 @@ from ..remote.uploader import Uploader
 from ..units import duration, rate, size
 from . import landing
 from .base import TierUnavailable, missing_manifests
-from .files import read_tensors
+from .files import bytes_of, read_tensors
 
 NAME = catalog.TIER
 TABLE = "remote"  # its table in config.toml
@@ -121,8 +121,9 @@ class BucketTier:
 
 
 class BucketHolding:
-    """A step complete in the bucket: one rank's tensors read straight into memory (a
-    share this node wrote is read from its root); files only for the ranks asked."""
+    """A step complete in the bucket: one rank's tensors read straight into memory or the
+    caller's tensors (a share this node wrote is read from its root); files land in
+    the root for mapped reads and the ranks asked."""
 
     def __init__(self, store: Store, run: str, step: int, manifests: list[Manifest], base: Path) -> None:
         self.store, self.run, self.step, self.base = store, run, step, base
@@ -134,13 +135,13 @@ class BucketHolding:
              verify: bool = False, mapped: bool = False,
              convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
         writers = {layout.file_rank(r.file) for r in records.values()}
+        if mapped:  # mapping needs files
+            self.materialize(w for w in writers if w is not None)
         if all(w is not None and self._written_here(w) for w in writers):
             return read_tensors(self.path, records, verify=verify, into=into, mapped=mapped, convert=convert)
-        if into is not None or mapped:
-            raise ValueError(f"load(out=/mmap=True) reads local files, and rank {manifest.rank}'s share of step "
-                             f"{manifest.step} is only in {self.where}: load without them, or fetch it first "
-                             "(ckptd.tiers.bucket.fetch_share)")
-        tensors = fetch.read_tensors(self.store, manifest, records)  # checksums always checked
+        views = None if into is None else {n: bytes_of(into[n]) for n in records if n in into}
+        tensors = fetch.read_tensors(self.store, manifest, records, views)  # checksums always checked
+        tensors.update({n: into[n] for n in views or ()})  # type: ignore[index]
         return tensors if convert is None else {n: convert(n, t) for n, t in tensors.items()}
 
     def materialize(self, ranks: Iterable[int] | None = None) -> None:
