@@ -76,7 +76,7 @@ def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
         return newest_in(run_dir)
     for _, path in index.step_dirs(run_dir):
         info = index.step_info(path, warn=True)
-        if info is None or info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
+        if info is None or info.refused:
             continue
         try:
             manifests = index.read_manifests(path)
@@ -130,7 +130,7 @@ def _steps(chain: list[tiers.Tier], run: str) -> list[CheckpointInfo]:
         try:
             infos = merge(infos, tier.steps(run))
         except TierUnavailable:
-            continue  # a message's list of steps does without it
+            continue
     return infos
 
 

@@ -20,7 +20,7 @@ from .reshard import load_whole
 from .finding import find, open_in_tiers, pick_rank
 
 
-@measures.timed_restore(0)  # a resume's time, for the interval advice (docs/advise.md)
+@measures.timed_restore(0)
 def load(run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None,
          names: Iterable[str] | None = None, map_location: Any = "cpu", verify: bool = False, rank: int | None = None,
          out: Any = None, mmap: bool = False, remote: str | None = None) -> dict[Any, Any]:
@@ -86,7 +86,7 @@ def _whole(holding: Holding, names: Iterable[str] | None, map_location: Any, ver
         raise ValueError(f"load(out=/mmap=True) reads one rank's share, and step {first.step} has "
                          f"{first.world_size} ranks: pass rank=, or fill your tensors of the whole "
                          "state with ckptd.load_into(state, run, step)")
-    holding.materialize()  # the whole state reads local files
+    holding.materialize()
     return load_whole(holding.path, holding.manifests, names=names, map_location=map_location, verify=verify)
 
 

@@ -22,8 +22,8 @@ class Holding(Protocol):
     """A step complete in one tier (``Tier.open``). It alone decides whether it reads
     into memory or lands shares in the local root first."""
 
-    where: str  # in messages: the root's folder, "the peers' memory", a bucket's URL
-    path: Path  # the step's folder in the local root
+    where: str
+    path: Path
     manifests: list[Manifest]
 
     def read(self, manifest: Manifest, records: dict[str, TensorRecord], into: dict[str, Any] | None = None, *,
@@ -41,8 +41,8 @@ class Tier(Protocol):
     """One place a step can be complete in, as a reader sees it; ``ckptd.tiers.chain``
     holds them in the order reads try them."""
 
-    name: str  # in CheckpointInfo.tiers, the measures file and `ckptd status`
-    where: str  # in messages: "under /ckpt", "with its peers", "in s3://b/p"
+    name: str
+    where: str
     durable: bool  # a step complete here outlives the node: `wait_complete`'s default
     poll_interval: float
 
@@ -64,7 +64,7 @@ class Tier(Protocol):
 class CopyTarget(Protocol):
     """Where the daemon copies each share it commits, on the target's own threads."""
 
-    name: str  # the key of its figures in `ckptd status --json`
+    name: str
 
     def start(self) -> None: ...
 

@@ -26,7 +26,7 @@ from .base import TierUnavailable, missing_manifests
 from .files import bytes_of, read_tensors
 
 NAME = catalog.TIER
-TABLE = "remote"  # its table in config.toml
+TABLE = "remote"
 
 log = logging.getLogger("ckptd.remote")
 
@@ -73,7 +73,7 @@ def fetch_share(store: Store, run: str, step: int, rank: int, root: Path) -> Man
         return manifest
 
     landed = landing.land(root, run, step, rank, files)
-    assert landed is not None  # files() returns a manifest or raises
+    assert landed is not None
     return landed
 
 
@@ -135,12 +135,12 @@ class BucketHolding:
              verify: bool = False, mapped: bool = False,
              convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
         writers = {layout.file_rank(r.file) for r in records.values()}
-        if mapped:  # mapping needs files
+        if mapped:
             self.materialize(w for w in writers if w is not None)
         if all(w is not None and self._written_here(w) for w in writers):
             return read_tensors(self.path, records, verify=verify, into=into, mapped=mapped, convert=convert)
         views = None if into is None else {n: bytes_of(into[n]) for n in records if n in into}
-        tensors = fetch.read_tensors(self.store, manifest, records, views)  # checksums always checked
+        tensors = fetch.read_tensors(self.store, manifest, records, views)
         tensors.update({n: into[n] for n in views or ()})  # type: ignore[index]
         return tensors if convert is None else {n: convert(n, t) for n, t in tensors.items()}
 

@@ -20,7 +20,7 @@ from ..manifest import Manifest
 
 log = logging.getLogger("ckptd.tiers")
 
-LOCK_WAIT_S = 600.0  # another process landing the same share is waited for this long at most
+LOCK_WAIT_S = 600.0
 
 
 def land(base: Path, run: str, step: int, rank: int, fetch: Callable[[Path], Manifest | None]) -> Manifest | None:

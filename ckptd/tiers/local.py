@@ -18,7 +18,7 @@ from .base import missing_manifests
 from .files import read_tensors
 
 NAME = "local"
-TABLE = "daemon"  # its table in config.toml
+TABLE = "daemon"
 
 
 def run_dir(run: str, root: str | os.PathLike[str] | None) -> tuple[Path, Path]:

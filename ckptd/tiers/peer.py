@@ -16,7 +16,7 @@ from ..units import size
 log = logging.getLogger("ckptd.peer")
 
 NAME = "peer"
-TABLE = "peer"  # its table in config.toml
+TABLE = "peer"
 
 
 def open_target(config: Config, keep_last: Callable[[str], int],

@@ -33,8 +33,8 @@ DEAD_S = 10.0  # a peer that did not answer is not asked again for this long, do
 DEAD_MAX_S = 160.0  # ... up to this
 LEARNT_S = 10.0  # what ``latest`` learnt of its step serves an ``open`` of that step this long
 
-Copy = tuple[str, str, Manifest]  # (endpoint, "memory" or "disk", the share's manifest)
-Held = dict[tuple[int, int], list[Copy]]  # (step, rank) -> the peers that can serve it, memory first
+Copy = tuple[str, str, Manifest]
+Held = dict[tuple[int, int], list[Copy]]
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,12 @@ class Seen:
     """A share a peer says (``steps``) it can serve; its manifest is asked only if needed."""
 
     endpoint: str
-    where: str  # "memory" or "disk"
+    where: str
     attempt: str | None
     world_size: int
 
 
-Summary = dict[int, dict[int, list[Seen]]]  # step -> rank -> the peers that can serve it, memory first
+Summary = dict[int, dict[int, list[Seen]]]
 
 
 def reader_keys(config: Config) -> Any:
@@ -76,9 +76,9 @@ class PeerDiscovery:
     def __init__(self, config: Config, ctx: zmq.Context, silent: Backoff | None = None) -> None:
         self.config, self.cfg, self.ctx = config, config.peer, ctx
         self.endpoints = list(dict.fromkeys([self.cfg.listen, *self.cfg.peers]))
-        self.silent = silent or Backoff(DEAD_S, DEAD_MAX_S)  # the peers not asked for now
+        self.silent = silent or Backoff(DEAD_S, DEAD_MAX_S)
         self._warned: set[str] = set()
-        self._learnt: dict[tuple[Any, ...], tuple[float, Held]] = {}  # (base, run, step) -> (until, held)
+        self._learnt: dict[tuple[Any, ...], tuple[float, Held]] = {}
 
     @functools.cached_property
     def keys(self) -> Any:
@@ -116,7 +116,7 @@ class PeerDiscovery:
                 link.close()
         for e, answer in answers.items():
             if not isinstance(answer, messages.PeerDown):
-                self.silent.answered(e)  # it answered, if only with an error
+                self.silent.answered(e)
                 if isinstance(answer, Exception):
                     log.info("peer tier: %s", answer)
                 continue
@@ -150,7 +150,7 @@ class PeerDiscovery:
         listed. rank -> the holders that agree, each with that manifest."""
         got: dict[int, list[Copy]] = {}
         tried = dict.fromkeys(holders, 0)
-        for _ in range(messages.MAX_STEPS_ANSWERED):  # rounds: a holder that keeps answering ``left`` ends too
+        for _ in range(messages.MAX_STEPS_ANSWERED):
             asked: dict[str, list[int]] = {}
             for r, hs in holders.items():
                 if r not in got and tried[r] < len(hs):
@@ -198,7 +198,7 @@ class PeerDiscovery:
 
     def learn(self, base: Path, run: str, step: int, held: Held) -> None:
         now = time.monotonic()
-        for key in [k for k, (until, _) in self._learnt.items() if until <= now]:  # a latest no open followed
+        for key in [k for k, (until, _) in self._learnt.items() if until <= now]:
             del self._learnt[key]
         self._learnt[(str(base), run, step)] = (now + LEARNT_S, held)
 
@@ -262,7 +262,7 @@ def _take(run: str, step: int, e: str, answer: dict[str, Any] | None, asked: dic
                         "share it listed as run %r step %d rank %d attempt %r of %d; not used", e, m.run, m.step,
                         m.rank, m.attempt, m.world_size, run, step, rank, seen.attempt, seen.world_size)
             continue
-        got[rank] = [(c.endpoint, c.where, m) for c in [seen, *rest]]  # one attempt, world size: one share
+        got[rank] = [(c.endpoint, c.where, m) for c in [seen, *rest]]
     return {r for r in left if isinstance(r, int)}
 
 

@@ -30,7 +30,7 @@ from .peer_transfer import PeerTransfer
 log = logging.getLogger("ckptd.peer")
 
 FETCH_THREADS = 4  # shares landed at once: a recovery fans in from several peers
-FAILED = (CheckpointCorrupt, messages.PeerDown, messages.PeerRefused, ProtocolError)  # a copy not used: the next
+FAILED = (CheckpointCorrupt, messages.PeerDown, messages.PeerRefused, ProtocolError)
 
 
 class PeerTier:
@@ -60,7 +60,7 @@ class PeerTier:
             path = layout.step_dir(self.base, run, step)
             held = self.discovery.resolve(run, step, path, seen.get(step, {}))
             info = step_info(step, path, held)
-            if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
+            if info is not None and not info.refused:
                 self.discovery.learn(self.base, run, step, held)
                 return info
         return None

@@ -28,7 +28,7 @@ WHOLE_MAX = 64 * 2**20
 INTO_PART = 16 * 2**20
 SLICE = 2**20
 
-Span = tuple[str, int, int, str]  # (tensor, start, end, checksum) within a range
+Span = tuple[str, int, int, str]
 
 
 class PeerTransfer:
@@ -59,7 +59,7 @@ class PeerTransfer:
                 ranges.append(_Range(rec.file, rec.offset, fresh[-1], spans))
         self._read_ranges(endpoint, m, ranges, fresh)
         for r in ranges:
-            if r.whole:  # the message's memory, kept alive by the tensor made over it
+            if r.whole:
                 bufs[r.spans[0][0]] = torch.frombuffer(r.view, dtype=torch.uint8)
         return {name: rec.as_tensor(bufs[name]) if name in bufs else into[name]  # type: ignore[index]
                 for name, rec in records.items()}
@@ -72,7 +72,6 @@ class PeerTransfer:
         sizes = {f: m.files.get(f) for f in sorted(set(m.files) | {t.file for t in m.tensors.values()})}
         if any(n is None for n in sizes.values()):
             raise CheckpointCorrupt("its manifest does not list its files' sizes")
-        # torch.empty, not bytearray(n): no zero-filling pass over the pages before the bytes come
         out = {f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in sizes.items()}  # type: ignore
         ranges = [_Range(file, 0, buf, _tensor_spans(m, file, len(buf))) for file, buf in out.items()]
         self._read_ranges(endpoint, m, ranges, list(out.values()))
