@@ -81,7 +81,7 @@ def _safetensors(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None
 
     refused = {}
     for t in {t.dtype for t in tensors.values()}:
-        try:  # safetensors itself says which dtypes it holds
+        try:
             save({"probe": _empty(t)})
         except Exception:  # it raises several types for an unknown dtype
             refused[t] = [n for n, v in tensors.items() if v.dtype == t]

@@ -22,7 +22,7 @@ def _client_options(url: str) -> dict[str, Any]:
     opts: dict[str, Any] = {"connect_timeout": "5s", "timeout": "300s"}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
     if url.startswith("s3://") and endpoint.startswith("http://"):
-        opts["allow_http"] = True  # a plain-HTTP endpoint was named on purpose (a local server)
+        opts["allow_http"] = True
     return opts
 
 
@@ -48,7 +48,7 @@ class Store:
                 "max_retries": 2, "retry_timeout": timedelta(seconds=20),
                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2),
                             "base": 2}})
-        except Exception as exc:  # a bad URL, an unknown scheme or configuration key
+        except Exception as exc:
             raise RemoteError(f"cannot use the remote tier {url!r}: {exc}; check [remote] url") from None
 
     def where(self, key: str) -> str:

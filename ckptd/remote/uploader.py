@@ -27,7 +27,7 @@ from .store import RemoteAuthError, RemoteError, Store
 
 log = logging.getLogger("ckptd.remote")
 
-ShareKey = tuple[str, int, int]  # (run, step, rank)
+ShareKey = tuple[str, int, int]
 QUIET_S = 0.25  # no new part until producers are quiet this long: the trainer's copy comes first
 MAX_HOLD_S = 5.0  # ... and no part waits longer, so that uploads progress whatever comes
 OnRemoteComplete = Callable[[str, list[CheckpointInfo]], None]

@@ -29,8 +29,8 @@ from .landing import read_share
 log = logging.getLogger("ckptd.peer")
 
 STEPS_ASKED = 16  # newest steps each peer is asked about for ``latest`` (messages.MAX_STEPS_ANSWERED at most)
-DEAD_S = 10.0  # a peer that did not answer is not asked again for this long, doubled while it stays silent
-DEAD_MAX_S = 160.0  # ... up to this
+DEAD_S = 10.0  # a silent peer is not asked again for this long, doubled while it stays silent, up to DEAD_MAX_S
+DEAD_MAX_S = 160.0
 LEARNT_S = 10.0  # what ``latest`` learnt of its step serves an ``open`` of that step this long
 
 Copy = tuple[str, str, Manifest]
@@ -107,7 +107,7 @@ class PeerDiscovery:
                 continue
             try:
                 links[e] = messages.Link(self.ctx, e, keys)
-            except messages.PeerRefused as exc:  # no key file for this peer in curve_peers
+            except messages.PeerRefused as exc:
                 self.warn_once(f"peer tier: {exc}; that peer is not asked")
         try:
             answers = ask_all(links, {e: requests[e] for e in links}, self.cfg.timeout)
@@ -174,7 +174,7 @@ class PeerDiscovery:
         if local:
             first = next(iter(local.values()))
             groups = [(first.attempt, first.world_size)]
-        else:  # the attempt most ranks are held of first
+        else:
             count: dict[tuple[str | None, int], int] = {}
             for copies in seen.values():
                 for key in {(c.attempt, c.world_size) for c in copies}:
