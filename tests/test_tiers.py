@@ -206,3 +206,15 @@ def test_a_tier_out_of_reach_raises_tier_unavailable_or_holds_nothing(case: Case
             assert verb() == nothing
         except TierUnavailable as exc:
             assert str(exc)
+
+
+def test_copy_targets_have_the_abilities_they_use_and_no_others() -> None:
+    """The daemon asks a copy target for an optional ability by its protocol: a target
+    has only the methods it does something in."""
+    from ckptd.tiers import base
+    from ckptd.tiers.bucket import BucketTarget
+    from ckptd.tiers.peer import PeerTarget
+
+    abilities = (base.Forgets, base.Pending, base.Receives, base.Yields, base.Reports)
+    has = {t: {a.__name__ for a in abilities if issubclass(t, a)} for t in (BucketTarget, PeerTarget)}
+    assert has == {BucketTarget: {"Pending", "Receives", "Reports"}, PeerTarget: {"Forgets", "Yields", "Reports"}}

@@ -19,7 +19,7 @@ from . import bucket, local, peer
 from .base import CopyTarget, Holding, Tier, TierUnavailable
 
 _COPIED_TO = (bucket, peer)  # the tiers a daemon may copy shares to, in the order they start
-_PEER_TIERS: dict[tuple[str, str], Tier] = {}
+_PEER_TIERS: dict[tuple[str, str, int], Tier] = {}
 
 __all__ = ["CopyTarget", "Holding", "Tier", "TierUnavailable", "chain", "copy_targets", "named", "status_lines",
            "target_names"]
@@ -46,7 +46,7 @@ def _peers(config: Config, base: Path) -> Tier:
     with ``[peer]``: every `ckptd` command would pay for it otherwise."""
     from .peer_reader import PeerTier
 
-    key = (repr(config), str(base))
+    key = (repr(config), str(base), os.getpid())  # a forked child asks with its own sockets
     if key not in _PEER_TIERS:
         _PEER_TIERS[key] = PeerTier(config, base)
     return _PEER_TIERS[key]
