@@ -34,6 +34,8 @@ FAILED = (CheckpointCorrupt, messages.PeerDown, messages.PeerRefused, ProtocolEr
 
 
 class PeerTier:
+    """The peers' memory and disks, with the local root's shares counted in."""
+
     name = NAME
     where = "with its peers"
     durable = False  # memory: gone with the partners' daemons
