@@ -388,7 +388,7 @@ def _list_from_daemon(args: argparse.Namespace, endpoint: str | None = None,
     listed = reply["checkpoints"]
     infos = [CheckpointInfo.from_dict(c) for c in listed]
     for tier in tiers.chain(root=reply["root"], remote=_config_remote(args))[1:]:  # the root: the daemon's index
-        infos = merge(infos, tier.list(run))
+        infos = merge(infos, tier.steps(run))
     return reply["root"], infos, {c["step"] for c in listed if c["pinned"]}
 
 
@@ -547,7 +547,7 @@ def _advise(args: argparse.Namespace) -> int:
         m["saves"] = [{"step": i.step, "rank": 0, "attempt": None, "time": i.time}
                       for i in reader.list_checkpoints(run, root=root)]
     seen = {measures.upload_tier(u) for u in m["uploads"]}
-    names = (tiers.local.NAME, *(t for t in tiers.replica_names() if t in seen))
+    names = (tiers.local.NAME, *(t for t in tiers.target_names() if t in seen))
     advice = measures.advice(m, config_mod.load(args.config).advise.mtbf, names)
     if args.json:
         print(json.dumps({"run": run, **advice}))

@@ -1,7 +1,7 @@
 """``producer.wait_complete``: until every rank's share of a step is durable in a tier
 (by default the last durable one of the chain: the bucket where there is one, else the
 shared root), seen through the storage itself, not through other ranks: no
-coordinator, no collective (docs/many-nodes.md)."""
+coordinator, no collective (docs/tiers.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def wait_complete(run: str, step: int, *, timeout: float | None = None, root: st
     target = tiers.named(tiers.chain(cfg, root=root, remote=remote), tier, cfg)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        info, missing = target.complete(run, step, world_size)
+        info, missing = target.completion(run, step, world_size)
         if info is not None:
             return info
         if deadline is not None and time.monotonic() >= deadline:

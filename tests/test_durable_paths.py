@@ -13,7 +13,8 @@ import torch
 
 from ckptd import install
 from ckptd.errors import CheckpointCorrupt
-from ckptd.remote import catalog, fetch
+from ckptd.remote import catalog
+from ckptd.tiers.bucket import fetch_share
 from ckptd.remote.store import Store
 
 
@@ -66,7 +67,7 @@ def test_files_fetched_from_the_remote_tier_are_durable_before_their_manifest(
     fresh = tmp_path / "fresh-node"
     fresh.mkdir()
     calls = Syscalls(monkeypatch)
-    manifest = fetch.fetch_share(Store(url), "f", 3, 0, fresh)
+    manifest = fetch_share(Store(url), "f", 3, 0, fresh)
     step_dir = fresh / "f" / "step-000000000003"
     files = sorted({rec.file for rec in manifest.tensors.values()})
     assert len(files) >= 2  # a 2 MiB tensor in 1 MiB chunks: several files to vouch for
@@ -92,7 +93,7 @@ def test_a_file_that_fails_its_checksum_leaves_nothing_behind(s3, make_daemon, m
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     with pytest.raises(CheckpointCorrupt, match="does not match its checksum"):
-        fetch.fetch_share(store, "g", 1, 0, fresh)
+        fetch_share(store, "g", 1, 0, fresh)
     left = list((fresh / "g" / "step-000000000001").iterdir())
     assert left == [], f"a failed fetch left {left}"
 

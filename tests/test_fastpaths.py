@@ -19,6 +19,7 @@ from ckptd import CheckpointCorrupt, layout, manifestcache, reader
 from ckptd.transport import handoff, wire
 from ckptd.errors import ProtocolError
 from ckptd.manifest import Manifest
+from ckptd.tiers import files as tiers_files
 
 from test_crash import referenced_files_only, wait_for_files
 
@@ -265,7 +266,7 @@ def test_load_mmap_maps_the_files_copy_on_write(make_daemon, fmt: str) -> None:
 
 @pytest.mark.parametrize("readers", [1, 4])
 def test_reads_across_files_in_parallel_are_bit_exact(make_daemon, monkeypatch, readers: int) -> None:
-    monkeypatch.setattr(reader.files, "READERS", readers)
+    monkeypatch.setattr(tiers_files, "READERS", readers)
     d, want = saved(make_daemon, "chunk")
     assert len({r.file for r in reader.find("o", 1, d.root)[1][0].tensors.values()}) >= 3
     same_state(ckptd.load("o", 1, root=d.root, verify=True), want)

@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 
 import ckptd
 from ckptd.config import load as load_config
-from ckptd.peer.backoff import Backoff
 from ckptd.tiers.peer_reader import PeerTier
 from conftest import Daemon, free_port
 
@@ -186,8 +185,8 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:
 def _held(node: Daemon) -> dict:
     """What node's peer socket lists of run "job": {(step, rank): where}."""
     tier = PeerTier(load_config(node.config))
-    tier.endpoints = [tier.cfg.listen]
-    return {k: c[0][1] for k, c in tier.holdings("job").items()}
+    tier.discovery.endpoints = [tier.cfg.listen]
+    return {k: c[0][1] for k, c in tier.discovery.holdings("job").items()}
 
 
 def test_a_damaged_replica_is_skipped_for_the_next(tmp_path, monkeypatch, caplog) -> None:
@@ -284,12 +283,12 @@ def test_the_memory_budget_and_keep_last_hold_over_a_long_run(tmp_path) -> None:
         assert "ckptd_peer_under_replicated 0.0" in scraped
         # a run whose retention keeps 2 steps: its partner drops what retention deleted
         tier = PeerTier(load_config(holder.config))
-        tier.endpoints = [tier.cfg.listen]
+        tier.discovery.endpoints = [tier.cfg.listen]
         with pruned.producer("kept") as p:
             for step in range(1, 7):
                 p.save({"w": torch.full((1024,), float(step))}, step).wait(30)
-                _wait(lambda: (step, 0) in tier.holdings("kept"), f"step {step} held")
-        _wait(lambda: sorted(s for s, _ in tier.holdings("kept")) == [5, 6], "old replicas dropped")
+                _wait(lambda: (step, 0) in tier.discovery.holdings("kept"), f"step {step} held")
+        _wait(lambda: sorted(s for s, _ in tier.discovery.holdings("kept")) == [5, 6], "old replicas dropped")
     finally:
         for n in (holder, sender, pruned):
             n.cleanup()
@@ -386,9 +385,9 @@ def test_dead_peers_cost_a_reader_one_timeout_together_and_are_then_not_asked(tm
         tier = PeerTier(load_config(node.config))
         with caplog.at_level("INFO", logger="ckptd.peer"):
             t0 = time.monotonic()
-            held = tier.holdings("job")
+            held = tier.discovery.holdings("job")
             first = time.monotonic() - t0
-            again = tier.holdings("job")
+            again = tier.discovery.holdings("job")
         assert sorted(held) == sorted(again) == [(1, 0), (2, 0)]  # this node's own disk answered
         assert first < 3.0, f"{first:.1f} s: the dead peers were waited for one after another"
         for e in dead:
@@ -421,11 +420,10 @@ def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, 
         a.start()
         monkeypatch.setenv("CKPTD_CONFIG", str(a.config))  # a reader with admitted keys
         assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
-        monkeypatch.setattr("ckptd.tiers.peer_reader.SILENT", Backoff(0.0, 0.0))  # each refused reader below asks afresh
         stranger = PeerTier(load_config(node(0, "mallory").config))  # valid keys, not admitted
-        assert stranger.holdings("job") == {}
+        assert stranger.discovery.holdings("job") == {}
         plain = Daemon(tmp_path / "plain", tables={"peer": {"listen": listens[0], "peers": [listens[1]]}})
-        assert PeerTier(load_config(plain.config)).holdings("job") == {}  # no keys: nothing answers
+        assert PeerTier(load_config(plain.config)).discovery.holdings("job") == {}  # no keys: nothing answers
     finally:
         for n in (a, b):
             n.cleanup()

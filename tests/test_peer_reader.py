@@ -252,10 +252,7 @@ def test_a_stopped_and_a_killed_peer_are_backed_off_without_stalling_the_others(
     one after the other would take 8, and the slack absorbs a loaded machine); a silent
     peer is then left out for a back-off that doubles while it stays silent (up to the
     cap) and ends when it answers (asked with ``timeout`` 1 s from then on)."""
-    from ckptd.tiers import peer_reader
-
     silent = Backoff(2.0, 4.0)  # 2 s to ask the others, at once, within the first
-    monkeypatch.setattr(peer_reader, "SILENT", silent)
     a_, b_, c_, k_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(4))
     a = _node(tmp_path, "a", a_, [b_])
     b = _node(tmp_path, "b", b_, [a_])
@@ -268,28 +265,28 @@ def test_a_stopped_and_a_killed_peer_are_backed_off_without_stalling_the_others(
         k.kill()
         os.kill(a.pid, signal.SIGSTOP)
         monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
-        tier = PeerTier(load_config(c.config), c.root)
+        tier = PeerTier(load_config(c.config), c.root, silent)
         with caplog.at_level("INFO", logger="ckptd.peer"):
             t0 = time.monotonic()
             info = tier.latest("job")
             first = time.monotonic() - t0
             assert {e: silent.period(e) for e in (a_, k_)} == {a_: 2.0, k_: 2.0}
-            assert 1 in tier.summary("job")  # at once: within the back-off, neither is asked
+            assert 1 in tier.discovery.summary("job")  # at once: within the back-off, neither is asked
         assert info is not None and info.step == 1
         assert first < 2 * tier.cfg.timeout, f"{first:.1f} s: the silent peers were waited for one after the other"
-        tier = PeerTier(dataclasses.replace(tier.config, peer=dataclasses.replace(tier.cfg, timeout=1.0)), c.root)
+        tier = PeerTier(dataclasses.replace(tier.config, peer=dataclasses.replace(tier.cfg, timeout=1.0)), c.root, silent)
         assert f"{a_} not asked: it did not answer" in caplog.text and f"{k_} not asked" in caplog.text
         assert silent.period(b_) == silent.period(c_) == 0
         assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
         backs = []
         for _ in range(2):  # silent again each time it is asked: doubled, then the cap
             _wait(lambda: not silent.skipped(a_), "the back-off over", timeout=10)
-            tier.summary("job")
+            tier.discovery.summary("job")
             backs.append(silent.period(a_))
         assert backs == [4.0, 4.0], backs
         os.kill(a.pid, signal.SIGCONT)  # it answers again: asked at once, its back-off ended
         _wait(lambda: not silent.skipped(a_), "the back-off over", timeout=10)
-        assert 1 in tier.summary("job")
+        assert 1 in tier.discovery.summary("job")
         assert silent.period(a_) == 0 and silent.period(k_) == 4.0
     finally:
         if a.alive():
@@ -347,9 +344,9 @@ def test_manifests_beyond_one_answer_are_asked_again(tmp_path, monkeypatch) -> N
         info = tier.latest("job")
         assert info is not None and info.step == 1 and info.world_size == 3, info
         assert server.served["manifests"][0] == 3 and server.served["steps"][0] == 1, server.served
-        holding = tier.find("job", 1)  # what latest learnt: nothing asked
+        holding = tier.open("job", 1)  # what latest learnt: nothing asked
         assert holding is not None and server.served["steps"][0] == 1, server.served
-        holding.fill([2])
+        holding.materialize([2])
         assert sorted(p.name for p in (c.root / "job" / "step-000000000001").glob("manifest-*")) == [
             "manifest-r00002.json"]
         monkeypatch.setenv("CKPTD_CONFIG", str(c.config))

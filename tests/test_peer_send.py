@@ -133,8 +133,8 @@ def test_drops_are_batched_and_go_only_to_the_partners_that_were_sent_replicas(t
 
 def _held_run(node: Daemon, run: str) -> dict:
     tier = PeerTier(load_config(node.config))
-    tier.endpoints = [tier.cfg.listen]
-    return {k: c[0][1] for k, c in tier.holdings(run).items() if c[0][1] == "memory"}
+    tier.discovery.endpoints = [tier.cfg.listen]
+    return {k: c[0][1] for k, c in tier.discovery.holdings(run).items() if c[0][1] == "memory"}
 
 
 def _resident(path: Path) -> int:
@@ -175,10 +175,10 @@ def test_replication_reads_the_files_with_o_direct_and_leaves_the_page_cache_alo
         if _direct_io_works(sender.root):
             assert sum(_resident(f) for f in files) < size // 8, [(f.name, _resident(f)) for f in files]
         tier = PeerTier(load_config(holder.config))
-        tier.endpoints = [tier.cfg.listen]
-        endpoint, where, m = tier.holdings("job")[(1, 0)][0]
+        tier.discovery.endpoints = [tier.cfg.listen]
+        endpoint, where, m = tier.discovery.holdings("job")[(1, 0)][0]
         assert where == "memory"
-        got = tier.read_files(endpoint, m, {f.name: f.stat().st_size for f in files})
+        got = tier.transfer.read_files(endpoint, m)
         assert all(bytes(got[f.name]) == f.read_bytes() for f in files)  # the holder's copy, byte for byte
     finally:
         for n in (sender, holder):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.remote import catalog, fetch
+from ckptd.remote import catalog
+from ckptd.tiers.bucket import fetch_share
 from ckptd.remote.store import RemoteAuthError, Store
 from conftest import cli as in_process_cli  # ckptd.cli.main in this process
 
@@ -57,7 +58,7 @@ def test_upload_then_resume_on_an_empty_disk(s3, make_daemon, monkeypatch, tmp_p
     assert list(only) == ["model.b"]
     assert not any(empty.iterdir())  # read into memory: nothing written on the fresh node
     # files instead (for readers that want them): one rank's share, manifest last, checked
-    fetch.fetch_share(store, "r", 2, 0, empty)
+    fetch_share(store, "r", 2, 0, empty)
     assert torch.equal(ckptd.load("r", root=empty, remote="")["model"]["w"], want["model"]["w"])
     assert ckptd.latest("r", root=empty, remote=URL).tiers == ("local", "remote")
     # on the node that wrote it both tiers hold both steps, and the local copy is read

@@ -4,7 +4,7 @@ retention, and the removal of deleted checkpoints in the background.
 It runs on the syncer thread after each commit (so nothing is deleted before
 the commit that triggered the pass is durable), on the index thread when the
 watcher notices a change, and on the ``ckptd-reaper`` thread that removes trash.
-It also holds the tiers each commit is copied to (``ckptd.tiers.replicas``: the
+It also holds the tiers each commit is copied to (``ckptd.tiers.copy_targets``: the
 bucket's ``ckptd-uploader`` thread, the peers' send and serve threads), each behind
 one interface: each commit is handed to every one, local retention never removes a
 step with a share one of them still has to copy, and tells each what it removed.
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import retention, tiers
+from ..tiers.base import Forgets, Pending, Receives, Reports, Yields
 from ..config import Config, ConfigError, RetentionConfig
 from .. import index
 from ..index import Index, write_pointer
@@ -38,7 +39,7 @@ class Upkeep:
         self._retention_lock = threading.Lock()  # one pass at a time, also against pins
         self._trash: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
         self._reaper = threading.Thread(target=self._reap, name="ckptd-reaper", daemon=True)
-        self.replicas = tiers.replicas(config, self._keep_last, self._remote_complete)  # docs/tiers.md
+        self.targets = tiers.copy_targets(config, self._keep_last, self._remote_complete)  # docs/tiers.md
 
     def start(self) -> None:
         """Scan the root (fixing stale pointers), then follow it."""
@@ -46,12 +47,12 @@ class Upkeep:
         self.index.start()
         logging.getLogger("ckptd.index").info("index: %d run(s) scanned in %.3f s, %s observer",
                  len(self.index.runs()), self.index.last_scan_s, self.index.observer_kind)
-        for r in self.replicas:
-            r.start()
+        for t in self.targets:
+            t.start()
 
     def close(self) -> None:
-        for r in reversed(self.replicas):
-            r.close()
+        for t in reversed(self.targets):
+            t.close()
         self.index.close()
         self._trash.put(None)
         self._reaper.join()
@@ -78,35 +79,38 @@ class Upkeep:
     def after_commit(self, share: Share, complete: bool) -> None:
         """On the syncer thread, once a manifest is durable."""
         self.index.refresh_step(share.run, share.step)  # also moves the latest pointer
-        if self.replicas:
+        if self.targets:
             nbytes = sum(r.nbytes for r in share.records.values())
-            for r in self.replicas:
-                r.committed(share.run, share.step, share.rank, nbytes)
+            for t in self.targets:
+                t.committed(share.run, share.step, share.rank, nbytes)
         if complete:  # whoever completes a step applies retention to its run
             self.prune(share.run)
 
     def received(self) -> None:
         """The main loop got tensor bytes: a snapshot is under way, copies hold off."""
-        for r in self.replicas:
-            r.received()
+        for t in self.targets:
+            if isinstance(t, Receives):
+                t.received()
 
     def yield_to(self, busy: Callable[[], bool]) -> None:
         """Copies to the tiers pause while ``busy()`` (a step is received or committed)."""
-        for r in self.replicas:
-            r.yield_to(busy)
+        for t in self.targets:
+            if isinstance(t, Yields):
+                t.yield_to(busy)
 
     def on_persisted(self, callback: Callable[[str, int, int, float, str], None]) -> None:
         """``callback(run, step, rank, lag_s, tier)`` once a share is in a tier."""
-        for r in self.replicas:
-            r.on_persisted(lambda run, step, rank, lag, name=r.name: callback(run, step, rank, lag, name))
+        for t in self.targets:
+            if isinstance(t, Reports):
+                t.on_persisted(lambda run, step, rank, lag, name=t.name: callback(run, step, rank, lag, name))
 
     def tier_names(self) -> tuple[str, ...]:
         """The tiers a share reaches here, the root first (the interval advice's)."""
-        return (tiers.local.NAME, *(r.name for r in self.replicas))
+        return (tiers.local.NAME, *(t.name for t in self.targets))
 
     def tier_figures(self) -> dict[str, dict[str, Any] | None]:
         """Each tier's figures for `ckptd status`, by name (None for one not configured)."""
-        return {name: None for name in tiers.replica_names()} | {r.name: r.figures() for r in self.replicas}
+        return {name: None for name in tiers.target_names()} | {t.name: t.figures() for t in self.targets}
 
     def _keep_last(self, run: str) -> int:
         return retention.run_policy(self.policy, self.root / run).keep_last
@@ -129,15 +133,16 @@ class Upkeep:
                 infos = {s: i for s, i in infos.items() if s in here}
             infos.update((i.step, i) for i in self.index.list(run))
             # a step with a share still to copy is the copy's source: never removed
-            busy = set().union(*(r.pending(run) for r in self.replicas))
+            busy = set().union(*(t.pending(run) for t in self.targets if isinstance(t, Pending)))
             _, trash = retention.apply(run_dir, [infos[s] for s in sorted(infos)], policy, now=time.time(),
                                        protect=busy)
         for t in trash:
             self.index.refresh_step(run, int(t.name.split("-")[2]))
             self._trash.put(t)
         if trash:  # the peers drop their replicas of these steps
-            for r in self.replicas:
-                r.dropped(run, [int(t.name.split("-")[2]) for t in trash])
+            for target in self.targets:
+                if isinstance(target, Forgets):
+                    target.dropped(run, [int(t.name.split("-")[2]) for t in trash])
 
     def _latest_changed(self, run: str, info: CheckpointInfo | None) -> None:
         # readers that run no index follow this pointer (docs/retention.md)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from .. import layout, state as state_mod
 from ..errors import CheckpointCorrupt
 from ..manifest import Manifest, TensorRecord
-from .files import each_tensor
+from ..tiers.files import each_tensor
 
 
 def check(step_path: Path, manifests: list[Manifest], progress: Callable[[int], None] | None = None) -> list[str]:

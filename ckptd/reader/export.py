@@ -1,16 +1,8 @@
-"""``ckptd export``: one checkpoint as one file that the ecosystem reads without ckptd.
-
-    .safetensors  the tensors, flat, by their names; the saved structure with its
-                  plain values, the run, step and metadata as JSON under the
-                  header's metadata key ``ckptd``
-    .h5           one dataset per tensor, as the daemon writes them (``format.hdf5``);
-                  the same JSON in the root attribute ``ckptd``
-    .pt           ``torch.save`` of the restored state, as ``ckptd.load`` returns it;
-                  ``torch.load(path, weights_only=True)`` loads it
-
-Every tensor's checksum is verified on the way. The file appears whole or not at
-all (``durable.replacing``). A state that a format cannot hold is a ``ValueError``
-naming what and the formats that can.
+"""``ckptd export``: one checkpoint as one file the ecosystem reads without ckptd:
+``.safetensors`` (tensors flat, the structure and metadata as JSON under the header's
+``ckptd`` key), ``.h5`` (one dataset per tensor, the JSON in the root attribute) or
+``.pt`` (``torch.save`` of the restored state). Every checksum is verified on the way;
+the file appears whole or not at all. Start at ``export``.
 """
 
 from __future__ import annotations
@@ -28,10 +20,10 @@ from ..durable import replacing
 from ..manifest import Manifest
 from ..progress import bytes_bar
 from .checks import check_structure, share_records
-from .files import read_tensors
+from ..tiers.files import read_tensors
 from .finding import find, pick_rank
 
-PT_SUFFIX = ".pt"  # torch.save's: not a storage format of the daemon's
+PT_SUFFIX = ".pt"
 
 
 def export(run: str, step: int | None, out: str | os.PathLike[str], *,
@@ -50,9 +42,8 @@ def export(run: str, step: int | None, out: str | os.PathLike[str], *,
         raise ValueError(f"cannot export to {out}: folder {out.parent} does not exist")
     path, manifests = find(run, step, root)
     manifest = pick_rank(manifests, rank)
-    # the rank's replicated tensors, written by other ranks, belong to its share too
     manifest = dataclasses.replace(manifest, tensors=share_records(path, manifests, manifest), replicas={})
-    check_structure(path, manifest)  # every format carries the structure
+    check_structure(path, manifest)
     if write is _pt:  # refuse before reading gigabytes
         _check_pt(manifest)
     with bytes_bar(manifest.nbytes, f"export step {manifest.step}", enabled=progress) as advance:
@@ -90,7 +81,7 @@ def _safetensors(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None
 
     refused = {}
     for t in {t.dtype for t in tensors.values()}:
-        try:  # safetensors itself says which dtypes it holds
+        try:
             save({"probe": _empty(t)})
         except Exception:  # it raises several types for an unknown dtype
             refused[t] = [n for n, v in tensors.items() if v.dtype == t]
@@ -114,7 +105,7 @@ def _h5(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None:
     except BaseException:
         h5.abort()
         raise
-    os.close(fd)  # replacing() fsyncs the file
+    os.close(fd)
 
 
 def _pt(tmp: Path, manifest: Manifest, tensors: dict[str, Any]) -> None:
@@ -154,7 +145,6 @@ def _bytes(t: Any) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-# an export's suffix is its format's, where ckptd stores checkpoints in it (layout names them)
 _WRITERS: dict[str, Callable[[Path, Manifest, dict[str, Any]], None]] = {
     layout.CHUNK_SUFFIX: _safetensors, layout.H5_SUFFIX: _h5, PT_SUFFIX: _pt,
 }

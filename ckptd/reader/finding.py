@@ -1,12 +1,7 @@
-"""Finding complete checkpoints: straight from the checkpoint root, and, where the
-config has them, in the other tiers of the chain: the peers, the bucket (docs/tiers.md).
-
-Only manifests decide what is complete: a step folder is a checkpoint once every
-rank's manifest exists, all of one attempt (``ckptd.index.one_attempt``). What is on
-disk is untrusted: manifests are checked field by field when parsed
-(``Manifest.from_json``), and a symlink planted in place of a run folder, a step
-folder or a manifest is refused with ``CheckpointCorrupt``. The root itself may be a
-symlink.
+"""Finding complete checkpoints in the tiers of the chain (``ckptd.tiers``): the local
+root, and where the config has them the peers and the bucket. Only manifests decide
+what is complete; what is on disk is untrusted (``Manifest.from_json``, no symlink
+below the root). Start at ``open_step`` (a step's ``Holding``) and ``latest``.
 """
 
 from __future__ import annotations
@@ -15,12 +10,12 @@ import logging
 import os
 from pathlib import Path
 
-from .. import env, index, layout, tiers
-from ..config import default_root, load as load_config
+from .. import env, index, tiers
+from ..config import load as load_config
 from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest
-from ..tiers.base import Holding, merge, newest
-from ..tiers.local import newest_in, run_dir as _run_dir
+from ..tiers.base import Holding, TierUnavailable, merge, newest
+from ..tiers.local import LocalTier, newest_in, run_dir as _run_dir
 from .checks import check
 
 log = logging.getLogger("ckptd.reader")
@@ -30,11 +25,10 @@ def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None,
                      remote: str | None = None) -> list[CheckpointInfo]:
     """Every complete checkpoint of ``run``, ascending by step, in every tier of the chain
     (``remote``: a URL, "" for none, None for the config's ``[remote]``); ``tiers`` says
-    which hold each. A step whose manifest is damaged is not complete: it is left out,
-    with a logged warning saying why."""
+    which hold each. A step whose manifest is damaged is left out, with a warning."""
     infos: list[CheckpointInfo] = []
     for tier in tiers.chain(root=root, remote=remote):
-        infos = merge(infos, tier.list(run))
+        infos = merge(infos, tier.steps(run))
     return infos
 
 
@@ -49,18 +43,21 @@ def latest(run: str, *, root: str | os.PathLike[str] | None = None,
 
 
 def _latest(chain: list[tiers.Tier], run: str) -> CheckpointInfo | None:
-    """The newest step any tier of ``chain`` holds. A tier out of reach is logged and
-    left out once a tier besides the root has answered (docs/tiers.md: the peers answer
-    for an unreachable bucket); else its error is the caller's."""
+    """The newest step any tier of ``chain`` holds. A tier out of reach is left out, with
+    a warning, once two others answered (the peers answer for a bucket out of reach);
+    else its error is the caller's."""
     info: CheckpointInfo | None = None
-    for i, tier in enumerate(chain):
+    answered = 0
+    for tier in chain:
         try:
             info = newest(info, tier.latest(run))
-        except tier.unreachable as exc:
-            if i < 2:  # no tier besides the root answered before it
+        except TierUnavailable as exc:
+            if answered < 2:
                 raise
-            log.warning("the %s tier %s is out of reach (%s); newest step from the tiers before it only",
+            log.warning("the %s tier %s is out of reach (%s); newest step from the others only",
                         tier.name, tier.where, exc)
+            continue
+        answered += 1
     return info
 
 
@@ -79,7 +76,7 @@ def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
         return newest_in(run_dir)
     for _, path in index.step_dirs(run_dir):
         info = index.step_info(path, warn=True)
-        if info is None or info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
+        if info is None or info.refused:
             continue
         try:
             manifests = index.read_manifests(path)
@@ -95,29 +92,52 @@ def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
 
 
 def find(run: str, step: int | None, root: str | os.PathLike[str] | None) -> tuple[Path, list[Manifest]]:
-    """The step folder and manifests of ``step`` (None: the newest), or CheckpointNotFound;
-    CheckpointCorrupt if its manifests are damaged."""
+    """The step folder and manifests of ``step`` (None: the newest) in the local root,
+    or CheckpointNotFound; CheckpointCorrupt if its manifests are damaged."""
     base, run_dir = _run_dir(run, root)
     if not run_dir.is_dir():
         raise CheckpointNotFound(f"run {run!r} has no checkpoints under {base}")
+    holding = open_step(run, step, [LocalTier(root)])
+    return holding.path, holding.manifests
+
+
+def open_step(run: str, step: int | None, chain: list[tiers.Tier]) -> Holding:
+    """``step`` (None: the newest) as the first tier of ``chain`` that holds it holds it;
+    CheckpointNotFound naming the complete steps when none does."""
     if step is None:
-        info = latest_local(run, root=base)
+        info = _latest(chain, run)
         if info is None:
-            raise CheckpointNotFound(f"run {run!r} has no complete checkpoint under {base}")
+            raise CheckpointNotFound(f"run {run!r} has no checkpoints {_wheres(chain)}: no step of it is complete")
         step = info.step
-    path = layout.step_dir(base, run, step)
-    manifests = index.read_manifests(path)
-    if manifests is None:
-        complete = [s for s, p in index.step_dirs(run_dir) if index.step_info(p)][:10]
-        have = ", ".join(map(str, sorted(complete))) if complete else "none"
-        raise CheckpointNotFound(
-            f"run {run!r} has no complete checkpoint at step {step}; complete steps: {have}"
-            + (" (newest 10 shown)" if len(complete) == 10 else "")
-        )
-    first = manifests[0]
-    if first.run != run or first.step != step:
-        raise CheckpointCorrupt(f"{path}: its manifests are those of run {first.run!r} step {first.step}")
-    return path, manifests
+    for tier in chain:
+        holding = tier.open(run, step)
+        if holding is not None:
+            return holding
+    have = [i.step for i in _steps(chain, run)]
+    raise CheckpointNotFound(f"run {run!r} has no complete checkpoint at step {step}; complete steps: "
+                             + (", ".join(map(str, have[-10:])) or "none")
+                             + (" (newest 10 shown)" if len(have) > 10 else "") + f" ({_wheres(chain)})")
+
+
+def open_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None, remote: str | None) -> Holding:
+    """``open_step`` over the chain of the discovered config."""
+    return open_step(run, step, tiers.chain(load_config(), root=root, remote=remote))
+
+
+def _steps(chain: list[tiers.Tier], run: str) -> list[CheckpointInfo]:
+    infos: list[CheckpointInfo] = []
+    for tier in chain:
+        try:
+            infos = merge(infos, tier.steps(run))
+        except TierUnavailable:
+            continue
+    return infos
+
+
+def _wheres(chain: list[tiers.Tier]) -> str:
+    """Where the chain looked: "under /ckpt, with its peers nor in s3://b/p"."""
+    *first, last = [t.where for t in chain]
+    return ", ".join(first) + " nor " + last if first else last
 
 
 def pick_rank(manifests: list[Manifest], rank: int | None) -> Manifest:
@@ -134,53 +154,3 @@ def pick_rank(manifests: list[Manifest], rank: int | None) -> Manifest:
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is out of range: this checkpoint has {world} ranks")
     return manifests[rank]
-
-
-def find_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None,
-                  remote: str | None, *, fill: bool = True) -> tuple[Path, list[Manifest], Holding | None]:
-    """The step's folder and manifests: locally if it is complete there (then no
-    holding), else in the first tier of the chain that holds it: then also that
-    ``Holding`` (the folder is where the step would be locally). A tier whose holding
-    ``fills_root`` (the peers): with ``fill``, the shares this root lacks are fetched
-    into it first and the step read locally; without, the holding reads them into memory."""
-    chain = tiers.chain(load_config(), root=root, remote=remote)  # the config parsed once: 4-8 ms a load
-    if len(chain) == 1:
-        path, manifests = find(run, step, root)
-        return path, manifests, None
-    base = default_root(root)
-    if step is None:
-        info = _latest(chain, run)
-        if info is None:
-            raise CheckpointNotFound(f"run {run!r} has no complete checkpoint {chain[0].where}"
-                                     + "".join(f", {t.where}" for t in chain[1:-1]) + f" nor {chain[-1].where}")
-        step = info.step
-    local_path = layout.step_dir(base, run, step)
-    declined: CheckpointNotFound | None = None
-    for tier in chain[1:]:
-        if index.step_info(local_path) is not None:
-            break  # complete here (filled by a tier before): read locally
-        try:
-            holding = tier.find(run, step)
-        except CheckpointNotFound as exc:  # not there, and the tier says why
-            declined = exc
-            continue
-        if holding is None:
-            continue
-        if not fill or not holding.fills_root:
-            return local_path, holding.manifests, holding
-        holding.fill()
-    else:
-        if declined is not None and index.step_info(local_path) is None:
-            raise declined
-    path, manifests = find(run, step, root)
-    return path, manifests, None
-
-
-def own_share_here(path: Path, manifest: Manifest) -> bool:
-    """This rank's share of the step is committed in the local root (the node that wrote
-    it, its disk intact), with the same manifest as the bucket's."""
-    try:
-        local = index.read_share(path, manifest.rank)
-    except (CheckpointCorrupt, OSError):
-        return False
-    return local is not None and local.time == manifest.time

@@ -1,8 +1,7 @@
 """Whole loads: ``ckptd.load`` (one rank's share, the whole state of a multi-rank step,
-into the caller's tensors, mapped, onto a GPU, from another tier) and ``verify``.
-
-Nothing is ever unpickled: tensors come from the data files by the manifest's
-offsets (``files``), the structure from the manifest's JSON.
+into the caller's tensors, mapped, onto a GPU, from any tier) and ``verify``. Nothing
+is ever unpickled: tensors come by the manifest's offsets, the structure from its JSON.
+Start at ``load``: each of its steps is a function below it.
 """
 
 from __future__ import annotations
@@ -14,27 +13,17 @@ from typing import Any, Iterable
 from .. import devicecopy, dtypes, env, measures, state as state_mod
 from ..errors import CheckpointNotFound
 from ..manifest import Manifest, TensorRecord
+from ..tiers.base import Holding
 from .checks import check, check_structure, share_records, unflatten_state
-from .files import read_tensors
 from .optim import is_optimizer_state
 from .reshard import load_whole
-from .finding import find, find_in_tiers, own_share_here, pick_rank
+from .finding import find, open_in_tiers, pick_rank
 
 
-@measures.timed_restore(0)  # a resume's time, for the interval advice (docs/advise.md)
-def load(
-    run: str,
-    step: int | None = None,
-    *,
-    root: str | os.PathLike[str] | None = None,
-    names: Iterable[str] | None = None,
-    map_location: Any = "cpu",
-    verify: bool = False,
-    rank: int | None = None,
-    out: Any = None,
-    mmap: bool = False,
-    remote: str | None = None,
-) -> dict[Any, Any]:
+@measures.timed_restore(0)
+def load(run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None,
+         names: Iterable[str] | None = None, map_location: Any = "cpu", verify: bool = False, rank: int | None = None,
+         out: Any = None, mmap: bool = False, remote: str | None = None) -> dict[Any, Any]:
     """Load a complete checkpoint: the state as saved, or ``{name: tensor}``.
 
     ``step=None`` loads the newest complete step. ``names`` reads only those
@@ -54,87 +43,96 @@ def load(
     complete in the local root is read from the remote tier, only that rank's
     tensors (or ``names``), in parallel ranged reads, every checksum checked.
     """
+    _check_options(out, mmap, map_location)
+    holding = open_in_tiers(run, step, root, remote)
+    if _wants_whole(holding.manifests, rank, out, mmap):
+        return _whole(holding, names, map_location, verify, out, mmap)
+    manifest = _share_of(run, step, root, holding, rank)
+    records = share_records(holding.path, holding.manifests, manifest)
+    wanted = _wanted(run, manifest, records, names)
+    rebuild = names is None and manifest.state is not None
+    _refuse_split(manifest, records, set(records) if rebuild else set(wanted))
+    if rebuild:  # a malformed structure fails now, before gigabytes are read
+        check_structure(holding.path, manifest)
+    if rank is None and env.rank() is not None:
+        _refuse_pieces_by_default(run, step, root, manifest.rank, manifest, wanted)
+    values = _read(holding, manifest, wanted, records, out, mmap, verify, map_location)
+    return unflatten_state(holding.path, manifest, values) if rebuild else values
+
+
+def _check_options(out: Any, mmap: bool, map_location: Any) -> None:
     if mmap and out is not None:
         raise ValueError("load(out=..., mmap=True): choose one; out= reads into your tensors, "
                          "mmap=True maps the files instead")
     if mmap and map_location not in (None, "cpu"):
         raise ValueError(f"load(mmap=True) maps the files into CPU memory; map_location={map_location!r} "
                          "would copy every byte at once: load without mmap=True")
-    path, manifests, source = find_in_tiers(run, step, root, remote, fill=False)
-    whole = rank is None and manifests[0].world_size > 1 and env.rank() is None
-    if source is not None and source.fills_root and whole:
-        source.fill()  # the whole state reads local files: the peers' shares come into the root first
-        source = None
-    # one rank's share is the whole state, its tensors held in several pieces assembled
-    whole = whole or (manifests[0].world_size == 1 and rank in (None, 0) and out is None and not mmap
-                      and source is None
-                      and any(rec.tensor_name(k) != k for k, rec in manifests[0].tensors.items()))
-    if whole:
-        if out is not None or mmap:
-            raise ValueError(f"load(out=/mmap=True) reads one rank's share, and step {manifests[0].step} has "
-                             f"{manifests[0].world_size} ranks: pass rank=, or fill your tensors of the whole "
-                             "state with ckptd.load_into(state, run, step)")
-        if source is not None:
-            raise ValueError(f"step {manifests[0].step} of run {run!r} is complete only in {source.url}: load "
-                             "one rank's share there with rank= (or set RANK), or fetch the step into the "
-                             "local root first (ckptd.remote.fetch.fetch_share) to load the whole state")
-        return load_whole(path, manifests, names=names, map_location=map_location, verify=verify)
-    here = env.rank()
+
+
+def _wants_whole(manifests: list[Manifest], rank: int | None, out: Any, mmap: bool) -> bool:
+    """The whole state: a multi-rank step and no rank asked for, or one rank's share
+    that holds its tensors in several pieces to assemble."""
+    first = manifests[0]
+    if rank is None and first.world_size > 1 and env.rank() is None:
+        return True
+    return (first.world_size == 1 and rank in (None, 0) and out is None and not mmap
+            and any(rec.tensor_name(k) != k for k, rec in first.tensors.items()))
+
+
+def _whole(holding: Holding, names: Iterable[str] | None, map_location: Any, verify: bool, out: Any,
+           mmap: bool) -> Any:
+    first = holding.manifests[0]
+    if out is not None or mmap:
+        raise ValueError(f"load(out=/mmap=True) reads one rank's share, and step {first.step} has "
+                         f"{first.world_size} ranks: pass rank=, or fill your tensors of the whole "
+                         "state with ckptd.load_into(state, run, step)")
+    holding.materialize()
+    return load_whole(holding.path, holding.manifests, names=names, map_location=map_location, verify=verify)
+
+
+def _share_of(run: str, step: int | None, root: str | os.PathLike[str] | None, holding: Holding,
+              rank: int | None) -> Manifest:
+    """The manifest of the share to read; under torchrun, a job on more ranks than saved
+    the step has no share of its own: ``load_into`` reshards."""
+    manifests, here = holding.manifests, env.rank()
     if rank is None and here is not None and 1 < manifests[0].world_size <= here:
-        # a job on more ranks than saved the step has no share of its own: load_into reshards
-        _refuse_pieces_by_default(run, step, root, here, manifests[0], share_records(path, manifests, manifests[0]))
-    manifest = pick_rank(manifests, rank)
-    records = share_records(path, manifests, manifest)
+        _refuse_pieces_by_default(run, step, root, here, manifests[0],
+                                  share_records(holding.path, manifests, manifests[0]))
+    return pick_rank(manifests, rank)
+
+
+def _wanted(run: str, manifest: Manifest, records: dict[str, TensorRecord],
+            names: Iterable[str] | None) -> dict[str, TensorRecord]:
     wanted = list(records) if names is None else list(names)
     missing = [n for n in wanted if n not in records]
     if missing:
-        raise CheckpointNotFound(
-            f"step {manifest.step} of run {run!r} has no tensor named "
-            + ", ".join(map(repr, missing[:5])) + (" ..." if len(missing) > 5 else "")
-        )
-    rebuild = names is None and manifest.state is not None
-    # a tensor this rank stored in several pieces has no one record to hand back for its name
-    split = sorted({rec.tensor_name(k) for k, rec in records.items() if rec.tensor_name(k) != k}
-                   & ({n for n in wanted if n in records} if not rebuild else set(records)))
+        raise CheckpointNotFound(f"step {manifest.step} of run {run!r} has no tensor named "
+                                 + ", ".join(map(repr, missing[:5])) + (" ..." if len(missing) > 5 else ""))
+    return {n: records[n] for n in wanted}
+
+
+def _refuse_split(manifest: Manifest, records: dict[str, TensorRecord], asked: set[str]) -> None:
+    """A tensor this rank stored in several pieces has no one record to hand back for its name."""
+    split = sorted({rec.tensor_name(k) for k, rec in records.items() if rec.tensor_name(k) != k} & asked)
     if split:
         raise ValueError(f"rank {manifest.rank} stored tensor {split[0]!r} of step {manifest.step} in several pieces "
                          "(docs/format.md); load the whole state with ckptd.load(run, step) without rank= (and "
                          "without $RANK), or fill your own tensors with ckptd.load_into")
-    if rebuild:  # a malformed structure fails now, before gigabytes are read
-        check_structure(path, manifest)
-    if rank is None and env.rank() is not None:
-        _refuse_pieces_by_default(run, step, root, manifest.rank, manifest, {n: records[n] for n in wanted})
-    wanted_records = {n: records[n] for n in wanted}
-    # from the bucket unless every file it needs was written here (the node that wrote it)
-    writers = {manifest.rank} | {manifest.replicas[n] for n in wanted if n in manifest.replicas}
-    if source is not None and source.fills_root and (mmap or out is not None and not source.reads_into):
-        source.fill(writers)  # these read local files: the shares they read come into the root first
-    if source is not None and not all(own_share_here(path, manifests[r]) for r in writers):
-        if mmap or out is not None and not source.reads_into:
-            raise ValueError(f"load(out=/mmap=True) reads local files, and rank {manifest.rank}'s share of step "
-                             f"{manifest.step} is only in {source.url}: load without them, or fetch it first")
-        # from that tier (the peers' memory, the bucket), what this root lacks, into out= where
-        # given (the peers: straight from their memory); checksums checked
-        into = destinations(out, records, manifest.step) if out is not None else None
-        tensors = source.read_tensors(manifest, wanted_records,
-                                      lambda recs: read_tensors(path, recs, verify=verify, into=into), into)
-    else:
-        into = destinations(out, records, manifest.step) if out is not None else None
-        if into is None and devicecopy.is_cuda(map_location):
-            # onto the GPU as each tensor is read, through pinned buffers (ckptd.devicecopy)
-            copier = devicecopy.DeviceCopier(map_location)
-            tensors = read_tensors(path, wanted_records, verify=verify,  # numpy arrays stay on the host
-                                   convert=lambda n, t: t if records[n].numpy else copier.to_device(t))
-            copier.finish()
-            map_location = None
-        else:
-            tensors = read_tensors(path, wanted_records, verify=verify, into=into, mapped=mmap)
-    if map_location not in (None, "cpu"):
+
+
+def _read(holding: Holding, manifest: Manifest, wanted: dict[str, TensorRecord], records: dict[str, TensorRecord],
+          out: Any, mmap: bool, verify: bool, map_location: Any) -> dict[str, Any]:
+    """The wanted tensors read (into ``out``'s, mapped, or onto a GPU as each is read,
+    through pinned buffers: ``ckptd.devicecopy``), numpy arrays as saved."""
+    into = destinations(out, records, manifest.step) if out is not None else None
+    copier = devicecopy.DeviceCopier(map_location) if into is None and devicecopy.is_cuda(map_location) else None
+    convert = None if copier is None else (lambda n, t: t if records[n].numpy else copier.to_device(t))
+    tensors = holding.read(manifest, wanted, into, verify=verify, mapped=mmap, convert=convert)
+    if copier is not None:
+        copier.finish()
+    elif map_location not in (None, "cpu"):
         tensors = {n: t.to(map_location) for n, t in tensors.items()}
-    values = {  # (an out= numpy array is one already)
-        n: (t.numpy() if records[n].numpy and hasattr(t, "numpy") else t) for n, t in tensors.items()
-    }
-    return unflatten_state(path, manifest, values) if rebuild else values
+    return {n: (t.numpy() if records[n].numpy and hasattr(t, "numpy") else t) for n, t in tensors.items()}
 
 
 def _refuse_pieces_by_default(run: str, step: int | None, root: str | os.PathLike[str] | None, here: int,
@@ -144,7 +142,7 @@ def _refuse_pieces_by_default(run: str, step: int | None, root: str | os.PathLik
     ``model.load_state_dict`` cannot take, and PyTorch's own error (a size mismatch)
     says nothing of what to do. ``load_into`` fills the model's own sharded state in
     place, the message shows how for this step's structure; ``rank=`` asks for the
-    pieces knowingly (docs/sharded.md)."""
+    pieces knowingly (docs/training.md)."""
     sharded = [n for n, rec in records.items() if rec.shard is not None and rec.shape != rec.shard.global_shape]
     if not sharded:
         return
@@ -156,7 +154,7 @@ def _refuse_pieces_by_default(run: str, step: int | None, root: str | os.PathLik
         f"plain tensors ({sharded[0]!r}: a {rec.shape} piece of "
         f"{rec.shard.global_shape}), which model.load_state_dict cannot take. Fill your model's "
         "(and optimizer's) own sharded state in place instead, with `model` the model and `opt` its "
-        "optimizer (docs/sharded.md):\n"
+        "optimizer (docs/training.md):\n"
         + "".join(f"    {line}\n" for line in _recipe(run, step, root, manifest, sharded))
         + f"or pass rank= (0 to {manifest.world_size - 1}) to get that rank's pieces as plain tensors")
 

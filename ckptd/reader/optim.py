@@ -1,24 +1,14 @@
-"""Optimizer states for ``ckptd.load_into``: one saved under one naming of its parameters
-fills a target named the other way.
-
-``torch.optim.Optimizer.state_dict()`` keys its per-parameter state by parameter number
-(``optim.state.0.exp_avg``); ``torch.distributed.checkpoint.state_dict.get_state_dict``
-by parameter name (``optim.state.0.weight.exp_avg``). Both list the keys of their
-parameters in ``param_groups[i]["params"]``, in the order the optimizer holds them
-(``get_state_dict`` maps the numbers to names in that very order), so the two lists,
-read group by group, pair each target key with its saved one.
-
-An optimizer has no state until its first step (a fresh Adam's ``state`` is empty):
-there is then nothing in the target to fill, and no tensor of this job's layout (an
-FSDP2 parameter's DTensor sharding) to fill it with. ``get_state_dict(model, opt)``
-creates it first (a step with learning rate 0), which is what the error says to call.
+"""Optimizer states for ``ckptd.load_into``: a state saved under one naming of its
+parameters (``Optimizer.state_dict()``: by number; DCP's ``get_state_dict``: by name)
+fills a target named the other way, pairing the keys of ``param_groups[i]["params"]``
+group by group. An optimizer without state yet has nothing to fill: the error says to
+create it with ``get_state_dict(model, opt)``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# what the error for an optimizer without state says to call (tests/optim_resume_job.py runs it)
 INIT_CALL = ("model_sd, optim_sd = torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)  "
              "# creates the optimizer's state (a step with lr 0)")
 
@@ -60,4 +50,4 @@ def check_has_state(target: dict, saved: dict, where: str, step: int) -> None:
             f"fill. Create it first, as get_state_dict does, and load into what it returns: {INIT_CALL}; "
             "then ckptd.load_into({'model': model_sd, 'optim': optim_sd}, run) and "
             "torch.distributed.checkpoint.state_dict.set_state_dict(model, opt, model_state_dict=model_sd, "
-            "optim_state_dict=optim_sd) (docs/sharded.md)")
+            "optim_state_dict=optim_sd) (docs/training.md)")

@@ -1,20 +1,10 @@
-"""Resharding loads. ``ckptd.load_into``: fill a state's tensors and DTensors in place from a checkpoint,
-whatever layout (world size, sharding) it was saved in; and ``load`` of a whole
-multi-rank checkpoint, every sharded tensor assembled to its global shape.
-
-Every stored piece of a tensor, from every rank's manifest (a rank may hold several,
-docs/format.md), is a block of the whole tensor (``sharding.Box``). For each target
-(a plain tensor: the whole block; a DTensor: its local shard's block) only the stored
-pieces that overlap it are read, and of each only the bytes that hold the overlap:
-straight into the target's memory where the overlap is one contiguous run in both and
-the dtypes agree, otherwise the smallest contiguous span of the piece that holds it,
-copied out with one strided ``copy_`` (which converts the dtype: ``ckptd.dcp`` casts
-as DCP does; ``load_into`` itself refuses another dtype before reading). Reads run on a small thread pool (``preadv`` and torch's copies release the
-GIL), files opened once each, large runs split so that several threads share one
-big piece.
-
-``verify=True`` reads each needed record whole, so that its checksum can be checked,
-then copies the overlaps out of it: a part of a record has no checksum of its own.
+"""Resharding loads: ``load_into`` fills a state's tensors and DTensors in place from a
+step saved in any layout, and ``load_whole`` assembles every sharded tensor of a
+multi-rank step. Each stored piece is a block of the whole tensor (``sharding.Box``):
+of each target only the overlapping pieces are read, straight into its memory where
+the overlap is one contiguous run of one dtype, else through one strided ``copy_``
+(which casts), on a small thread pool. ``verify=True`` reads each needed record whole
+to check its checksum. Start at ``load_into``; ``fill`` does the reading.
 """
 
 from __future__ import annotations
@@ -30,11 +20,11 @@ from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from ..sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
 from . import optim
-from .files import read_range, read_tensors
-from .finding import find_in_tiers
+from ..tiers.files import read_range, read_tensors
+from .finding import open_in_tiers
 
 READ_THREADS = 8
-SPLIT_BYTES = 32 << 20  # a direct read larger than this is shared out between threads
+SPLIT_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -61,10 +51,10 @@ class Target:
     values in with ``copy_``, which converts them (as DCP's own reader does)."""
 
     name: str
-    buf: Any  # contiguous CPU tensor the reads fill
+    buf: Any
     box: Box
-    final: Any = None  # the caller's tensor, when ``buf`` is a stand-in copied into it at the end
-    direct: Any = field(default=None, repr=False)  # ``buf`` as a flat uint8 memoryview
+    final: Any = None
+    direct: Any = field(default=None, repr=False)
 
     @classmethod
     def of(cls, name: str, dest: Any, box: Box) -> "Target":
@@ -78,7 +68,7 @@ class Target:
         return cls(name, torch.empty(dest.shape, dtype=dest.dtype), box, final=dest)
 
 
-@measures.timed_restore(1)  # a resume's time, for the interval advice (docs/advise.md)
+@measures.timed_restore(1)
 def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.PathLike[str] | None = None,
               verify: bool = False, strict: bool = True, remote: str | None = None) -> CheckpointInfo:
     """Fill the tensors and DTensors of ``state`` in place from ``step`` of ``run``
@@ -93,7 +83,8 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     targets, and only those, are fetched into the local root first (checksums
     checked), then read as a local step is.
     """
-    path, manifests, source = find_in_tiers(run, step, root, remote, fill=False)
+    holding = open_in_tiers(run, step, root, remote)
+    path, manifests = holding.path, holding.manifests
     rank = env.group_rank()  # per-rank values stored whole: this rank's own copy is preferred
     pieces = pieces_of(manifests)
     saved = _saved_structure(path, manifests, rank)
@@ -112,8 +103,7 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
             f"step {manifests[0].step} of run {run!r} has no " + ", ".join(map(repr, missing[:5]))
             + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
             + "; pass strict=False to load what it has and leave the rest as it is")
-    if source is not None:  # complete only in another tier: fetch what this process reads
-        source.fill({p.rank for t in plans for p, _ in _choose(t, pieces[t.name], rank)})
+    holding.materialize({p.rank for t in plans for p, _ in _choose(t, pieces[t.name], rank)})
     fill(path, plans, pieces, rank, verify)
     return CheckpointInfo.from_manifests(str(path), manifests)
 
@@ -152,7 +142,6 @@ def load_whole(path: Path, manifests: list[Manifest], *, names: Iterable[str] | 
                                 "which does not read it, or load another step") from None
 
 
-# -- what is stored, what is wanted -----------------------------------------------------------
 def pieces_of(manifests: list[Manifest]) -> dict[str, list[Piece]]:
     """Every stored piece, by the name of its tensor (a rank may hold several pieces of
     one: its later ones are kept under other keys, docs/format.md)."""
@@ -268,7 +257,6 @@ def _target(name: str, value: Any, stored: list[Piece], placed: dict[Any, Any] |
     return Target.of(name, local, box)
 
 
-# -- reading ----------------------------------------------------------------------------------
 def _choose(target: Target, stored: list[Piece], rank: int) -> list[tuple[Piece, Box]]:
     """The stored pieces to read for ``target``, each with the block it gives."""
     whole = [p for p in stored if p.rec.shard is None]
@@ -362,7 +350,7 @@ def _tasks(work: list[tuple[Target, Piece, Box]], files: _Files, verify: bool) -
         if verify or piece.rec.offset is None:  # read whole: checked, or HDF5 without one place
             by_piece.setdefault((piece.rank, piece.key), []).append((target, box))
             if piece.rec.offset is not None:
-                files.fd(piece.rec.file)  # opened here, not by several threads at once
+                files.fd(piece.rec.file)
             continue
         fd = files.fd(piece.rec.file)
         itemsize = dtypes.lookup(piece.rec.dtype).itemsize

@@ -1,14 +1,8 @@
-"""What the remote tier holds: the same layout as the local root, under the URL's prefix.
-
-    <url>/<run>/step-<12 digits>/manifest-r<rank>.json   uploaded last, after that rank's files
-    <url>/<run>/step-<12 digits>/r<rank>-<seq>.safetensors, r<rank>.h5
-    <url>/<run>/step-<12 digits>/pinned                   uploaded with a pinned step
-
-A step is complete in the bucket under the local rule (docs/format.md, docs/many-nodes.md): every rank's
-manifest is there, and every file each names is there at least as long as the
-manifest says. An object store has no rename, so that order of uploads (data
-first, manifest last) is the commit protocol. Manifests are untrusted input, parsed
-by ``Manifest.from_json`` as on disk.
+"""What the bucket holds: the local root's layout under the URL's prefix, each rank's
+manifest uploaded after its files (an object store has no rename: that order is the
+commit protocol). A step is complete under the local rule: every rank's manifest, of
+one attempt, and every file each names at its full size. Manifests are untrusted
+input (``Manifest.from_json``). Start at ``latest`` and ``manifests``.
 """
 
 from __future__ import annotations
@@ -110,7 +104,7 @@ def latest(store: Store, run: str) -> CheckpointInfo | None:
     """The newest step complete in the bucket (manifests read newest first, until one is)."""
     for step, objects in sorted(run_objects(store, run).items(), reverse=True):
         info = step_info(store, run, step, objects, warn=True)
-        if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
+        if info is not None and not info.refused:
             return info
     return None
 

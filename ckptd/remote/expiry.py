@@ -1,11 +1,7 @@
-"""``[remote.retention]``: the bucket keeps its own set of checkpoints.
-
-The plan is the local one (``ckptd.retention.plan``) over the steps complete in the
-bucket, so the same guarantees hold: only complete, unpinned steps are candidates,
-and never the newest complete one. Steps not complete in the bucket (still being
-uploaded by some node) are never candidates, nor is a step this daemon still has a
-share of to upload (``busy``). A deletion removes the manifests first, so the step
-stops being complete at the first delete, then its data files.
+"""``[remote.retention]``: the bucket keeps its own set of checkpoints, planned as the
+local one (``ckptd.retention.plan``) over the steps complete there: never the newest,
+a pinned one, one still uploading or one this daemon has a share of to upload
+(``busy``). Manifests go first, so a step stops being complete at the first delete.
 """
 
 from __future__ import annotations

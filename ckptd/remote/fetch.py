@@ -1,16 +1,7 @@
-"""Reading a rank's share back from the bucket: tensors straight into memory, or files
-into a local root.
-
-``read_tensors`` is what ``ckptd.load`` uses on a node whose disk lacks the step: it
-fetches only the records asked for (one rank's, or ``names=``), each as ranged reads
-of ``part_bytes`` issued together (``concurrency`` tensors at once), into memory the
-caller then owns, and checks every tensor against its checksum (the network is not
-the disk: checksums are always verified on download).
-
-``fetch_share`` is for readers that want files (``load_into`` after the sharded-
-training merge, ``ckptd export``): it downloads one rank's data files and, last, its
-manifest into ``<root>/<run>/step-<n>/``, each checked, so the local rules (manifest
-last, orphans removed at start-up) hold for the copy too.
+"""Reading a rank's share back from the bucket, every tensor checked against its
+checksum: ``read_tensors`` (ranged reads straight into memory), ``check`` (``ckptd
+verify --remote``), ``download_file`` (one data file, for ``ckptd.tiers.bucket``'s
+``fetch_share``, which lands it in a root).
 """
 
 from __future__ import annotations
@@ -19,20 +10,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .. import dtypes, layout
-from ..durable import atomic_write, replacing
+from .. import dtypes
 from ..errors import CheckpointCorrupt
 from ..manifest import Checksum, Manifest, TensorRecord, checksum
 from . import catalog
 from .store import RemoteError, Store
 
 
-def read_tensors(store: Store, manifest: Manifest, records: dict[str, TensorRecord]) -> dict[str, Any]:
+def read_tensors(store: Store, manifest: Manifest, records: dict[str, TensorRecord],
+                 into: dict[str, memoryview] | None = None) -> dict[str, Any]:
     """``records`` (of ``manifest``) read from the bucket and checked; CheckpointCorrupt
-    names the object and tensor that does not match."""
+    names the object and tensor that does not match. ``into``: memory to read a tensor
+    into, by name (its entry in the result is then that memory's)."""
     items = sorted(records.items(), key=lambda it: (it[1].file, it[1].offset or 0))
     with _pool(store, len(items)) as pool:
-        return dict(pool.map(lambda it: (it[0], _read_one(store, manifest, *it)), items))
+        return dict(pool.map(lambda it: (it[0], _read_one(store, manifest, it[0], it[1], (into or {}).get(it[0]))), items))
 
 
 def check(store: Store, manifests: list[Manifest]) -> list[str]:
@@ -53,16 +45,17 @@ def _pool(store: Store, n: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, min(store.concurrency, n)), thread_name_prefix="ckptd-fetch")
 
 
-def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord) -> Any:
+def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord, dst: memoryview | None = None) -> Any:
     import torch
 
     k = catalog.key(manifest.run, manifest.step, rec.file)
     if rec.offset is None:  # a chunked HDF5 dataset: no byte range of its own
         raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} is a chunked (compressed) HDF5 dataset; "
-                                "fetch the file with ckptd.remote.fetch.fetch_share and load it locally")
-    buf = torch.empty(rec.nbytes, dtype=torch.uint8)
+                                "fetch the file with ckptd.tiers.bucket.fetch_share and load it locally")
+    buf = torch.empty(rec.nbytes if dst is None else 0, dtype=torch.uint8)
+    view = memoryview(buf.numpy()) if dst is None else dst  # type: ignore[arg-type]
     try:
-        store.read_into(k, rec.offset, memoryview(buf.numpy()))
+        store.read_into(k, rec.offset, view)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{store.where(k)}: a file the manifest names is missing; load another "
                                 "step (`ckptd list RUN --remote` lists the bucket's)") from None
@@ -70,33 +63,26 @@ def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord) ->
         if "shorter than its manifest" not in str(exc):
             raise
         raise CheckpointCorrupt(str(exc)) from None
-    if checksum([memoryview(buf.numpy())] if rec.nbytes else []) != rec.checksum:
+    if checksum([view] if rec.nbytes else []) != rec.checksum:
         raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} does not match its checksum; load "
                                 "another step (`ckptd list RUN --remote` lists the bucket's)")
-    return buf.view(dtypes.torch_dtype(rec.dtype)).reshape(rec.shape)
+    return view if dst is not None else buf.view(dtypes.torch_dtype(rec.dtype)).reshape(rec.shape)
 
 
-def fetch_share(store: Store, run: str, step: int, rank: int, root: Path) -> Manifest:
-    """Download rank ``rank``'s share of ``step`` into ``root`` (data files, then the
-    manifest); files already there at their full size are kept. Returns the manifest."""
-    manifest = catalog.read_manifest(store, run, step, rank)
-    step_dir = layout.step_dir(root, run, step)
-    layout.ensure_real_dir(step_dir, root)
-    files = sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()})
-    for file in files:
-        path = step_dir / file
-        want = manifest.files.get(file)
-        if path.is_file() and not path.is_symlink() and want is not None and path.stat().st_size == want:
-            continue
-        # the manifest written below vouches for this file: it goes through the one
-        # durable path (fsync, rename, fsync the folder) so that a power loss cannot
-        # leave a complete step whose data never reached the disk
-        with replacing(path) as tmp:
-            tmp.unlink(missing_ok=True)  # named for this host and pid: a crashed earlier self's
-            store.download(catalog.key(run, step, file), tmp)
-            _check_file(tmp, file, manifest)
-    atomic_write(step_dir / layout.manifest_name(rank), manifest.to_json())
-    return manifest
+def missing_files(manifest: Manifest, folder: Path) -> list[str]:
+    """The files of ``manifest``'s share not yet in step folder ``folder`` at their full size."""
+    out = []
+    for file in sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()}):
+        path, want = folder / file, manifest.files.get(file)
+        if not (path.is_file() and not path.is_symlink() and want is not None and path.stat().st_size == want):
+            out.append(file)
+    return out
+
+
+def download_file(store: Store, manifest: Manifest, file: str, path: Path) -> None:
+    """``file`` of ``manifest``'s share downloaded to ``path``, every tensor checked."""
+    store.download(catalog.key(manifest.run, manifest.step, file), path)
+    _check_file(path, file, manifest)
 
 
 def _check_file(path: Path, file: str, manifest: Manifest) -> None:

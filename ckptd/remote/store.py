@@ -1,15 +1,8 @@
-"""The object store behind the remote tier: the only module that imports its client.
-
-The client is ``obstore`` (Rust's ``object_store``), chosen by measurement against
-``boto3`` and ``s3fs`` on the same bytes to the same server (docs/remote.md): it was
-the fastest of the three, it releases the GIL for the whole transfer (the daemon's
-main loop and writers keep their CPU), and it takes the same URLs as fsspec
-(``s3://``, ``gs://``, ``az://``, ``file:///``). Credentials and endpoint come from
-the standard environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``) or the client's usual files.
-
-``Store`` speaks in keys relative to the URL's prefix and in buffers; a client error
-is translated here into ``RemoteError`` naming the URL, the key and what to do.
+"""The object store behind the bucket tier: the only module that imports its client,
+``obstore`` (it releases the GIL for a whole transfer and takes fsspec's URLs).
+Credentials and endpoint come from the standard environment (``AWS_*``) or the
+client's files. ``Store`` speaks in keys relative to the URL's prefix and in buffers;
+a client error becomes a ``RemoteError`` naming the URL, the key and what to do.
 """
 
 from __future__ import annotations
@@ -19,17 +12,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from ..errors import RemoteAuthError, RemoteError  # re-exported: their home was here
+from ..errors import RemoteAuthError, RemoteError
 
 
-TAG = "ckptd-share"  # user metadata on data objects: which share (manifest) they belong to
+TAG = "ckptd-share"
 
 
 def _client_options(url: str) -> dict[str, Any]:
     opts: dict[str, Any] = {"connect_timeout": "5s", "timeout": "300s"}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
     if url.startswith("s3://") and endpoint.startswith("http://"):
-        opts["allow_http"] = True  # a plain-HTTP endpoint was named on purpose (a local server)
+        opts["allow_http"] = True
     return opts
 
 
@@ -55,13 +48,12 @@ class Store:
                 "max_retries": 2, "retry_timeout": timedelta(seconds=20),
                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2),
                             "base": 2}})
-        except Exception as exc:  # a bad URL, an unknown scheme or configuration key
+        except Exception as exc:
             raise RemoteError(f"cannot use the remote tier {url!r}: {exc}; check [remote] url") from None
 
     def where(self, key: str) -> str:
         return f"{self.url}/{key}"
 
-    # -- writing -----------------------------------------------------------------------
     def put_file(self, key: str, source: BinaryIO | Iterator[bytes], tag: str = "") -> None:
         """Upload an open local file, or its parts; larger than ``part_bytes``: a multipart
         upload of that part size, ``concurrency`` parts in flight (memory: part_bytes x
@@ -109,7 +101,6 @@ class Store:
         except Exception as exc:
             raise self._error("deleting", keys[0], exc) from None
 
-    # -- reading -----------------------------------------------------------------------
     def list(self, prefix: str) -> dict[str, int]:
         """Every object under ``prefix`` (a folder-like key ending in ``/``): key -> size."""
         try:
@@ -171,7 +162,6 @@ class Store:
         except Exception as exc:
             raise self._error("downloading", key, exc) from None
 
-    # -- errors ------------------------------------------------------------------------
     def _error(self, doing: str, key: str, exc: BaseException) -> RemoteError:
         from obstore import exceptions as obx
 

@@ -1,18 +1,8 @@
-"""The daemon's uploads to the remote tier, on one thread, ``ckptd-uploader``.
-
-After a share (one rank of one step) is committed locally, the syncer thread hands
-it here (``enqueue``: a dict insert, so a local commit is never delayed) and the
-uploader copies that rank's data files to the bucket, then its manifest, last: the
-commit protocol holds in the bucket with no rename (``catalog``). Large files go
-as multipart uploads, ``concurrency`` parts of ``part_bytes`` in flight (bounded
-memory: the files are read from disk, never held whole). A failure is retried with
-exponential backoff up to ``max_retry_s``, forever: the local copy is the source,
-and local retention keeps it until its upload is done (``pending_steps``).
-
-Nothing about the queue is stored: at start the uploader compares the local root
-with the bucket and queues every local share whose manifest the bucket lacks
-(``resume``); a file already in the bucket at its full size is not sent again, so an
-upload interrupted by a daemon or server restart resumes where it stopped.
+"""The daemon's uploads to the bucket, on the ``ckptd-uploader`` thread: ``enqueue``
+(from the syncer, a dict insert) queues a committed share; the thread uploads its data
+files, multipart and read from disk, then its manifest, retrying with backoff forever
+while local retention keeps the share (``pending_steps``). Nothing of the queue is
+stored: ``resume`` compares the root with the bucket at start. Start at ``_loop``.
 """
 
 from __future__ import annotations
@@ -37,14 +27,9 @@ from .store import RemoteAuthError, RemoteError, Store
 
 log = logging.getLogger("ckptd.remote")
 
-ShareKey = tuple[str, int, int]  # (run, step, rank)
-# While producers send tensors (a snapshot in progress), uploads feed no new part: the
-# trainer's copy must not compete with them. Quiet for this long = no snapshot...
-QUIET_S = 0.25
-# ...and a part never waits longer than this, so that uploads progress whatever comes.
-MAX_HOLD_S = 5.0
-# Called with a run and its steps complete in the bucket, after an upload completed one:
-# the daemon's local retention may then count them (docs/remote.md).
+ShareKey = tuple[str, int, int]
+QUIET_S = 0.25  # no new part until producers are quiet this long: the trainer's copy comes first
+MAX_HOLD_S = 5.0  # ... and no part waits longer, so that uploads progress whatever comes
 OnRemoteComplete = Callable[[str, list[CheckpointInfo]], None]
 
 
@@ -56,28 +41,24 @@ class Uploader:
         self.store = Store(config.url, part_bytes=config.part_bytes, concurrency=config.concurrency)
         self._on_remote_complete = on_remote_complete
         self._cond = threading.Condition()
-        self._pending: OrderedDict[ShareKey, tuple[float, int]] = OrderedDict()  # -> (commit time, bytes)
+        self._pending: OrderedDict[ShareKey, tuple[float, int]] = OrderedDict()
         self._stop = False
         self._resumed = False
-        self._last_received = 0.0  # monotonic time a producer last sent tensor bytes
+        self._last_received = 0.0
         self._thread = threading.Thread(target=self._loop, name="ckptd-uploader", daemon=True)
-        # figures (read by `ckptd status` and the metrics)
         self.shares_uploaded = 0
         self.bytes_uploaded = 0
-        self.bytes_skipped = 0  # already in the bucket (a resumed upload)
-        self.bytes_copied = 0  # copied inside the bucket: a file linked from an earlier step
-        # (st_dev, st_ino, size, mtime) of each data file uploaded -> its key: a later step's
-        # file that is the same inode (hard-linked by daemon.reuse) is copied there, not uploaded
+        self.bytes_skipped = 0
+        self.bytes_copied = 0
+        # a later step's file of the same inode (hard-linked by daemon.reuse) is copied in the bucket
         self._uploaded: OrderedDict[tuple[int, ...], str] = OrderedDict()
         self.upload_seconds = 0.0
         self.failures = 0
         self.last_error = ""
         self.last_upload: dict | None = None
-        # (run, step, rank, seconds from local commit to uploaded), after each share: the
-        # remote tier's persist time for the interval advice (ckptd.daemon.measuring)
+        # (run, step, rank, lag_s) after each share: the persist time for the interval advice
         self.on_uploaded: Callable[[str, int, int, float], None] | None = None
 
-    # -- owner's side -------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
@@ -133,7 +114,6 @@ class Uploader:
             "failures": self.failures, "last_error": self.last_error, "last_upload": self.last_upload,
         }
 
-    # -- the thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         backoff, streak = 0.0, 0
         while True:
@@ -221,14 +201,14 @@ class Uploader:
             objects = {k[len(prefix):]: v for k, v in self.store.list(prefix).items()}
             if name in objects and not self._replace_remote_share(run, step, rank, data, objects):
                 return
-            tag = xxhash.xxh3_64_hexdigest(data)  # this share's identity, kept on each of its objects
+            tag = xxhash.xxh3_64_hexdigest(data)
             sent = skipped = copied = 0
             for file in sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()}):
                 fd = layout.open_regular(file, dir_fd=dir_fd)
                 with os.fdopen(fd, "rb") as fh:
                     size = os.fstat(fh.fileno()).st_size
                     if objects.get(file) == size and self.store.tag_of(prefix + file) == tag:
-                        skipped += size  # this share's, uploaded before a restart: not again
+                        skipped += size
                         continue
                     same = _identity(os.fstat(fh.fileno()))
                     if self._copy_uploaded(same, prefix + file):
@@ -240,7 +220,7 @@ class Uploader:
                 self.bytes_uploaded += size
             if PIN_FILE in _names(path):
                 self.store.put_bytes(prefix + PIN_FILE, b"pinned\n")
-            self.store.put_bytes(prefix + name, data)  # last: this rank's share is now in the bucket
+            self.store.put_bytes(prefix + name, data)
         except (OSError, CheckpointCorrupt) as exc:
             if isinstance(exc, FileNotFoundError):
                 log.warning("run=%s step=%d rank=%d lost a file locally before its upload (%s); not uploaded",
@@ -279,7 +259,7 @@ class Uploader:
         return True
 
     def _remember(self, same: tuple[int, ...], key: str) -> None:
-        self._uploaded[same] = key  # the newest copy: the one remote retention keeps longest
+        self._uploaded[same] = key
         self._uploaded.move_to_end(same)
         while len(self._uploaded) > MAX_REMEMBERED:
             self._uploaded.popitem(last=False)
@@ -292,7 +272,7 @@ class Uploader:
         name = layout.manifest_name(rank)
         there = self.store.get(prefix + name, MAX_MANIFEST_BYTES)
         if there == data:
-            return False  # uploaded already (the daemon died before it could tell)
+            return False
         if catalog.step_info(self.store, run, step, objects) is not None:
             log.error("run=%s step=%d rank=%d is complete in %s with another copy of this share; "
                       "a complete checkpoint is never overwritten: this one stays local", run, step, rank, self.config.url)
@@ -302,8 +282,7 @@ class Uploader:
             files = set(old.files) | {t.file for t in old.tensors.values()}
         except CheckpointCorrupt:
             files = {n for n in objects if layout.file_rank(n) == rank and layout.is_data_file(n)}
-        # an earlier attempt's share (daemon/attempts.py): its data first, so the step
-        # is no longer complete-looking at once, then its manifest
+        # its data first: the step stops looking complete at once
         self.store.delete(prefix + f for f in files if f in objects)
         self.store.delete([prefix + name])
         for f in files:
@@ -326,7 +305,7 @@ class Uploader:
             self._on_remote_complete(run, infos)
 
 
-MAX_REMEMBERED = 65536  # uploaded files remembered for copying (a few MB)
+MAX_REMEMBERED = 65536
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:

@@ -1,15 +1,9 @@
-"""The tiers (docs/tiers.md): every place a share can be, behind one interface
-(``base``), in one chain built from the config.
-
-    local        the local root: where the daemon commits; always first
-    peer         the peers' memory ([peer]): the daemon's part (PeerReplica)
-    peer_reader  ... and the readers' (PeerTier, PeerHolding; imports ZeroMQ)
-    bucket       the object store ([remote]): BucketTier, BucketHolding, BucketReplica
-
-Readers (``ckptd.reader``, ``ckptd.completion``) loop over ``chain``; the daemon's
-``Upkeep`` over ``replicas``. Neither names a tier. A fourth tier is one module here
-plus one line in ``chain`` (and its module in ``_COPIED_TO`` if the daemon copies
-shares to it).
+"""The tiers: every place a share can be, behind ``base``'s protocols, in one chain
+built from the config: ``local`` (the root), ``peer_reader`` / ``peer`` (the peers'
+memory, the readers' and the daemon's parts), ``bucket`` (the object store). Readers
+loop over ``chain``, the daemon over ``copy_targets``; neither names a tier. A fourth
+tier is one module here, one line in ``chain`` and, if the daemon copies to it, in
+``_COPIED_TO``.
 """
 
 from __future__ import annotations
@@ -18,15 +12,17 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import CheckpointError
 from ..config import Config, default_root, load as load_config
+from ..errors import CheckpointError
 from ..manifest import CheckpointInfo
 from . import bucket, local, peer
-from .base import Holding, Replica, Tier
+from .base import CopyTarget, Holding, Tier, TierUnavailable
 
 _COPIED_TO = (bucket, peer)  # the tiers a daemon may copy shares to, in the order they start
+_PEER_TIERS: dict[tuple[str, str, int], Tier] = {}
 
-__all__ = ["Holding", "Replica", "Tier", "chain", "replicas", "named", "replica_names", "status_lines"]
+__all__ = ["CopyTarget", "Holding", "Tier", "TierUnavailable", "chain", "copy_targets", "named", "status_lines",
+           "target_names"]
 
 
 def chain(config: Config | None = None, *, root: str | os.PathLike[str] | None = None,
@@ -38,35 +34,36 @@ def chain(config: Config | None = None, *, root: str | os.PathLike[str] | None =
     base = default_root(root)
     found: list[Tier | None] = [
         local.LocalTier(root, cfg.remote.poll_interval),
-        _peers(cfg, base),
+        _peers(cfg, base) if cfg.peer.enabled else None,
         bucket.open_tier(cfg, base, remote),
     ]
     return [t for t in found if t is not None]
 
 
-def _peers(config: Config, base: Path) -> Tier | None:
-    """The peers with ``[peer]``; their reader (ZeroMQ's) is imported only then: ~60 ms
-    of every `ckptd` command's start otherwise."""
-    if not config.peer.enabled:
-        return None
+def _peers(config: Config, base: Path) -> Tier:
+    """One peer tier a process per config and root: what it learns of dead peers and of
+    the newest step serves the calls that follow. Its reader (ZeroMQ's) is imported only
+    with ``[peer]``: every `ckptd` command would pay for it otherwise."""
     from .peer_reader import PeerTier
 
-    return PeerTier(config, base)
+    key = (repr(config), str(base), os.getpid())  # a forked child asks with its own sockets
+    if key not in _PEER_TIERS:
+        _PEER_TIERS[key] = PeerTier(config, base)
+    return _PEER_TIERS[key]
 
 
-def replicas(config: Config, keep_last: Callable[[str], int],
-             on_complete: Callable[[str, list[CheckpointInfo]], None]) -> list[Replica]:
+def copy_targets(config: Config, keep_last: Callable[[str], int],
+                 on_complete: Callable[[str, list[CheckpointInfo]], None]) -> list[CopyTarget]:
     """The tiers the daemon copies each committed share to, in the order they start
-    (and, reversed, close): uploads, then replication. ``keep_last(run)``: the run's
-    local retention; ``on_complete(run, infos)``: steps became complete in a tier that
-    local retention may count (each node with its own root)."""
-    found = [m.open_replica(config, keep_last, on_complete) for m in _COPIED_TO]
-    return [r for r in found if r is not None]
+    (and, reversed, close). ``keep_last(run)``: the run's local retention;
+    ``on_complete(run, infos)``: steps became complete in a tier that local retention
+    may count (each node with its own root)."""
+    found = [m.open_target(config, keep_last, on_complete) for m in _COPIED_TO]
+    return [t for t in found if t is not None]
 
 
-def replica_names() -> tuple[str, ...]:
-    """Every tier a daemon may copy shares to: each has its key in `ckptd status --json`
-    (null where the config has no such tier)."""
+def target_names() -> tuple[str, ...]:
+    """Every tier a daemon may copy shares to: each has its key in `ckptd status --json`."""
     return tuple(m.NAME for m in _COPIED_TO)
 
 
@@ -76,9 +73,8 @@ def status_lines(report: dict[str, Any]) -> list[str]:
 
 
 def named(tiers: list[Tier], name: str | None, config: Config) -> Tier:
-    """The tier of the chain called ``name``; None: the last durable one (the bucket
-    where there is one, else the root). ValueError for a name that is no tier's; a
-    ``ckptd.errors.CheckpointError`` for one ``config`` does not have."""
+    """The tier of the chain called ``name``; None: the last durable one. ValueError for
+    a name that is no tier's; CheckpointError for one ``config`` does not have."""
     if name is None:
         return [t for t in tiers if t.durable][-1]
     for t in tiers:

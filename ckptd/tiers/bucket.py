@@ -1,31 +1,32 @@
-"""The bucket (``[remote]``, docs/remote.md): an object store every node's daemon uploads
-its committed shares to, and that a fresh node resumes from. Its internals stay in
-``ckptd.remote``: ``store`` (the client), ``catalog`` (what the bucket holds), ``fetch``
-(reading shares back), ``uploader`` (the ``ckptd-uploader`` thread), ``retention``.
-
-``remote=`` on ``ckptd.latest``, ``list_checkpoints`` and ``load``: a URL, ``""`` for
-the local root only, or None for the ``[remote] url`` of the discovered config.
+"""The bucket (``[remote]``): an object store every node's daemon uploads its shares
+to, and that a fresh node resumes from. ``BucketTier`` and ``BucketHolding`` are the
+readers', ``BucketTarget`` the daemon's; the store, catalog, reads and uploads
+themselves are ``ckptd.remote``.
 """
 
 from __future__ import annotations
 
-import builtins
+import contextlib
+import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
+from .. import layout
 from ..config import Config, load as load_config
-from ..errors import CheckpointNotFound
+from ..errors import CheckpointNotFound, RemoteAuthError, RemoteError
 from ..manifest import CheckpointInfo, Manifest, TensorRecord
 from ..remote import catalog, fetch
-from ..remote.store import RemoteError, Store
+from ..remote.store import Store
 from ..remote.uploader import Uploader
 from ..units import duration, rate, size
-from .base import missing_manifests
+from . import landing
+from .base import TierUnavailable, missing_manifests
+from .files import bytes_of, read_tensors
 
 NAME = catalog.TIER
-TABLE = "remote"  # its table in config.toml
+TABLE = "remote"
 
 log = logging.getLogger("ckptd.remote")
 
@@ -62,10 +63,35 @@ def find(store: Store, run: str, step: int | None) -> tuple[CheckpointInfo, list
     return CheckpointInfo.from_manifests(path, found, tiers=(NAME,)), found
 
 
+def fetch_share(store: Store, run: str, step: int, rank: int, root: Path) -> Manifest:
+    """Rank ``rank``'s share of ``step`` downloaded into ``root`` (``landing``: data files,
+    each checked, then the manifest); files already there at their full size are kept."""
+    def files(folder: Path) -> Manifest:
+        manifest = catalog.read_manifest(store, run, step, rank)
+        for file in fetch.missing_files(manifest, folder):
+            landing.write_file(folder / file, functools.partial(fetch.download_file, store, manifest, file))
+        return manifest
+
+    landed = landing.land(root, run, step, rank, files)
+    assert landed is not None
+    return landed
+
+
+@contextlib.contextmanager
+def _reached(store: Store) -> Iterator[None]:
+    """The store's failures to answer as ``TierUnavailable``; refused credentials stay
+    a ``RemoteAuthError``: waiting cannot mend them."""
+    try:
+        yield
+    except RemoteAuthError:
+        raise
+    except (OSError, RemoteError) as exc:
+        raise TierUnavailable(f"the bucket {store.url} is out of reach: {exc}") from exc
+
+
 class BucketTier:
     name = NAME
     durable = True
-    unreachable: tuple[type[BaseException], ...] = (OSError, RemoteError)  # out of reach: `latest` may do without it
 
     def __init__(self, store: Store, base: Path, poll_interval: float) -> None:
         self.store, self.base = store, base
@@ -73,64 +99,81 @@ class BucketTier:
         self.poll_interval = poll_interval
 
     def latest(self, run: str) -> CheckpointInfo | None:
-        return catalog.latest(self.store, run)
+        with _reached(self.store):
+            return catalog.latest(self.store, run)
 
-    def list(self, run: str) -> builtins.list[CheckpointInfo]:
-        return catalog.list_checkpoints(self.store, run)
+    def steps(self, run: str) -> list[CheckpointInfo]:
+        with _reached(self.store):
+            return catalog.list_checkpoints(self.store, run)
 
-    def find(self, run: str, step: int) -> BucketHolding:
-        """The step's copy in the bucket; CheckpointNotFound naming the steps complete
-        there when it is not."""
-        _, manifests = find(self.store, run, step)
-        return BucketHolding(self.store, run, step, manifests, self.base)
+    def open(self, run: str, step: int) -> BucketHolding | None:
+        with _reached(self.store):
+            found = catalog.manifests(self.store, run, step, catalog.run_objects(self.store, run).get(step, {}))
+        return None if found is None else BucketHolding(self.store, run, step, found, self.base)
 
-    def complete(self, run: str, step: int,
-                 world_size: int | None) -> tuple[CheckpointInfo | None, Callable[[float], str]]:
+    def completion(self, run: str, step: int,
+                   world_size: int | None) -> tuple[CheckpointInfo | None, Callable[[float], str]]:
         prefix = catalog.step_prefix(run, step)
-        objects = {k[len(prefix):]: v for k, v in self.store.list(prefix).items()}
-        info = catalog.step_info(self.store, run, step, objects, world_size=world_size)
+        with _reached(self.store):
+            objects = {k[len(prefix):]: v for k, v in self.store.list(prefix).items()}
+            info = catalog.step_info(self.store, run, step, objects, world_size=world_size)
         return info, lambda timeout: missing_manifests(run, step, self.store.url, objects, timeout)
 
 
 class BucketHolding:
-    """A step complete in the bucket: one rank's tensors read into memory, or shares
-    downloaded into the root."""
-
-    fills_root = False  # a whole step out of a bucket is not near: loads that need files say so
-    reads_into = False  # load(out=) reads local files: refused for a step only in the bucket
+    """A step complete in the bucket: one rank's tensors read straight into memory or the
+    caller's tensors (a share this node wrote is read from its root); files land in
+    the root for mapped reads and the ranks asked."""
 
     def __init__(self, store: Store, run: str, step: int, manifests: list[Manifest], base: Path) -> None:
         self.store, self.run, self.step, self.base = store, run, step, base
         self.manifests = manifests
-        self.url = store.url
+        self.where = store.url
+        self.path = layout.step_dir(base, run, step)
 
-    def fill(self, ranks: Iterable[int] | None = None) -> None:
-        for r in sorted(range(len(self.manifests)) if ranks is None else ranks):
-            fetch.fetch_share(self.store, self.run, self.step, r, self.base)
+    def read(self, manifest: Manifest, records: dict[str, TensorRecord], into: dict[str, Any] | None = None, *,
+             verify: bool = False, mapped: bool = False,
+             convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
+        writers = {layout.file_rank(r.file) for r in records.values()}
+        if mapped:
+            self.materialize(w for w in writers if w is not None)
+        if all(w is not None and self._written_here(w) for w in writers):
+            return read_tensors(self.path, records, verify=verify, into=into, mapped=mapped, convert=convert)
+        views = None if into is None else {n: bytes_of(into[n]) for n in records if n in into}
+        tensors = fetch.read_tensors(self.store, manifest, records, views)
+        tensors.update({n: into[n] for n in views or ()})  # type: ignore[index]
+        return tensors if convert is None else {n: convert(n, t) for n, t in tensors.items()}
 
-    def read_tensors(self, manifest: Manifest, records: dict[str, TensorRecord],
-                     local: Callable[[dict[str, TensorRecord]], dict[str, Any]],
-                     into: dict[str, Any] | None = None) -> dict[str, Any]:
-        if into is not None:
-            raise ValueError("load(out=) of a step only in the bucket: load without out=, or fetch it first")
-        return fetch.read_tensors(self.store, manifest, records)  # checksums always checked
+    def materialize(self, ranks: Iterable[int] | None = None) -> None:
+        """The shares of ``ranks`` downloaded into the root; a whole step out of a bucket is
+        refused: one rank's share is read straight into memory instead."""
+        if ranks is None:
+            raise ValueError(f"step {self.step} of run {self.run!r} is complete only in {self.where}: load one "
+                             "rank's share there with rank= (or set RANK), or fetch the step into the local root "
+                             "first (ckptd.tiers.bucket.fetch_share) to load the whole state")
+        for r in sorted(set(ranks)):
+            fetch_share(self.store, self.run, self.step, r, self.base)
+
+    def _written_here(self, rank: int) -> bool:
+        """Rank ``rank``'s share is in the root with the bucket's manifest (the node that wrote it)."""
+        here = landing.read_share(self.path, rank)
+        return here is not None and here.time == self.manifests[rank].time
 
 
-def open_replica(config: Config, keep_last: Callable[[str], int],
-                 on_complete: Callable[[str, list[CheckpointInfo]], None]) -> BucketReplica | None:
+def open_target(config: Config, keep_last: Callable[[str], int],
+                on_complete: Callable[[str, list[CheckpointInfo]], None]) -> BucketTarget | None:
     """The daemon's uploads with ``[remote]``, else None."""
-    return BucketReplica(config, on_complete) if config.remote.enabled else None
+    return BucketTarget(config, on_complete) if config.remote.enabled else None
 
 
-class BucketReplica:
+class BucketTarget:
     """The daemon's side: each committed share queued for the ``ckptd-uploader`` thread;
     local retention keeps a step until every share of it is uploaded."""
 
     name = NAME
 
     def __init__(self, config: Config, on_complete: Callable[[str, list[CheckpointInfo]], None]) -> None:
-        # on_complete: a step became complete in the bucket (where each node has its own
-        # root, local retention counts those steps)
+        # where each node has its own root, local retention counts the steps complete in the bucket
         self.uploader = Uploader(config.root, config.remote, on_remote_complete=on_complete)
 
     def start(self) -> None:
@@ -143,17 +186,11 @@ class BucketReplica:
     def committed(self, run: str, step: int, rank: int, nbytes: int) -> None:
         self.uploader.enqueue(run, step, rank, time.time(), nbytes)
 
-    def dropped(self, run: str, steps: list[int]) -> None:
-        """Nothing: the bucket keeps its own steps ([remote.retention])."""
-
     def pending(self, run: str) -> set[int]:
         return self.uploader.pending_steps(run)
 
     def received(self) -> None:
         self.uploader.received()  # uploads hold off while a snapshot is under way
-
-    def yield_to(self, busy: Callable[[], bool]) -> None:
-        """Nothing: uploads hold off on ``received`` instead."""
 
     def on_persisted(self, callback: Callable[[str, int, int, float], None]) -> None:
         self.uploader.on_uploaded = callback
@@ -163,7 +200,7 @@ class BucketReplica:
 
 
 def status_lines(r: dict[str, Any]) -> list[str]:
-    """The bucket's line of ``ckptd status``, from its figures (``BucketReplica.figures``)."""
+    """The bucket's line of ``ckptd status``, from its figures (``BucketTarget.figures``)."""
     speed = f", {rate(r['bytes_uploaded'], r['upload_seconds'])}" if r["upload_seconds"] else ""
     copied = f", {size(r['bytes_copied'])} copied in the bucket" if r.get("bytes_copied") else ""
     return [f"remote:       {r['url']}: {r['shares_uploaded']} share(s) uploaded ({size(r['bytes_uploaded'])}"

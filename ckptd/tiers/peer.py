@@ -1,10 +1,6 @@
-"""The peers' memory (``[peer]``, docs/tiers.md): daemons hold each other's newest shares.
-
-This module is the daemon's part (``PeerReplica``); it imports ZeroMQ only when one is
-made. The readers' part is ``peer_reader`` (what the peers hold, fetching into memory
-or into the root), which the chain imports only with a ``[peer]`` table (ZeroMQ costs
-~60 ms of every `ckptd` command's start otherwise). The network service itself (the
-wire, the holder, the serve and send threads) is ``ckptd.peer``.
+"""The peers' memory (``[peer]``, docs/tiers.md): daemons hold each other's newest
+shares. This module is the daemon's part (``PeerTarget``; it imports ZeroMQ only when
+one is made); the readers' is ``peer_reader``; the network service itself is ``ckptd.peer``.
 """
 
 from __future__ import annotations
@@ -20,20 +16,21 @@ from ..units import size
 log = logging.getLogger("ckptd.peer")
 
 NAME = "peer"
-TABLE = "peer"  # its table in config.toml
+TABLE = "peer"
 
 
-def open_replica(config: Config, keep_last: Callable[[str], int],
-                 on_complete: Callable[[str, list[CheckpointInfo]], None]) -> PeerReplica | None:
+def open_target(config: Config, keep_last: Callable[[str], int],
+                 on_complete: Callable[[str, list[CheckpointInfo]], None]) -> PeerTarget | None:
     """The daemon's part of the peer tier with ``[peer]``, else None. ``keep_last(run)``:
     the run's local retention (partners hold no more steps of it than that)."""
-    return PeerReplica(config, keep_last) if config.peer.enabled else None
+    return PeerTarget(config, keep_last) if config.peer.enabled else None
 
 
-class PeerReplica:
+class PeerTarget:
     """The daemon's part: the holder of other nodes' replicas, the ``ckptd-peer-serve``
     thread that receives and serves them, and the ``ckptd-peer-send`` thread that
-    replicates this node's commits (a ``ckptd.tiers.base.Replica``)."""
+    replicates this node's commits (a ``ckptd.tiers.base.CopyTarget`` that ``Forgets``,
+    ``Yields`` and ``Reports``)."""
 
     name = NAME
 
@@ -86,13 +83,6 @@ class PeerReplica:
         """Partners drop their replicas of these steps."""
         self.replicator.dropped(run, steps)
 
-    def pending(self, run: str) -> set[int]:
-        """Nothing: a share not yet replicated is never a reason to keep a step."""
-        return set()
-
-    def received(self) -> None:
-        """Nothing: replication pauses on ``yield_to``'s test instead."""
-
     def yield_to(self, busy: Callable[[], bool]) -> None:
         """Replication pauses while ``busy()`` (a step is being received or committed)."""
         self.replicator.busy = busy
@@ -106,7 +96,7 @@ class PeerReplica:
 
 
 def status_lines(p: dict[str, Any]) -> list[str]:
-    """The peer tier's lines of ``ckptd status``, from its figures (``PeerReplica.figures``)."""
+    """The peer tier's lines of ``ckptd status``, from its figures (``PeerTarget.figures``)."""
     out = [f"peer:         {p['listen']}: holding {p['held_shares']} replica(s) of peers' shares "
            f"({size(p['held_bytes'])} of {size(p['memory'])}), {p['evicted']} evicted, {p['rejected']} rejected",
            f"              {p['under_replicated']} share(s) of this node under-replicated (of {p['replicas']} "

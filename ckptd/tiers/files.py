@@ -1,12 +1,9 @@
-"""Reading a step's data files: one rank's records into memory, into the caller's
-tensors, or mapped; a byte range of one record (``reshard``).
-
-Reading goes by the manifest's offsets, one ``preadv`` per tensor into memory the
-caller then owns, the same for every format; what needs a file's own structure (a
-check, a record without an offset: a chunked HDF5 dataset) is the file's format's
-(``ckptd.format``, docs/format.md). A tensor's size is checked against the real size
-of its file before memory is allocated for it; files are opened relative to the step
-folder's descriptor and never through a symlink.
+"""Reading a step's data files in the local root: one rank's records into memory, into
+the caller's tensors, or mapped (``read_tensors``); a byte range of one record
+(``read_range``). One ``preadv`` per tensor by the manifest's offsets, each size
+checked against its file's before memory is allocated; a file's own structure is its
+format's (``ckptd.format``); files are opened relative to the step folder, never
+through a symlink.
 """
 
 from __future__ import annotations
@@ -25,13 +22,8 @@ from ..format import DataReader
 from ..format.fileio import pread_into
 from ..manifest import TensorRecord, checksum
 
-# Files read at once by a load: preadv releases the GIL, so the copies out of the page
-# cache (and the first touch of fresh memory, which costs more than the copy) run on
-# several cores, and a cold read keeps several requests in flight on the device. At
-# least two, even on 2 cores: 1 GiB in 64 tensors, each load a fresh process, on a
-# 2-core VM: warm 0.45 s with one reader, 0.25 s with two or four (torch.load 0.47 s);
-# cold 0.87 s, 0.62-0.68 s, 0.57-0.59 s. (Another 2-core VM, a year before, showed two
-# threads faulting fresh memory slower than one; it gained nothing from more either.)
+# Files read at once: preadv releases the GIL, so the copies out of the page cache and the
+# first touch of fresh memory run on several cores, and a cold read keeps the device busy.
 READERS = max(2, min(4, (os.cpu_count() or 1) // 2))
 
 
@@ -102,12 +94,12 @@ class _DataFile:
     def __init__(self, dir_fd: int, step_path: Path, file: str, *, into: dict[str, Any] | None = None,
                  mapped: bool = False) -> None:
         self.dir_fd = dir_fd
-        self.into = into  # name -> tensor to read into (load(out=...))
+        self.into = into
         self.mapped = mapped
-        self._map: Any = None  # the file mapped copy-on-write (load(mmap=True)), once needed
+        self._map: Any = None
         self.path = step_path / file
         fmt = formats.for_file(file)
-        assert fmt is not None  # (the manifest's parser accepts data file names only)
+        assert fmt is not None
         self.format = fmt
         self.fd = -1
         self.size = 0
@@ -145,7 +137,7 @@ class _DataFile:
         import torch
 
         dst = self.into.get(name) if self.into is not None else None
-        buf: Any  # a torch uint8 tensor, or None where the bytes went into dst
+        buf: Any
         if rec.offset is not None:
             end = rec.offset + rec.nbytes
             if end > self.size:  # checked before allocating: the manifest's sizes are untrusted
@@ -210,7 +202,7 @@ class _DataFile:
         return torch.frombuffer(self._map, dtype=torch.uint8, count=rec.nbytes, offset=rec.offset)
 
     def _close(self) -> None:
-        self._map = None  # the tensors hold it open as long as they live
+        self._map = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None

@@ -1,0 +1,106 @@
+"""The one way a fetched share lands in a local root: under a per-share lock, its data
+files through the durable path, its manifest last. ``land`` is the entry point; the
+bucket and the peers call it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .. import index, layout
+from ..durable import atomic_write, replacing, write_all
+from ..errors import CheckpointCorrupt
+from ..manifest import Manifest
+
+log = logging.getLogger("ckptd.tiers")
+
+LOCK_WAIT_S = 600.0
+
+
+def land(base: Path, run: str, step: int, rank: int, fetch: Callable[[Path], Manifest | None]) -> Manifest | None:
+    """Rank ``rank``'s share of ``step`` landed in root ``base``, once a node: under the
+    share's lock, and not again when another process landed it meanwhile. ``fetch(folder)``
+    writes its data files there (``write_file``) and returns its manifest, None when it
+    could not; the manifest is written last. The share's manifest, None if not landed."""
+    folder = layout.step_dir(base, run, step)
+    layout.ensure_real_dir(folder, base)
+    with share_lock(folder, rank):
+        there = read_share(folder, rank)
+        if there is not None:
+            log.info("run %r step %d rank %d is in the root: landed by another process", run, step, rank)
+            return there
+        manifest = fetch(folder)
+        if manifest is not None:
+            atomic_write(folder / layout.manifest_name(rank), manifest.to_json())
+        return manifest
+
+
+def write_file(path: Path, write: Callable[[Path], None]) -> None:
+    """A data file the manifest will vouch for, through the durable path: ``write(tmp)``
+    fills a temporary file that is fsynced and renamed into place."""
+    with replacing(path) as tmp:
+        tmp.unlink(missing_ok=True)  # named for this host and pid: a crashed earlier self's
+        write(tmp)
+
+
+def write_bytes(path: Path, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_share(folder: Path, rank: int) -> Manifest | None:
+    """Rank ``rank``'s manifest in step folder ``folder``, None if absent or unreadable."""
+    try:
+        return index.read_share(folder, rank)
+    except (CheckpointCorrupt, OSError):
+        return None
+
+
+@contextlib.contextmanager
+def share_lock(folder: Path, rank: int) -> Iterator[None]:
+    """An flock on ``.fetch-rNNNNN.lock`` in ``folder`` (a name the index, retention and
+    recovery leave alone). Its holder removes it before letting go, and a process that
+    then finds the file it locked gone takes a new one, so none is left behind and no
+    two hold it. After ``LOCK_WAIT_S`` the share lands without it: the durable path
+    keeps it whole."""
+    name = folder / f".fetch-r{rank:05d}.lock"
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            if not _flock(fd, deadline):
+                log.warning("%s is still locked after %g s; landing without it", name, LOCK_WAIT_S)
+                yield
+                return
+            try:
+                same = os.stat(name, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                try:
+                    yield
+                finally:
+                    name.unlink(missing_ok=True)  # while still locked: the next one in takes a new file
+                return
+        finally:
+            os.close(fd)
+
+
+def _flock(fd: int, deadline: float) -> bool:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)

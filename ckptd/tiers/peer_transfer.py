@@ -1,0 +1,181 @@
+"""Bytes of a share from one peer (``PeerTransfer``): ranges asked in ``frame``-sized
+parts with ``window`` in flight, each landing in its place, every tensor hashed as its
+bytes land and compared once its last byte is in. Start at ``read_records`` (into
+memory or the caller's tensors) and ``read_files`` (whole files, to land in a root).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import zmq
+
+from ..config import PeerConfig
+from ..errors import CheckpointCorrupt
+from ..manifest import Checksum, Manifest, TensorRecord
+from ..peer import messages
+from ..peer.holder import check_headers
+from ..peer.pages import Prefault
+from .files import bytes_of
+
+# Plaintext from a peer's memory: a tensor up to this size comes in one message that
+# becomes its own memory (moved once, by the kernel). CurveZMQ copies every message into
+# buffers of its size on both ends, so under it a share always comes in parts.
+WHOLE_MAX = 64 * 2**20
+# Into the caller's tensors, parts stay below glibc's mmap threshold so that libzmq
+# reuses its buffer; each is copied in a slice at a time, hashed while in the CPU's cache.
+INTO_PART = 16 * 2**20
+SLICE = 2**20
+
+Span = tuple[str, int, int, str]
+
+
+class PeerTransfer:
+    def __init__(self, ctx: zmq.Context, cfg: PeerConfig, keys: Any) -> None:
+        self.ctx, self.cfg, self.keys = ctx, cfg, keys
+
+    def read_records(self, endpoint: str, m: Manifest, records: dict[str, TensorRecord],
+                     into: dict[str, Any] | None = None, *, memory: bool = False) -> dict[str, Any]:
+        """Tensors of ``m``'s share read from ``endpoint`` into new memory (or into
+        ``into``'s tensors of their names), each checked against its checksum.
+        ``memory``: the peer holds the share in memory (then a tensor of up to
+        ``WHOLE_MAX`` bytes comes in one message that becomes its memory, in plaintext)."""
+        import torch
+
+        bufs, ranges, fresh = {}, [], []
+        plain = memory and self.keys is None
+        for name, rec in records.items():
+            if rec.offset is None:
+                raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
+            spans = [(name, 0, rec.nbytes, rec.checksum)]
+            if into is not None and name in into:
+                ranges.append(_Range(rec.file, rec.offset, bytes_of(into[name]), spans, part=INTO_PART if plain else 0))
+            elif plain and 0 < rec.nbytes <= WHOLE_MAX:
+                ranges.append(_Range(rec.file, rec.offset, None, spans, whole=rec.nbytes))
+            else:
+                bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
+                fresh.append(memoryview(bufs[name].numpy()))  # type: ignore[arg-type]
+                ranges.append(_Range(rec.file, rec.offset, fresh[-1], spans))
+        self._read_ranges(endpoint, m, ranges, fresh)
+        for r in ranges:
+            if r.whole:
+                bufs[r.spans[0][0]] = torch.frombuffer(r.view, dtype=torch.uint8)
+        return {name: rec.as_tensor(bufs[name]) if name in bufs else into[name]  # type: ignore[index]
+                for name, rec in records.items()}
+
+    def read_files(self, endpoint: str, m: Manifest) -> dict[str, memoryview]:
+        """The files of ``m``'s share read from ``endpoint`` and checked: every tensor
+        against its checksum, each chunk file's header against the manifest."""
+        import torch
+
+        sizes = {f: m.files.get(f) for f in sorted(set(m.files) | {t.file for t in m.tensors.values()})}
+        if any(n is None for n in sizes.values()):
+            raise CheckpointCorrupt("its manifest does not list its files' sizes")
+        out = {f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in sizes.items()}  # type: ignore
+        ranges = [_Range(file, 0, buf, _tensor_spans(m, file, len(buf))) for file, buf in out.items()]
+        self._read_ranges(endpoint, m, ranges, list(out.values()))
+        check_headers(m, out, f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}")
+        return out
+
+    def _read_ranges(self, endpoint: str, m: Manifest, ranges: list[_Range], fresh: list[memoryview]) -> None:
+        """Each range's memory filled from ``endpoint``, the next part asked for before one
+        is hashed; ``fresh``: memory allocated for this read, whose pages a thread faults
+        in ahead of the bytes."""
+        where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
+        for r in ranges:
+            r.check_empty(where)
+        parts = ((r, off, min(r.part or self.cfg.frame, r.size - off)) for r in ranges
+                 for off in range(0, r.size, r.part or self.cfg.frame))
+        link = messages.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4,
+                             max_message=max(messages.MAX_HEADER_BYTES, WHOLE_MAX, self.cfg.frame))
+        prefault = Prefault(fresh, self.cfg.frame)
+        in_flight: deque[tuple[int, _Range, int, int]] = deque()
+
+        def ask() -> None:
+            part = next(parts, None)
+            if part is not None:
+                r, off, n = part
+                req = {"op": "read", "run": m.run, "step": m.step, "rank": m.rank, "file": r.file,
+                       "offset": r.offset + off, "length": n}
+                in_flight.append((link.send(req, timeout=self.cfg.stall), r, off, n))
+
+        try:
+            for _ in range(self.cfg.window):
+                ask()
+            while in_flight:
+                rid, r, off, n = in_flight.popleft()
+                if r.whole:
+                    r.view = link.recv_bytes(rid, n, timeout=self.cfg.stall)
+                elif r.part:
+                    data = link.recv_bytes(rid, n, timeout=self.cfg.stall)
+                    ask()
+                    r.copy_in(off, data, where)
+                    continue
+                else:
+                    link.recv_into(rid, r.view[off:off + n], timeout=self.cfg.stall)  # type: ignore[index]
+                ask()
+                r.landed(off, off + n, where)
+        finally:
+            prefault.close()
+            link.close()
+
+
+class _Range:
+    """Bytes of one file (from ``offset``) into ``view``, and the tensors among them
+    (``spans``, relative to ``view``), hashed part by part as they land, in order.
+    ``whole``: read in one message whose memory becomes ``view``; ``part``: the size of
+    the parts, each copied into ``view`` (0: ``frame``-sized parts received in place)."""
+
+    def __init__(self, file: str, offset: int, view: memoryview | None, spans: list[Span], *,
+                 whole: int = 0, part: int = 0) -> None:
+        self.file, self.offset, self.view, self.whole = file, offset, view, whole
+        self.size = whole if view is None else len(view)
+        self.part = whole or part
+        self.spans = spans
+        self._todo = deque(sorted(spans, key=lambda s: s[1]))
+        self._open: list[tuple[str, int, int, str, Checksum]] = []
+
+    def check_empty(self, where: str) -> None:
+        """Tensors of no bytes: their checksum is the empty string's, compared now."""
+        for name, start, end, want in [s for s in self._todo if s[1] == s[2]]:
+            self._todo.remove((name, start, end, want))
+            _compare(where, name, Checksum(), want)
+
+    def copy_in(self, begin: int, data: memoryview, where: str) -> None:
+        """``data`` into ``view`` from ``begin``, a ``SLICE`` at a time, each hashed at once."""
+        for at in range(0, len(data), SLICE):
+            n = min(SLICE, len(data) - at)
+            self.view[begin + at:begin + at + n] = data[at:at + n]  # type: ignore[index]
+            self.landed(begin + at, begin + at + n, where)
+
+    def landed(self, begin: int, end: int, where: str) -> None:
+        """Bytes ``begin``..``end`` of ``view`` are in."""
+        while self._todo and self._todo[0][1] < end:
+            self._open.append((*self._todo.popleft(), Checksum()))
+        for span in list(self._open):
+            name, start, stop, want, h = span
+            if max(begin, start) < min(end, stop):
+                h.update(self.view[max(begin, start):min(end, stop)])  # type: ignore[index]
+            if stop <= end:
+                self._open.remove(span)
+                _compare(where, name, h, want)
+
+
+def _compare(where: str, name: str, h: Checksum, want: str) -> None:
+    if h.text() != want:
+        raise CheckpointCorrupt(f"{where}: tensor {name!r} does not match its checksum")
+
+
+def _tensor_spans(m: Manifest, file: str, size: int) -> list[Span]:
+    out = []
+    for name, t in m.tensors.items():
+        if t.file != file:
+            continue
+        if t.offset is None:
+            raise CheckpointCorrupt(f"tensor {name!r} is a chunked (compressed) HDF5 dataset, whose bytes the peer "
+                                    "tier cannot check")
+        if t.offset + t.nbytes > size:
+            raise CheckpointCorrupt(f"tensor {name!r} lies beyond the end of {file}")
+        out.append((name, t.offset, t.offset + t.nbytes, t.checksum))
+    return out
