@@ -62,7 +62,7 @@ class StepError(Exception):
 
 
 class Failpoint(RuntimeError):
-    """Raised at an armed failpoint (daemon/failpoints.py; tests only)."""
+    """Raised at an armed failpoint (failpoints.py; tests only)."""
 
 
 class HandoffRefused(Exception):

@@ -33,7 +33,8 @@ from ..transport.curve import CurveServer
 from ..errors import CheckpointError
 from ..transport.wakeup import WakePipe
 from .. import env
-from . import failpoints, status
+from .. import failpoints
+from . import status
 from .arenas import Arenas
 from .assembly import OpenStep
 from .handlers import Handlers
