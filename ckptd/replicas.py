@@ -32,12 +32,12 @@ import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Container, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable, Protocol, Sequence
 
 import xxhash
 
 if TYPE_CHECKING:
-    from .manifest import Manifest, Shard
+    from .records import Shard, TensorRecord
 
 log = logging.getLogger("ckptd.replicas")
 
@@ -291,7 +291,32 @@ class Mismatch:
         return tensor_of(self.key)
 
 
-def mismatches(manifests: "list[Manifest]") -> list[Mismatch] | None:
+class ManifestView(Protocol):
+    """What the comparison reads of one rank's ``manifest.Manifest``."""
+
+    @property
+    def run(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def host(self) -> str | None: ...
+
+    @property
+    def tensors(self) -> dict[str, TensorRecord]: ...
+
+    @property
+    def replica_digests(self) -> dict[str, str]: ...
+
+    @property
+    def compare_replicas(self) -> str | None: ...
+
+
+def mismatches(manifests: "Sequence[ManifestView]") -> list[Mismatch] | None:
     """The pieces of a complete step whose copies disagree, across the ranks' manifests;
     None where no two ranks digested a piece (nothing was compared)."""
     holders: dict[str, dict[int, str]] = {}
@@ -311,7 +336,7 @@ def mismatches(manifests: "list[Manifest]") -> list[Mismatch] | None:
     return out if compared else None
 
 
-def _add_writers(manifests: "list[Manifest]", holders: dict[str, dict[int, str]]) -> None:
+def _add_writers(manifests: "Sequence[ManifestView]", holders: dict[str, dict[int, str]]) -> None:
     """Add to ``holders`` the digest of each xxh3-digested piece's writer, which digests
     none of the pieces it writes (``start``): its record's checksum, the xxh3_64 of
     exactly the bytes it wrote, in the same ``"xxh3_64:<16 hex>"``. Only where every
@@ -338,7 +363,7 @@ def _odd_ones(by_rank: dict[int, str]) -> list[int]:
     return sorted(r for r, d in by_rank.items() if d != counts[0][0])
 
 
-def diverged(manifests: "list[Manifest]") -> dict[str, list[int]] | None:
+def diverged(manifests: "Sequence[ManifestView]") -> dict[str, list[int]] | None:
     """``CheckpointInfo.diverged`` of a step: ``{tensor: [ranks differing from the
     majority]}``, ``{}`` when every compared copy agrees, None when none was compared."""
     found = mismatches(manifests)
@@ -350,13 +375,13 @@ def diverged(manifests: "list[Manifest]") -> dict[str, list[int]] | None:
     return {name: sorted(ranks) for name, ranks in sorted(out.items())}
 
 
-def refused(manifests: "list[Manifest]", diverged_: dict[str, list[int]] | None) -> bool:
+def refused(manifests: "Sequence[ManifestView]", diverged_: dict[str, list[int]] | None) -> bool:
     """A step saved under ``compare_replicas = "refuse"`` whose replicas disagree: kept,
     never picked without an explicit step."""
     return bool(diverged_) and any(m.compare_replicas == "refuse" for m in manifests)
 
 
-def describe(manifests: "list[Manifest]") -> list[str]:
+def describe(manifests: "Sequence[ManifestView]") -> list[str]:
     """One line per piece whose copies disagree, naming the tensor, the ranks that
     differ and the hosts they ran on, and the ranks that agree (for a log and ``verify``)."""
     found = mismatches(manifests) or []
@@ -374,7 +399,7 @@ def describe(manifests: "list[Manifest]") -> list[str]:
     return lines
 
 
-def report(manifests: "list[Manifest]", info: Any) -> int:
+def report(manifests: "Sequence[ManifestView]", info: Any) -> int:
     """Log a completed step's disagreeing replicas at ERROR, one line each (``info``: its
     CheckpointInfo, with ``diverged`` set); return how many tensors disagree."""
     first = manifests[0]

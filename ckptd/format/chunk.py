@@ -30,7 +30,7 @@ from .fileio import pread_into
 from .protocol import DataFile, Entry, Ref, Stored, WriteIO, Written
 
 if TYPE_CHECKING:
-    from ..manifest import TensorRecord
+    from ..records import TensorRecord
 
 log = logging.getLogger("ckptd.writer")
 

@@ -52,13 +52,12 @@ from .. import dtypes, layout
 from ..dtypes import Dtype
 from ..errors import CheckpointCorrupt
 from .fileio import buffer_address, write_buffers
-from .protocol import Entry, Ref, Stored, WriteIO, Written
+from .protocol import Entry, Hdf5Options, Ref, Stored, WriteIO, Written
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..config import Hdf5Config
-    from ..manifest import TensorRecord
+    from ..records import TensorRecord
 
 ATTR_NAME = "name"  # the exact tensor name
 ATTR_DTYPE = "torch_dtype"  # the torch dtype, e.g. "bfloat16" (stored as uint16)
@@ -110,7 +109,7 @@ class H5Writer:
     and close.
     """
 
-    def __init__(self, path: Path, options: Hdf5Config, attrs: dict[str, Any] | None = None,
+    def __init__(self, path: Path, options: Hdf5Options, attrs: dict[str, Any] | None = None,
                  shown: Path | None = None, direct: bool = False) -> None:
         import h5py
 

@@ -22,9 +22,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ..config import Hdf5Config
     from ..dtypes import Dtype
-    from ..manifest import TensorRecord
+    from ..records import TensorRecord
+
+
+class Hdf5Options(Protocol):
+    """How HDF5 files are written: ``config.Hdf5Config`` (``[hdf5]``)."""
+
+    @property
+    def compression(self) -> str: ...
+
+    @property
+    def level(self) -> int: ...
+
+    @property
+    def chunk_shape(self) -> str: ...
+
+    @property
+    def fletcher32(self) -> bool: ...
 
 
 @dataclass
@@ -96,8 +111,11 @@ class WriteIO(Protocol):
     chunk_size: int  # ``[daemon] chunk_size``: the most a file of copied tensors holds
     direct_io: bool  # O_DIRECT where the filesystem takes it
     fsync: bool  # files are fsynced before the commit ([daemon] fsync)
-    hdf5_options: Hdf5Config
     kept: Any  # what the format keeps open between calls for this share (None at first)
+
+    @property
+    def hdf5_options(self) -> Hdf5Options:
+        """``[hdf5]``: how HDF5 files are written."""
 
     @property
     def dir(self) -> Path:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .. import config as config_mod
 from .. import dtypes
@@ -22,10 +22,10 @@ from ..errors import CheckpointError
 from ..manifest import Shard
 from . import sizing
 from .plan import Plan
+from .batch import Batcher
 from .staging import Arena, Region, background_priority
 
 if TYPE_CHECKING:
-    from .connection import Connection
     from .steps import Step
 
 log = logging.getLogger("ckptd.producer")
@@ -105,6 +105,20 @@ def frozen_first(items: dict[str, Item], matches: Callable[[str], bool]) -> dict
 def same_item(t: Item) -> tuple:
     """What a ``same`` item says of a tensor (wire.SAME_ITEM, after the name)."""
     return (t.dtype.name, list(t.shape), t.is_numpy, None if t.shard is None else t.shard.to_dict())
+
+
+
+class Outlet(Protocol):
+    """What ``Copier.stage`` sends through: a connected ``connection.Connection``."""
+
+    batcher: Batcher | None
+    shm: bool
+    max_frame: int
+
+    def drain(self) -> None: ...
+
+    def send_tensor(self, header: dict[str, Any], start: int, region: Region | None, event: Any,
+                    wake: bool = True) -> None: ...
 
 
 class Copier:
@@ -296,7 +310,7 @@ class Copier:
         self._arena_np = np.frombuffer(self.arena._mm, dtype=np.uint8)
 
     # -- copies -------------------------------------------------------------------------------
-    def stage(self, conn: Connection, st: Step | None, step: int, name: str, item: Item) -> None:
+    def stage(self, conn: Outlet, st: Step | None, step: int, name: str, item: Item) -> None:
         """Copy ``item`` into staging and queue it on ``conn`` (connected, under its
         emit lock): into the open batch, whole, or in pieces."""
         arena = self.arena
