@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
@@ -36,6 +37,23 @@ GRACE_S = 0.5
 # a daemon whose process keeps running (or waiting for a CPU) is silent at most this many
 # ``timeout``s, and at least this long, before it is given up on (``pidwatch.Silence``)
 BUSY_TIMEOUTS, BUSY_LIMIT_S = 6, 60.0
+
+
+@dataclass
+class _Link:
+    """The sender thread's connection: its socket and what it knows of the daemon."""
+
+    sock: zmq.Socket
+    poller: zmq.Poller
+    handshake: curve.Handshake
+    want_pid: bool  # over ipc://, until the first reply names the daemon's process
+    last_heard: float
+    last_ping: float
+    outbox: list[tuple[bytes, Any, Any]] = field(default_factory=list)
+    seq: int = 0
+    daemon: ProcessWatch | None = None
+    died: float | None = None  # when the daemon's process was seen to exit
+    silence: Silence | None = None  # over ipc://: whether the daemon's silence means it is hung
 
 
 class Transport:
@@ -106,12 +124,41 @@ class Transport:
 
     # -- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        link = self._connect()
+        try:
+            while True:
+                events = self._wait(link)
+                link.outbox = self._ship(link.sock, self._take_queued(link.outbox))
+                if self._receive(link):
+                    return
+                lost = self._daemon_exited(link, events)
+                if lost is None:
+                    self.refused = lost = link.handshake.refusal(self.endpoint)
+                if lost is not None:
+                    self._lose(lost)
+                    return
+                if self._stop and self._stopped(link):
+                    return
+                now = time.monotonic()
+                self._ping(link, now)
+                lost = self._silent(link, now)
+                if lost:
+                    self._lose(lost)
+                    return
+                link.poller.modify(link.sock, zmq.POLLIN | (zmq.POLLOUT if link.outbox else 0))
+        except Exception as exc:  # never let the thread die silently
+            log.exception("ckptd sender thread failed")
+            self._lose(f"the ckptd sender thread failed: {exc}")
+        finally:
+            self._disconnect(link)
+
+    def _connect(self) -> _Link:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # memory is bounded in bytes by the staging arena
         sock.setsockopt(zmq.RCVHWM, 0)
-        # tcp://: encrypt and check the daemon's key; watch the handshake until the daemon
-        # answers, since a refused key looks like silence from here
+        # a refused CurveZMQ key looks like silence from here: watch the handshake until
+        # the daemon answers
         handshake = curve.secure_client(sock, self._curve_keys, watch=True)
         sock.connect(self.endpoint)
         poller = zmq.Poller()
@@ -119,91 +166,88 @@ class Transport:
         poller.register(sock, zmq.POLLIN)
         if handshake.monitor is not None:  # a refused key wakes this thread at once
             poller.register(handshake.monitor, zmq.POLLIN)
-        outbox: list[tuple[bytes, Any, Any]] = []
-        last_heard = last_ping = time.monotonic()
-        seq = 0
-        # over ipc:// the kernel names the daemon's process with its first reply: watched from then on
-        daemon: ProcessWatch | None = None
-        want_pid = self.endpoint.startswith("ipc://")
-        died: float | None = None  # when the daemon's exit was noticed
-        silence: Silence | None = None  # over ipc://: whether the daemon's silence means it is hung
-        try:
-            while True:
-                self._idle = True  # then look at the queue: a message put before this was seen
-                wait = 0 if not self._queue.empty() else int(self._heartbeat * 1000 / 2)
-                if died is not None:  # wake for the end of the grace period
-                    wait = min(wait, int(GRACE_S * 1000 / 2))
-                events = dict(poller.poll(wait))
-                if self._wake.fd in events:
-                    self._wake.drain()
-                self._idle = False
-                outbox = self._ship(sock, self._take_queued(outbox))
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=not want_pid)
-                    except zmq.Again:
-                        break
-                    last_heard = time.monotonic()
-                    if want_pid:
-                        want_pid = False
-                        daemon = self._watch(poller, frames[0])
-                        if daemon is not None:
-                            silence = Silence(daemon.pid, self._timeout,
-                                              max(BUSY_LIMIT_S, BUSY_TIMEOUTS * self._timeout))
-                    if handshake.monitor is not None:  # the daemon answered: the handshake is done
-                        poller.unregister(handshake.monitor)
-                        handshake.close()
-                    if self._dispatch(frames):
-                        return
-                if daemon is not None and died is None and self._exited(daemon, events):
-                    died = time.monotonic()
-                    if daemon.fd >= 0:  # readable from now on: it would wake every poll
-                        poller.unregister(daemon.fd)
-                if died is not None and time.monotonic() - max(died, last_heard) >= GRACE_S:
-                    assert daemon is not None
-                    self.lost = (f"lost contact with the ckptd daemon at {self.endpoint}: "
-                                 f"its process (pid {daemon.pid}) exited")
-                    self._on_lost(self.lost)
-                    return
-                refused = handshake.refusal(self.endpoint)
-                if refused:
-                    self.lost = self.refused = refused
-                    self._on_lost(refused)
-                    return
-                if self._stop:
-                    # what was queued before close() set _stop (the bye) may have come after
-                    # this pass took the queue: take it, or it is never sent
-                    outbox = self._ship(sock, self._take_queued(outbox))
-                    if not outbox or not self._linger or time.monotonic() - last_heard > 1.0:
-                        return
-                now = time.monotonic()
-                if now - last_ping >= self._heartbeat:
-                    seq += 1
-                    outbox = self._ship(sock, [*outbox, (wire.encode("ping", seq=seq), None, None)])
-                    last_ping = now
-                silent = now - last_heard
-                if silence.gone(silent, now) if silence is not None else silent > self._timeout:
-                    busy = f", though its process (pid {silence.pid}) kept running" \
-                        if silence is not None and silent > silence.limit else ""
-                    self.lost = (
-                        f"lost contact with the ckptd daemon at {self.endpoint}: "
-                        f"no answer for {silent:.0f} s{busy}"
-                    )
-                    self._on_lost(self.lost)
-                    return
-                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if outbox else 0))
-        except Exception as exc:  # never let the thread die silently
-            log.exception("ckptd sender thread failed")
-            self.lost = f"the ckptd sender thread failed: {exc}"
-            self._on_lost(self.lost)
-        finally:
-            if daemon is not None:
-                daemon.close()
-            handshake.close()
-            # A clean close lets what was shipped (the bye) leave the socket's queue;
-            # LINGER 0 would drop it, and the daemon would count this producer until
-            # its session timed out. A lost connection has nobody to deliver to.
-            sock.close(linger=CLOSE_LINGER_MS if self.lost is None and self._linger else 0)
+        now = time.monotonic()
+        return _Link(sock, poller, handshake, want_pid=self.endpoint.startswith("ipc://"),
+                     last_heard=now, last_ping=now)
+
+    def _wait(self, link: _Link) -> dict[Any, int]:
+        """Sleep in poll until a wake-up, a reply, or half a heartbeat (or grace period)."""
+        self._idle = True  # before looking at the queue: a message put before this is seen
+        wait = 0 if not self._queue.empty() else int(self._heartbeat * 1000 / 2)
+        if link.died is not None:
+            wait = min(wait, int(GRACE_S * 1000 / 2))
+        events = dict(link.poller.poll(wait))
+        if self._wake.fd in events:
+            self._wake.drain()
+        self._idle = False
+        return events
+
+    def _receive(self, link: _Link) -> bool:
+        """Hand on every reply waiting; True when one ends this connection."""
+        while True:
+            try:
+                frames = link.sock.recv_multipart(zmq.NOBLOCK, copy=not link.want_pid)
+            except zmq.Again:
+                return False
+            link.last_heard = time.monotonic()
+            if link.want_pid:  # over ipc:// the kernel names the daemon's process on its first reply
+                link.want_pid = False
+                link.daemon = self._watch(link.poller, frames[0])
+                if link.daemon is not None:
+                    link.silence = Silence(link.daemon.pid, self._timeout,
+                                           max(BUSY_LIMIT_S, BUSY_TIMEOUTS * self._timeout))
+            if link.handshake.monitor is not None:  # the daemon answered: the handshake is done
+                link.poller.unregister(link.handshake.monitor)
+                link.handshake.close()
+            if self._dispatch(frames):
+                return True
+
+    def _daemon_exited(self, link: _Link, events: dict[Any, int]) -> str | None:
+        """Why the connection is lost once the daemon's process exited and its grace
+        period has passed; else None."""
+        daemon = link.daemon
+        if daemon is not None and link.died is None and self._exited(daemon, events):
+            link.died = time.monotonic()
+            if daemon.fd >= 0:  # readable from now on: it would wake every poll
+                link.poller.unregister(daemon.fd)
+        if link.died is None or time.monotonic() - max(link.died, link.last_heard) < GRACE_S:
+            return None
+        assert daemon is not None
+        return f"lost contact with the ckptd daemon at {self.endpoint}: its process (pid {daemon.pid}) exited"
+
+    def _stopped(self, link: _Link) -> bool:
+        """After ``close``: whether what is queued has left (or need not)."""
+        # the bye, queued before close() set _stop, may have come after this pass took the queue
+        link.outbox = self._ship(link.sock, self._take_queued(link.outbox))
+        return not link.outbox or not self._linger or time.monotonic() - link.last_heard > 1.0
+
+    def _ping(self, link: _Link, now: float) -> None:
+        if now - link.last_ping >= self._heartbeat:
+            link.seq += 1
+            link.outbox = self._ship(link.sock, [*link.outbox, (wire.encode("ping", seq=link.seq), None, None)])
+            link.last_ping = now
+
+    def _silent(self, link: _Link, now: float) -> str | None:
+        """Why the connection is lost when the daemon was silent too long; else None."""
+        silent = now - link.last_heard
+        silence = link.silence
+        if not (silence.gone(silent, now) if silence is not None else silent > self._timeout):
+            return None
+        busy = f", though its process (pid {silence.pid}) kept running" \
+            if silence is not None and silent > silence.limit else ""
+        return f"lost contact with the ckptd daemon at {self.endpoint}: no answer for {silent:.0f} s{busy}"
+
+    def _lose(self, why: str) -> None:
+        self.lost = why
+        self._on_lost(why)
+
+    def _disconnect(self, link: _Link) -> None:
+        if link.daemon is not None:
+            link.daemon.close()
+        link.handshake.close()
+        # LINGER 0 would drop the bye, and the daemon would count this producer until its
+        # session timed out; a lost connection has nobody to deliver to
+        link.sock.close(linger=CLOSE_LINGER_MS if self.lost is None and self._linger else 0)
 
     def _watch(self, poller: zmq.Poller, frame: Any) -> ProcessWatch | None:
         """Watch the daemon's process, named by the kernel on ``frame``, or None where it cannot be."""
