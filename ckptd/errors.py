@@ -79,9 +79,9 @@ class PeerRefused(Exception):
 
 
 class PeerMemoryFull(Exception):
-    """No room for a replica within ``[peer] memory`` (peer/holder.py, as ``Full``)."""
+    """No room for a copy within ``[peer] memory`` (peer/holder.py, as ``Full``)."""
 
 
 class PeerNotOwner(Exception):
-    """A peer asked to write, replace or drop a replica that another node's key owns
+    """A peer asked to write, replace or drop a copy that another node's key owns
     (peer/holder.py, as ``NotYours``)."""

@@ -70,8 +70,8 @@ class Manifest:
     files: dict[str, int] = field(default_factory=dict)
     # the job's attempt that wrote it (ckptd.attempt); a step is complete out of one attempt's
     attempt: str | None = None
-    # replicated tensors this rank's state refers to but another rank wrote: name -> that rank
-    replicas: dict[str, int] = field(default_factory=dict)
+    # replicated tensors this rank's state refers to but another rank wrote (JSON "replicas")
+    written_by: dict[str, int] = field(default_factory=dict)
     # replica comparison (ckptd.replicas, docs/replicas.md), optional: older readers skip them.
     # piece key -> "<function>:<hex>" of this rank's copy of each replicated piece it holds
     replica_digests: dict[str, str] = field(default_factory=dict)
@@ -83,7 +83,7 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors.values())
 
     def to_json(self) -> bytes:
-        sharded = self.replicas or any(t.shard is not None for t in self.tensors.values())
+        sharded = self.written_by or any(t.shard is not None for t in self.tensors.values())
         pieces = any(t.shard is not None and t.shard.tensor is not None for t in self.tensors.values())
         d = {
             "format_version": PIECES_FORMAT_VERSION if pieces else SHARDED_FORMAT_VERSION if sharded
@@ -97,8 +97,8 @@ class Manifest:
         }
         if self.attempt is not None:
             d["attempt"] = self.attempt
-        if self.replicas:
-            d["replicas"] = self.replicas
+        if self.written_by:
+            d["replicas"] = self.written_by
         if self.replica_digests:
             d["replica_digests"] = self.replica_digests
         if self.host is not None:
@@ -215,11 +215,11 @@ class _Parser:
                                 f"format_version {version} does not have (a manifest with it is version "
                                 f"{PIECES_FORMAT_VERSION})")
         self.no_overlaps(records)
-        replicas = self.replicas(d.get("replicas") or {}, rank, world, records)
+        written_by = self.written_by(d.get("replicas") or {}, rank, world, records)
         digests, host, policy = self.comparison(d)
         return Manifest(run=run, step=step, rank=rank, world_size=world, time=when,
                         tensors=records, state=d.get("state"), metadata=metadata, format=fmt,
-                        files=dict(files), format_version=version, replicas=replicas, attempt=attempt,
+                        files=dict(files), format_version=version, written_by=written_by, attempt=attempt,
                         replica_digests=digests, host=host, compare_replicas=policy)
 
     def comparison(self, d: dict[str, Any]) -> tuple[dict[str, str], str | None, str | None]:
@@ -240,7 +240,7 @@ class _Parser:
             raise self.fail(f"compare_replicas {short_repr(policy)} is not one of {', '.join(replicas.POLICIES)}")
         return dict(digests), host, policy
 
-    def replicas(self, d: Any, rank: int, world: int, records: dict[str, TensorRecord]) -> dict[str, int]:
+    def written_by(self, d: Any, rank: int, world: int, records: dict[str, TensorRecord]) -> dict[str, int]:
         if not isinstance(d, dict):
             raise self.fail(f"replicas must be an object, not {type(d).__name__}")
         for name, writer in d.items():

@@ -477,7 +477,7 @@ class Writer:
             time=time.time(), tensors=share.records, state=state, metadata=metadata,
             format=share.format, files={f: os.stat(share.at(f)).st_size for f in sorted(data_files)},
             attempt=share.attempt,
-            replicas=share.replicas, replica_digests=share.replica_digests, host=share.host,
+            written_by=share.replicas, replica_digests=share.replica_digests, host=share.host,
             compare_replicas=share.compare_replicas,
         )
         atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self.fsync)

@@ -136,13 +136,13 @@ class StorageWriter(_Writer):
         metadata.storage_meta = self.storage_meta()
         writers = {index.fqn: rank for index, (rank, name) in metadata.storage_data.items() if name is not None}
         structure = self._structure
-        replicas = {name: writers.get(name, -1) for name in state_mod.tensor_names(structure)
-                    if name not in self._emitted}
-        unwritten = sorted(name for name, rank in replicas.items() if rank < 0)
+        written_by = {name: writers.get(name, -1) for name in state_mod.tensor_names(structure)
+                      if name not in self._emitted}
+        unwritten = sorted(name for name, rank in written_by.items() if rank < 0)
         try:
             if unwritten:
                 raise ValueError(f"ckptd.dcp: DCP's plan writes tensors {unwritten[:3]} on no rank")
-            handle = producer.commit(self.step, structure=structure, replicas=replicas,
+            handle = producer.commit(self.step, structure=structure, written_by=written_by,
                                      metadata={**self.metadata, METADATA_KEY: encode_metadata(metadata)})
         except BaseException:
             producer.abort(self.step)  # what rank 0 emitted is discarded, not left open

@@ -128,9 +128,9 @@ class Producer:
             item = dataclasses.replace(item, shard=hand_shard(name, item.shape, global_shape, offset))
         elif is_dtensor(tensor):
             planned = sharded.plan({name: tensor}, self.rank, self.world_size)
-            if name in planned.replicas:  # another rank of its mesh writes this replicated piece
+            if name in planned.written_by:  # another rank of its mesh writes this replicated piece
                 with self._emit_lock:
-                    self._book.claim(step, name, replica_of=planned.replicas[name])
+                    self._book.claim(step, name, written_by=planned.written_by[name])
                 return name
             source, shard = planned.stage[name]
             item = dataclasses.replace(describe(name, source), shard=shard)
@@ -175,18 +175,18 @@ class Producer:
         return list(items)
 
     def commit(self, step: int, *, metadata: dict[str, Any] | None = None, structure: Any = None,
-               replicas: dict[str, int] | None = None) -> CommitHandle:
+               written_by: dict[str, int] | None = None) -> CommitHandle:
         """Close ``step``: the daemon makes it durable, then the handle resolves.
 
         For layers that emit a state piece by piece (``ckptd.dcp``): ``structure`` is
         the saved state's structure (``ckptd.state.flatten``'s) over the tensors
-        emitted, and ``replicas`` names the tensors it refers to that another rank
+        emitted, and ``written_by`` names the tensors it refers to that another rank
         writes (``{name: that rank}``)."""
         check_step(step)
         state_json = None if structure is None else json.dumps(structure, ensure_ascii=False, allow_nan=False)
         with self._emit_lock:
-            for name, writer in (replicas or {}).items():
-                self._book.claim(step, check_name(name), replica_of=writer)
+            for name, writer in (written_by or {}).items():
+                self._book.claim(step, check_name(name), written_by=writer)
         return self._commit(step, metadata, None, state_json)
 
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None,
@@ -221,19 +221,19 @@ class Producer:
             digests = replicas.start(planned.shared, self.options.compare_replicas, written=planned.stage)
             items = {name: dataclasses.replace(describe(name, t), shard=shard)
                      for name, (t, shard) in planned.stage.items()}
-            for name in planned.replicas:  # checked on every rank, though another writes it
+            for name in planned.written_by:  # checked on every rank, though another writes it
                 if not is_dtensor(tensors[name]):
                     describe(name, tensors[name])
             state_json = json.dumps(structure, ensure_ascii=False, allow_nan=False)
             try:
                 with self._emit_lock:
                     whole = sizing.room_for([i.nbytes for i in items.values()])
-                    self._stager.stage(step, items, room=0, grow_for=whole, frozen=pattern, replicas=planned.replicas)
+                    self._stager.stage(step, items, room=0, grow_for=whole, frozen=pattern, written_by=planned.written_by)
             except BaseException:
                 self.abort(step)
                 raise
             room = sizing.room_for([i.nbytes for i in items.values()])  # (less the frozen ones not sent)
-            if pattern is None and not planned.replicas and not (replicated and self.world_size > 1):
+            if pattern is None and not planned.written_by and not (replicated and self.world_size > 1):
                 with self._emit_lock:
                     self._stager.keep(self._stager.save_plans, state, structure, tensors, items, room)
         self._book.set_room(step, room)
@@ -303,7 +303,7 @@ class Producer:
     def wait_complete(self, step: int, timeout: float | None = None, *, tier: str | None = None) -> CheckpointInfo:
         """Wait until every rank's share of ``step`` is durable in the remote tier (or,
         with no ``[remote]``, on the shared root), as the storage itself shows it;
-        ``tier="peer"``: until every rank's share has a replica in a peer's memory."""
+        ``tier="peer"``: until every rank's share has a copy in a peer's memory."""
         from ..completion import wait_complete
 
         return wait_complete(self._connection.need_run(), check_step(step), timeout=timeout,
@@ -422,7 +422,7 @@ class Producer:
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
                   "restore_s": measures.take_restored(self.run) if self.run is not None else None}
         conn.send("commit", handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",
-                  metadata=meta_json, replicas=st.replicas or None, timing=timing,
+                  metadata=meta_json, replicas=st.written_by or None, timing=timing,
                   digests=ours or None, compare=self.options.compare_replicas if ours else None)
         return handle
 

@@ -4,7 +4,7 @@ tensors by one rank each (``Producer.save(replicated=...)``, DTensor Replicate).
 ``plan`` runs on every rank with the same state layout and reaches the same
 answer on each, without communicating (``sharding.assign_writers``); a rank
 neither copies nor sends a tensor another rank writes, and its manifest lists
-the tensor under ``replicas`` instead.
+the tensor under ``written_by`` instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..sharding import assign_writers, describe_dtensor, is_dtensor
 @dataclass
 class Plan:
     stage: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)  # name -> (plain tensor, piece)
-    replicas: dict[str, int] = field(default_factory=dict)  # name -> the rank that writes it
+    written_by: dict[str, int] = field(default_factory=dict)  # name -> the rank that writes it
     # every piece this rank holds a copy of that other ranks hold too (written here or not):
     # name -> (plain tensor, piece), the copies compared across ranks (ckptd.replicas)
     shared: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)
@@ -71,7 +71,7 @@ def plan(tensors: dict[str, Any], rank: int, world_size: int, replicated: Any = 
     for name, writer in assign_writers(shared).items():
         if writer != rank:
             del out.stage[name]
-            out.replicas[name] = writer
+            out.written_by[name] = writer
     return out
 
 

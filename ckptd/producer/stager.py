@@ -83,17 +83,17 @@ class Stager:
 
     # -- the general way --------------------------------------------------------------------
     def stage(self, step: int, items: dict[str, Item], *, room: int, grow_for: int | None = None,
-              piece: Any = None, frozen: Any = None, replicas: dict[str, int] | None = None) -> Step:
+              piece: Any = None, frozen: Any = None, written_by: dict[str, int] | None = None) -> Step:
         """Under ``lock``: claim ``items`` in ``step`` (taking ``room`` bytes of staging;
-        ``piece``: the one item is a hand-placed piece; ``replicas``: tensors another rank
+        ``piece``: the one item is a hand-placed piece; ``written_by``: tensors another rank
         writes, ``{name: that rank}``) and stage each, in order. Staging grows first, for
         ``grow_for`` bytes (default ``room``; 0: the last checkpoint's). ``frozen``: globs
         of tensors the daemon stores already, described (``same``) instead of staged. On
         an error, the names not staged are given back."""
         self.grow(room if grow_for is None else grow_for)  # first: a claimed step is in flight
-        if replicas:
-            for name, writer in replicas.items():
-                self._book.claim(step, name, replica_of=writer)
+        if written_by:
+            for name, writer in written_by.items():
+                self._book.claim(step, name, written_by=writer)
         st = self._book.claim(step, *items, room=room, piece=piece)
         if frozen is not None:
             self._send_same(step, items, frozen)

@@ -66,7 +66,7 @@ class Step:
     names: set[str] = field(default_factory=set)
     pieces: dict[str, list[Box]] = field(default_factory=dict)  # hand-placed pieces emitted, by tensor
     room: int = 0  # staging bytes its tensors take at once (sizing.room_for)
-    replicas: dict[str, int] = field(default_factory=dict)  # tensors of the step another rank writes
+    written_by: dict[str, int] = field(default_factory=dict)  # tensors of the step another rank writes
     handle: CommitHandle | None = None  # set once commit() was called
     error: str | None = None  # the daemon failed it before commit()
     opened: bool = False  # a tensor of it went out alone: the daemon knows the step is open
@@ -90,9 +90,9 @@ class StepBook:
         with self._lock:
             return not self._steps
 
-    def claim(self, step: int, *names: str, replica_of: int | None = None, room: int = 0,
+    def claim(self, step: int, *names: str, written_by: int | None = None, room: int = 0,
               piece: tuple[str, Box] | None = None) -> Step:
-        """Record ``names`` as emitted in ``step`` (or, ``replica_of``, written by that
+        """Record ``names`` as emitted in ``step`` (or, ``written_by``, written by that
         rank), taking ``room`` more bytes of staging; ``piece``: the one name is the
         hand-placed piece (tensor, box) that ``place`` named. Return the step (the
         training thread stages into it); ValueError if the step is committed or a
@@ -105,16 +105,16 @@ class StepBook:
                 raise ValueError(f"step {step} was already committed by this producer; save under a new "
                                  "step number")
             if len(names) == 1:
-                clash = names[0] in st.names or names[0] in st.replicas
+                clash = names[0] in st.names or names[0] in st.written_by
             else:  # a save's thousands of names, checked in C
-                clash = not st.names.isdisjoint(names) or not st.replicas.keys().isdisjoint(names)
+                clash = not st.names.isdisjoint(names) or not st.written_by.keys().isdisjoint(names)
             if clash:
-                name = next(n for n in names if n in st.names or n in st.replicas)
+                name = next(n for n in names if n in st.names or n in st.written_by)
                 raise ValueError(f"tensor name {name!r} was already emitted in step {step}")
-            if replica_of is None:
+            if written_by is None:
                 st.names.update(names)
             else:
-                st.replicas.update(dict.fromkeys(names, replica_of))
+                st.written_by.update(dict.fromkeys(names, written_by))
             st.room += room
             if piece is not None:
                 st.pieces.setdefault(piece[0], []).append(piece[1])

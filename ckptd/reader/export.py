@@ -51,7 +51,7 @@ def export(run: str, step: int | None, out: str | os.PathLike[str], *,
     path, manifests = find(run, step, root)
     manifest = pick_rank(manifests, rank)
     # the rank's replicated tensors, written by other ranks, belong to its share too
-    manifest = dataclasses.replace(manifest, tensors=share_records(path, manifests, manifest), replicas={})
+    manifest = dataclasses.replace(manifest, tensors=share_records(path, manifests, manifest), written_by={})
     check_structure(path, manifest)  # every format carries the structure
     if write is _pt:  # refuse before reading gigabytes
         _check_pt(manifest)

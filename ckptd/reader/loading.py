@@ -106,7 +106,7 @@ def load(
         _refuse_pieces_by_default(run, step, root, manifest.rank, manifest, {n: records[n] for n in wanted})
     wanted_records = {n: records[n] for n in wanted}
     # from the bucket unless every file it needs was written here (the node that wrote it)
-    writers = {manifest.rank} | {manifest.replicas[n] for n in wanted if n in manifest.replicas}
+    writers = {manifest.rank} | {manifest.written_by[n] for n in wanted if n in manifest.written_by}
     if source is not None and source.fills_root and (mmap or out is not None and not source.reads_into):
         source.fill(writers)  # these read local files: the shares they read come into the root first
     if source is not None and not all(own_share_here(path, manifests[r]) for r in writers):
