@@ -48,9 +48,6 @@ class ConfigError(ValueError):
     """A config file key or value is invalid; the message names both and the file."""
 
 
-# -- signals between ckptd's own parts ---------------------------------------------------
-
-
 class NotOwner(Exception):
     """The producer may not write this run; the message says whose it is and what to do
     (daemon/owners.py; the daemon replies with it)."""

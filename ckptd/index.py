@@ -33,7 +33,6 @@ from .names import RUN_ID_PATTERN
 log = logging.getLogger("ckptd.index")
 
 
-# -- straight from the disk ------------------------------------------------------------
 def read_manifests(step_path: Path) -> list[Manifest] | None:
     """All ranks' manifests of a step folder, or None if the step is not complete.
     A manifest that cannot be parsed, or a symlink in place of the step folder or a
@@ -260,7 +259,6 @@ def write_pointer(run_dir: Path, step: int | None) -> None:
         atomic_write(path, f"{layout.step_dir_name(step)}\n".encode())
 
 
-# -- in memory, kept current -------------------------------------------------------------
 LatestChanged = Callable[[str, "CheckpointInfo | None"], None]
 
 
@@ -294,7 +292,6 @@ class Index:
         self.rescans = 0
         self.last_scan_s = 0.0
 
-    # -- queries ---------------------------------------------------------------------------
     def latest(self, run: str) -> CheckpointInfo | None:
         with self._lock:
             step = self._latest.get(run)
@@ -309,7 +306,6 @@ class Index:
         with self._lock:
             return sorted(r for r, steps in self._runs.items() if steps)
 
-    # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Scan the root, then follow it. Returns once the first scan is done."""
         self.rescan()
@@ -325,7 +321,6 @@ class Index:
             self._thread.join()
         self._stop_observer()
 
-    # -- updates ---------------------------------------------------------------------------
     def refresh_step(self, run: str, step: int) -> None:
         """Re-read one step folder now (the daemon calls this after its own commits)."""
         with self._refresh_lock:  # a read and its update are one unit: no stale overwrite
@@ -383,7 +378,6 @@ class Index:
             except Exception:  # a failing callback must not stop the index
                 log.exception("latest-change callback failed for run %s", run)
 
-    # -- events ----------------------------------------------------------------------------
     def _mark(self, path: str) -> None:
         """Map a path an event named to what must be re-read."""
         try:

@@ -55,28 +55,36 @@ def checksum(buffers: Iterable[Any]) -> str:
 
 @dataclass(frozen=True)
 class Manifest:
+    """One rank's share of a step, as its ``manifest-r<rank>.json`` says (docs/format.md).
+
+    ``state``: the saved structure (ckptd.state), None for emit-built steps
+    ``files``: data file -> its size when committed; lets the completeness check see a file
+        that is still being copied in where offsets say nothing (chunked HDF5 datasets)
+    ``attempt``: the job's attempt that wrote it (ckptd.attempt); a step is complete out of
+        one attempt's
+    ``written_by``: replicated tensors this rank's state refers to but another rank wrote
+        (JSON ``"replicas"``): name -> that rank
+    ``replica_digests``, ``host``, ``compare_replicas``: replica comparison (ckptd.replicas),
+        optional, older readers skip them: piece key -> ``"<function>:<hex>"`` of this rank's
+        copy of each replicated piece it holds; the host it ran on, to name it when its copy
+        differs; the producer's ``[producer] compare_replicas``"""
+
     run: str
     step: int
     rank: int
     world_size: int
     time: float
     tensors: dict[str, TensorRecord]
-    state: Any = None  # the saved structure (ckptd.state), None for emit-built steps
+    state: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     format: str = "chunk"
     format_version: int = FORMAT_VERSION
-    # data file -> its size when committed; lets the completeness check see a file that
-    # is still being copied in where offsets say nothing (chunked HDF5 datasets)
     files: dict[str, int] = field(default_factory=dict)
-    # the job's attempt that wrote it (ckptd.attempt); a step is complete out of one attempt's
     attempt: str | None = None
-    # replicated tensors this rank's state refers to but another rank wrote (JSON "replicas")
     written_by: dict[str, int] = field(default_factory=dict)
-    # replica comparison (ckptd.replicas, docs/replicas.md), optional: older readers skip them.
-    # piece key -> "<function>:<hex>" of this rank's copy of each replicated piece it holds
     replica_digests: dict[str, str] = field(default_factory=dict)
-    host: str | None = None  # the host the rank ran on, to name it when its copy differs
-    compare_replicas: str | None = None  # the producer's [producer] compare_replicas, with digests
+    host: str | None = None
+    compare_replicas: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -329,7 +337,15 @@ class CheckpointInfo:
     """One checkpoint, as ``latest`` and ``list`` report it: all ranks of a complete
     step. A commit handle of a multi-rank step that other ranks have not completed
     yet reports only its own rank's share: then ``rank`` says whose (else None), and
-    ``nbytes``/``ntensors`` count that share alone."""
+    ``nbytes``/``ntensors`` count that share alone.
+
+    ``refused``: diverged under compare_replicas = "refuse": never picked without a step
+
+    ``tiers``: where the step is complete: "local" (this root), "remote" (the [remote] tier), or
+        both
+    ``diverged``: replica comparison (docs/replicas.md): None where no replicas were compared (a
+        share alone, "off", nothing replicated); else {tensor: [ranks whose copy differs from the
+        majority]}, {} when every copy agrees"""
 
     run: str
     step: int
@@ -341,13 +357,9 @@ class CheckpointInfo:
     metadata: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     rank: int | None = None  # None: the whole step; an int: only that rank's share
-    # where the step is complete: "local" (this root), "remote" (the [remote] tier), or both
     tiers: tuple[str, ...] = ("local",)
-    # replica comparison (docs/replicas.md): None where no replicas were compared (a share
-    # alone, "off", nothing replicated); else {tensor: [ranks whose copy differs from the
-    # majority]}, {} when every copy agrees
     diverged: dict[str, list[int]] | None = None
-    refused: bool = False  # diverged under compare_replicas = "refuse": never picked without a step
+    refused: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

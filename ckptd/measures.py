@@ -213,7 +213,6 @@ def advice(m: dict[str, Any], mtbf: float | None, tiers: tuple[str, ...] = (ROOT
     return out
 
 
-# -- the resume time, as the producer reports it (ckptd.load / ckptd.load_into) -----------------
 _restored: dict[str, float] = {}  # run -> seconds spent loading in this process, not reported yet
 _local = threading.local()
 _lock = threading.Lock()

@@ -84,17 +84,23 @@ def _sizes(value: Any, what: str) -> list[int]:
 
 @dataclass(frozen=True)
 class TensorRecord:
+    """Where one tensor (or piece) is stored, and what it is.
+
+    ``file``: relative to the step folder
+    ``offset``: absolute offset of the data in the file; None where the data has no one place (a
+        chunked or empty HDF5 dataset): read it by ``key`` then
+    ``numpy``: emitted as a numpy array; loads back as one
+    ``shard``: None: the record holds the whole tensor"""
+
     dtype: str
     shape: list[int]
-    file: str  # relative to the step folder
+    file: str
     key: str  # safetensors key or HDF5 dataset path
-    # absolute offset of the data in the file; None where the data has no one place
-    # (a chunked or empty HDF5 dataset): read it by ``key`` then
     offset: int | None
     nbytes: int
     checksum: str
-    numpy: bool = False  # emitted as a numpy array; loads back as one
-    shard: Shard | None = None  # None: the record holds the whole tensor
+    numpy: bool = False
+    shard: Shard | None = None
 
     @property
     def global_shape(self) -> list[int]:

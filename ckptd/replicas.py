@@ -52,7 +52,6 @@ _BLOCK = 1 << 20  # words64 works through a tensor in blocks of this many 32-bit
 _DEVICE_BACKENDS = ("nccl", "xccl", "hccl", "mccl", "cncl", "ucc")
 
 
-# -- the functions -------------------------------------------------------------------------
 def digest_function() -> str:
     """The function this run's replicas are digested with, the same on every rank
     without communicating: ``words64`` where the default process group's backend is an
@@ -165,7 +164,6 @@ def _torch_bytes(value: Any) -> Any:
     return t.view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8, device=t.device)
 
 
-# -- what a save digests ---------------------------------------------------------------------
 def piece_key(name: str, shard: "Shard | None") -> str:
     """The key a holder's digest of a piece is kept under: the tensor's name, with the
     piece's offsets where it is a piece of a sharded tensor (HSDP: each replicate group
@@ -276,15 +274,16 @@ def _nbytes(value: Any) -> int:
     return int(value.nbytes)
 
 
-# -- the comparison ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mismatch:
     """One piece whose copies disagree: ``ranks`` differ from the majority (every
-    holder where there is none, e.g. two copies)."""
+    holder where there is none, e.g. two copies).
+
+    ``holders``: rank -> its digest"""
 
     key: str
     ranks: list[int]
-    holders: dict[int, str]  # rank -> its digest
+    holders: dict[int, str]
 
     @property
     def tensor(self) -> str:

@@ -25,11 +25,14 @@ from .manifest import Shard
 
 @dataclass(frozen=True)
 class DTensorPiece:
-    """A DTensor's local shard and what places it."""
+    """A DTensor's local shard and what places it.
 
-    local: Any  # the plain local torch.Tensor
+    ``local``: the plain local torch.Tensor
+    ``group``: global ranks holding this same piece (more than one: replicated)"""
+
+    local: Any
     shard: Shard
-    group: tuple[int, ...]  # global ranks holding this same piece (more than one: replicated)
+    group: tuple[int, ...]
 
 
 def is_dtensor(value: Any) -> bool:
@@ -127,7 +130,6 @@ def assign_writers(items: Iterable[tuple[str, int, tuple[int, ...]]]) -> dict[st
     return writers
 
 
-# -- overlaps: which bytes of a stored piece a target needs ----------------------------------
 @dataclass(frozen=True)
 class Box:
     """A block of a tensor: global ``offsets`` and ``sizes`` per dimension."""

@@ -67,7 +67,6 @@ class StorageWriter(_Writer):
         state["_producer"] = None  # the other process makes its own
         return state
 
-    # -- DCP's calls, in order ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.step = _step_of(checkpoint_id)

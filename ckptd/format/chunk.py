@@ -39,7 +39,6 @@ MAX_HEADER = 100_000_000  # safetensors' own limit
 _METADATA = {"format": "pt", "writer": "ckptd"}
 
 
-# -- the layout ---------------------------------------------------------------------------
 def header(entries: Sequence[Entry]) -> bytes:
     """The safetensors header (8-byte length + JSON) for ``entries`` in order."""
     body: dict[str, Any] = {"__metadata__": _METADATA}
@@ -105,7 +104,6 @@ class ChunkFormat:
     def link_name(self, io: WriteIO, base_step: int, file: str) -> str:
         return self.next_file(io)
 
-    # -- writing, on ckptd-writer (or its pool) -----------------------------------------------
     def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
                     *, listed: bool = False) -> Written:
         """One chunk file. ``listed``: the writer listed the file already (the pool's case)."""
@@ -170,22 +168,23 @@ class ChunkFormat:
     def close(self, io: WriteIO) -> None:
         """Nothing stays open between a share's chunk files."""
 
-    # -- reading ----------------------------------------------------------------------------
     def open(self, fd: int, size: int) -> ChunkReader:
         return ChunkReader(fd, size)
 
 
 @dataclass(eq=False)
 class _Streamed:
-    """A tensor streamed into a chunk file of its own, being written."""
+    """A tensor streamed into a chunk file of its own, being written.
+
+    ``name``: the file's
+    ``header_len``: bytes before its data"""
 
     file: DataFile
     key: str
-    name: str  # the file's
-    header_len: int  # bytes before its data
+    name: str
+    header_len: int
 
 
-# -- unchanged tensors, placed at the commit -----------------------------------------------
 def place(io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
     """Put the stored copies ``refs`` into the share's folder: each base file whose every
     tensor is among them is linked; the tensors of the others are copied into new chunk

@@ -68,7 +68,6 @@ _H5PY_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError)  # h5py'
 _ESCAPE = re.compile("%(25|2F)")  # every "%" in a key starts one of these
 
 
-# -- names and types ----------------------------------------------------------------------
 def dataset_key(name: str) -> str:
     """The link name of tensor ``name`` in the root group (injective: see ``tensor_name``)."""
     key = name.replace("%", "%25").replace("/", "%2F")
@@ -89,16 +88,18 @@ def stored_dtype(dtype: Dtype) -> np.dtype:
     return np.dtype(dtype.numpy) if dtype.numpy else np.dtype(f"<u{dtype.itemsize}")
 
 
-# -- writing ----------------------------------------------------------------------------------
 @dataclass(eq=False)
 class Slot:
-    """One tensor's dataset, being written; its bytes arrive in order through ``write``."""
+    """One tensor's dataset, being written; its bytes arrive in order through ``write``.
+
+    ``offset``: absolute file offset of the data; None if chunked or empty
+    ``rows``: for a chunked dataset: h5py writes whole rows"""
 
     key: str
-    offset: int | None  # absolute file offset of the data; None if chunked or empty
+    offset: int | None
     nbytes: int
     written: int = 0
-    rows: _Rows | None = None  # for a chunked dataset: h5py writes whole rows
+    rows: _Rows | None = None
 
 
 class H5Writer:
@@ -262,12 +263,14 @@ class H5Writer:
 @dataclass(eq=False)
 class _Rows:
     """Feeds a chunked dataset whole rows (slices of its first dimension) from bytes
-    that arrive in pieces of any size; only a row split between pieces is copied."""
+    that arrive in pieces of any size; only a row split between pieces is copied.
+
+    ``done``: rows written"""
 
     ds: Any
     dtype: np.dtype
     shape: tuple[int, ...]
-    done: int = 0  # rows written
+    done: int = 0
     carry: bytearray = field(default_factory=bytearray)
 
     @property
@@ -312,7 +315,6 @@ def _os_error(what: str, exc: BaseException) -> OSError:
     return OSError(f"{what}: {exc}")
 
 
-# -- reading (what the manifest's offsets cannot serve) ---------------------------------------
 # A file read is untrusted: HDF5 can keep a dataset's bytes in other files (external
 # storage, virtual datasets, external links), which would read outside the step
 # folder, and a filter can expand a few bytes into gigabytes. Only what the writer
@@ -416,7 +418,6 @@ class Hdf5Format:
             return layout.h5_link_name(io.rank, base_step)
         return file  # linked there already: the same name here
 
-    # -- writing, on ckptd-hdf5 ---------------------------------------------------------------
     @staticmethod
     def _file(io: WriteIO) -> H5Writer:
         """The share's open HDF5 file (kept between calls), created on first use."""
@@ -482,7 +483,6 @@ class Hdf5Format:
             return
         io.sync(h5.path.name, fd)
 
-    # -- reading ----------------------------------------------------------------------------
     def open(self, fd: int, size: int) -> Hdf5Reader:
         return Hdf5Reader(fd)
 

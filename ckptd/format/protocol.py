@@ -44,15 +44,19 @@ class Hdf5Options(Protocol):
 
 @dataclass
 class Entry:
-    """One tensor as a writer sees it: a name, a type and its bytes."""
+    """One tensor as a writer sees it: a name, a type and its bytes.
+
+    ``buffers``: bytes-like pieces, in order, adding up to nbytes
+    ``numpy``: emitted as a numpy array
+    ``shard``: a manifest.Shard: the piece of a larger tensor this is"""
 
     name: str
     dtype: Dtype
     shape: list[int]
     nbytes: int
-    buffers: list[Any]  # bytes-like pieces, in order, adding up to nbytes
-    numpy: bool = False  # emitted as a numpy array
-    shard: Any = None  # a manifest.Shard: the piece of a larger tensor this is
+    buffers: list[Any]
+    numpy: bool = False
+    shard: Any = None
 
 
 class Stored(Protocol):
@@ -72,12 +76,15 @@ class Stored(Protocol):
 @dataclass(eq=False)
 class Ref:
     """A tensor of a share that refers to a record stored already, in an earlier step
-    (``base``): placed in the share's folder at commit (``Format.place``)."""
+    (``base``): placed in the share's folder at commit (``Format.place``).
+
+    ``record``: the base's
+    ``ident``: (device, inode) of the base's file that holds it (Stored.check)"""
 
     name: str
     base: Stored
-    record: TensorRecord  # the base's
-    ident: tuple[int, int]  # (device, inode) of the base's file that holds it (Stored.check)
+    record: TensorRecord
+    ident: tuple[int, int]
 
 
 @dataclass
@@ -103,15 +110,20 @@ class DataFile(Protocol):
 class WriteIO(Protocol):
     """Where one share is written, and what a format's write side asks of the daemon's
     writer for it. The writer makes one for each call: a format keeps nothing of it
-    between calls but ``kept``, and never sees the daemon's own objects."""
+    between calls but ``kept``, and never sees the daemon's own objects.
+
+    ``chunk_size``: ``[daemon] chunk_size``: the most a file of copied tensors holds
+    ``direct_io``: O_DIRECT where the filesystem takes it
+    ``fsync``: files are fsynced before the commit ([daemon] fsync)
+    ``kept``: what the format keeps open between calls for this share (None at first)"""
 
     run: str
     step: int
     rank: int
-    chunk_size: int  # ``[daemon] chunk_size``: the most a file of copied tensors holds
-    direct_io: bool  # O_DIRECT where the filesystem takes it
-    fsync: bool  # files are fsynced before the commit ([daemon] fsync)
-    kept: Any  # what the format keeps open between calls for this share (None at first)
+    chunk_size: int
+    direct_io: bool
+    fsync: bool
+    kept: Any
 
     @property
     def hdf5_options(self) -> Hdf5Options:
@@ -174,13 +186,16 @@ class DataReader(Protocol):
 
 
 class Format(Protocol):
-    """A storage format: one module of ``ckptd.format`` holds one."""
+    """A storage format: one module of ``ckptd.format`` holds one.
 
-    name: str  # as manifests and ``[daemon] format`` name it
-    thread: str  # the writer thread its shares are written on
-    parallel: bool  # each batch is a file of its own: a pool may write several at once
+    ``name``: as manifests and ``[daemon] format`` name it
+    ``thread``: the writer thread its shares are written on
+    ``parallel``: each batch is a file of its own: a pool may write several at once"""
 
-    # -- names and records ------------------------------------------------------------------
+    name: str
+    thread: str
+    parallel: bool
+
     def owns(self, file: str) -> bool:
         """``file`` (a data file name) is one of this format's."""
 
@@ -194,7 +209,6 @@ class Format(Protocol):
         """The name, in the share's folder, of data file ``file`` of step ``base_step``
         when it is linked there (unchanged tensors)."""
 
-    # -- the write side, on ``thread`` ------------------------------------------------------
     def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
                     *, listed: bool = False) -> Written:
         """Write ``entries`` (checksums ``digests``) into file ``name``; what was written
@@ -225,6 +239,5 @@ class Format(Protocol):
         """Before a commit or discard: finish the share's open file (queued for fsync); a
         failed share's file is only let go of."""
 
-    # -- the read side ---------------------------------------------------------------------
     def open(self, fd: int, size: int) -> DataReader:
         """A reader of the data file open as ``fd`` (``size`` bytes; the caller closes ``fd``)."""

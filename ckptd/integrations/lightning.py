@@ -88,7 +88,6 @@ class CkptdCheckpointIO(_io.CheckpointIO):
         self._doomed: set[int] = set()  # steps Lightning removed, deleted once safe
         self._dirs: set[Path] = set()  # folders holding this plugin's pointer files
 
-    # -- the CheckpointIO protocol ----------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Snapshot ``checkpoint`` through the producer (returns once copied), then point ``path`` at it."""
         if storage_options is not None:
@@ -157,7 +156,6 @@ class CkptdCheckpointIO(_io.CheckpointIO):
         Returns the staging bytes one such checkpoint takes."""
         return self.producer.prepare(plain(checkpoint))
 
-    # -- helpers ---------------------------------------------------------------------------
     @property
     def producer(self) -> Producer:
         if self._producer is None:

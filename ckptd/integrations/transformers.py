@@ -89,7 +89,6 @@ class CkptdCallback(TrainerCallback):
         self._resume: dict[str, Any] = {}  # the checkpoint being resumed from: rank 0's share and ours
         self._prepare_pending = True  # staging for the first checkpoint: made after the first step
 
-    # -- attaching -------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = _owning_trainer()
         if trainer is not None:
@@ -152,7 +151,6 @@ class CkptdCallback(TrainerCallback):
                                       world_size=args.world_size, **options)
         return self._producer
 
-    # -- saving ----------------------------------------------------------------------------
     def _prepare_staging(self) -> None:
         """Process 0: make staging for the checkpoint's model and optimizer now, in the
         background (its memory is taken from the first step rather than the first save;
@@ -194,7 +192,6 @@ class CkptdCallback(TrainerCallback):
         self.producer.save(share, trainer.state.global_step, frozen=frozen or None)
         self.save_seconds.append(time.perf_counter() - started)
 
-    # -- resuming --------------------------------------------------------------------------
     def _resolve(self, resume_from_checkpoint: Any) -> Any:
         """``True``: ckptd's newest complete checkpoint of the run (else the Trainer's own lookup)."""
         if resume_from_checkpoint is not True:

@@ -106,7 +106,6 @@ class Producer:
         """``close`` was called: this producer takes nothing more."""
         return self._connection.closed
 
-    # -- public API -------------------------------------------------------------------------
     def emit(self, name: str, tensor: Any, *, step: int | None = None,
              global_shape: Any = None, offset: Any = None) -> str:
         """Snapshot ``tensor`` as ``name`` of ``step`` and return; it is written in the background.
@@ -385,7 +384,6 @@ class Producer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- the steps between -------------------------------------------------------------------------
     def _resolve_step(self, step: int | None) -> int:
         if step is None:
             if self._current_step is None:

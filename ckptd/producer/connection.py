@@ -41,19 +41,27 @@ log = logging.getLogger("ckptd.producer")
 
 @dataclass(frozen=True)
 class Identity:
-    """Who a producer is to its daemon: what its hello says, and where it goes."""
+    """Who a producer is to its daemon: what its hello says, and where it goes.
+
+    ``local_rank``: the launcher's node-local identity: information only
+    ``retention``: this run's own [retention] keys, applied by the daemon
+    ``format``: this run's storage format; None: the daemon's [daemon] format
+    ``attempt``: this launch among restarts (ckptd.attempt)
+    ``curve_keys``: tcp:// only
+    ``serve_config``: the config that starts a daemon at this endpoint, for "start one with ..."
+        hints"""
 
     endpoint: str
     run: str | None
     rank: int
     world_size: int
-    local_rank: int  # the launcher's node-local identity: information only
+    local_rank: int
     local_world_size: int
-    retention: dict[str, Any] | None  # this run's own [retention] keys, applied by the daemon
-    format: str | None  # this run's storage format; None: the daemon's [daemon] format
-    attempt: str | None  # this launch among restarts (ckptd.attempt)
-    curve_keys: curve.ClientKeys | None  # tcp:// only
-    serve_config: Path | None  # the config that starts a daemon at this endpoint, for "start one with ..." hints
+    retention: dict[str, Any] | None
+    format: str | None
+    attempt: str | None
+    curve_keys: curve.ClientKeys | None
+    serve_config: Path | None
 
 
 def identify(cfg: config_mod.Config, options: config_mod.ProducerConfig, given: dict[str, Any],
@@ -131,7 +139,6 @@ class Connection:
             raise ValueError("no run id: pass run= to configure() / Producer(), or set CKPTD_RUN")
         return self.who.run
 
-    # -- hello, reconnect, bye -----------------------------------------------------------------
     def start(self) -> None:
         """Find the daemon now, not at the first checkpoint hours in (on_no_daemon)."""
         if self.who.run is None:
@@ -263,7 +270,6 @@ class Connection:
         self.closed = True
         self.drop()
 
-    # -- messages out ---------------------------------------------------------------------------
     @property
     def seq(self) -> int:
         """The last seq number taken: how many messages this producer numbered."""
@@ -380,7 +386,6 @@ class Connection:
         else:
             self.transport.kick()  # inline, staging is free once the daemon has read it
 
-    # -- replies, on the sender thread -------------------------------------------------------------
     def _on_reply(self, h: dict[str, Any]) -> None:
         op = h["op"]
         if op == "ack":

@@ -34,7 +34,10 @@ log = logging.getLogger("ckptd.producer")
 @dataclass(slots=True, eq=False)
 class Item:
     """A validated tensor or array, ready to stage (not frozen: made once per tensor, on
-    the training thread, where a frozen dataclass's slower __init__ showed at 10,000 tensors)."""
+    the training thread, where a frozen dataclass's slower __init__ showed at 10,000 tensors).
+
+    ``shard``: a piece of a larger tensor
+    ``frozen``: save(frozen=...) names it: sent in chunks of frozen tensors only"""
 
     source: Any
     dtype: dtypes.Dtype
@@ -42,8 +45,8 @@ class Item:
     nbytes: int
     is_numpy: bool
     is_cuda: bool
-    shard: Shard | None = None  # a piece of a larger tensor
-    frozen: bool = False  # save(frozen=...) names it: sent in chunks of frozen tensors only
+    shard: Shard | None = None
+    frozen: bool = False
 
 
 def describe(name: str, value: Any) -> Item:
@@ -107,7 +110,6 @@ def same_item(t: Item) -> tuple:
     return (t.dtype.name, list(t.shape), t.is_numpy, None if t.shard is None else t.shard.to_dict())
 
 
-
 class Outlet(Protocol):
     """What ``Copier.stage`` sends through: a connected ``connection.Connection``."""
 
@@ -156,7 +158,6 @@ class Copier:
                                              daemon=True)
         self._arena_ready.start()
 
-    # -- the arena's life -------------------------------------------------------------------------
     def ready(self) -> Arena:
         """The arena, once made; CheckpointError if it could not be."""
         self._arena_ready.join()
@@ -215,7 +216,6 @@ class Copier:
         old = self.swap_grown()
         return old if old is not None else self.bridge(room or self.last_room)
 
-    # -- a save plan's staging (plan.py) ------------------------------------------------------
     def take(self, plan: Plan) -> Region | None:
         """The plan's region of staging if it is free now, else None (nothing was taken)."""
         return None if self.arena is None else plan.take(self.arena)
@@ -309,7 +309,6 @@ class Copier:
         self.arena_t = self.arena.tensor()
         self._arena_np = np.frombuffer(self.arena._mm, dtype=np.uint8)
 
-    # -- copies -------------------------------------------------------------------------------
     def stage(self, conn: Outlet, st: Step | None, step: int, name: str, item: Item) -> None:
         """Copy ``item`` into staging and queue it on ``conn`` (connected, under its
         emit lock): into the open batch, whole, or in pieces."""
@@ -412,7 +411,6 @@ class Copier:
         dst.copy_(flat[start:start + n])
         return None
 
-    # -- CUDA: pinned staging, side stream, events (docs/usage.md, CUDA tensors) ---------------------------------
     def _copy_from_cuda(self, dst: Any, src: Any) -> Any:
         """Start an async device-to-host copy into pinned staging; return its event.
 

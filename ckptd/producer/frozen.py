@@ -26,8 +26,13 @@ from typing import Any, Callable
 
 @dataclass(frozen=True, slots=True)
 class _Stored:
-    item: tuple  # what the daemon checks against the stored record: dtype, shape, numpy, shard
-    at: tuple  # where and in which version the bytes were: (data_ptr, _version), or () for numpy
+    """A frozen tensor as it was last sent.
+
+    ``item``: what the daemon checks against the stored record: dtype, shape, numpy, shard
+    ``at``: where and in which version the bytes were: (data_ptr, _version), or () for numpy"""
+
+    item: tuple
+    at: tuple
 
 
 def globs(frozen: Any) -> Callable[[str], bool] | None:

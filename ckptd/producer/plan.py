@@ -74,28 +74,35 @@ def _json(value: Any) -> str:
 
 @dataclass(eq=False)
 class _Placed:
-    """The arena views and packed messages of a plan at one region start."""
+    """The arena views and packed messages of a plan at one region start.
+
+    ``messages``: (op, wire.pack_fields(...)) but seq and step"""
 
     views: list[Any]
-    messages: list[tuple[str, tuple[bytes, int]]]  # (op, wire.pack_fields(...)) but seq and step
+    messages: list[tuple[str, tuple[bytes, int]]]
 
 
 @dataclass(eq=False)
 class Plan:
-    """What a general save of one state layout produced; see the module docstring."""
+    """What a general save of one state layout produced; see the module docstring.
+
+    ``signatures``: (class, torch dtype, torch.Size) of each tensor
+    ``offsets``: within the plan's region
+    ``room``: sizing.room_for(nbytes): what the general save would report
+    ``json_parts``: the structure's JSON around its plain values
+    ``uses``: saves it served (Producer.stats-like figure, for tests and debugging)"""
 
     layout: Any
     names: list[str]
-    signatures: list[tuple[type, Any, Any]]  # (class, torch dtype, torch.Size) of each tensor
+    signatures: list[tuple[type, Any, Any]]
     nbytes: list[int]
-    offsets: list[int]  # within the plan's region
+    offsets: list[int]
     region_bytes: int
-    room: int  # sizing.room_for(nbytes): what the general save would report
-    json_parts: list[str]  # the structure's JSON around its plain values
-    uses: int = 0  # saves it served (Producer.stats-like figure, for tests and debugging)
+    room: int
+    json_parts: list[str]
+    uses: int = 0
     _placed: OrderedDict[tuple[int, int], _Placed] = field(default_factory=OrderedDict)
 
-    # -- making one -----------------------------------------------------------------------
     @classmethod
     def build(cls, state: Any, structure: Any, tensors: dict[str, Any], capacity: int,
               room: int) -> "Plan | None":
@@ -127,7 +134,6 @@ class Plan:
         return cls(layout=layout, names=list(tensors), signatures=list(map(_SIGNATURE, values)), nbytes=sizes,
                    offsets=offsets, region_bytes=region_bytes, room=room, json_parts=parts)
 
-    # -- using it ---------------------------------------------------------------------------
     def collect(self, state: Any) -> tuple[list[Any], str] | None:
         """This save's tensors in the plan's order and its structure's JSON text, or None
         when ``state`` does not have the plan's layout and names (``copy`` checks the
@@ -227,7 +233,6 @@ class Plan:
         return out
 
 
-# -- the layout: walked once to build it, then once per save to check and collect --------------
 def _layout(value: Any, node: Any, path: tuple[Any, ...], plain: frozenset[type]) -> Any:
     """The layout node of ``value``, whose ``flatten`` structure is ``node``; None where a
     plan cannot stand for it (a numpy array)."""

@@ -19,10 +19,15 @@ from ..sharding import assign_writers, describe_dtensor, is_dtensor
 
 @dataclass
 class Plan:
-    stage: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)  # name -> (plain tensor, piece)
-    written_by: dict[str, int] = field(default_factory=dict)  # name -> the rank that writes it
-    # every piece this rank holds a copy of that other ranks hold too (written here or not):
-    # name -> (plain tensor, piece), the copies compared across ranks (ckptd.replicas)
+    """What this rank stages of a state.
+
+    ``stage``: name -> (plain tensor, piece)
+    ``written_by``: name -> the rank that writes it
+    ``shared``: every piece this rank holds a copy of that other ranks hold too (written here or
+        not): name -> (plain tensor, piece), the copies compared across ranks (ckptd.replicas)"""
+
+    stage: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)
+    written_by: dict[str, int] = field(default_factory=dict)
     shared: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)
 
 

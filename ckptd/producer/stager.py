@@ -44,7 +44,6 @@ class Stager:
         self.save_plans: list[Plan] = []
         self.many_plans: list[Plan] = []
 
-    # -- by plan ----------------------------------------------------------------------------
     def by_plan(self, plans: list[Plan], state: Any, step: int, *, kick: bool) -> Any:
         """Stage ``state`` by the newest of ``plans`` that serves it and hand it over; what the
         plan's ``collect`` gave, or None (nothing done) where none serves: then the caller
@@ -81,7 +80,6 @@ class Stager:
             plans.append(plan)  # the newest used
         return got
 
-    # -- the general way --------------------------------------------------------------------
     def stage(self, step: int, items: dict[str, Item], *, room: int, grow_for: int | None = None,
               piece: Any = None, frozen: Any = None, written_by: dict[str, int] | None = None) -> Step:
         """Under ``lock``: claim ``items`` in ``step`` (taking ``room`` bytes of staging;
@@ -129,7 +127,6 @@ class Stager:
         if list(flat) == list(items):  # else a name flatten spells otherwise: no plan
             self.keep(self.many_plans, tensors, structure, flat, items, room)
 
-    # -- between steps ----------------------------------------------------------------------
     def grow(self, room: int = 0) -> None:
         """Swap in a grown arena (sizing) while no step is in flight; under ``lock``.
         ``room``: the staging the checkpoint about to be staged takes, where known (a

@@ -45,9 +45,13 @@ PREFAULT_THREADS = 8  # at most; past the memory controller's bandwidth more onl
 
 @dataclass(eq=False)
 class Region:
+    """A range of the staging arena that one message's bytes occupy.
+
+    ``seq``: the wire sequence number it travels under; set by the sender"""
+
     start: int
     nbytes: int
-    seq: int = -1  # the wire sequence number it travels under; set by the sender
+    seq: int = -1
 
 
 class Arena:

@@ -61,16 +61,24 @@ class CommitHandle:
 
 @dataclass(eq=False)
 class Step:
-    """What this producer knows of a step it is emitting or committing."""
+    """What this producer knows of a step it is emitting or committing.
+
+    ``pieces``: hand-placed pieces emitted, by tensor
+    ``room``: staging bytes its tensors take at once (sizing.room_for)
+    ``written_by``: tensors of the step another rank writes
+    ``handle``: set once commit() was called
+    ``error``: the daemon failed it before commit()
+    ``opened``: a tensor of it went out alone: the daemon knows the step is open
+    ``began``: its first emit: the stall of emit + commit"""
 
     names: set[str] = field(default_factory=set)
-    pieces: dict[str, list[Box]] = field(default_factory=dict)  # hand-placed pieces emitted, by tensor
-    room: int = 0  # staging bytes its tensors take at once (sizing.room_for)
-    written_by: dict[str, int] = field(default_factory=dict)  # tensors of the step another rank writes
-    handle: CommitHandle | None = None  # set once commit() was called
-    error: str | None = None  # the daemon failed it before commit()
-    opened: bool = False  # a tensor of it went out alone: the daemon knows the step is open
-    began: float = field(default_factory=time.monotonic)  # its first emit: the stall of emit + commit
+    pieces: dict[str, list[Box]] = field(default_factory=dict)
+    room: int = 0
+    written_by: dict[str, int] = field(default_factory=dict)
+    handle: CommitHandle | None = None
+    error: str | None = None
+    opened: bool = False
+    began: float = field(default_factory=time.monotonic)
 
 
 class StepBook:
@@ -84,7 +92,6 @@ class StepBook:
         self._failures: list[CommitHandle] = []  # failed commits flush() has not raised yet
         self._on_done = on_done
 
-    # -- the training thread: emit, save, commit, abort --------------------------------------
     def idle(self) -> bool:
         """No step in flight: none of their bytes is in staging."""
         with self._lock:
@@ -215,7 +222,6 @@ class StepBook:
         if error is not None:
             log.error("checkpoint step %d failed: %s", step, error)
 
-    # -- the sender thread: the daemon's replies ----------------------------------------------
     def committed(self, seq: int, step: int, info: CheckpointInfo) -> None:
         handle = self._take(seq)
         if handle is not None:

@@ -41,19 +41,23 @@ BUSY_TIMEOUTS, BUSY_LIMIT_S = 6, 60.0
 
 @dataclass
 class _Link:
-    """The sender thread's connection: its socket and what it knows of the daemon."""
+    """The sender thread's connection: its socket and what it knows of the daemon.
+
+    ``want_pid``: over ipc://, until the first reply names the daemon's process
+    ``died``: when the daemon's process was seen to exit
+    ``silence``: over ipc://: whether the daemon's silence means it is hung"""
 
     sock: zmq.Socket
     poller: zmq.Poller
     handshake: curve.Handshake
-    want_pid: bool  # over ipc://, until the first reply names the daemon's process
+    want_pid: bool
     last_heard: float
     last_ping: float
     outbox: list[tuple[bytes, Any, Any]] = field(default_factory=list)
     seq: int = 0
     daemon: ProcessWatch | None = None
-    died: float | None = None  # when the daemon's process was seen to exit
-    silence: Silence | None = None  # over ipc://: whether the daemon's silence means it is hung
+    died: float | None = None
+    silence: Silence | None = None
 
 
 class Transport:
@@ -122,7 +126,6 @@ class Transport:
         self._wake.close()
         self._ctx.term()  # every socket is closed: returns once their queues left (linger)
 
-    # -- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
         link = self._connect()
         try:

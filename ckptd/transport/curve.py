@@ -48,7 +48,6 @@ def is_tcp(endpoint: str) -> bool:
     return endpoint.startswith("tcp://")
 
 
-# -- key files ------------------------------------------------------------------------------
 def _z85_key(text: bytes, path: Path, which: str) -> bytes:
     try:
         raw = z85.decode(text)
@@ -117,7 +116,6 @@ def allowed_keys(folder: Path,
     return keys
 
 
-# -- the daemon -----------------------------------------------------------------------------
 @dataclass(eq=False)
 class CurveServer:
     """The daemon's CurveZMQ: its keys, and the ZAP handler (thread ``ckptd-zap``) that
@@ -125,15 +123,18 @@ class CurveServer:
 
     Off (every method a no-op) for an ``ipc://`` endpoint. The folder is read at each
     handshake, not once: a key file removed is refused from the next connection on,
-    without a reload."""
+    without a reload.
+
+    ``secret``: never in a log line or a traceback
+    ``_logged``: refused key -> when last logged"""
 
     endpoint: str
     public: bytes = b""
-    secret: bytes = field(default=b"", repr=False)  # never in a log line or a traceback
+    secret: bytes = field(default=b"", repr=False)
     clients: Path | None = None
     _auth: ThreadAuthenticator | None = None
     admits = "producer"  # who the allowlist's keys are, for the log (the peer port: "peer")
-    _logged: dict[bytes, float] = field(default_factory=dict)  # refused key -> when last logged
+    _logged: dict[bytes, float] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -228,13 +229,18 @@ class CurveServer:
             self._auth = None
 
 
-# -- producers and the CLI ------------------------------------------------------------------
 @dataclass(frozen=True)
 class ClientKeys:
-    server: bytes  # the daemon's public key: the producer talks to that daemon or to nobody
+    """A producer's CurveZMQ keys for one tcp:// daemon.
+
+    ``server``: the daemon's public key: the producer talks to that daemon or to nobody
+    ``secret``: never in a log line or a traceback
+    ``secret_file``: for messages"""
+
+    server: bytes
     public: bytes
-    secret: bytes = field(repr=False)  # never in a log line or a traceback
-    secret_file: Path  # for messages
+    secret: bytes = field(repr=False)
+    secret_file: Path
 
 
 def client_keys(endpoint: str, config: Config, options: Mapping[str, Any] | None = None) -> ClientKeys | None:
@@ -326,7 +332,6 @@ def secure_client(sock: zmq.Socket, keys: ClientKeys | None, *, watch: bool = Fa
     return Handshake(sock, keys) if watch else Handshake()
 
 
-# -- ckptd keygen ---------------------------------------------------------------------------
 def keygen(name: str, folder: str | os.PathLike[str] = ".") -> tuple[Path, Path]:
     """Write ``NAME.key`` (public, 0644) and ``NAME.key_secret`` (secret, 0600) into
     ``folder``; never replaces a file. Returns their paths."""

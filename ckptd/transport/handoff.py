@@ -40,7 +40,6 @@ def socket_path(ipc_path: str) -> str:
     return ipc_path + SUFFIX
 
 
-# -- the producer's side ----------------------------------------------------------------
 def offer(ipc_path: str, fd: int, timeout: float) -> bytes:
     """Send ``fd`` to the daemon listening beside ``ipc_path``; return the token that
     names it. OSError if nobody listens; HandoffRefused if the daemon says no."""
@@ -55,12 +54,15 @@ def offer(ipc_path: str, fd: int, timeout: float) -> bytes:
     return token
 
 
-# -- the daemon's side -------------------------------------------------------------------
 @dataclass
 class Handoff:
+    """A memory file handed over a Unix socket.
+
+    ``ident``: (st_dev, st_ino): the same memory file, whichever descriptor"""
+
     fd: int
     size: int
-    ident: tuple[int, int]  # (st_dev, st_ino): the same memory file, whichever descriptor
+    ident: tuple[int, int]
     pid: int
     uid: int
     gid: int

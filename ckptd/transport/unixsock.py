@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BoundSocket:
-    """A socket file this process made: removed only while it is still the same file."""
+    """A socket file this process made: removed only while it is still the same file.
+
+    ``ident``: (st_dev, st_ino) right after the bind"""
 
     path: str
-    ident: tuple[int, int]  # (st_dev, st_ino) right after the bind
+    ident: tuple[int, int]
 
     @classmethod
     def of(cls, path: str) -> "BoundSocket":
