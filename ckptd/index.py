@@ -67,7 +67,7 @@ def _read_manifests(dir_fd: int, step_path: Path) -> list[Manifest] | None:
         where = str(step_path / name)
         try:
             m = manifestcache.read(name, dir_fd, where)
-        except FileNotFoundError:  # deleted while we looked
+        except FileNotFoundError:
             return None
         except OSError as exc:  # a symlink, a FIFO, a sparse file claiming terabytes
             raise CheckpointCorrupt(f"{step_path}: {exc.strerror}") from None
@@ -91,7 +91,7 @@ def one_attempt(manifests: list[Manifest], step_path: Path) -> list[Manifest] | 
     for m in manifests:
         by_attempt.setdefault(m.attempt, []).append(m)
     for group in by_attempt.values():
-        _agree(group, ("world_size",), step_path)  # formats may differ by rank
+        _agree(group, ("world_size",), step_path)
         world = group[0].world_size
         if len(group) == world and {m.rank for m in group} == set(range(world)):
             return group
@@ -218,7 +218,7 @@ def run_dirs(root: Path) -> list[Path]:
 
 
 def scan_run(run_dir: Path, *, warn: bool = False) -> dict[int, CheckpointInfo]:
-    run_fd = _open_run(run_dir)  # once: each step folder is opened relative to it
+    run_fd = _open_run(run_dir)
     if run_fd is None:
         return {}
     try:
@@ -231,7 +231,7 @@ def scan_run(run_dir: Path, *, warn: bool = False) -> dict[int, CheckpointInfo]:
 def latest_by_scan(run_dir: Path, *, warn: bool = False) -> CheckpointInfo | None:
     for _, path in step_dirs(run_dir):
         info = step_info(path, warn=warn)
-        if info and not info.refused:  # replicas that disagree under "refuse": never the latest
+        if info and not info.refused:
             return info
     return None
 
@@ -275,14 +275,12 @@ class Index:
         self.root = root
         self.config = config
         self._on_latest_change = on_latest_change
-        self._lock = threading.Lock()  # the maps below; held only briefly, queries take it
-        # Held across each re-read of the disk and its update: two threads refreshing the
-        # same step (the watcher and the daemon's own commit) must not apply a stale read
-        # after a newer one.
+        self._lock = threading.Lock()
+        # two threads refreshing a step (the watcher, a commit) must not apply a stale read after a newer one
         self._refresh_lock = threading.RLock()
         self._runs: dict[str, dict[int, CheckpointInfo]] = {}
         self._latest: dict[str, int] = {}
-        self._dirty: set[tuple[str, int | None]] = set()  # (run, step); step None: the whole run
+        self._dirty: set[tuple[str, int | None]] = set()
         self._rescan_wanted = False
         self._wake = threading.Condition()
         self._stop = False
@@ -323,7 +321,7 @@ class Index:
 
     def refresh_step(self, run: str, step: int) -> None:
         """Re-read one step folder now (the daemon calls this after its own commits)."""
-        with self._refresh_lock:  # a read and its update are one unit: no stale overwrite
+        with self._refresh_lock:
             info = step_info(layout.step_dir(self.root, run, step))
             with self._lock:
                 steps = self._runs.setdefault(run, {})
@@ -362,7 +360,6 @@ class Index:
 
     def _update_latest(self, run: str) -> bool:
         steps = self._runs.get(run, {})
-        # a step whose replicas disagree under compare_replicas = "refuse" is never the latest
         new = max((s for s, info in steps.items() if not info.refused), default=None)
         old = self._latest.get(run)
         if new is None:
@@ -385,7 +382,7 @@ class Index:
         except ValueError:
             return
         if not parts:
-            self.request_rescan()  # the root itself moved or vanished
+            self.request_rescan()
             return
         run = parts[0]
         if not RUN_ID_PATTERN.fullmatch(run):
@@ -395,7 +392,7 @@ class Index:
         else:
             step = layout.parse_step_dir(parts[1])
             if step is None:
-                return  # the latest pointer, trash folders, other files
+                return
             key = (run, step)
         with self._wake:
             self._dirty.add(key)
@@ -434,7 +431,7 @@ class Index:
             if self.observer_kind == "polling" and time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.config.poll_interval
                 self._check_known()
-            time.sleep(0.02)  # let a burst of events (a folder being written) coalesce
+            time.sleep(0.02)
             with self._wake:
                 dirty, self._dirty = self._dirty, set()
                 rescan, self._rescan_wanted = self._rescan_wanted, False
@@ -462,10 +459,7 @@ class Index:
         from watchdog.observers import Observer
         from watchdog.observers.polling import PollingObserver
 
-        # What can change a step's completeness: names appearing, vanishing or moving,
-        # and files closed after writing (a manifest or chunk copied in, a file
-        # truncated). Not every write: the daemon's own chunk writes would cost it CPU
-        # for events that say nothing new.
+        # what changes a step's completeness; not every write: the daemon's own would cost it CPU
         wanted = [ev.FileCreatedEvent, ev.FileDeletedEvent, ev.FileMovedEvent, ev.FileClosedEvent,
                   ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirMovedEvent]
 
@@ -480,9 +474,7 @@ class Index:
 
         kind = self.config.observer
         observer = None
-        # watchdog warns when a folder is removed and one of the same name is made again
-        # (a step saved anew) while its old inotify watch is still registered; it then
-        # replaces the watch itself, which is all we need: not a log line worth having.
+        # watchdog warns when a folder is made again under a still-registered watch, and fixes it itself
         warnings.filterwarnings("ignore", message="Callback with id .* already exists for watch",
                                 category=RuntimeWarning)
         if kind in ("auto", "inotify"):

@@ -59,12 +59,12 @@ if TYPE_CHECKING:
 
     from ..records import TensorRecord
 
-ATTR_NAME = "name"  # the exact tensor name
-ATTR_DTYPE = "torch_dtype"  # the torch dtype, e.g. "bfloat16" (stored as uint16)
-_ALIGN_THRESHOLD = 64 * 2**10  # datasets this large start on a page boundary...
-_ALIGN = 4096  # ...like chunk files' data
+ATTR_NAME = "name"
+ATTR_DTYPE = "torch_dtype"
+_ALIGN_THRESHOLD = 64 * 2**10  # datasets this large start on a page boundary, like chunk files' data
+_ALIGN = 4096
 _LIBVER = ("v108", "v108")  # readable by HDF5 >= 1.8 (Debian's h5dump, HDFView); large attributes
-_H5PY_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError)  # h5py's, as Python's
+_H5PY_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError)
 _ESCAPE = re.compile("%(25|2F)")  # every "%" in a key starts one of these
 
 
@@ -115,11 +115,11 @@ class H5Writer:
         import h5py
 
         self.path = path
-        self.shown = shown or path  # in messages (``path`` may go through /proc/self/fd)
+        self.shown = shown or path
         self.options = options
         self._file: Any = None
         self._fd = -1
-        self._dfd = -1  # the same file with O_DIRECT, where the filesystem allows it
+        self._dfd = -1
         try:
             path.unlink(missing_ok=True)  # a leftover of an earlier attempt; "x" below refuses symlinks
             self._file = h5py.File(path, "x", libver=_LIBVER, locking="best-effort", track_order=False,
@@ -131,7 +131,7 @@ class H5Writer:
                 try:
                     self._dfd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT)
                 except OSError as exc:
-                    if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                    if exc.errno != errno.EINVAL:
                         raise
         except _H5PY_ERRORS as exc:
             self.abort()
@@ -315,11 +315,7 @@ def _os_error(what: str, exc: BaseException) -> OSError:
     return OSError(f"{what}: {exc}")
 
 
-# A file read is untrusted: HDF5 can keep a dataset's bytes in other files (external
-# storage, virtual datasets, external links), which would read outside the step
-# folder, and a filter can expand a few bytes into gigabytes. Only what the writer
-# itself makes is accepted: hard links in this file, contiguous, compact or
-# chunked storage, and the filters below.
+# a file read is untrusted: only the storage and filters the writer itself makes are accepted
 _EXPANSION = 1032  # the most that deflate expands (lzf: about 90); shuffle and fletcher32 do not
 
 
@@ -414,9 +410,9 @@ class Hdf5Format:
         return layout.h5_name(io.rank)
 
     def link_name(self, io: WriteIO, base_step: int, file: str) -> str:
-        if file == layout.h5_name(io.rank):  # named for the step that wrote it
+        if file == layout.h5_name(io.rank):
             return layout.h5_link_name(io.rank, base_step)
-        return file  # linked there already: the same name here
+        return file
 
     @staticmethod
     def _file(io: WriteIO) -> H5Writer:
@@ -466,7 +462,7 @@ class Hdf5Format:
         return record
 
     def place(self, io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
-        return {}, 0, 0  # (refer links at once: nothing waits for the commit)
+        return {}, 0, 0
 
     def close(self, io: WriteIO) -> None:
         """HDF5 writes its metadata now; the file is then queued for fsync."""
@@ -496,14 +492,14 @@ class Hdf5Reader:
         self.fd = fd
         self._file: Any = None
         self._source: Any = None
-        self._error: CheckpointCorrupt | None = None  # not a readable HDF5 file
-        self._checked: tuple[str, Any] | None = None  # the last dataset checked: (key, dataset)
+        self._error: CheckpointCorrupt | None = None
+        self._checked: tuple[str, Any] | None = None
 
     def check(self, name: str, rec: TensorRecord) -> None:
         self._checked = (rec.key, self._dataset(name, rec))
 
     def read_into(self, name: str, rec: TensorRecord, out: Any) -> None:
-        if self._checked is not None and self._checked[0] == rec.key:  # (check just found it)
+        if self._checked is not None and self._checked[0] == rec.key:
             ds = self._checked[1]
         else:
             ds = self._dataset(name, rec)

@@ -72,16 +72,15 @@ class Producer:
             config_mod.ProducerConfig, merged, "Producer options"
         )
         who = identify(cfg, self.options, options, endpoint, run, rank, world_size, retention, format)
-        # who this producer is (the hello says it; read-only)
         self.endpoint, self.run, self.rank, self.world_size = who.endpoint, who.run, who.rank, who.world_size
         self.local_rank, self.local_world_size = who.local_rank, who.local_world_size
         self.retention, self.format, self.attempt = who.retention, who.format, who.attempt
 
         self._emit_lock = threading.Lock()  # one emit at a time: regions go out in order
-        self._frozen = frozen_mod.Frozen()  # save(frozen=...): what the daemon stores already
+        self._frozen = frozen_mod.Frozen()
         self._book = StepBook(on_done=self._frozen.done)
-        self._copier = Copier(self.options)  # makes staging in the background now
-        if prepare is not None:  # the state (or its bytes) to make staging for now: self.prepare
+        self._copier = Copier(self.options)
+        if prepare is not None:
             try:
                 self.prepare(prepare)
             except BaseException:
@@ -89,9 +88,9 @@ class Producer:
                 raise
         self._connection = Connection(who, self.options, self._copier, self._book, self._frozen, self._emit_lock)
         self._stager = Stager(self._copier, self._connection, self._book, self._frozen, self._emit_lock)
-        self._current_step: int | None = None  # the open checkpoint() block's
+        self._current_step: int | None = None
         self._pacer = Pacer()
-        self._agree: Any = None  # rank 0's plan to every rank (pacing.broadcast_from_rank0), made at first use
+        self._agree: Any = None
         ref = weakref.ref(self)
 
         def close_at_exit() -> None:
@@ -127,7 +126,7 @@ class Producer:
             item = dataclasses.replace(item, shard=hand_shard(name, item.shape, global_shape, offset))
         elif is_dtensor(tensor):
             planned = sharded.plan({name: tensor}, self.rank, self.world_size)
-            if name in planned.written_by:  # another rank of its mesh writes this replicated piece
+            if name in planned.written_by:
                 with self._emit_lock:
                     self._book.claim(step, name, written_by=planned.written_by[name])
                 return name
@@ -136,13 +135,12 @@ class Producer:
         else:
             item = describe(name, tensor)
         with self._emit_lock:
-            piece = None  # a hand-placed piece: (its tensor, its box)
+            piece = None
             if global_shape is not None and item.shard is not None:
                 piece = (name, Box(tuple(item.shard.offsets), tuple(item.shape)))
                 kept = self._book.place(step, *piece)
                 if kept != name:  # this rank's second piece of it: its shard names the tensor
                     name, item = kept, dataclasses.replace(item, shard=dataclasses.replace(item.shard, tensor=name))
-            # staging grows for the last checkpoint's room: one tensor says nothing of the next
             self._stager.stage(step, {name: item}, room=sizing.room_for([item.nbytes]), grow_for=0, piece=piece)
         return name
 
@@ -161,7 +159,7 @@ class Producer:
             raise TypeError(f"emit_many takes a dict of {{name: tensor}}, not a {type(tensors).__name__}")
         if not tensors:
             return []
-        if any(is_dtensor(t) for t in tensors.values()):  # each places itself, as emit does
+        if any(is_dtensor(t) for t in tensors.values()):
             return [self.emit(name, t, step=step) for name, t in tensors.items()]
         with _no_cyclic_gc():
             if self._stager.by_plan(self._stager.many_plans, tensors, step, kick=True) is not None:
@@ -203,7 +201,7 @@ class Producer:
         began = time.monotonic()  # the training loop is blocked from here to the commit
         check_step(step)
         pattern = frozen_mod.globs(frozen)
-        meta_json = _metadata_json(metadata)  # TypeError before anything is staged
+        meta_json = _metadata_json(metadata)
         with _no_cyclic_gc():
             # a plan copies every tensor; frozen= ones go the general way, which leaves them out
             if pattern is None and not (replicated and self.world_size > 1):
@@ -214,13 +212,12 @@ class Producer:
                     raise
                 if got is not None:
                     return self._commit(step, metadata, meta_json, got[1], began=began)
-            structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
+            structure, tensors = flatten(state)
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
-            # digests of the replicated pieces held, beside the copies below; taken at the commit
             digests = replicas.start(planned.shared, self.options.compare_replicas, written=planned.stage)
             items = {name: dataclasses.replace(describe(name, t), shard=shard)
                      for name, (t, shard) in planned.stage.items()}
-            for name in planned.written_by:  # checked on every rank, though another writes it
+            for name in planned.written_by:
                 if not is_dtensor(tensors[name]):
                     describe(name, tensors[name])
             state_json = json.dumps(structure, ensure_ascii=False, allow_nan=False)
@@ -231,7 +228,7 @@ class Producer:
             except BaseException:
                 self.abort(step)
                 raise
-            room = sizing.room_for([i.nbytes for i in items.values()])  # (less the frozen ones not sent)
+            room = sizing.room_for([i.nbytes for i in items.values()])
             if pattern is None and not planned.written_by and not (replicated and self.world_size > 1):
                 with self._emit_lock:
                     self._stager.keep(self._stager.save_plans, state, structure, tensors, items, room)
@@ -253,7 +250,7 @@ class Producer:
                 raise ValueError(f"prepare({state}): a size cannot be negative")
             room = state
         else:
-            _, tensors = flatten(state)  # TypeError/ValueError, as save would raise them
+            _, tensors = flatten(state)
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
             room = sizing.room_for([describe(name, t).nbytes for name, (t, _) in planned.stage.items()])
         self._copier.prepare(room)
@@ -365,7 +362,7 @@ class Producer:
         this producer has not yet."""
         check_step(step)
         check_bounds(min_steps, max_steps, min_seconds, max_seconds)
-        if self._agree is None:  # the first call: connected, so that the welcome's advice is here
+        if self._agree is None:
             with self._emit_lock:
                 self._connection.ensure()
             self._agree = broadcast_from_rank0(self.world_size)
@@ -413,10 +410,9 @@ class Producer:
                 conn.send_batch()
         except CheckpointError as exc:
             self._book.finish(step, handle, error=str(exc))
-            handle.observed = True  # raised here, to the caller: flush() and close() do not raise it again
+            handle.observed = True
             raise
-        ours = digests.result() if digests is not None else None  # (replica comparison, docs/replicas.md)
-        # what this save cost the training loop, and the loads before it (docs/advise.md)
+        ours = digests.result() if digests is not None else None
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
                   "restore_s": measures.take_restored(self.run) if self.run is not None else None}
         conn.send("commit", handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",

@@ -72,8 +72,7 @@ def identify(cfg: config_mod.Config, options: config_mod.ProducerConfig, given: 
     if endpoint is None:
         endpoint = env.endpoint()
     endpoint = config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint else cfg.endpoint
-    curve_keys = curve.client_keys(endpoint, cfg, given)  # tcp:// only; files checked now
-    # the config that starts a daemon at this endpoint, for "start one with ..." hints
+    curve_keys = curve.client_keys(endpoint, cfg, given)
     serve_config = cfg.path if cfg.path is not None and endpoint == cfg.endpoint else None
     run = run if run is not None else env.run()
     run = check_run(run) if run is not None else None
@@ -81,21 +80,18 @@ def identify(cfg: config_mod.Config, options: config_mod.ProducerConfig, given: 
     rank = rank if rank is not None else 0 if env_rank is None else env_rank
     world_size = world_size if world_size is not None else 1 if env_world is None else env_world
     rank, world_size = check_rank(rank, world_size)
-    # the launcher's node-local identity (torchrun, Slurm's wrappers): information only,
-    # each node's ranks reach their own node's daemon through its endpoint
+    # each node's ranks reach their own node's daemon through its endpoint: information only
     local_rank, local_world_size = env.local_rank(), env.local_world_size()
     local_rank = rank if local_rank is None else local_rank
     local_world_size = world_size if local_world_size is None else local_world_size
-    # this run's own [retention] keys, checked here and applied by the daemon
     if retention is not None:
         from ..retention import merge
 
         merge(cfg.retention, retention, "Producer(retention=...)")
-    # this run's storage format; None: the daemon's [daemon] format
     if format is not None and format not in config_mod.FORMATS:
         raise ValueError(f"format={format!r}: use one of {', '.join(map(repr, config_mod.FORMATS))}, "
                          "or None for the daemon's [daemon] format")
-    attempt = current_attempt(options.attempt, world_size, env.elastic())  # elastic restarts
+    attempt = current_attempt(options.attempt, world_size, env.elastic())
     return Identity(endpoint, run, rank, world_size, local_rank, local_world_size, retention, format, attempt,
                     curve_keys, serve_config)
 
@@ -117,15 +113,15 @@ class Connection:
         self._emit_lock = emit_lock
         self._lock = threading.Lock()  # seq numbers and queries, from any thread
         self._seq = 0
-        self._queries: dict[int, list[Any]] = {}  # wire seq -> [event, answer]
+        self._queries: dict[int, list[Any]] = {}
         self.transport: Transport | None = None
         self._welcome: threading.Event | None = None
         self._hello_error: str | None = None
         self.max_frame = 0
-        self.shm = False  # this connection's tensors travel through the shared arena
-        self.batcher: Batcher | None = None  # small tensors' open batch (shared memory only)
-        self._batches = False  # the daemon takes batches (its welcome says so)
-        self.advice: dict[str, Any] | None = None  # the daemon's interval advice for this run (should_save)
+        self.shm = False
+        self.batcher: Batcher | None = None
+        self._batches = False
+        self.advice: dict[str, Any] | None = None
         self.closed = False
         self._connector: threading.Thread | None = None
 
@@ -188,14 +184,14 @@ class Connection:
         old, self.transport = self.transport, None
         self._frozen.forget()  # the daemon there may keep another root
         if self.batcher is not None:
-            self.batcher.drop()  # its region went with the old connection
+            self.batcher.drop()
             self.batcher = None
         if old is not None:
             old.close()
             if old.lost is not None and endpoint.startswith("ipc://") and not unixsock.in_use(endpoint[len("ipc://"):]):
                 # it stopped or died, and nobody took its place: say so now, not a timeout later
                 raise CheckpointError(f"{old.lost}, and no daemon listens there now; {self._start_hint()}")
-        arena.reset()  # whatever the old connection carried is gone with it
+        arena.reset()
         self._welcome = threading.Event()
         self._hello_error = None
         token = self._offer_arena()
@@ -207,13 +203,13 @@ class Connection:
                                    retention=who.retention, format=who.format, shm_token=token,
                                    shm_size=arena.capacity if token else None, attempt=who.attempt))
         if not self._welcome.wait(timeout) or self._hello_error or transport.lost:
-            transport.close(linger=False)  # the hello has nobody to reach, or was answered
+            transport.close(linger=False)
             if self._hello_error:
                 raise CheckpointError(f"the daemon at {endpoint} refused this producer: {self._hello_error}")
             if transport.refused or transport.stopped:
                 raise CheckpointError(transport.lost)
             hint = self._start_hint()
-            if who.curve_keys is not None:  # a CurveZMQ refusal looks like silence from here
+            if who.curve_keys is not None:
                 hint += ("; or the daemon refused this producer's CurveZMQ key, or curve_server_key is not "
                          "the daemon's public key (the daemon's log, or `ckptd status -c CONFIG`, says which)")
             raise CheckpointError(f"no ckptd daemon answered at {endpoint} within {timeout:g} s; {hint}")
@@ -299,7 +295,7 @@ class Connection:
         assert self.transport is not None
         seq = self.number()
         with self._lock:
-            self._queries[seq] = answer  # before it leaves: the answer may come at once
+            self._queries[seq] = answer
         self.transport.send(wire.encode(op, seq=seq, **fields))
         if not done.wait(self._options.timeout):
             raise CheckpointError(f"the daemon at {self.who.endpoint} did not answer within "
@@ -353,7 +349,7 @@ class Connection:
         ``kick``: wake the sender now (the step's first message: the daemon knows it is open
         at once, as it does from emit's first tensor)."""
         assert self.transport is not None
-        with self._lock:  # consecutive numbers, queued in their order
+        with self._lock:
             first = self._seq + 1
             self._seq += len(messages)
             region.seq = self._seq
@@ -394,7 +390,7 @@ class Connection:
         elif op == "welcome":
             self.max_frame = h["max_frame"]
             self.shm = bool(h["shm"])
-            self._batches = bool(h["batch"])  # this daemon takes ``tensors`` messages
+            self._batches = bool(h["batch"])
             if h["advice"] is not None:
                 self.advice = h["advice"]
             if self._welcome is not None:
@@ -418,7 +414,7 @@ class Connection:
     def _on_error(self, h: dict[str, Any]) -> None:
         seq, step, message = h["seq"], h["step"], h["message"]
         if self._welcome is not None and not self._welcome.is_set() and step is None:
-            self._hello_error = message  # the hello itself was refused
+            self._hello_error = message
             self._welcome.set()
             return
         if seq is not None and seq in self._queries:
@@ -430,7 +426,7 @@ class Connection:
     def _on_lost(self, message: str) -> None:
         """The daemon went silent: every step in flight fails, loudly."""
         if self._copier.arena is not None:
-            self._copier.arena.break_(message)  # wakes an emit waiting for staging
+            self._copier.arena.break_(message)
         self._book.lose(message)
         with self._lock:
             queries = list(self._queries.values())

@@ -56,7 +56,7 @@ def describe(name: str, value: Any) -> Item:
 
     if (type(value) is torch.Tensor or type(value) is torch.nn.Parameter) and value.layout is torch.strided \
             and (value.is_cpu or value.is_cuda) and not value.is_quantized and not value.is_nested:
-        d = dtypes.by_torch(value.dtype)  # the common case, checked in as few calls as it takes
+        d = dtypes.by_torch(value.dtype)
         return Item(value, d, list(value.shape), value.numel() * d.itemsize, False, value.is_cuda)
     if isinstance(value, np.ndarray):
         found = dtypes.BY_NUMPY.get(value.dtype.name)
@@ -137,23 +137,22 @@ class Copier:
         self._arena_error: BaseException | None = None
         self.arena_t: Any = None
         self._arena_np: Any = None
-        self._cuda: dict[str, Any] | None = None  # the pinned arena's address and a side stream per device
-        self._blocked_before = 0.0  # blocked_seconds of arenas that grown ones replaced
-        self.last_room = 0  # staging the last checkpoint committed took (want)
-        self.prepared_bytes = 0  # the largest checkpoint announced ahead (prepare, expected_bytes) to "auto"
+        self._cuda: dict[str, Any] | None = None
+        self._blocked_before = 0.0
+        self.last_room = 0
+        self.prepared_bytes = 0
         # staging_size = "auto": start small, grow to fit (sizing); else exactly what was asked
         self.growth: sizing.Growth | None = None
         size = options.staging_size
         if size is None:
             self.growth = sizing.Growth(options.staging_limit or sizing.default_limit())
             size = min(sizing.INITIAL, self.growth.limit)
-            if options.expected_bytes:  # known now: made at its size at once, not grown into
+            if options.expected_bytes:
                 size = sizing.size_for(options.expected_bytes, self.growth.limit)
                 self.growth.made(size)
                 self.prepared_bytes = options.expected_bytes
         self._first_size = size
-        # Allocate and pre-fault staging in the background now, so the first
-        # checkpoint does not pay for page faults (mmap releases the GIL).
+        # made and pre-faulted in the background: the first checkpoint does not pay for page faults
         self._arena_ready = threading.Thread(target=self._make_arena, args=(size,), name="ckptd-staging",
                                              daemon=True)
         self._arena_ready.start()
@@ -256,7 +255,7 @@ class Copier:
         in the background after its commit (``want``)."""
         if self.growth is None:
             return None
-        self._arena_ready.join()  # the first one (32 MiB: made in milliseconds)
+        self._arena_ready.join()
         if self.arena is None:
             return None
         size = sizing.bridge_for(room, self.arena.capacity, self.growth.limit)
@@ -295,10 +294,10 @@ class Copier:
             self.arena.close()
 
     def _make_arena(self, size: int) -> None:
-        background_priority()  # the training thread's own work comes first
+        background_priority()
         try:
             self.arena = Arena(size)
-        except BaseException as exc:  # reported at first use
+        except BaseException as exc:
             self._arena_error = exc
 
     def _set_views(self) -> None:
@@ -314,10 +313,7 @@ class Copier:
         emit lock): into the open batch, whole, or in pieces."""
         arena = self.arena
         assert arena is not None
-        # A step's first tensor goes out alone and wakes the sender, so that the daemon
-        # knows the step is open at once (a SIGTERM then waits for its commit, docs/service.md);
-        # later ones leave the sender asleep until the commit (Transport.send), and small
-        # ones wait in a batch. (A batch item has no shard field: pieces go alone.)
+        # a step's first tensor wakes the sender: the daemon knows the step is open (a SIGTERM waits for its commit)
         wake = st is None or not st.opened
         batcher = conn.batcher
         if st is not None:
@@ -333,8 +329,7 @@ class Copier:
             header["shard"] = item.shard.to_dict()
         if item.frozen:
             header["frozen"] = True
-        # In shared memory a large tensor goes in quarters of the arena, so that the
-        # daemon writes one while the next is copied; inline, frames are capped too.
+        # in shared memory, quarters of the arena: the daemon writes one while the next is copied
         piece = arena.capacity // 4 if conn.shm else min(arena.capacity, conn.max_frame)
         if item.nbytes <= piece:
             region = self.alloc(item.nbytes, name, conn.drain)
@@ -347,8 +342,7 @@ class Copier:
                     raise
             conn.send_tensor(header, 0, region, event, wake)
             return
-        # Larger than staging or the daemon's frame limit: travel in pieces. emit
-        # still returns only when every byte is copied, so the snapshot holds.
+        # larger than staging or a frame: in pieces; emit returns only once every byte is copied
         flat = self._flat_bytes(item)
         for start in range(0, item.nbytes, piece):
             n = min(piece, item.nbytes - start)
@@ -398,7 +392,7 @@ class Copier:
             return np.ascontiguousarray(item.source).reshape(-1).view(np.uint8)
         import torch
 
-        t = item.source.detach().resolve_conj().resolve_neg()  # materialise lazy views
+        t = item.source.detach().resolve_conj().resolve_neg()
         return t.contiguous().reshape(-1).view(torch.uint8)
 
     def _copy_bytes(self, region: Region, flat: Any, start: int, n: int, item: Item) -> Any:
@@ -428,9 +422,7 @@ class Copier:
         src = src.detach()
         device_copy = self._options.gpu_snapshot == "device"
         if device_copy:
-            # A device-to-device clone on the current stream (HBM bandwidth) is the
-            # snapshot: later updates change src, not the clone, so the training
-            # stream never waits for the slower copy to the host.
+            # the clone on the current stream is the snapshot: the training stream never waits for the host copy
             src = src.clone()
         side.wait_stream(current)
         with torch.cuda.stream(side):

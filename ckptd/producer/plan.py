@@ -45,12 +45,11 @@ from ..state import encode
 from .batch import BATCH_BYTES, BATCH_ITEMS, SMALL
 from .staging import ALIGN, LARGE, PAGE, Arena, Region
 
-# layout node tags: a tensor leaf; a plain value; a dict or a list/tuple of nodes; a dict
-# or list/tuple whose values are all tensors (walked without visiting each leaf)
+# node tags: a tensor, a plain value, a container of nodes, a container of tensors only
 _TENSOR, _PLAIN, _DICT, _SEQ, _TDICT, _TSEQ = range(6)
 _SIGNATURE = operator.attrgetter("__class__", "dtype", "shape")
 _CHUNK = 256  # tensors checked, then copied, at a time: their metadata is still in cache for the copy
-_VIEWS_KEPT = 2  # region starts whose views a plan keeps (each: one view per tensor)
+_VIEWS_KEPT = 2
 
 
 @functools.cache
@@ -69,7 +68,7 @@ def _arrays() -> tuple[type, ...]:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False)  # as Producer.save dumps the structure
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 @dataclass(eq=False)
@@ -112,19 +111,19 @@ class Plan:
         values = list(tensors.values())
         if not values or not set(map(type, values)) <= plain or any(t.is_cuda for t in values):
             return None
-        slot = f"ckptd-slot-{uuid.uuid4().hex}"  # stands for each plain value in the JSON text
+        slot = f"ckptd-slot-{uuid.uuid4().hex}"
         layout = _layout(state, structure, (), plain)
         if layout is None:
             return None
         parts = _json(_template(structure, slot)).split(_json(slot))
         if len(parts) != _count_slots(layout) + 1:
-            return None  # a key or value spells the placeholder: no template, no plan
+            return None
         sizes = [t.nbytes for t in values]
         if max(sizes) > capacity // 4:  # such a tensor travels in pieces (Copier.stage)
             return None
         offsets, end = [], 0
         for n in sizes:
-            align = PAGE if n >= LARGE else ALIGN  # the general path's alignment, for O_DIRECT
+            align = PAGE if n >= LARGE else ALIGN
             end = -(-end // align) * align
             offsets.append(end)
             end += n
@@ -144,7 +143,7 @@ class Plan:
             if not _collect(state, self.layout, tensors, plains) or len(tensors) != len(self.names):
                 return None
         except (TypeError, ValueError):
-            return None  # a plain value ckptd cannot store: the general way says why
+            return None
         parts = self.json_parts
         text = parts[0] + "".join(p + q for p, q in zip(plains, parts[1:])) if plains else parts[0]
         return tensors, text
@@ -174,8 +173,7 @@ class Plan:
                         arena.release(region)
                         return None
                     torch._foreach_copy_(views[i:i + _CHUNK], chunk)
-        except (AttributeError, RuntimeError, NotImplementedError):  # not a tensor; no sizes (sparse,
-            # nested), no data (meta): the general way says why
+        except (AttributeError, RuntimeError, NotImplementedError):  # not a dense tensor: the general way says why
             arena.release(region)
             return None
         except BaseException:
@@ -215,7 +213,7 @@ class Plan:
         (``tensors``, as ``Batcher`` sends them), a larger one alone (``tensor``)."""
         out: list[tuple[str, tuple[bytes, int]]] = []
         items: list[list[Any]] = []
-        first = 0  # the batch's first byte, within the region
+        first = 0
         for name, (_, dtype, shape), n, off in zip(self.names, self.signatures, self.nbytes, self.offsets):
             d, shape = dtypes.by_torch(dtype).name, list(shape)
             if n > SMALL:
@@ -240,7 +238,7 @@ def _layout(value: Any, node: Any, path: tuple[Any, ...], plain: frozenset[type]
         if "tensor" in node:
             return (_TENSOR,) if type(value) in plain else None
         if "ndarray" in node:
-            return None  # numpy arrays go the general way (np.copyto, is_numpy on the wire)
+            return None
         if "dict" in node and type(value) in (dict, OrderedDict):
             keys = tuple(value)
             key_types = None if all(type(k) is str for k in keys) else tuple(map(type, keys))
@@ -300,11 +298,11 @@ def _collect(value: Any, layout: Any, tensors: list[Any], plains: list[str]) -> 
     in ``flatten``'s order; False where ``value`` does not have ``layout``."""
     tag = layout[0]
     if tag == _TENSOR:
-        tensors.append(value)  # its type is checked with all the others
+        tensors.append(value)
         return True
     if tag == _PLAIN:
         if type(value) in _CONTAINERS or isinstance(value, _arrays()):
-            return False  # was a plain value, is now a container, tensor or array
+            return False
         plains.append(_json(encode(value, layout[1], {})))
         return True
     if tag == _TDICT or tag == _DICT:

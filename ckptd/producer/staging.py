@@ -36,10 +36,10 @@ from typing import Any, Callable
 from ..errors import CheckpointError
 
 ALIGN = 64  # every region starts on a cache line, so any dtype view of it is aligned
-PAGE = 4096  # large regions start on a page, so the daemon can write them with O_DIRECT
+PAGE = 4096  # large regions start on a page: the daemon writes them with O_DIRECT
 LARGE = 2**20
-MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+; not in Python's mmap module before 3.13
-PREFAULT_SPLIT = 64 * 2**20  # an arena this large or larger is faulted by several threads
+MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+; Python's mmap module lacks it before 3.13
+PREFAULT_SPLIT = 64 * 2**20
 PREFAULT_THREADS = 8  # at most; past the memory controller's bandwidth more only contend
 
 
@@ -77,7 +77,7 @@ class Arena:
         self._head = 0
         self._cond = threading.Condition()
         self._broken: str | None = None
-        self.blocked_s = 0.0  # total time callers waited for space
+        self.blocked_s = 0.0
 
     def tensor(self) -> Any:
         """The whole arena as one flat uint8 torch tensor (no copy)."""
@@ -122,7 +122,7 @@ class Arena:
                         on_wait()
                     finally:
                         self._cond.acquire()
-                    continue  # space may have come back meanwhile
+                    continue
                 now = time.monotonic()
                 deadline = deadline or now + timeout
                 if now >= deadline:
@@ -155,11 +155,11 @@ class Arena:
             return 0
         tail = self._live[0].start
         head = -(-self._head // align) * align
-        if self._head > tail:  # live data is [tail, head): free space at the end, then the start
+        if self._head > tail:
             if head + need <= self.capacity:
                 return head
             return 0 if need <= tail else None
-        return head if head + need <= tail else None  # wrapped: free is [head, tail)
+        return head if head + need <= tail else None
 
     def release_through(self, seq: int) -> None:
         """Give back every region sent under a sequence number up to ``seq``."""
@@ -216,7 +216,7 @@ class Arena:
         try:
             self._mm.close()
         except BufferError:
-            pass  # a frame still references it; the mapping goes with the last reference
+            pass
 
 
 def _prefault_threads(size: int) -> int:
@@ -233,7 +233,7 @@ def background_priority() -> None:
     waited for it (durable 1.1 s against 0.7 s). Linux nice values are per thread."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux: normal priority, as before
+    except (AttributeError, OSError):
         pass
 
 
@@ -250,13 +250,13 @@ def prefault(mm: mmap.mmap, threads: int) -> None:
         def fault(at: int, n: int) -> None:
             try:
                 _populate(at, n)
-            except BaseException as exc:  # raised in the caller's thread below
+            except BaseException as exc:
                 errors.append(exc)
 
         workers = [threading.Thread(target=fault, args=r, name="ckptd-prefault", daemon=True) for r in ranges[1:]]
         for w in workers:
             w.start()
-        fault(*ranges[0])  # this thread takes the first range
+        fault(*ranges[0])
         for w in workers:
             w.join()
         if errors:
@@ -265,7 +265,7 @@ def prefault(mm: mmap.mmap, threads: int) -> None:
         del buf  # the mapping must not stay exported, or it could never be closed
 
 
-_madvise_refused = False  # the kernel refused MADV_POPULATE_WRITE once: it is older than 5.14
+_madvise_refused = False
 
 
 def _populate(at: int, n: int) -> None:
@@ -279,7 +279,7 @@ def _populate(at: int, n: int) -> None:
         if err == 12:  # ENOMEM: no memory for the pages; touching them would only get SIGBUS
             raise MemoryError(f"no memory to fault in {n} bytes of staging; lower [producer] staging_size "
                               "(or staging_limit), or free memory on this node")
-        _madvise_refused = True  # EINVAL (an older kernel), or no libc: write the pages instead
+        _madvise_refused = True
     ctypes.memset(at, 0, n)
 
 
@@ -305,7 +305,6 @@ def _memfd(size: int) -> int:
     fd = os.memfd_create("ckptd-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        # The daemon maps this size; it can never shrink (or grow) under it again.
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)

@@ -30,12 +30,10 @@ from ..errors import ProtocolError
 log = logging.getLogger("ckptd.producer")
 
 
-CLOSE_LINGER_MS = 1000  # how long a clean close waits for queued messages to leave
-# the daemon's process exited, and nothing came from it for this long: libzmq's I/O thread
-# has handed on every message it sent before it died (a commit's acknowledgement among them)
+CLOSE_LINGER_MS = 1000
+# once nothing came from a dead daemon for this long, libzmq has handed on all it sent
 GRACE_S = 0.5
-# a daemon whose process keeps running (or waiting for a CPU) is silent at most this many
-# ``timeout``s, and at least this long, before it is given up on (``pidwatch.Silence``)
+# how long a silent daemon whose process runs is waited for: ``timeout``s, seconds (pidwatch.Silence)
 BUSY_TIMEOUTS, BUSY_LIMIT_S = 6, 60.0
 
 
@@ -61,6 +59,10 @@ class _Link:
 
 
 class Transport:
+    """One connection to the daemon. ``lost``: why it ended (then ``on_lost`` ran);
+    ``refused``: why the daemon refused this producer's CurveZMQ key; ``stopped``: the
+    daemon said it stopped (or is stopping)."""
+
     def __init__(
         self,
         endpoint: str,
@@ -76,24 +78,19 @@ class Transport:
         self._heartbeat = heartbeat
         self._on_reply = on_reply
         self._on_lost = on_lost
-        self._curve_keys = curve_keys  # a tcp:// endpoint's CurveZMQ keys (docs/security.md)
+        self._curve_keys = curve_keys
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = WakePipe()
-        # the sender sleeps in poll: only then does a queued message need a wake-up
-        # (a pipe write per message, with the thread switch it causes, was a third of
-        # the time a many-tensor save blocked the training thread)
+        # only a sender asleep in poll needs a wake-up: one per message would slow the training thread
         self._idle = False
         self._stop = False
-        self._linger = True  # close(linger=False) drops what is queued
+        self._linger = True
         self.lost: str | None = None
-        self.refused: str | None = None  # why the daemon refused this producer's CurveZMQ key
-        self.stopped = False  # the daemon said it stopped (or is stopping): self.lost says so
+        self.refused: str | None = None
+        self.stopped = False
         self._welcomed = False
-        self._next_proc_check = 0.0  # where the daemon's process has no pidfd: when /proc is read next
-        # its own context, which close() terminates: that waits (up to CLOSE_LINGER_MS) until
-        # libzmq's I/O thread has written the last messages (the bye) to the socket; with
-        # the process-wide one, a process that exits right after close() lost them, and
-        # the daemon took its clean exit for a death
+        self._next_proc_check = 0.0
+        # its own context: close() terminates it, which waits until the bye has left the socket
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="ckptd-sender", daemon=True)
         self._thread.start()
@@ -124,7 +121,7 @@ class Transport:
         self._wake.wake()
         self._thread.join()
         self._wake.close()
-        self._ctx.term()  # every socket is closed: returns once their queues left (linger)
+        self._ctx.term()
 
     def _run(self) -> None:
         link = self._connect()
@@ -160,14 +157,13 @@ class Transport:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # memory is bounded in bytes by the staging arena
         sock.setsockopt(zmq.RCVHWM, 0)
-        # a refused CurveZMQ key looks like silence from here: watch the handshake until
-        # the daemon answers
+        # a refused CurveZMQ key looks like silence: watch the handshake until the daemon answers
         handshake = curve.secure_client(sock, self._curve_keys, watch=True)
         sock.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(self._wake.fd, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)
-        if handshake.monitor is not None:  # a refused key wakes this thread at once
+        if handshake.monitor is not None:
             poller.register(handshake.monitor, zmq.POLLIN)
         now = time.monotonic()
         return _Link(sock, poller, handshake, want_pid=self.endpoint.startswith("ipc://"),
@@ -199,7 +195,7 @@ class Transport:
                 if link.daemon is not None:
                     link.silence = Silence(link.daemon.pid, self._timeout,
                                            max(BUSY_LIMIT_S, BUSY_TIMEOUTS * self._timeout))
-            if link.handshake.monitor is not None:  # the daemon answered: the handshake is done
+            if link.handshake.monitor is not None:
                 link.poller.unregister(link.handshake.monitor)
                 link.handshake.close()
             if self._dispatch(frames):
@@ -248,8 +244,7 @@ class Transport:
         if link.daemon is not None:
             link.daemon.close()
         link.handshake.close()
-        # LINGER 0 would drop the bye, and the daemon would count this producer until its
-        # session timed out; a lost connection has nobody to deliver to
+        # without the bye, the daemon would count this producer until its session timed out
         link.sock.close(linger=CLOSE_LINGER_MS if self.lost is None and self._linger else 0)
 
     def _watch(self, poller: zmq.Poller, frame: Any) -> ProcessWatch | None:
@@ -258,7 +253,7 @@ class Transport:
         if pid is None:
             return None
         daemon = ProcessWatch(pid)
-        if not daemon.watchable:  # hidden from this process: silence for ``timeout`` tells
+        if not daemon.watchable:
             log.debug("cannot watch the daemon's process %d (%s)", pid, daemon.why)
             daemon.close()
             return None
@@ -288,7 +283,7 @@ class Transport:
     def _ship(self, sock: zmq.Socket, outbox: list[tuple[bytes, Any, Any]]) -> list[tuple[bytes, Any, Any]]:
         for i, (header, payload, event) in enumerate(outbox):
             if event is not None:
-                event.synchronize()  # the device-to-host copy has landed in staging
+                event.synchronize()
             frames = [header] if payload is None else [header, payload]
             try:
                 sock.send_multipart(frames, zmq.NOBLOCK, copy=False)

@@ -41,7 +41,7 @@ log = logging.getLogger("ckptd.curve")
 ZAP_DOMAIN = b"ckptd"
 HOW_TO_MAKE = "make keys with `ckptd keygen NAME` (docs/security.md)"
 _KEYGEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_REFUSAL_LOG_S = 60.0  # log a refused key at most this often
+_REFUSAL_LOG_S = 60.0
 
 
 def is_tcp(endpoint: str) -> bool:
@@ -61,7 +61,7 @@ def _z85_key(text: bytes, path: Path, which: str) -> bytes:
 
 def _read_key_file(path: Path, what: str) -> tuple[bytes, bytes | None]:
     """(public, secret or None) from a ZeroMQ certificate file; ConfigError naming ``path``."""
-    if not os.path.lexists(path):  # pyzmq would say only "Invalid certificate file"
+    if not os.path.lexists(path):
         raise ConfigError(f"{what} {path} does not exist; {HOW_TO_MAKE}")
     try:
         public, secret = zmq.auth.load_certificate(path)
@@ -83,7 +83,6 @@ def load_secret(path: Path, what: str) -> tuple[bytes, bytes]:
         )
     if os.stat(path).st_mode & stat.S_IROTH:
         raise ConfigError(f"{what} {path} is readable by every user on this host; `chmod 600 {path}`")
-    # The public key comes from the secret one, so a file whose two lines disagree cannot mislead.
     return zmq.curve_public(secret), secret
 
 
@@ -133,7 +132,7 @@ class CurveServer:
     secret: bytes = field(default=b"", repr=False)
     clients: Path | None = None
     _auth: ThreadAuthenticator | None = None
-    admits = "producer"  # who the allowlist's keys are, for the log (the peer port: "peer")
+    admits = "producer"
     _logged: dict[bytes, float] = field(default_factory=dict)
 
     @property
@@ -176,8 +175,7 @@ class CurveServer:
         sock.curve_publickey = self.public
         sock.curve_server = True
         sock.zap_domain = ZAP_DOMAIN
-        # Fail closed: should the handler be missing, libzmq refuses every peer rather
-        # than letting all in (its default, for old ZAP-less programs).
+        # fail closed: without a handler, libzmq would let every peer in
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         from zmq.auth.thread import ThreadAuthenticator  # here: it imports asyncio, which producers need not
 
@@ -194,7 +192,6 @@ class CurveServer:
         producer with public key ``key`` (Z85) connect?"""
         assert self.clients is not None
         try:
-            # A file broken since start-up admits nobody, but locks out no one else either.
             allowed = allowed_keys(self.clients, self._bad_file)
         except ConfigError as exc:  # the folder itself is gone: refuse everyone, loudly, keep serving
             if self._log_now(b""):
@@ -217,7 +214,7 @@ class CurveServer:
         now = time.monotonic()
         if now - self._logged.get(key, -_REFUSAL_LOG_S) < _REFUSAL_LOG_S:
             return False
-        if len(self._logged) > 1000:  # many strangers: forget the old ones, stay bounded
+        if len(self._logged) > 1000:
             self._logged.clear()
         self._logged[key] = now
         return True
@@ -285,7 +282,6 @@ class Handshake:
         if sock is not None:
             events = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                       | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-            # A unique name: pyzmq's default is derived from the fd, which a closed socket frees.
             name = f"inproc://ckptd-handshake-{os.getpid()}-{next(self._ids)}"
             self._monitor = sock.get_monitor_socket(events, name)
 
@@ -343,8 +339,7 @@ def keygen(name: str, folder: str | os.PathLike[str] = ".") -> tuple[Path, Path]
     for p in (public, secret):
         if os.path.lexists(p):
             raise FileExistsError(f"{p} already exists; remove it first or choose another NAME")
-    # pyzmq writes with the umask's mode: write in a private (0700) folder, fix the modes,
-    # then link into place, so the secret is never readable by others, not even briefly.
+    # written in a private folder, then linked into place: the secret is never readable by others
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder))
     try:
         made_public, made_secret = (Path(p) for p in zmq.auth.create_certificates(tmp, name))
