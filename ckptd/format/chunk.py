@@ -52,7 +52,7 @@ def header(entries: Sequence[Entry]) -> bytes:
         begin += e.nbytes
     text = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     size = len(text)
-    padded = -(-(8 + size) // ALIGN) * ALIGN - 8  # data then starts on an ALIGN boundary
+    padded = -(-(8 + size) // ALIGN) * ALIGN - 8
     return padded.to_bytes(8, "little") + text + b" " * (padded - size)
 
 
@@ -112,7 +112,7 @@ class ChunkFormat:
         except OSError as exc:
             io.fail(f"linking unchanged tensors into {io.dir}", exc)
             return Written([])
-        if not entries:  # every tensor of it is stored already
+        if not entries:
             return Written([])
         head = header(entries)
         placed: list[tuple[Entry, str, int | None]] = []
@@ -196,7 +196,7 @@ def place(io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, i
         by_file.setdefault(ref.ident, []).append(ref)
     records: dict[str, TensorRecord] = {}
     linked = copied = 0
-    batch: list[list[Ref]] = []  # whole groups, each a base file's tensors in its order
+    batch: list[list[Ref]] = []
     size = 0
     for group in by_file.values():
         first = group[0]
@@ -242,7 +242,7 @@ def _copy(io: WriteIO, groups: list[list[Ref]]) -> dict[str, TensorRecord]:
                     raise OSError(errno.ESTALE, f"{first.base.path / first.record.file} was replaced while step "
                                                 f"{io.step} was written")
                 for r in group:
-                    assert r.record.offset is not None  # (a chunk file's tensors all have one)
+                    assert r.record.offset is not None
                     io.throttled(r.record.nbytes)
                     _copy_range(src, dst, r.record.offset, at, r.record.nbytes)
                     records[r.name] = replace(r.record, file=name, offset=at)
@@ -296,13 +296,13 @@ class ChunkReader:
         self.fd, self.size = fd, size
         self._header: dict[str, Any] | None = None
         self._data_start = 0
-        self._error: CheckpointCorrupt | None = None  # the header is unreadable
+        self._error: CheckpointCorrupt | None = None
 
     def check(self, name: str, rec: TensorRecord) -> None:
         header = self._read_header()
         entry = header.get(rec.key) if rec.key != "__metadata__" else None
         info = dtypes.lookup(rec.dtype)
-        assert rec.offset is not None  # (the manifest's parser requires one in a chunk file)
+        assert rec.offset is not None
         begin = rec.offset - self._data_start
         want = {"dtype": info.st_code, "shape": info.stored_shape(rec.shape),
                 "data_offsets": [begin, begin + rec.nbytes]}
@@ -312,7 +312,6 @@ class ChunkReader:
                                     "another step (`ckptd latest RUN --verify` names the newest undamaged one)")
 
     def read_into(self, name: str, rec: TensorRecord, out: Any) -> None:
-        # (the manifest's parser refuses such a record first)
         raise CheckpointCorrupt("has no offset in its chunk file: the manifest is damaged; load another step "
                                 "(`ckptd latest RUN --verify` names the newest undamaged one)")
 
@@ -327,7 +326,7 @@ class ChunkReader:
                 except CheckpointCorrupt as exc:
                     self._error = exc
             if self._error is not None:
-                raise CheckpointCorrupt(str(self._error))  # the first reading's message, which says what to do
+                raise CheckpointCorrupt(str(self._error))
         assert self._header is not None
         return self._header
 

@@ -84,9 +84,9 @@ class CkptdCheckpointIO(_io.CheckpointIO):
         self.root = root
         self.producer_options = producer_options
         self._producer: Producer | None = None
-        self._handles: dict[int, CommitHandle] = {}  # steps this process saved
-        self._doomed: set[int] = set()  # steps Lightning removed, deleted once safe
-        self._dirs: set[Path] = set()  # folders holding this plugin's pointer files
+        self._handles: dict[int, CommitHandle] = {}
+        self._doomed: set[int] = set()
+        self._dirs: set[Path] = set()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Snapshot ``checkpoint`` through the producer (returns once copied), then point ``path`` at it."""
@@ -98,8 +98,7 @@ class CkptdCheckpointIO(_io.CheckpointIO):
             self._handles[step] = self.producer.save(plain(checkpoint), step, metadata=scores(checkpoint))
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        # Replaced atomically but not fsynced: it is bookkeeping for Lightning, the checkpoint is
-        # ckptd's (durable once committed), and a "last" pointer resolves to the newest complete step.
+        # not fsynced: it is Lightning's bookkeeping; the checkpoint is ckptd's, durable once committed
         atomic_write(target, pointer_bytes(self.run, step), fsync=False)
         self._dirs.add(target.parent.absolute())
         self._reap()
@@ -109,7 +108,7 @@ class CkptdCheckpointIO(_io.CheckpointIO):
         """The checkpoint ``path`` points at; for ``last*.ckpt``, the run's newest complete one."""
         run, step = read_pointer(path)
         if self._producer is not None and run == self.run:
-            self._producer.flush()  # a save of this process may still be on its way
+            self._producer.flush()
         if _LAST.match(Path(path).stem):
             info = reader.latest(run, root=self.root)
             if info is None:
@@ -188,7 +187,7 @@ class CkptdCheckpointIO(_io.CheckpointIO):
             if step in live or (handle is not None and not handle.done()):
                 continue
             if newest is None or newest.step <= step:
-                continue  # the newest complete checkpoint, or older than nothing complete yet
+                continue
             self._doomed.discard(step)
             try:
                 trash = retention.delete(run_dir, step)
@@ -227,7 +226,7 @@ class PrepareStaging(Callback):
         self._pending = True
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._pending = True  # each fit makes its producer anew (teardown closes it)
+        self._pending = True
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._pending:

@@ -29,7 +29,7 @@ from .frozen import Frozen
 from .plan import Plan
 from .steps import Step, StepBook
 
-PLANS_KEPT = 4  # layouts whose plans a producer keeps, per kind (a loop may save a model and its optimizer apart)
+PLANS_KEPT = 4
 
 
 class Stager:
@@ -39,8 +39,7 @@ class Stager:
     def __init__(self, copier: Copier, connection: Connection, book: StepBook, frozen: Frozen,
                  lock: threading.Lock) -> None:
         self._copier, self._connection, self._book, self._frozen = copier, connection, book, frozen
-        self.lock = lock  # the producer's emit lock: one staging at a time, so regions go out in order
-        # the layouts last staged, newest last, for their next calls: save's states, emit_many's dicts
+        self.lock = lock
         self.save_plans: list[Plan] = []
         self.many_plans: list[Plan] = []
 
@@ -61,10 +60,10 @@ class Stager:
         with self.lock:
             self.grow()
             if not self._connection.ready_for_plan() or plan not in plans:
-                return None  # inline now, or a new connection; the general way, which plans anew
+                return None
             region = self._copier.take(plan)
             if region is None:
-                return None  # staging is busy: the general way streams through it
+                return None
             messages = self._copier.copy_planned(plan, region, got[0])
             if messages is None:  # a tensor changed: the general way, which plans anew
                 plans.remove(plan)
@@ -77,7 +76,7 @@ class Stager:
             opened = self._book.opened(step)
             self._connection.send_planned(step, region, messages, kick=kick and not opened)
             plans.remove(plan)
-            plans.append(plan)  # the newest used
+            plans.append(plan)
         return got
 
     def stage(self, step: int, items: dict[str, Item], *, room: int, grow_for: int | None = None,
@@ -103,8 +102,8 @@ class Stager:
                 self._copier.stage(self._connection, st, step, name, item)
                 staged += 1
         except BaseException:
-            give_back = room if staged == 0 else 0  # the room is the whole call's
-            for name in list(items)[staged:]:  # not staged: they may be emitted again
+            give_back = room if staged == 0 else 0
+            for name in list(items)[staged:]:
                 self._book.unclaim(step, name, give_back, piece)
                 give_back = 0
             raise
@@ -140,7 +139,7 @@ class Stager:
             return
         self._connection.drop()
         for plan in self.save_plans + self.many_plans:
-            plan.forget_views()  # they would keep the old arena mapped
+            plan.forget_views()
         self._copier.retire(old)
 
     def _send_same(self, step: int, items: dict[str, Item], pattern: Any) -> None:

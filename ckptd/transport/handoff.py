@@ -25,14 +25,14 @@ import struct
 import time
 from dataclasses import dataclass
 
-from ..errors import HandoffRefused  # re-exported: its home was here
+from ..errors import HandoffRefused  # raised by Handoffs; imported from here too
 from . import unixsock
 
 log = logging.getLogger("ckptd.daemon")
 TOKEN_BYTES = 16
 SUFFIX = ".shm"
-MAX_PENDING = 64  # handoffs received and not yet claimed by a hello; the oldest go first
-PENDING_TTL = 60.0  # seconds an unclaimed handoff is kept
+MAX_PENDING = 64
+PENDING_TTL = 60.0
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK  # a shrinking file would turn the daemon's reads into SIGBUS
 
 
@@ -81,13 +81,13 @@ class Listener:
         self.path = socket_path(ipc_path)
         unixsock.refuse_if_served(self.path, socket.SOCK_SEQPACKET, "staging handoffs")
         try:
-            os.unlink(self.path)  # a crashed daemon's socket: nobody listens on it
+            os.unlink(self.path)
         except FileNotFoundError:
             pass
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(self.path)
         self._bound = unixsock.BoundSocket.of(self.path)
-        os.chmod(self.path, 0o660)  # as the ZeroMQ socket: its folder decides who may connect
+        os.chmod(self.path, 0o660)
         self._sock.listen(64)
         self._sock.setblocking(False)
         self.connections: dict[int, tuple[socket.socket, float]] = {}
@@ -104,12 +104,11 @@ class Listener:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return fds
-            except OSError as exc:  # out of descriptors (EMFILE): keep serving; the next poll tries again
+            except OSError as exc:
                 log.warning("cannot accept a staging handoff on %s: %s", self.path, exc)
                 return fds
             if len(self.connections) >= MAX_PENDING:
-                # Peers that connect and say nothing must not take every descriptor the
-                # daemon has (it died of EMFILE): refuse; a producer then sends inline.
+                # a peer that connects and says nothing must not take every descriptor: refuse, the producer sends inline
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -140,7 +139,7 @@ class Listener:
             _answer(conn, b"ok" if why is None else why.encode())
             return None if why is None else f"refused a handoff from pid {pid} (uid {uid}): {why}"
         finally:
-            for extra in fds:  # never keep a descriptor that was refused
+            for extra in fds:
                 os.close(extra)
 
     def _add(self, token: bytes, handoff: Handoff) -> None:
