@@ -54,7 +54,7 @@ def _open_step(step_path: Path, run_fd: int | None = None) -> int:
         return layout.open_step_dir(step_path)
     except (FileNotFoundError, PermissionError):
         raise
-    except OSError as exc:  # a symlink or a file where the folder should be
+    except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise CheckpointCorrupt(str(exc)) from None
         raise
@@ -69,7 +69,7 @@ def _read_manifests(dir_fd: int, step_path: Path) -> list[Manifest] | None:
             m = manifestcache.read(name, dir_fd, where)
         except FileNotFoundError:
             return None
-        except OSError as exc:  # a symlink, a FIFO, a sparse file claiming terabytes
+        except OSError as exc:
             raise CheckpointCorrupt(f"{step_path}: {exc.strerror}") from None
         if m.rank != layout.file_rank(name):
             raise CheckpointCorrupt(f"{where}: holds the manifest of rank {m.rank}")
@@ -372,7 +372,7 @@ class Index:
         if changed and self._on_latest_change is not None:
             try:
                 self._on_latest_change(run, self.latest(run))
-            except Exception:  # a failing callback must not stop the index
+            except Exception:
                 log.exception("latest-change callback failed for run %s", run)
 
     def _mark(self, path: str) -> None:

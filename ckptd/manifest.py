@@ -21,13 +21,12 @@ from .errors import CheckpointCorrupt
 from .format import FORMATS
 from .records import MAX_DIMS, MAX_INT, Shard, TensorRecord, short_repr
 
-FORMAT_VERSION = 1  # a manifest without sharded or replicated tensors
-SHARDED_FORMAT_VERSION = 2  # one whose records carry "shard" or that lists "replicas"
-PIECES_FORMAT_VERSION = 3  # one with several pieces of a tensor: a record's "shard" names its "tensor"
+FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2
+PIECES_FORMAT_VERSION = 3
 READABLE_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION, PIECES_FORMAT_VERSION)
 CHECKSUM_ALGORITHM = "xxh3_64"
-# Commit metadata keys that ckptd's own layers write (ckptd.dcp: DCP's Metadata); they stay
-# in the manifest and are left out of CheckpointInfo.metadata, which is the user's.
+# keys ckptd's own layers write (ckptd.dcp): kept in the manifest, left out of the user's CheckpointInfo.metadata
 LAYER_METADATA_PREFIX = "ckptd."
 
 
@@ -148,7 +147,7 @@ def _dumps_lines(d: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(fields_) + "\n}"
 
 
-MAX_MANIFEST_BYTES = 1 << 30  # far above any real one (64 MiB of state plus ~300 bytes a tensor)
+MAX_MANIFEST_BYTES = 1 << 30
 _CHECKSUM = re.compile(rf"{CHECKSUM_ALGORITHM}:[0-9a-f]{{16}}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
@@ -356,7 +355,7 @@ class CheckpointInfo:
     format: str
     metadata: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
-    rank: int | None = None  # None: the whole step; an int: only that rank's share
+    rank: int | None = None
     tiers: tuple[str, ...] = ("local",)
     diverged: dict[str, list[int]] | None = None
     refused: bool = False

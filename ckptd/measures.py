@@ -43,13 +43,12 @@ from .advise import Inputs, recommend
 
 VERSION = 1
 PREFIX = ".measures."  # a dotfile: the run folder shows only its checkpoints
-MAX_BYTES = 4 * 2**20  # far above what the bounded lists below take
+MAX_BYTES = 4 * 2**20
 KEEP = {"saves": 2000, "uploads": 2000, "restores": 200, "failures": 1000}
-RECENT = 20  # steps the stall, persist and step time are figured from (medians, sums)
-DEFAULT_MTBF_S = 24 * 3600.0  # with no failure seen and no [advise] mtbf
+RECENT = 20
+DEFAULT_MTBF_S = 24 * 3600.0
 MIN_FAILURES = 2  # fewer failures than this: the configured mtbf, where there is one, wins
-# names as the file and the advice write them (ckptd.tiers.local.NAME, ckptd.tiers.bucket.NAME:
-# this module sits below the tiers)
+# tiers.local.NAME and tiers.bucket.NAME, spelled out: this module sits below the tiers
 ROOT = "local"
 BUCKET = "remote"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -155,7 +154,7 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
         inputs.persist_s = statistics.median(persists) if persists else None
     inputs.step_s, current = _step_time(steps[-(RECENT + 1):])
 
-    restores: dict[Any, float] = {}  # the slowest rank's load, per attempt
+    restores: dict[Any, float] = {}
     for r in m["restores"]:
         v = _num(r.get("seconds"))
         if v is not None:
@@ -170,7 +169,6 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
     seen = m["first_seen"] is not None or bool(steps)
     failures = len({(f.get("attempt"), f.get("key")) for f in m["failures"]})
     inputs.failures = failures if seen else None
-    # the time the run was watched: first hello (or save) to the last thing seen of it
     start = m["first_seen"] if m["first_seen"] is not None else (steps[0]["time"] if steps else None)
     ends = [m["last_seen"], steps[-1]["time"] if steps else None, *(_num(f.get("time")) for f in m["failures"])]
     span = max(0.0, max((v for v in ends if v is not None), default=start) - start) if start is not None else 0.0
@@ -213,7 +211,7 @@ def advice(m: dict[str, Any], mtbf: float | None, tiers: tuple[str, ...] = (ROOT
     return out
 
 
-_restored: dict[str, float] = {}  # run -> seconds spent loading in this process, not reported yet
+_restored: dict[str, float] = {}
 _local = threading.local()
 _lock = threading.Lock()
 

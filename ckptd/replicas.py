@@ -47,8 +47,7 @@ WORDS64 = "words64"
 FUNCTIONS = (XXH3, WORDS64)
 K = 0x9E3779B97F4A7C15  # the golden ratio's 64 bits: odd
 _MASK = (1 << 64) - 1
-_BLOCK = 1 << 20  # words64 works through a tensor in blocks of this many 32-bit words (4 MiB)
-# process-group backends whose tensors live on an accelerator: such a run digests with words64
+_BLOCK = 1 << 20
 _DEVICE_BACKENDS = ("nccl", "xccl", "hccl", "mccl", "cncl", "ucc")
 
 
@@ -142,7 +141,7 @@ def _splitmix64(x: int) -> int:
 def _host_bytes(value: Any) -> Any:
     """A buffer of ``value``'s bytes in host memory, without a copy where it is one
     already (a CPU tensor or numpy array in C order)."""
-    if hasattr(value, "detach"):  # torch
+    if hasattr(value, "detach"):
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()  # xxh3 on a device tensor: a run on gloo with a GPU tensor (docs/replicas.md)

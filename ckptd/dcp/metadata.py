@@ -16,7 +16,7 @@ from .. import dtypes, state as state_mod
 from ..errors import CheckpointCorrupt
 from ..manifest import Manifest
 
-METADATA_KEY = "ckptd.dcp"  # rank 0's commit metadata holds DCP's Metadata under this key (manifest.py)
+METADATA_KEY = "ckptd.dcp"
 ENCODING_VERSION = 1
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "preserve_format": torch.preserve_format}

@@ -65,7 +65,7 @@ _ALIGN_THRESHOLD = 64 * 2**10  # datasets this large start on a page boundary, l
 _ALIGN = 4096
 _LIBVER = ("v108", "v108")  # readable by HDF5 >= 1.8 (Debian's h5dump, HDFView); large attributes
 _H5PY_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError)
-_ESCAPE = re.compile("%(25|2F)")  # every "%" in a key starts one of these
+_ESCAPE = re.compile("%(25|2F)")
 
 
 def dataset_key(name: str) -> str:
@@ -121,7 +121,7 @@ class H5Writer:
         self._fd = -1
         self._dfd = -1
         try:
-            path.unlink(missing_ok=True)  # a leftover of an earlier attempt; "x" below refuses symlinks
+            path.unlink(missing_ok=True)
             self._file = h5py.File(path, "x", libver=_LIBVER, locking="best-effort", track_order=False,
                                    alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN)
             for key, value in (attrs or {}).items():
@@ -404,7 +404,7 @@ class Hdf5Format:
         return bool(layout.H5.fullmatch(file))
 
     def record_problem(self, name: str, key: str, offset: int | None) -> str | None:
-        return None  # the key and offset are checked against the file when it is read
+        return None
 
     def next_file(self, io: WriteIO) -> str:
         return layout.h5_name(io.rank)
@@ -437,7 +437,7 @@ class Hdf5Format:
                 placed.append((e, dataset.key, dataset.offset))
         except OSError as exc:
             io.fail(f"writing {io.dir / name}", exc)
-        return Written(placed)  # fsynced once, when the file is closed
+        return Written(placed)
 
     def open_stream(self, io: WriteIO, entry: Entry, file: str) -> Slot | None:
         try:

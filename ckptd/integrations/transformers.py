@@ -86,8 +86,8 @@ class CkptdCallback(TrainerCallback):
         self._producer: Producer | None = None
         self._trainer: Any = None
         self._resume_dir: str | None = None
-        self._resume: dict[str, Any] = {}  # the checkpoint being resumed from: rank 0's share and ours
-        self._prepare_pending = True  # staging for the first checkpoint: made after the first step
+        self._resume: dict[str, Any] = {}
+        self._prepare_pending = True
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = _owning_trainer()
@@ -125,7 +125,7 @@ class CkptdCallback(TrainerCallback):
             self._prepare_staging()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._prepare_pending = True  # a later train() may follow close(): a new producer
+        self._prepare_pending = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training ends once every checkpoint is durable; a failed one raises CheckpointError."""
@@ -173,7 +173,7 @@ class CkptdCallback(TrainerCallback):
         trainer.store_flos()
         args = trainer.args
         share: dict[str, Any] = {}
-        if args.should_save:  # process 0: the replicated model and the trainer's state
+        if args.should_save:
             share["model"] = trainer.model.state_dict()
             if not args.save_only_model:
                 share["optimizer"] = trainer.optimizer.state_dict()
@@ -185,8 +185,7 @@ class CkptdCallback(TrainerCallback):
             share["trainer_state"] = json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
         if not args.save_only_model:
             share["rng"] = rng.capture()
-        # Parameters that do not train (a frozen base under LoRA/PEFT) are copied and written
-        # once; later steps refer to the stored copy (ckptd.producer.frozen, daemon.reuse).
+        # frozen parameters (a LoRA/PEFT base) are written once; later steps refer to the stored copy
         frozen = [f"model.{n}" for n, p in trainer.model.named_parameters() if not p.requires_grad] \
             if "model" in share else None
         self.producer.save(share, trainer.state.global_step, frozen=frozen or None)

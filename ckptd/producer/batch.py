@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 from .staging import ALIGN, Region
 
-SMALL = 64 * 1024  # tensors up to this size are batched
-BATCH_BYTES = 4 * 2**20  # one batch's region (at most an eighth of the arena)
+SMALL = 64 * 1024
+BATCH_BYTES = 4 * 2**20
 BATCH_ITEMS = 4096  # tensors per batch: bounds one header's size and decode time
 
 
@@ -46,7 +46,7 @@ class Batcher:
         self._region: Region | None = None
         self._used = 0
         self._items: list[list[Any]] = []
-        self._frozen = False  # the open batch holds declared-frozen tensors (only those)
+        self._frozen = False
 
     def wants(self, item: Any) -> bool:
         """Whether ``item`` (a validated ``_Tensor``) goes into a batch."""
@@ -69,7 +69,7 @@ class Batcher:
                 ctypes.memmove(self._base + at, src.data_ptr(), item.nbytes)  # releases the GIL
         else:
             self._copy(Region(at, item.nbytes), item)
-        self._items.append([name, item.dtype.name, item.shape, item.nbytes, item.is_numpy, at])  # wire.BATCH_ITEM
+        self._items.append([name, item.dtype.name, item.shape, item.nbytes, item.is_numpy, at])
         self._used = offset + item.nbytes
 
     def flush(self) -> None:

@@ -45,11 +45,11 @@ class Pacer:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.anchor: int | None = None  # the step of the last save, or of the first call
-        self.next_step: float | None = None  # the step of the next save; None: plan at this call
-        self.last_call: tuple[int, float] | None = None  # (step, monotonic time) of the last call
-        self.step_s: float | None = None  # seconds per step, from consecutive calls
-        self.saved = False  # a save was decided since this producer was made
+        self.anchor: int | None = None
+        self.next_step: float | None = None
+        self.last_call: tuple[int, float] | None = None
+        self.step_s: float | None = None
+        self.saved = False
         self._just_saved = False  # the time to the next call holds the save's stall: not a step time
 
     def should_save(self, step: int, interval_s: float | None, agree: Callable[[float], float],
@@ -63,7 +63,7 @@ class Pacer:
             self.anchor = step
         if self.next_step is None:
             self.next_step = agree(self._plan(interval_s, bounds))
-        if math.isnan(self.next_step):  # nothing to plan with yet: plan again at the next call
+        if math.isnan(self.next_step):
             self.next_step = None
             return False
         due = step >= self.next_step

@@ -44,12 +44,11 @@ from .staging import ALIGN, PAGE, Arena, background_priority
 
 log = logging.getLogger("ckptd.producer")
 
-INITIAL = 32 * 2**20  # small checkpoints never need more; see the module docstring
-# What a larger checkpoint than staging holds streams through, made on the spot (bridge_for)
+INITIAL = 32 * 2**20
 BRIDGE = 128 * 2**20
-HEADROOM = 1.25  # a checkpoint that grew once will likely grow a little again
+HEADROOM = 1.25
 GRAIN = 64 * 2**20  # sizes are rounded up to this, so small changes in size reuse the arena
-MEMORY_SHARE = 0.25  # of the machine's (or cgroup's) memory, for all the node's ranks together
+MEMORY_SHARE = 0.25
 
 
 def machine_memory() -> int:
@@ -74,7 +73,7 @@ def default_limit() -> int:
 def size_for(need: int, limit: int) -> int:
     """The arena ``"auto"`` makes for a checkpoint that needs ``need`` bytes of staging."""
     want = int(need * HEADROOM)
-    return min(limit, INITIAL if want <= INITIAL else _round_up(want, GRAIN))  # a small model stays small
+    return min(limit, INITIAL if want <= INITIAL else _round_up(want, GRAIN))
 
 
 def bridge_for(need: int, have: int, limit: int) -> int | None:
@@ -105,8 +104,8 @@ class Growth:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready: Arena | None = None
-        self._target = 0  # the size being made or made
-        self._making = False  # a thread is making self._target (or will, in its loop)
+        self._target = 0
+        self._making = False
         self._awaited = False  # asked for ahead of a checkpoint (prepare): take(wait=True) waits for it
         self._capped_warned = False
 
@@ -131,7 +130,7 @@ class Growth:
                 return
             self._target = target
             if self._making:
-                return  # the thread makes this larger size next
+                return
             self._making = True
             self._thread = threading.Thread(target=self._make, args=(have,), name="ckptd-staging", daemon=True)
             self._thread.start()
@@ -186,7 +185,7 @@ class Growth:
                      _mib(have), _mib(size), _mib(self.limit))
             with self._lock:
                 old, self._ready = self._ready, arena
-                again = self._target > size  # asked for more while this one was made
+                again = self._target > size
                 self._making = again
             if old is not None:
                 old.close()

@@ -88,8 +88,8 @@ class StepBook:
     def __init__(self, on_done: Callable[[int, bool], None]) -> None:
         self._lock = threading.Lock()
         self._steps: dict[int, Step] = {}
-        self._commits: dict[int, CommitHandle] = {}  # wire seq -> handle
-        self._failures: list[CommitHandle] = []  # failed commits flush() has not raised yet
+        self._commits: dict[int, CommitHandle] = {}
+        self._failures: list[CommitHandle] = []
         self._on_done = on_done
 
     def idle(self) -> bool:
@@ -113,7 +113,7 @@ class StepBook:
                                  "step number")
             if len(names) == 1:
                 clash = names[0] in st.names or names[0] in st.written_by
-            else:  # a save's thousands of names, checked in C
+            else:
                 clash = not st.names.isdisjoint(names) or not st.written_by.keys().isdisjoint(names)
             if clash:
                 name = next(n for n in names if n in st.names or n in st.written_by)
@@ -165,7 +165,7 @@ class StepBook:
         """The staging ``step``'s tensors take at once, as a save counted it."""
         with self._lock:
             st = self._steps.get(step)
-            if st is not None:  # the commit asks sizing for room to fit it next time
+            if st is not None:
                 st.room = room
 
     def drop(self, step: int) -> bool:
@@ -240,7 +240,7 @@ class StepBook:
                 if handle is not None:
                     self._commits = {k: v for k, v in self._commits.items() if v is not handle}
                 elif st.error is None:
-                    st.error = message  # reported again when the step is committed
+                    st.error = message
         if handle is not None:
             self.finish(handle.step, handle, error=message)
         return True

@@ -25,7 +25,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from ..errors import HandoffRefused  # raised by Handoffs; imported from here too
+from ..errors import HandoffRefused
 from . import unixsock
 
 log = logging.getLogger("ckptd.daemon")

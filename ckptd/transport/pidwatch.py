@@ -53,7 +53,7 @@ class ProcessWatch:
         try:
             self.fd = os.pidfd_open(pid)
         except OSError as exc:
-            if exc.errno == errno.ESRCH:  # gone already
+            if exc.errno == errno.ESRCH:
                 self.gone_at_start = True
             else:  # ENOSYS, EPERM (a seccomp filter): /proc it is
                 self.start = start_time(pid)
@@ -97,7 +97,7 @@ def activity(pid: int) -> tuple[int, bool] | None:
                 stat = f.read()
             runnable = runnable or stat[stat.rfind(b")") + 2:][:1] == b"R"
             seen = True
-        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+        except (OSError, ValueError, IndexError):
             continue
     return (total, runnable) if seen else None
 
@@ -107,13 +107,13 @@ class Silence:
     meanwhile (stopped, hung), up to ``limit`` while it keeps running or waiting for a
     CPU (busy, or starved by a loaded host)."""
 
-    LOOK_S = 0.5  # the scheduler's accounts are read at most this often
+    LOOK_S = 0.5
 
     def __init__(self, pid: int, timeout: float, limit: float) -> None:
         self.pid, self.timeout, self.limit = pid, timeout, max(limit, timeout)
-        self._last: int | None = None  # its threads' time on and queued for a CPU, at the last look
+        self._last: int | None = None
         self._looked = 0.0
-        self._ran = True  # whether it ran (or waited to run) between the last two looks
+        self._ran = True
 
     def gone(self, silent_for: float, now: float) -> bool:
         """Whether a silence of ``silent_for`` seconds means the process is lost (call it
