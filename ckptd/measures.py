@@ -1,27 +1,10 @@
 """What a run measured, kept on disk beside its checkpoints, and what the advice reads of it.
 
-Each daemon keeps one file per run it served, ``<root>/<run>/.measures.<host>.json``
-(``ckptd.daemon.measuring`` writes it, replaced atomically; one per host, so that
-daemons sharing a root never overwrite each other's). It survives a daemon restart
-and is read offline by ``ckptd advise``. The index, retention and the orphan sweep
-look only at ``step-*`` folders, ``latest`` and their own files: they leave it be.
-
-The file (version 1) holds, most recent last and each list bounded:
-
-- ``saves``: one per committed share: ``step``, ``rank``, ``attempt``, ``time`` (Unix
-  time the daemon received the commit, i.e. when the save returned), ``stall_s`` (the
-  producer's measure of how long its save blocked the training loop), ``persist_s``
-  (the daemon's: first byte received to manifest durable);
-- ``uploads``: ``step``, ``rank``, ``persist_s`` (commit received to uploaded, or to
-  replicated) and ``tier`` ("remote" where absent, or "peer") per share that reached the
-  remote tier or its partners' memory;
-- ``restores``: ``attempt``, ``rank``, ``seconds`` of the loads (``ckptd.load``,
-  ``ckptd.load_into``) a producer's process made before its first save;
-- ``failures``: ``attempt``, ``time``, ``why``: an attempt of the job whose producers
-  ended without saying goodbye (killed, died, silent past the session timeout);
-- ``first_seen`` / ``last_seen``: the span of time the run was watched.
-
-``summarise`` turns the files of a run into ``ckptd.advise.Inputs``.
+Each daemon keeps ``<root>/<run>/.measures.<host>.json`` per run it served
+(``ckptd.daemon.measuring`` writes it): bounded lists of ``saves``, ``uploads``,
+``restores`` and ``failures``, and the span the run was watched. ``ckptd advise`` reads
+it offline: ``summarise`` turns a run's files into ``ckptd.advise.Inputs``. The
+producer's side times its restores (``timed_restore``, ``take_restored``).
 """
 
 from __future__ import annotations

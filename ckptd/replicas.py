@@ -1,27 +1,11 @@
-"""Replica comparison: every rank that holds a copy of a replicated piece digests it,
-and where a step's shares meet the digests of one piece are compared across ranks
-(docs/replicas.md).
+"""Replica comparison: every rank holding a copy of a replicated piece digests it, and
+where a step's shares meet, the digests of one piece are compared across ranks; a copy
+that differs was corrupted silently (docs/reliability.md).
 
-Data-parallel state (DDP's model and optimizer under ``save(replicated=True)``,
-HSDP's replicate dimension, a TP model's ``Replicate()`` norms) is bit-identical on
-every rank that holds it. A rank whose copy differs was corrupted without an error
-(a bad core, a flipped bit): checksums of the stored bytes cannot see it, the other
-copies can. Only one rank writes a replicated piece (``sharding.assign_writers``);
-each other holder hands its daemon an 8-byte digest of its own copy, recorded in its
-manifest under ``replica_digests`` with the host it ran on. The writer's digest is its
-record's checksum under xxh3 (the same function over the bytes it wrote), and one of
-its own under words64.
-
-Digests, one function per run (``digest_function``), named in every value
-(``"<function>:<16 hex>"``) so that two copies are compared only under one function:
-
-- ``xxh3_64``: xxhash's, over the tensor's memory on the CPU (it releases the GIL).
-- ``words64``: a small deterministic kernel of integer torch ops, run where the tensor
-  lives (on a GPU: no copy to the host): the bytes as little-endian signed 32-bit words
-  ``s_i`` (the last one zero-padded), ``sum(s_i * (2i+1) * K) mod 2**64`` with
-  ``K = 0x9E3779B97F4A7C15``, then ``splitmix64(sum ^ nbytes)``. Integer sums wrap
-  and are exact, so every device and every reduction order gives the same value;
-  each word's multiplier is odd, so a flip of any one bit always changes the digest.
+One rank writes a replicated piece; the others record a digest of their own copy in
+their manifests (``replica_digests``). Digests are ``xxh3_64`` on the CPU or
+``words64``, an exact integer kernel run where the tensor lives (``digest_function``).
+Start at ``start`` (the producer's side) and ``mismatches`` (the reader's).
 """
 
 from __future__ import annotations

@@ -1,40 +1,11 @@
-"""The HDF5 format: one file per rank and step, one dataset per tensor.
+"""The HDF5 format, both sides: one plain HDF5 (1.8) file per rank and step, one dataset
+per tensor in the root group, named by the tensor name (``%`` and ``/`` escaped) with
+the exact name and torch dtype in attributes. Contiguous datasets are written with
+``pwritev`` at offsets known when they are created, chunked ones through h5py; an
+unchanged tensor is an external link into the earlier step's linked file (``refer``).
 
-The files are plain HDF5 (format of HDF5 1.8, which every tool of the last decade
-reads): h5py, ``h5dump`` or HDFView open them without ckptd.
-
-**Names.** Every dataset sits in the root group. Its link name is the tensor name
-with ``%`` written ``%25`` and ``/`` written ``%2F`` (and the name ``.`` as ``%2E``),
-which HDF5 accepts for any name ckptd does; decoding is exact, so two distinct
-names never share a dataset. The exact name is also in the dataset's ``name``
-attribute, and the torch dtype in ``torch_dtype``.
-
-**Types.** A dtype numpy has is stored as HDF5's own (bool as h5py's enum, complex
-as its compound of two floats); one it lacks (bfloat16, the float8 types,
-complex32) as the unsigned integer of the same width. The bytes are the tensor's
-bytes either way.
-
-**Writing.** Datasets are created as tensors arrive. A contiguous dataset (the
-default) gets its space in the file when it is created, and is never filled, so its
-absolute offset is known at once: its bytes go there with ``pwritev`` straight
-from the received buffers, like a chunk file's, and h5py only writes metadata.
-Where the filesystem takes O_DIRECT, the page-aligned part of a buffer (datasets
-of 64 KiB and more start on a page, and so do large shared-memory pieces) goes
-through a second, O_DIRECT descriptor, as chunk files do: buffered, then written
-back at fsync, the same bytes took twice as long as naive h5py (benchmarks/limits.py).
-The rest (a last partial page, small pieces) goes through the page cache. A
-chunked dataset (``chunk_shape = "auto"``, compression, fletcher32) is written
-through h5py, whole rows at a time, since HDF5's filters run inside the library.
-
-**Reusing.** An unchanged tensor of an earlier step is there at once: the earlier
-step's whole file is linked into the folder (``r<rank>-<step>.h5``) and the tensor's
-dataset shows in ``r<rank>.h5`` as an external link to it (``Hdf5Format.refer``).
-
-Only this module imports h5py, and only once a file is written or read (the format
-object itself needs none: a daemon or reader that never meets an HDF5 file never loads
-it). Its errors become ``OSError`` (writing) or ``CheckpointCorrupt`` (reading).
-It is longer than most modules because it is the whole format, both sides, in the one
-place h5py may be used.
+The only module that imports h5py, and only once a file is written or read. Start at
+``Hdf5Format``; its errors become ``OSError`` (writing) or ``CheckpointCorrupt`` (reading).
 """
 
 from __future__ import annotations

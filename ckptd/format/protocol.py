@@ -1,18 +1,10 @@
-"""What a storage format is: the small protocol that the daemon's writer and the
-reader meet, so that neither knows which format a share is in (docs/format.md).
+"""What a storage format is: the protocol (``Format``) that the daemon's writer and the
+reader meet, so that neither knows which format a share is in.
 
-A format has a **write side**, called on the writer thread it names (``thread``)
-with the writer's services (``WriteIO``): write a batch of tensors, open a streamed
-tensor and write it piece by piece, refer to an unchanged record of an earlier step
-(link or copy it), and finish the share's files before its commit or discard. Its
-**read side** opens one data file of a step (``DataReader``): check a record against
-the file's own structure, and read a record that has no byte offset. A record with
-an offset is read by the reader itself, the same way for every format (``preadv``
-or a mapping), which is what keeps reads zero-copy.
-
-The formats are ``ckptd.format.chunk`` (safetensors chunk files) and
-``ckptd.format.hdf5``; ``ckptd.format.get`` finds one by name, ``for_file`` by a
-data file's name.
+Its write side runs on the writer thread it names, with the writer's services
+(``WriteIO``): write tensors, stream one in pieces, refer to an earlier step's record,
+finish the files. Its read side (``DataReader``) checks a record against a data file
+and reads one with no byte offset; a record with an offset the reader reads itself.
 """
 
 from __future__ import annotations

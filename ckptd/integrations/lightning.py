@@ -1,34 +1,11 @@
 """PyTorch Lightning (and Fabric) checkpoints through ckptd: ``CkptdCheckpointIO``.
 
-    trainer = L.Trainer(plugins=[CkptdCheckpointIO(run="exp1")],
-                        callbacks=[ModelCheckpoint(every_n_train_steps=100, save_last=True)])
-    trainer.fit(model, ckpt_path="last")
+    trainer = L.Trainer(plugins=[CkptdCheckpointIO(run="exp1")], callbacks=[ModelCheckpoint(...)])
 
-Lightning keeps deciding *when* to save, *which* file name a checkpoint has and
-which ones to remove (``ModelCheckpoint``); this plugin decides where the bytes
-go. Paths map to ckptd checkpoints like this (docs/integrations.md):
-
-- ``save_checkpoint(checkpoint, path)`` saves the dict as step
-  ``checkpoint["global_step"]`` (Fabric: the dict's ``"global_step"`` or
-  ``"step"``, else one past the newest step) of the plugin's run, through the
-  producer: it returns once the tensors are copied. Then it writes, at ``path``,
-  a small JSON *pointer file* naming that run and step. Lightning's own
-  bookkeeping (``exists``, modification times, ``last*.ckpt`` globbing,
-  ``save_last="link"`` symlinks) works on the pointer files unchanged.
-- ``load_checkpoint(path)`` reads the pointer and loads its step through ckptd;
-  a ``last*.ckpt`` pointer loads the run's newest *complete* checkpoint, so
-  ``ckpt_path="last"`` ends at what ckptd made durable even when the process was
-  killed before its last save was. Nothing is ever unpickled.
-- ``remove_checkpoint(path)`` removes the pointer and deletes its step once that
-  is safe: no other pointer names it, and a newer checkpoint of the run is
-  complete (so neither the newest complete checkpoint nor one that a pending
-  save would replace before it is durable is ever deleted).
-- the first checkpoint blocks no longer than the later ones: after the first
-  training step (once the optimizer's state exists), ``PrepareStaging`` has the
-  plugin's producer make staging for the whole checkpoint, in the background.
-  ckptd registers that callback with every ``lightning.pytorch`` Trainer (the
-  ``lightning.pytorch.callbacks_factory`` entry point); it does nothing where the
-  Trainer's checkpoint IO is not a ``CkptdCheckpointIO``.
+Lightning decides when to save, a checkpoint's file name and which to remove; this
+plugin saves the dict as a ckptd step and writes a small JSON *pointer file* at the
+path. ``last*.ckpt`` loads the run's newest complete step; a removed step is deleted
+once no pointer names it and a newer one is complete. ``PrepareStaging`` makes staging early.
 """
 
 from __future__ import annotations

@@ -3,27 +3,9 @@
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[CkptdCallback(run="exp1")])
     trainer.train(resume_from_checkpoint=True)   # ckptd's newest complete checkpoint
 
-How it hooks in (docs/integrations.md): when the Trainer that holds it is built
-(``on_init_end``), the callback attaches itself to that Trainer, the same way as
-``callback.attach(trainer)`` does for a callback added later:
-
-- the Trainer's checkpoint writer (``_save_checkpoint``, called at its own save
-  points: ``save_strategy``, ``save_steps``) becomes one ``producer.save`` of
-  what the Trainer would have written: model, optimizer, scheduler, scaler, RNG
-  states and ``TrainerState`` (as its JSON). Training waits only for the copy.
-  Each process saves its own share (its RNG states; process 0 also the rest),
-  as step ``global_step``.
-- ``train(resume_from_checkpoint=True)`` resumes from the run's newest complete
-  checkpoint: the callback writes its ``TrainerState`` JSON into
-  ``<output_dir>/ckptd-resume/checkpoint-<step>/`` and hands that folder to the
-  Trainer's own resume path, whose readers of model, optimizer, scheduler,
-  scaler and RNG files read the ckptd checkpoint instead. So global step,
-  epoch, data position (the Trainer skips the batches already trained), RNG,
-  optimizer and scheduler come back exactly as from the Trainer's own files.
-- ``save_total_limit = N`` becomes the run's ckptd retention ``keep_last = N``.
-- after the first training step (once the optimizer's state exists), process 0's
-  producer makes staging for the model and optimizer in the background, so the
-  first checkpoint blocks no longer than the later ones (``Producer.prepare``).
+The callback attaches to its Trainer (``attach``): the Trainer's checkpoint writer becomes
+one ``producer.save`` per process, resuming reads the ckptd checkpoint through the
+Trainer's own resume path, and ``save_total_limit`` becomes ``keep_last``.
 """
 
 from __future__ import annotations

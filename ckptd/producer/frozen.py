@@ -1,18 +1,10 @@
-"""``save(..., frozen=[globs])``: tensors the producer need not copy again.
+"""``save(..., frozen=[globs])``: tensors the producer need not copy again (``Frozen``).
 
-A frozen base model under LoRA, frozen embeddings: the user declares them, and
-from the second checkpoint on their bytes are neither copied into staging nor
-sent. The ``same`` message describes them, naming the step this producer last
-committed them in; the daemon links that step's stored copy into the new step
-(``ckptd.daemon.reuse``) or fails the step, and the next save sends them again.
-
-A declaration alone is trusted only as far as torch lets it be checked: a torch
-tensor whose storage address or in-place version counter (``tensor._version``,
-which every in-place op bumps, under ``no_grad`` too, and which ``detach()`` and
-``state_dict()`` share) moved since that step is copied again, so a tensor that
-was declared frozen by mistake still reaches the checkpoint as it is. Writes that
-bypass the counter (through ``.data``, a numpy view or DLPack) are not seen, nor
-are numpy arrays' writes: for those the declaration is the promise.
+From the second checkpoint on, a declared-frozen tensor is described by a ``same``
+message naming the step it was last committed in, and the daemon links that stored
+copy (``ckptd.daemon.reuse``). A torch tensor whose storage address or ``_version``
+moved since is copied again; writes that bypass the counter (``.data``, numpy views,
+DLPack) are not seen: for those the declaration is the promise.
 """
 
 from __future__ import annotations

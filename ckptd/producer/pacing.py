@@ -1,20 +1,10 @@
 """``should_save(step)``: whether the advised interval has passed since the last save.
 
-The interval comes from the daemon's advice for the run (docs/advise.md), which
-reaches the producer with its welcome and with each commit's reply: asking costs
-no round trip. The step time is the producer's own, from the calls themselves.
-
-Every rank of a job must answer the same for the same step, or ranks would save
-different steps and none would be complete. So the answer depends on the step only:
-at a *plan* (the first call, and the call after each save) rank 0's figures fix the
-step of the next save, and with ``torch.distributed`` initialised every rank takes
-that step from rank 0 by one broadcast of a number. Between plans a call compares
-two integers.
-
-With no advice yet (a run's first save), the answer is True at once: a first save
-is how the stall and persist times get measured. The bounds (``min_steps``,
-``max_steps``, ``min_seconds``, ``max_seconds``) always win over the advice; a
-bound in seconds becomes steps through the measured step time.
+The interval comes with the daemon's welcome and commit replies (no round trip); the
+step time is measured from the calls. Every rank answers the same for the same step: at
+a *plan* (the first call, and the one after each save) rank 0's figures fix the next
+save's step and one broadcast shares it. With no advice yet the answer is True; the
+bounds (``min_steps`` ... ``max_seconds``) always win over the advice.
 """
 
 from __future__ import annotations

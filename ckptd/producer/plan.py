@@ -1,32 +1,10 @@
 """A cached plan for saving a state whose layout repeats (``Producer.save``).
 
-Training saves the same state every N steps: the same keys, dtypes and shapes,
-new values. At 10,000 small tensors (an optimizer's state) the per-tensor Python
-work of the general path (flatten, check each name and tensor, take a place in a
-batch, describe it for the wire) cost 5-7x the memcpy itself. A plan keeps what
-that work produced the last time:
-
-- the state's layout: container types, their keys, which leaves are tensors. The
-  walk that collects this save's tensors in order also proves that their names
-  are unchanged; plain values (an epoch, a learning rate) are encoded anew;
-- every tensor's class, dtype and shape, compared a chunk of tensors at a time
-  with one C-level ``map`` just before that chunk is copied;
-- one region of the staging arena for all its tensors, each at a fixed offset;
-  the destination views into the arena and the packed wire messages that name
-  them are made once per region start and reused (after the daemon drained the
-  arena, a save starts at the same place as the last one).
-
-A save that matches copies every tensor with one ``torch._foreach_copy_`` (a C++
-loop) and queues a few messages. Anything else (a key added, a numpy array, a
-DTensor, a CUDA tensor, a tensor larger than a quarter of staging, no room in
-staging right now, the inline transport) goes the general way; a state that
-went the general way and may repeat gets a fresh plan. The snapshot contract is
-the general path's: every byte is copied before ``save`` returns.
-
-Order of calls (``Producer.save``): ``Plan.collect``, then under ``_emit_lock``
-``Plan.take`` and ``Plan.copy`` (None from any: go the general way; nothing was
-sent or kept), claim the names, send the messages ``copy`` returned, commit. After a general save,
-``Plan.build`` makes the plan for the next one.
+A plan keeps the layout (containers, keys, which leaves are tensors), every tensor's
+class, dtype and shape, and one staging region with its views and packed wire messages;
+a matching save copies every tensor with one ``torch._foreach_copy_``. Anything else
+goes the general way. Calls, in order: ``collect``, then under the emit lock ``take``
+and ``copy`` (None from any: the general way); after a general save, ``build``.
 """
 
 from __future__ import annotations

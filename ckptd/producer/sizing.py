@@ -1,35 +1,11 @@
-"""How large a producer's staging arena is when ``staging_size = "auto"``.
+"""How large a producer's staging arena is when ``staging_size = "auto"`` (``Growth``).
 
-A fixed arena of one checkpoint's size, pre-faulted at start, costs its full size
-in every process from the first second, whatever the model: eight ranks of a
-26 KB model paid 8 GiB before their first checkpoint. With ``"auto"`` the arena
-starts at ``INITIAL`` bytes and grows to fit the largest checkpoint seen:
-
-- the producer learns a checkpoint's size before copying it (``save`` knows all
-  its tensors; for ``emit`` the size is known at ``commit``) and asks
-  ``Growth.want`` for room; the new arena is allocated and pre-faulted on a
-  background thread (``mmap`` with ``MAP_POPULATE`` releases the GIL), never in
-  ``emit``;
-- the producer swaps it in between checkpoints, when nothing is in flight
-  (``Growth.take``), so that checkpoint's bytes block at memcpy speed from the
-  next checkpoint on; until then a larger checkpoint streams through the smaller
-  arena, as with a small ``staging_size`` set by hand;
-- streaming through 32 MiB is slow (1 GiB: durable in 0.72-1.0 s, against 0.5 s
-  staged whole), so a checkpoint that staging cannot hold, starting while nothing
-  is in flight, first gets an arena of up to ``BRIDGE`` made on the spot
-  (``bridge_for``): a ``save`` knows its size before it copies anything; for
-  emits, the last checkpoint's size stands for it;
-- the threads that make staging in the background run at nice 19
-  (``staging.background_priority``), so that training and the daemon go first;
-- where the checkpoint's size is known before the first one (``Producer(expected_bytes=)``,
-  ``Producer.prepare(state)``), the arena is made at that size in one step, in the
-  background while training runs; the first checkpoint then waits for it, if it is
-  not made yet, rather than stream through 32 MiB (``Growth.take(wait=True)``):
-  the first touch of fresh pages costs the same whoever pays it, and only a thread
-  that runs before the checkpoint takes it off the checkpoint's time;
-- it never grows past ``limit``: a share of the machine's memory (or of the
-  cgroup's limit) divided among the ranks on this node (``LOCAL_WORLD_SIZE``),
-  unless ``staging_limit`` says otherwise.
+The arena starts at ``INITIAL`` bytes and grows to fit the largest checkpoint seen:
+``Growth.want`` makes a larger arena on a background thread at nice 19, the producer
+swaps it in between checkpoints (``Growth.take``), and until then a larger checkpoint
+streams through, or gets an arena of up to ``BRIDGE`` made on the spot (``bridge_for``).
+A size known ahead (``expected_bytes``, ``prepare``) is made at once. It never grows
+past ``limit``: a share of the node's memory divided among its ranks.
 """
 
 from __future__ import annotations

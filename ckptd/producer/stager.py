@@ -1,20 +1,10 @@
 """The one staging sequence of ``emit``, ``emit_many`` and ``save``: plan, copy, hand over.
 
-Every way a tensor enters staging goes through ``Stager`` under the producer's emit
-lock, in the same order: grow staging between steps (``grow``), claim the names in
-the step's book, copy into staging and hand the copy to the connection. There are
-two ways to copy, and each call takes one:
-
-- **by plan** (``by_plan``): a layout saved before (``save``'s state, ``emit_many``'s
-  dict) has a cached ``plan.Plan``: one region of staging, one C++ copy loop, the
-  messages made once; the region is handed to the connection whole;
-- **the general way** (``stage``): each tensor checked and copied on its own
-  (``copies.Copier.stage``: a region per tensor, small ones batched), after which
-  the layout gets a plan for next time where one serves (``keep``).
-
-A per-tensor hook on the saved bytes (a digest, say) belongs in the copy: in
-``Copier.stage`` for the general way and in ``Plan.copy`` for the plan's, the two
-places a tensor's bytes are read; this module never touches a tensor itself.
+Every tensor enters staging through ``Stager`` under the producer's emit lock, in one
+order: grow staging between steps (``grow``), claim the names in the step's book, copy,
+hand the copy to the connection. A layout saved before copies by its cached plan
+(``by_plan``); any other goes the general way (``stage``, through ``copies.Copier``)
+and gets a plan for next time (``keep``). This module never touches a tensor itself.
 """
 
 from __future__ import annotations

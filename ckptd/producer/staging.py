@@ -1,24 +1,10 @@
-"""Staging memory: one arena, allocated and pre-faulted once, reused for every snapshot.
+"""Staging memory: one arena (``Arena``), allocated and pre-faulted once, reused for every snapshot.
 
-First-touch page faults cost more than the copy itself (1 GiB into fresh pages
-blocked 2.5 s here, into warm pages 0.15 s), so ``emit`` never allocates: it takes
-a region of this arena, copies the tensor into it and hands it to the sender. The
-arena is a ring: regions are taken at the head and given back, oldest first, when
-the daemon acknowledges them, which is exactly the order they were sent in.
-
-The arena lives in a memfd: anonymous shared memory with no name in any
-filesystem, so a crash of either process leaks nothing (the kernel frees it with
-the last mapping or descriptor). Its descriptor is what the shared-memory
-transport hands to the daemon (``ckptd.transport.handoff``); it is sealed against
-shrinking, so the daemon can map it without fear that a later ``ftruncate``
-turns its reads into SIGBUS.
-
-Pre-faulting is the arena's whole cost (zeroing fresh pages), so a large arena is
-faulted by several threads at once, each over its own range, with
-``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+; one syscall per range, no page
-touched from Python), or where that is refused by writing the range with
-``memset``; both through ctypes, which releases the GIL. A small arena is
-faulted by ``MAP_POPULATE`` in the ``mmap`` call itself.
+``emit`` never allocates: it takes a region at the ring's head, copies into it and hands
+it to the sender; regions come back, oldest first, as the daemon acknowledges them. The
+arena is a memfd sealed against shrinking, whose descriptor the shared-memory transport
+hands to the daemon (``ckptd.transport.handoff``); a large one is pre-faulted by several
+threads (``madvise(MADV_POPULATE_WRITE)`` or ``memset``, through ctypes).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Handing a producer's staging arena to a daemon on the same host.
+"""Handing a producer's staging arena (a memfd) to a daemon on the same host.
 
-ZeroMQ cannot carry file descriptors, so beside its ``ipc://PATH`` socket the
-daemon listens on a Unix seqpacket socket, ``PATH.shm``. A producer connects,
-sends one message: a random 16-byte token, with its arena's memfd attached
-(SCM_RIGHTS), and waits for the daemon's one-line answer. Its ``hello`` then names
-the token; the daemon maps the arena read-only and from then on reads tensors
-straight out of it. The token binds the descriptor to the session that sent
-it, and only travels on that producer's own connections.
-
-The kernel tells the daemon who sent the descriptor (SO_PEERCRED), and permits
-the connection only to those who may reach the socket's folder: the same rule as
-for the ZeroMQ socket beside it. A memfd has no name, so nothing is left behind
-when either side dies.
+Beside its ``ipc://PATH`` socket the daemon listens on a Unix seqpacket socket,
+``PATH.shm``: a producer sends a random 16-byte token with the memfd attached
+(SCM_RIGHTS), and its ``hello`` names the token; the daemon then maps the arena
+read-only. Who may connect is decided by the socket's folder, as for the ZeroMQ
+socket. Start at ``Listener`` (the daemon's side) and ``offer`` (the producer's).
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Noticing at once that the process at the other end of an ``ipc://`` socket exited.
 
-Over ``ipc://`` the kernel tells libzmq which process is at the other end
-(SO_PEERCRED, the frame property ``Peer-Address`` = ``host:uid:gid:pid``): a pid
-neither side can forge, translated into the reader's own pid namespace. Both ends
-use it: the daemon to end a dead producer's session (``ckptd.daemon.liveness``), a
-producer to fail its steps in flight the moment its daemon dies, instead of after
-``timeout`` seconds of silence (which, set short, also fails a daemon that is only
-starved of CPU for a moment).
-
-A ``ProcessWatch`` holds a pidfd (Linux >= 5.3), readable once the process exited;
-where pidfds are not available it compares the process's start time in
-``/proc/<pid>/stat`` when asked (a reused pid has another start time).
-
-Silence alone cannot tell a hung process from a starved one: on a training node whose
-cores the data loaders fill, a daemon can wait seconds for a CPU. ``Silence`` tells
-them apart by the scheduler's own accounts (``/proc/<pid>/task/*/schedstat`` and
-``stat``): a process whose threads ran since the last look, or one of which is
-waiting in a run queue, is alive and only slow; one stopped (SIGSTOP), hung on a lock or blocked for good
-accrues neither. A silent process that keeps running is given up on only after a
-longer limit, so that nothing waits forever on a process spinning without answering.
+The kernel names that process (SO_PEERCRED, libzmq's ``Peer-Address``): a pid neither
+side can forge. ``ProcessWatch`` holds its pidfd (else compares its start time in
+``/proc``); the daemon ends a dead producer's session, a producer fails its steps in
+flight. ``Silence`` tells a hung process from one starved of CPU by the scheduler's
+accounts, so a running but silent daemon is waited for longer.
 """
 
 from __future__ import annotations
