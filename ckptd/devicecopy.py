@@ -1,17 +1,9 @@
-"""``load(..., map_location="cuda")``: tensors onto the GPU as they are read.
+"""``load(..., map_location="cuda")``: tensors onto the GPU as they are read (``DeviceCopier``).
 
-``tensor.to("cuda")`` from ordinary (pageable) memory is synchronous: the driver
-copies through its own small pinned buffer and the CPU waits, so reading the next
-file never overlaps the copy, and the whole state sits in host memory first. Here
-each tensor, as the reader yields it, is copied into one of two pinned buffers
-(``SLOT`` bytes each; a larger tensor goes through them in pieces) and from there
-to the device with ``non_blocking=True`` on a stream of its own; a buffer is
-reused only once its event says its copy is done. So the host-to-device copy of
-one piece overlaps the read of the next, host memory holds one tensor and two
-buffers, and ``finish`` waits for the last copy before ``load`` returns.
-
-This path needs a CUDA device; the development machines have none, so
-``benchmarks/cuda_check.py`` is where it runs.
+Each tensor the reader yields is copied into one of two pinned buffers (``SLOT`` bytes;
+larger ones in pieces) and from there to the device with ``non_blocking=True`` on a
+stream of its own, so the copy of one piece overlaps the read of the next and host
+memory holds one tensor and two buffers. Needs CUDA: ``benchmarks/cuda_check.py`` runs it.
 """
 
 from __future__ import annotations

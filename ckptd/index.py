@@ -1,14 +1,10 @@
 """What is complete under the checkpoint root: one scan, then watchdog events as hints.
 
-Manifests are the truth. A step folder is a complete checkpoint when every rank's
-manifest is there, all of one attempt of the job (``ckptd.attempt``), and every
-file they name exists at least as long as the manifest says. The functions at the
-top answer that straight from the disk, for any process; ``Index`` keeps the
-answer in memory for the daemon: it scans the root once, then re-reads whatever a
-watchdog event touches, and reconciles with a full rescan periodically and
-whenever the observer reports trouble (watchdog drops events when the inotify
-queue overflows; inotify sees nothing that other hosts write on NFS or Lustre), so
-missed or coalesced events cannot leave it wrong.
+A step is complete when every rank's manifest is there, all of one attempt
+(``ckptd.attempt``), and every file they name is at least as long as it says. The
+functions at the top answer that from the disk, for any process; ``Index`` keeps the
+answer for the daemon, re-reading what an event touches and rescanning periodically
+(inotify drops events on overflow and sees nothing other hosts write on NFS).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Sharded tensors: where a piece sits in its whole tensor, who stores a replicated
-one, and which bytes of a stored piece a target needs.
+"""Sharded tensors: where a piece sits in its whole tensor, who stores a replicated one,
+and which bytes of a stored piece a target needs.
 
-A *piece* is a block of a tensor: its global offsets and its own sizes, per
-dimension (DCP's ``ChunkStorageMetadata`` is the same idea). A DTensor's local
-shard is one piece (``describe_dtensor``); a hand-sharded tensor names its piece
-with ``global_shape=`` and ``offset=``, and a rank may hold several pieces of one
-tensor (a DCP ShardedTensor's chunks): the first is kept under the tensor's name,
-later ones under ``piece_name``. A piece held whole by several ranks (a
-Replicate placement, or a tensor saved ``replicated=``) is written once, by a rank
-``assign_writers`` picks the same way on every rank, without communicating.
-Loading copies the intersection of a stored piece and a target piece
-(``overlap``), read as runs of contiguous bytes.
+A *piece* is a block of a tensor: its global offsets and its own sizes (DCP's
+``ChunkStorageMetadata``). ``describe_dtensor`` names a DTensor's; ``piece_name`` keys a
+rank's later pieces of one tensor; ``assign_writers`` picks, the same on every rank, the
+one rank that writes a piece several hold; ``overlap`` is what a load copies.
 """
 
 from __future__ import annotations

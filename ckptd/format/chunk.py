@@ -1,17 +1,10 @@
 """The chunk format: each chunk file is a complete, valid safetensors file.
 
-A safetensors file cannot be appended to (its header, with every offset, comes
-first), so a chunk is written whole once its tensors are known: the header, padded
-with spaces so the data starts page-aligned, then every tensor's bytes in order,
-with no holes between them, as safetensors requires. A tensor too large to batch is
-streamed into a chunk file of its own: its header first, then its bytes as they
-arrive. An unchanged tensor of an earlier step is placed at the commit, once the
-step's every unchanged tensor is known (``place``; docs/format.md says why):
-a base file whose every tensor is unchanged is linked whole, the unchanged tensors of
-the others are copied into new chunk files of the step.
-
-This module is the only one that knows the safetensors layout: it writes the
-header, and reads it back to check a file against its manifest.
+A chunk is written whole once its tensors are known (header padded so the data starts
+page-aligned, then every tensor's bytes in order); a tensor too large to batch streams
+into a file of its own. Unchanged tensors of an earlier step are placed at the commit
+(``place``): a base file unchanged throughout is linked whole, others' tensors copied.
+The only module that knows the safetensors layout; start at ``ChunkFormat``.
 """
 
 from __future__ import annotations

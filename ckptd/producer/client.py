@@ -1,17 +1,10 @@
-"""``Producer``: the API a training loop calls (docs/usage.md).
+"""``Producer``: the API a training loop calls (docs/training.md).
 
-``emit`` validates a tensor, copies it into the staging arena (a snapshot: the
-caller may overwrite the tensor as soon as ``emit`` returns) and queues it for
-the sender thread. ``commit`` closes a step and returns a ``CommitHandle`` that
-resolves when the daemon has made the step durable, or fails with
-``CheckpointError``. Failures always reach the caller: through the handle,
-``flush()`` and ``close()``.
-
-``Producer`` checks the arguments and dispatches: ``stager.Stager`` is the one
-staging sequence of ``emit``, ``emit_many`` and ``save`` (plan, copy, hand over),
-over ``copies.Copier`` (staging and the copies into it), ``connection.Connection``
-(the daemon connection and its replies), ``steps.StepBook`` (the steps in flight and
-the commits awaited) and ``plan.Plan`` (the fast way of saving a layout that repeats).
+``emit`` copies a tensor into staging (a snapshot: the caller may overwrite it at once)
+and queues it; ``commit`` returns a ``CommitHandle`` that resolves once the step is
+durable, or fails with ``CheckpointError``; failures always reach the caller. ``Producer``
+checks arguments and dispatches to ``stager.Stager`` (the staging sequence),
+``connection.Connection`` (the daemon), ``steps.StepBook`` (steps in flight).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""A producer's connection to its daemon: hello and welcome, replies, reconnect, bye.
+"""A producer's connection to its daemon (``Connection``): hello and welcome, replies,
+reconnect, bye.
 
-``ensure()`` says hello on first use and again after the daemon was lost (a
-restarted daemon is met with a new transport, the staging arena offered anew and
-reset, docs/protocol.md), and raises ``CheckpointError`` with what to do when no
-daemon answers or it refuses the producer; ``start()`` does it at the producer's
-start, in the background with a warning unless ``[producer] on_no_daemon = "raise"``.
-Every message gets its ``seq`` here. The transport's sender thread hands each
-reply to ``_on_reply`` (acks free staging, commits and errors resolve the step
-book's handles, answers wake ``ask``) and calls ``_on_lost`` when the daemon goes
-silent: every step in flight then fails, loudly. ``close()`` says bye.
+``ensure()`` says hello on first use and after the daemon was lost, and raises
+``CheckpointError`` with what to do when none answers; every message gets its ``seq``
+here. The sender thread hands each reply to ``_on_reply`` (acks free staging, commits
+resolve handles, answers wake ``ask``) and calls ``_on_lost``: every step in flight fails.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The producer's end of the wire: a DEALER socket owned by one thread, ``ckptd-sender``.
 
-ZeroMQ sockets are not thread-safe, so the training thread never touches the
-socket: it queues ready messages here and returns. The sender waits for a staged
-GPU copy's event before shipping it, sends payloads as zero-copy frames, hands
-every reply to ``on_reply``, pings the daemon, and calls ``on_lost`` once when the
-daemon has been silent for ``timeout`` seconds, or, over ``ipc://``, as soon as the
-daemon's process exited (``ckptd.transport.pidwatch``). Over ``ipc://`` a daemon that
-is silent but whose process keeps running (starved of CPU on a loaded node, or busy)
-is waited for longer (``pidwatch.Silence``). One Transport is one connection.
+The training thread never touches the socket (ZeroMQ's are not thread-safe): it queues
+messages on a ``Transport`` and returns. The sender waits for a staged GPU copy's event,
+ships zero-copy frames, hands replies to ``on_reply``, pings, and calls ``on_lost`` once
+the daemon is silent too long or, over ``ipc://``, its process exited (``pidwatch``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """CurveZMQ for ``tcp://`` endpoints: key files, the daemon's allowlist, ``ckptd keygen``.
 
-An ``ipc://`` socket is guarded by its folder's permissions; a TCP port is open
-to every host that can route to it, so ckptd allows (docs/security.md) ``tcp://`` only with
-CurveZMQ: the connection is encrypted, the producer checks that it talks to the
-daemon whose public key it holds, and the daemon admits only producers whose
-public key files lie in its ``curve_clients`` folder (docs/security.md).
-
-This module imports zmq beside the two transport ends because it configures
-their sockets; they call it with one line each. Key files are the ones pyzmq's
-``zmq.auth.create_certificates`` writes (ZeroMQ's certificate format):
-``NAME.key`` holds the public key, ``NAME.key_secret`` both keys.
+A TCP port is open to every host that can route to it, so ``tcp://`` is CurveZMQ only
+(docs/security.md): encrypted, the producer checks the daemon's public key, and the
+daemon admits only the public keys in its ``curve_clients`` folder (``CurveServer``).
+Both transport ends call it with one line each (``secure_client``). Key files are
+pyzmq's: ``NAME.key`` the public key, ``NAME.key_secret`` both.
 """
 
 from __future__ import annotations
