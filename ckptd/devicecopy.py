@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SLOT = 64 * 2**20  # bytes of each pinned buffer
+SLOT = 64 * 2**20
 
 
 def is_cuda(map_location: Any) -> bool:
@@ -44,7 +44,7 @@ class DeviceCopier:
         dst = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         if t.numel() == 0:
             return dst
-        src = t.contiguous().reshape(-1).view(torch.uint8)  # every dtype views as its bytes
+        src = t.contiguous().reshape(-1).view(torch.uint8)
         out = dst.reshape(-1).view(torch.uint8)
         slot_bytes = self._slots[0].numel()
         for start in range(0, src.numel(), slot_bytes):
@@ -52,7 +52,7 @@ class DeviceCopier:
             i = self._next
             self._next ^= 1
             if self._events[i] is not None:
-                self._events[i].synchronize()  # its previous copy has left the buffer
+                self._events[i].synchronize()
             slot = self._slots[i][:n]
             slot.copy_(src[start:start + n])
             with torch.cuda.stream(self._stream):

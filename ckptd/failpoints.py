@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import threading
 
-from .errors import Failpoint  # raised by hit(); tests import it from here
+from .errors import Failpoint
 
-_ARMED: dict[str, int] = {}  # point -> the first pass that raises (1-based)
+_ARMED: dict[str, int] = {}
 _passes: dict[str, int] = {}
 _lock = threading.Lock()
 

@@ -446,7 +446,7 @@ class Index:
                 for run, step in dirty:
                     if step is not None and (run, None) not in dirty:
                         self.refresh_step(run, step)
-            except Exception:  # keep indexing; the next rescan repairs
+            except Exception:
                 log.exception("index update failed")
 
     def _start_observer(self) -> None:

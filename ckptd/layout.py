@@ -73,7 +73,7 @@ def parse_step_dir(name: str) -> int | None:
 
 def is_ckptd_file(name: str) -> bool:
     """A name ckptd itself writes inside a step folder (manifests, chunks, temp files)."""
-    if name.startswith(".") and name.endswith(".tmp"):  # .<name>~<host>-<pid>.tmp (durable.replacing)
+    if name.startswith(".") and name.endswith(".tmp"):
         return is_ckptd_file(name[1:-4].split("~", 1)[0])
     return file_rank(name) is not None
 

@@ -275,7 +275,7 @@ class _Parser:
 
     def tensor(self, name: Any, t: Any, rank: int, fmt: str) -> TensorRecord:
         try:
-            if name != names.RESERVED_NAME:  # refused when written since; harmless to read (HDF5)
+            if name != names.RESERVED_NAME:  # refused when written; harmless to read (HDF5)
                 names.check_name(name)
         except ValueError as exc:
             raise self.fail(f"tensor name is invalid: {exc}") from None

@@ -25,12 +25,12 @@ from . import layout
 from .advise import Inputs, recommend
 
 VERSION = 1
-PREFIX = ".measures."  # a dotfile: the run folder shows only its checkpoints
+PREFIX = ".measures."
 MAX_BYTES = 4 * 2**20
 KEEP = {"saves": 2000, "uploads": 2000, "restores": 200, "failures": 1000}
 RECENT = 20
 DEFAULT_MTBF_S = 24 * 3600.0
-MIN_FAILURES = 2  # fewer failures than this: the configured mtbf, where there is one, wins
+MIN_FAILURES = 2
 # tiers.local.NAME and tiers.bucket.NAME, spelled out: this module sits below the tiers
 ROOT = "local"
 BUCKET = "remote"

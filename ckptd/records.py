@@ -95,7 +95,7 @@ class TensorRecord:
     dtype: str
     shape: list[int]
     file: str
-    key: str  # safetensors key or HDF5 dataset path
+    key: str
     offset: int | None
     nbytes: int
     checksum: str
@@ -120,7 +120,7 @@ class TensorRecord:
         return self.shard.tensor if self.shard is not None and self.shard.tensor is not None else key
 
     def to_dict(self) -> dict[str, Any]:
-        # not asdict(): it deep-copies every field, a cost seen at 10,000 records
+        # not asdict(): it deep-copies every field
         d = {name: getattr(self, name) for name in _RECORD_FIELDS}
         if not self.numpy:
             del d["numpy"]

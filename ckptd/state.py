@@ -144,7 +144,7 @@ def _claim(path: tuple[Any, ...], value: Any, tensors: dict[str, Any]) -> str:
 def _decode(node: Any, lookup: Callable[[str], Any]) -> Any:
     if not isinstance(node, (dict, list)):
         return node
-    if isinstance(node, list):  # not produced by encode; tolerate as a list
+    if isinstance(node, list):
         return [_decode(v, lookup) for v in node]
     if "tensor" in node:
         return lookup(node["tensor"])

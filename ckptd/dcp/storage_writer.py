@@ -63,7 +63,7 @@ class StorageWriter(_Writer):
             raise TypeError("a ckptd.dcp.StorageWriter given producer= cannot go to another process "
                             "(AsyncCheckpointerType.PROCESS); give it run= and the producer's options instead")
         state = dict(self.__dict__)
-        state["_producer"] = None  # the other process makes its own
+        state["_producer"] = None
         return state
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -200,7 +200,7 @@ class AsyncStorageWriter(StorageWriter):
         except BaseException:
             producer.abort(self.step)
             raise
-        return state_dict  # DCP plans with it; its values are never read again
+        return state_dict
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None and _step_of(checkpoint_id) != self.step:
@@ -240,7 +240,7 @@ def _shared_producer(endpoint: str | None, run: str | None, rank: int, world: in
     from .. import producer as default
     from ..producer import Producer
 
-    mine = default.current()  # the module's producer (producer.save) of this run: one session, shared
+    mine = default.current()
     if (mine is not None and (mine.run, mine.rank, mine.world_size) == (run, rank, world)
             and (endpoint is None or config_mod.resolve_endpoint(endpoint, Path.cwd()) == mine.endpoint)):
         return mine

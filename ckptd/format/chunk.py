@@ -221,7 +221,7 @@ def _copy(io: WriteIO, groups: list[list[Ref]]) -> dict[str, TensorRecord]:
     head = header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes, [])
                    for r in refs])
     name = layout.chunk_name(io.rank, io.next_seq())
-    dst = io.create_plain(name)  # listed before it exists: a failed step removes it
+    dst = io.create_plain(name)
     records = {}
     try:
         write_all(dst, head)
@@ -262,7 +262,7 @@ def _copy_range(src: int, dst: int, src_at: int, dst_at: int, n: int) -> None:
             if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             done = 0
-        if done == 0:  # not in the kernel (or past the end: then pread says so)
+        if done == 0:
             data = os.pread(src, min(n, 8 * 2**20), src_at)
             if not data:
                 raise OSError(errno.EIO, f"the file ends {n} bytes early")

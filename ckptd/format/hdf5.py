@@ -174,7 +174,7 @@ class H5Writer:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                os.close(self._dfd)  # accepted at open, refused at write: buffered from now on
+                os.close(self._dfd)
                 self._dfd = -1
                 done = 0
             at, view = at + done, view[done:]

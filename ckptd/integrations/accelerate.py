@@ -70,7 +70,7 @@ def load_state(accelerator: Any, step: int | None = None, *, run: str | None = N
     RNG states from ``step`` (None: the newest complete step); return its CheckpointInfo."""
     _check_unsharded(accelerator)
     run = _run(run)
-    path, manifests = reader.find(run, step, root)  # step None: the newest complete one
+    path, manifests = reader.find(run, step, root)
     step, world = manifests[0].step, manifests[0].world_size
     first = reader.load(run, step, root=root, rank=0)
     rank = accelerator.process_index

@@ -35,7 +35,7 @@ log = logging.getLogger("ckptd.integrations.lightning")
 
 POINTER_KIND = "ckptd-lightning-pointer"
 _POINTER_LIMIT = 1 << 16
-_LAST = re.compile(r"^last(-v?\d+)?$")  # ModelCheckpoint.CHECKPOINT_NAME_LAST and its versions
+_LAST = re.compile(r"^last(-v?\d+)?$")
 
 
 class CkptdCheckpointIO(_io.CheckpointIO):

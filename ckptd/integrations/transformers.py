@@ -180,7 +180,7 @@ class CkptdCallback(TrainerCallback):
         self.flush()
         info = reader.latest(self.run, root=self.root)
         if info is None:
-            return True  # nothing in ckptd: the Trainer looks for its own checkpoint folders
+            return True
         args = self._trainer.args
         first = reader.load(self.run, info.step, root=self.root, rank=0)
         mine = first if args.process_index == 0 else reader.load(self.run, info.step, root=self.root,

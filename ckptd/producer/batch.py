@@ -16,7 +16,7 @@ from .staging import ALIGN, Region
 
 SMALL = 64 * 1024
 BATCH_BYTES = 4 * 2**20
-BATCH_ITEMS = 4096  # tensors per batch: bounds one header's size and decode time
+BATCH_ITEMS = 4096
 
 
 class Batcher:
@@ -56,7 +56,7 @@ class Batcher:
         src = item.source
         if not item.is_numpy and src.is_contiguous() and not src.is_conj() and not src.is_neg():
             if item.nbytes:
-                ctypes.memmove(self._base + at, src.data_ptr(), item.nbytes)  # releases the GIL
+                ctypes.memmove(self._base + at, src.data_ptr(), item.nbytes)
         else:
             self._copy(Region(at, item.nbytes), item)
         self._items.append([name, item.dtype.name, item.shape, item.nbytes, item.is_numpy, at])

@@ -132,7 +132,7 @@ class Producer:
             if global_shape is not None and item.shard is not None:
                 piece = (name, Box(tuple(item.shard.offsets), tuple(item.shape)))
                 kept = self._book.place(step, *piece)
-                if kept != name:  # this rank's second piece of it: its shard names the tensor
+                if kept != name:
                     name, item = kept, dataclasses.replace(item, shard=dataclasses.replace(item.shard, tensor=name))
             self._stager.stage(step, {name: item}, room=sizing.room_for([item.nbytes]), grow_for=0, piece=piece)
         return name
@@ -191,7 +191,7 @@ class Producer:
         neither copy nor send them, and the new step refers to the stored copy. A
         torch tensor whose in-place version counter moved is copied again all the
         same (``ckptd.producer.frozen``)."""
-        began = time.monotonic()  # the training loop is blocked from here to the commit
+        began = time.monotonic()
         check_step(step)
         pattern = frozen_mod.globs(frozen)
         meta_json = _metadata_json(metadata)
@@ -392,7 +392,7 @@ class Producer:
         st = self._book.close_step(step, handle)
         self._copier.want(st.room)
         conn = self._connection
-        if st.error is not None:  # the daemon failed this step already: do not commit it
+        if st.error is not None:
             self._book.finish(step, handle, error=st.error)
             if conn.live:
                 conn.send("abort", step=step, reason="failed before commit")

@@ -178,7 +178,7 @@ class Connection:
         run = self.need_run()
         arena = self._copier.ready()
         old, self.transport = self.transport, None
-        self._frozen.forget()  # the daemon there may keep another root
+        self._frozen.forget()
         if self.batcher is not None:
             self.batcher.drop()
             self.batcher = None
@@ -374,9 +374,9 @@ class Connection:
         if self.transport is None or self.transport.lost is not None:
             return
         if self.shm:
-            self.send("drain")  # wakes the sender: what was queued leaves before it
+            self.send("drain")
         else:
-            self.transport.kick()  # inline, staging is free once the daemon has read it
+            self.transport.kick()
 
     def _on_reply(self, h: dict[str, Any]) -> None:
         op = h["op"]

@@ -1,12 +1,9 @@
-"""Copies into staging: the snapshot ``emit`` and ``save`` take (docs/usage.md).
+"""Copies into staging: the snapshot ``emit`` and ``save`` take.
 
-``describe`` checks a tensor or array and says how to stage it (an ``Item``).
-``Copier`` owns the staging arena (allocated and pre-faulted in the background,
-grown between steps with ``staging_size = "auto"``, producer/sizing.py) and every
-copy into it: a tensor whole, a large one in pieces, a CUDA tensor through pinned
-staging on a side stream. ``Copier.stage`` copies one tensor and hands its regions
-to the connection, which numbers and sends them. When a copy returns, the caller
-may overwrite the tensor (for a CUDA tensor the current stream waits for the copy).
+``describe`` checks a tensor or array and says how to stage it (an ``Item``). ``Copier``
+owns the staging arena (made in the background, grown between steps by ``sizing``) and
+every copy into it; ``Copier.stage`` copies one tensor and hands its regions to the
+connection. When a copy returns the caller may overwrite the tensor.
 """
 
 from __future__ import annotations
@@ -141,7 +138,6 @@ class Copier:
         self._blocked_before = 0.0
         self.last_room = 0
         self.prepared_bytes = 0
-        # staging_size = "auto": start small, grow to fit (sizing); else exactly what was asked
         self.growth: sizing.Growth | None = None
         size = options.staging_size
         if size is None:
@@ -322,7 +318,7 @@ class Copier:
                 return
             st.opened = True
         if batcher is not None:
-            batcher.flush()  # regions go out in the order they were taken
+            batcher.flush()
         header = dict(step=step, name=name, dtype=item.dtype.name, shape=item.shape,
                       nbytes=item.nbytes, numpy=item.is_numpy)
         if item.shard is not None:

@@ -53,7 +53,7 @@ _WILD = re.compile(r"[*?\[]")
 
 def _where(source: Any) -> tuple:
     version = getattr(source, "_version", None)
-    if version is None:  # a numpy array: nothing to check
+    if version is None:
         return ()
     return (source.data_ptr(), version)
 
@@ -65,7 +65,7 @@ class Frozen:
     the daemon acknowledged becomes a base: until then a save sends everything."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # done() comes from the sender thread
+        self._lock = threading.Lock()
         self._base: int | None = None
         self._stored: dict[str, _Stored] = {}
         self._pending: dict[int, dict[str, _Stored]] = {}

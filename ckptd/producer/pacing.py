@@ -75,10 +75,10 @@ class Pacer:
                  else math.inf)
         want: float
         if interval_s is None and not self.saved:
-            want = 0  # no advice for this run yet: a save now measures what the advice needs
+            want = 0
         elif interval_s is None or s is None:
             if hi == math.inf:
-                return math.nan  # the advice (the first commit's reply) or a step time is on its way
+                return math.nan
             want = hi
         else:
             want = max(1, round(interval_s / s))

@@ -97,7 +97,7 @@ class Plan:
         if len(parts) != _count_slots(layout) + 1:
             return None
         sizes = [t.nbytes for t in values]
-        if max(sizes) > capacity // 4:  # such a tensor travels in pieces (Copier.stage)
+        if max(sizes) > capacity // 4:
             return None
         offsets, end = [], 0
         for n in sizes:
@@ -203,7 +203,7 @@ class Plan:
                 items = []
             if not items:
                 first = off
-            items.append([name, d, shape, n, False, start + off])  # wire.BATCH_ITEM
+            items.append([name, d, shape, n, False, start + off])
         if items:
             out.append(("tensors", wire.pack_fields(items=items)))
         return out

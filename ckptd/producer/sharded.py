@@ -55,7 +55,7 @@ def plan(tensors: dict[str, Any], rank: int, world_size: int, replicated: Any = 
     """Split ``{name: tensor}`` into what this rank stages and what other ranks write."""
     is_replicated = replicated_matcher(replicated)
     out = Plan()
-    shared: list[tuple[str, int, tuple[int, ...]]] = []  # pieces several ranks hold
+    shared: list[tuple[str, int, tuple[int, ...]]] = []
     everyone = tuple(range(world_size))
     placed: dict[Any, Any] = {}
     for name, value in tensors.items():

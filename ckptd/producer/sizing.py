@@ -82,7 +82,7 @@ class Growth:
         self._ready: Arena | None = None
         self._target = 0
         self._making = False
-        self._awaited = False  # asked for ahead of a checkpoint (prepare): take(wait=True) waits for it
+        self._awaited = False
         self._capped_warned = False
 
     def want(self, need: int, have: int, *, ahead: bool = False) -> None:

@@ -55,7 +55,7 @@ class Stager:
             if region is None:
                 return None
             messages = self._copier.copy_planned(plan, region, got[0])
-            if messages is None:  # a tensor changed: the general way, which plans anew
+            if messages is None:
                 plans.remove(plan)
                 return None
             try:
@@ -113,7 +113,7 @@ class Stager:
     def keep_many(self, tensors: dict[str, Any], items: dict[str, Item], room: int) -> None:
         """``keep`` for ``emit_many``'s ``{name: tensor}``, whose names are its own."""
         structure, flat = flatten(tensors)
-        if list(flat) == list(items):  # else a name flatten spells otherwise: no plan
+        if list(flat) == list(items):
             self.keep(self.many_plans, tensors, structure, flat, items, room)
 
     def grow(self, room: int = 0) -> None:

@@ -161,7 +161,7 @@ class Arena:
         """Give back the unused end of ``region``, if it is the newest region: a batch
         sent before it filled (an eighth of the arena, holding one small tensor between
         two large ones) must not hold what it does not use."""
-        nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)  # never empty: head == tail means "empty"
+        nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         with self._cond:
             if self._live and self._live[-1] is region and nbytes < region.nbytes:
                 region.nbytes = nbytes
@@ -248,7 +248,7 @@ def prefault(mm: mmap.mmap, threads: int) -> None:
         if errors:
             raise errors[0]
     finally:
-        del buf  # the mapping must not stay exported, or it could never be closed
+        del buf
 
 
 _madvise_refused = False

@@ -1,12 +1,9 @@
 """A producer's steps: the ones it is emitting, the commits it awaits, how each ended.
 
-``CommitHandle`` is what ``commit`` returns. ``StepBook`` keeps, under one lock
-(the training thread writes it, the sender thread brings the daemon's replies):
-each open step's names and staging room, the commits awaiting a reply (by wire
-seq), and the failed commits no caller was told of yet, which ``flush()`` and
-``close()`` raise (docs/usage.md: a failure always reaches the caller). A
-``Step``'s ``opened`` flag alone is set outside the lock, by the copy that opens
-the step (``copies.Copier.stage``, under the emit lock): only emits read it.
+``CommitHandle`` is what ``commit`` returns. ``StepBook`` keeps, under one lock (the
+training thread writes it, the sender thread brings replies), each open step's names and
+staging room, the commits awaiting a reply, and the failures no caller was told of yet,
+which ``flush()`` and ``close()`` raise. Only ``Step.opened`` is set outside the lock.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ class CommitHandle:
         self._event = threading.Event()
         self._info: CheckpointInfo | None = None
         self._error: str | None = None
-        self.observed = False  # a failure raised by wait() is not raised again by flush()
+        self.observed = False
 
     def done(self) -> bool:
         return self._event.is_set()

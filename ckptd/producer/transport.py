@@ -185,7 +185,7 @@ class Transport:
             except zmq.Again:
                 return False
             link.last_heard = time.monotonic()
-            if link.want_pid:  # over ipc:// the kernel names the daemon's process on its first reply
+            if link.want_pid:
                 link.want_pid = False
                 link.daemon = self._watch(link.poller, frames[0])
                 if link.daemon is not None:
@@ -203,7 +203,7 @@ class Transport:
         daemon = link.daemon
         if daemon is not None and link.died is None and self._exited(daemon, events):
             link.died = time.monotonic()
-            if daemon.fd >= 0:  # readable from now on: it would wake every poll
+            if daemon.fd >= 0:
                 link.poller.unregister(daemon.fd)
         if link.died is None or time.monotonic() - max(link.died, link.last_heard) < GRACE_S:
             return None
@@ -304,7 +304,6 @@ class Transport:
         if header["op"] == "welcome":
             self._welcomed = True
         elif header["op"] == "error" and header["code"] == wire.STOPPING and self._welcomed:
-            # (before the welcome, STOPPING refuses the hello itself: on_reply reports that)
             self.stopped = True
             self.lost = f"the ckptd daemon at {self.endpoint} stopped ({header['message']})"
             self._on_lost(self.lost)

@@ -165,7 +165,7 @@ class CurveServer:
         """Make ``sock`` (before it binds) a CurveZMQ server, and start the ZAP handler."""
         if not self.enabled:
             return
-        sock.setsockopt(zmq.IPV6, 1)  # a [::1] or dual-stack address binds too
+        sock.setsockopt(zmq.IPV6, 1)
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
