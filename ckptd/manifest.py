@@ -133,7 +133,7 @@ class Manifest:
 
 def _dumps_lines(d: dict[str, Any]) -> str:
     """JSON with one line per top-level field and per tensor record: readable, and made
-    by the C encoder (``indent=`` falls back to the pure-Python one, 10x slower)."""
+    by the C encoder (``indent=`` falls back to the slower pure-Python one)."""
     def dump(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
