@@ -6,8 +6,7 @@
 
 import logging as _logging
 
-# A library's records reach the application's handlers, never Python's bare
-# last-resort printer: a failed checkpoint is reported once, by its exception.
+# a library's records reach the application's handlers, never Python's last-resort printer
 _logging.getLogger("ckptd").addHandler(_logging.NullHandler())
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING, Any as _Any
@@ -26,9 +25,7 @@ __all__ = [
     "CommitHandle", "Producer", "latest", "list_checkpoints", "load", "load_into", "producer",
 ]
 
-# Imported on first use: the command line and the daemon import this package, and the
-# producer's modules (ZeroMQ's, CurveZMQ's) were ~150 ms of every `ckptd` command's start;
-# ckptd.dcp imports torch.distributed.checkpoint. name -> (module, attribute or None)
+# imported on first use: the command line and the daemon need none of the producer's imports
 _LAZY = {
     "producer": (".producer", None), "Producer": (".producer", "Producer"),
     "CommitHandle": (".producer", "CommitHandle"), "latest": (".reader", "latest"),
@@ -45,7 +42,7 @@ def __getattr__(name: str) -> _Any:
 
     module = importlib.import_module(where[0], __name__)
     value = module if where[1] is None else getattr(module, where[1])
-    globals()[name] = value  # once: later lookups do not come here
+    globals()[name] = value
     return value
 
 

@@ -1,24 +1,9 @@
-"""Which attempt of a job a producer belongs to (elastic restarts).
+"""Which attempt of a job a producer belongs to (elastic restarts): ``current``.
 
-A job restarted after a failure (``torchrun --max-restarts``) saves again the steps
-after the one it resumed from, among them a step that one rank of the failed
-attempt may have committed before another died. Each manifest records the
-attempt that wrote it (top-level ``"attempt"``); a step is complete only out of
-manifests of one attempt (``ckptd.index``), and the daemon lets a new attempt's
-share replace an earlier attempt's share of a step that never became complete.
-
-The attempt is a string, the same on every rank of one attempt and different
-between attempts:
-
-- ``[producer] attempt`` / ``Producer(attempt=...)``, when given (a job scheduler's
-  job id and restart count, say);
-- under torchrun (``TORCHELASTIC_RESTART_COUNT`` set): ``torchelastic:<run id>:<restart
-  count>``, plus, when the job runs on one node (``GROUP_WORLD_SIZE`` 1), the
-  identity of the torchrun agent process that every local worker shares, so that
-  two launches with the same rendezvous id ("none" without ``--rdzv-id``) differ;
-- a one-rank job outside torchrun: this process (boot id, pid, start time);
-- otherwise (several ranks started by something else) none: a rank's committed
-  share is then never replaced, as before attempts existed.
+A step is complete only out of manifests of one attempt (``ckptd.index``), and a new
+attempt's share may replace an earlier one's of a step that never became complete. The
+attempt is ``[producer] attempt`` where given; under torchrun, the run id and restart
+count (with the agent's identity on one node); a one-rank job's own process; else none.
 """
 
 from __future__ import annotations

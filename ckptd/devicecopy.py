@@ -1,24 +1,16 @@
-"""``load(..., map_location="cuda")``: tensors onto the GPU as they are read.
+"""``load(..., map_location="cuda")``: tensors onto the GPU as they are read (``DeviceCopier``).
 
-``tensor.to("cuda")`` from ordinary (pageable) memory is synchronous: the driver
-copies through its own small pinned buffer and the CPU waits, so reading the next
-file never overlaps the copy, and the whole state sits in host memory first. Here
-each tensor, as the reader yields it, is copied into one of two pinned buffers
-(``SLOT`` bytes each; a larger tensor goes through them in pieces) and from there
-to the device with ``non_blocking=True`` on a stream of its own; a buffer is
-reused only once its event says its copy is done. So the host-to-device copy of
-one piece overlaps the read of the next, host memory holds one tensor and two
-buffers, and ``finish`` waits for the last copy before ``load`` returns.
-
-This path needs a CUDA device; the development machines have none, so
-``benchmarks/cuda_check.py`` is where it runs.
+Each tensor the reader yields is copied into one of two pinned buffers (``SLOT`` bytes;
+larger ones in pieces) and from there to the device with ``non_blocking=True`` on a
+stream of its own, so the copy of one piece overlaps the read of the next and host
+memory holds one tensor and two buffers. Needs CUDA: ``benchmarks/cuda_check.py`` runs it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-SLOT = 64 * 2**20  # bytes of each pinned buffer
+SLOT = 64 * 2**20
 
 
 def is_cuda(map_location: Any) -> bool:
@@ -52,7 +44,7 @@ class DeviceCopier:
         dst = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         if t.numel() == 0:
             return dst
-        src = t.contiguous().reshape(-1).view(torch.uint8)  # every dtype views as its bytes
+        src = t.contiguous().reshape(-1).view(torch.uint8)
         out = dst.reshape(-1).view(torch.uint8)
         slot_bytes = self._slots[0].numel()
         for start in range(0, src.numel(), slot_bytes):
@@ -60,7 +52,7 @@ class DeviceCopier:
             i = self._next
             self._next ^= 1
             if self._events[i] is not None:
-                self._events[i].synchronize()  # its previous copy has left the buffer
+                self._events[i].synchronize()
             slot = self._slots[i][:n]
             slot.copy_(src[start:start + n])
             with torch.cuda.stream(self._stream):

@@ -13,11 +13,18 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Dtype:
-    name: str  # torch's name without "torch."
+    """A tensor element type as ckptd stores it.
+
+    ``name``: torch's name without "torch."
+    ``st_code``: safetensors dtype of the stored elements
+    ``st_pairs``: >1: stored as that many st_code elements (a trailing dimension)
+    ``numpy``: numpy's name, when numpy has the type"""
+
+    name: str
     itemsize: int
-    st_code: str  # safetensors dtype of the stored elements
-    st_pairs: int = 1  # >1: stored as that many st_code elements (a trailing dimension)
-    numpy: str | None = None  # numpy's name, when numpy has the type
+    st_code: str
+    st_pairs: int = 1
+    numpy: str | None = None
 
     def stored_shape(self, shape: list[int]) -> list[int]:
         """Shape of the tensor as a safetensors reader sees it."""

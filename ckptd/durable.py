@@ -36,9 +36,8 @@ def replacing(path: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[P
     path, such as ``torch.save``); on success it replaces ``path`` as ``atomic_write``
     does (fsync, rename, fsync the folder); on an exception it is removed."""
     path = Path(path)
-    # unique per writer: daemons of several hosts may replace the same file (a run's
-    # latest pointer on shared storage)
-    tmp = path.with_name(f".{path.name}~{socket.gethostname()}-{os.getpid()}.tmp")  # no "~" in host names
+    # unique per writer: daemons of several hosts may replace one file on shared storage
+    tmp = path.with_name(f".{path.name}~{socket.gethostname()}-{os.getpid()}.tmp")
     try:
         yield tmp
         if fsync:

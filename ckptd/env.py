@@ -124,7 +124,7 @@ def root(environ: Mapping[str, str] = os.environ) -> str | None:
 
 
 def failpoints(environ: Mapping[str, str] = os.environ) -> str:
-    """``$CKPTD_FAILPOINTS``: faults the daemon injects, for tests (daemon/failpoints.py)."""
+    """``$CKPTD_FAILPOINTS``: faults the daemon injects, for tests (failpoints.py)."""
     return environ.get("CKPTD_FAILPOINTS", "")
 
 

@@ -1,20 +1,11 @@
-"""Every exception ckptd raises on purpose, in one place.
+"""Every exception ckptd raises on purpose, in one place: ``CheckpointError`` and its
+kinds (``CheckpointNotFound``, ``CheckpointCorrupt``, ``ProtocolError``, ``RemoteError``,
+``RemoteAuthError``), and ``ConfigError`` (a ``ValueError``) for a bad config key.
 
-    CheckpointError                  daemon unreachable, timeout, failed commit
-    ├── CheckpointNotFound           (also LookupError) no such run or step
-    ├── CheckpointCorrupt            a checksum or file does not match its manifest
-    ├── ProtocolError                a wire message that breaks the protocol
-    └── RemoteError                  the object store ([remote]) refused or failed a request
-        └── RemoteAuthError          it refused the credentials: retrying cannot help
-    ConfigError (ValueError)         a bad config key or value, naming key and file
-
-Bad arguments are plain ``ValueError``; values ckptd cannot store are ``TypeError``
-(docs/errors.md). Errors from libraries are translated where the library is called.
-
-The rest are signals between ckptd's own parts, caught inside the daemon and turned
-into one of the errors above (or a reply naming what to do) before a user sees them.
-A class private to one module (``_NotThere``) stays in that module: it never leaves it.
-Each is still importable from where it was first defined.
+Bad arguments are plain ``ValueError``; values ckptd cannot store are ``TypeError``.
+The rest are signals between ckptd's own parts, turned into one of the above (or a
+reply naming what to do) before a user sees them; each is still importable from the
+module that raises it.
 """
 
 from __future__ import annotations
@@ -48,9 +39,6 @@ class ConfigError(ValueError):
     """A config file key or value is invalid; the message names both and the file."""
 
 
-# -- signals between ckptd's own parts ---------------------------------------------------
-
-
 class NotOwner(Exception):
     """The producer may not write this run; the message says whose it is and what to do
     (daemon/owners.py; the daemon replies with it)."""
@@ -62,7 +50,7 @@ class StepError(Exception):
 
 
 class Failpoint(RuntimeError):
-    """Raised at an armed failpoint (daemon/failpoints.py; tests only)."""
+    """Raised at an armed failpoint (failpoints.py; tests only)."""
 
 
 class HandoffRefused(Exception):
@@ -79,9 +67,9 @@ class PeerRefused(Exception):
 
 
 class PeerMemoryFull(Exception):
-    """No room for a replica within ``[peer] memory`` (peer/holder.py, as ``Full``)."""
+    """No room for a copy within ``[peer] memory`` (peer/holder.py, as ``Full``)."""
 
 
 class PeerNotOwner(Exception):
-    """A peer asked to write, replace or drop a replica that another node's key owns
+    """A peer asked to write, replace or drop a copy that another node's key owns
     (peer/holder.py, as ``NotYours``)."""

@@ -1,14 +1,10 @@
 """What is complete under the checkpoint root: one scan, then watchdog events as hints.
 
-Manifests are the truth. A step folder is a complete checkpoint when every rank's
-manifest is there, all of one attempt of the job (``ckptd.attempt``), and every
-file they name exists at least as long as the manifest says. The functions at the
-top answer that straight from the disk, for any process; ``Index`` keeps the
-answer in memory for the daemon: it scans the root once, then re-reads whatever a
-watchdog event touches, and reconciles with a full rescan periodically and
-whenever the observer reports trouble (watchdog drops events when the inotify
-queue overflows; inotify sees nothing that other hosts write on NFS or Lustre), so
-missed or coalesced events cannot leave it wrong.
+A step is complete when every rank's manifest is there, all of one attempt
+(``ckptd.attempt``), and every file they name is at least as long as it says. The
+functions at the top answer that from the disk, for any process; ``Index`` keeps the
+answer for the daemon, re-reading what an event touches and rescanning periodically
+(inotify drops events on overflow and sees nothing other hosts write on NFS).
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ from .names import RUN_ID_PATTERN
 log = logging.getLogger("ckptd.index")
 
 
-# -- straight from the disk ------------------------------------------------------------
 def read_manifests(step_path: Path) -> list[Manifest] | None:
     """All ranks' manifests of a step folder, or None if the step is not complete.
     A manifest that cannot be parsed, or a symlink in place of the step folder or a
@@ -55,7 +50,7 @@ def _open_step(step_path: Path, run_fd: int | None = None) -> int:
         return layout.open_step_dir(step_path)
     except (FileNotFoundError, PermissionError):
         raise
-    except OSError as exc:  # a symlink or a file where the folder should be
+    except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise CheckpointCorrupt(str(exc)) from None
         raise
@@ -68,9 +63,9 @@ def _read_manifests(dir_fd: int, step_path: Path) -> list[Manifest] | None:
         where = str(step_path / name)
         try:
             m = manifestcache.read(name, dir_fd, where)
-        except FileNotFoundError:  # deleted while we looked
+        except FileNotFoundError:
             return None
-        except OSError as exc:  # a symlink, a FIFO, a sparse file claiming terabytes
+        except OSError as exc:
             raise CheckpointCorrupt(f"{step_path}: {exc.strerror}") from None
         if m.rank != layout.file_rank(name):
             raise CheckpointCorrupt(f"{where}: holds the manifest of rank {m.rank}")
@@ -92,7 +87,7 @@ def one_attempt(manifests: list[Manifest], step_path: Path) -> list[Manifest] | 
     for m in manifests:
         by_attempt.setdefault(m.attempt, []).append(m)
     for group in by_attempt.values():
-        _agree(group, ("world_size",), step_path)  # formats may differ by rank
+        _agree(group, ("world_size",), step_path)
         world = group[0].world_size
         if len(group) == world and {m.rank for m in group} == set(range(world)):
             return group
@@ -219,7 +214,7 @@ def run_dirs(root: Path) -> list[Path]:
 
 
 def scan_run(run_dir: Path, *, warn: bool = False) -> dict[int, CheckpointInfo]:
-    run_fd = _open_run(run_dir)  # once: each step folder is opened relative to it
+    run_fd = _open_run(run_dir)
     if run_fd is None:
         return {}
     try:
@@ -232,7 +227,7 @@ def scan_run(run_dir: Path, *, warn: bool = False) -> dict[int, CheckpointInfo]:
 def latest_by_scan(run_dir: Path, *, warn: bool = False) -> CheckpointInfo | None:
     for _, path in step_dirs(run_dir):
         info = step_info(path, warn=warn)
-        if info and not info.refused:  # replicas that disagree under "refuse": never the latest
+        if info and not info.refused:
             return info
     return None
 
@@ -260,7 +255,6 @@ def write_pointer(run_dir: Path, step: int | None) -> None:
         atomic_write(path, f"{layout.step_dir_name(step)}\n".encode())
 
 
-# -- in memory, kept current -------------------------------------------------------------
 LatestChanged = Callable[[str, "CheckpointInfo | None"], None]
 
 
@@ -277,14 +271,12 @@ class Index:
         self.root = root
         self.config = config
         self._on_latest_change = on_latest_change
-        self._lock = threading.Lock()  # the maps below; held only briefly, queries take it
-        # Held across each re-read of the disk and its update: two threads refreshing the
-        # same step (the watcher and the daemon's own commit) must not apply a stale read
-        # after a newer one.
+        self._lock = threading.Lock()
+        # two threads refreshing a step (the watcher, a commit) must not apply a stale read after a newer one
         self._refresh_lock = threading.RLock()
         self._runs: dict[str, dict[int, CheckpointInfo]] = {}
         self._latest: dict[str, int] = {}
-        self._dirty: set[tuple[str, int | None]] = set()  # (run, step); step None: the whole run
+        self._dirty: set[tuple[str, int | None]] = set()
         self._rescan_wanted = False
         self._wake = threading.Condition()
         self._stop = False
@@ -294,7 +286,6 @@ class Index:
         self.rescans = 0
         self.last_scan_s = 0.0
 
-    # -- queries ---------------------------------------------------------------------------
     def latest(self, run: str) -> CheckpointInfo | None:
         with self._lock:
             step = self._latest.get(run)
@@ -309,7 +300,6 @@ class Index:
         with self._lock:
             return sorted(r for r, steps in self._runs.items() if steps)
 
-    # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Scan the root, then follow it. Returns once the first scan is done."""
         self.rescan()
@@ -325,10 +315,9 @@ class Index:
             self._thread.join()
         self._stop_observer()
 
-    # -- updates ---------------------------------------------------------------------------
     def refresh_step(self, run: str, step: int) -> None:
         """Re-read one step folder now (the daemon calls this after its own commits)."""
-        with self._refresh_lock:  # a read and its update are one unit: no stale overwrite
+        with self._refresh_lock:
             info = step_info(layout.step_dir(self.root, run, step))
             with self._lock:
                 steps = self._runs.setdefault(run, {})
@@ -367,7 +356,6 @@ class Index:
 
     def _update_latest(self, run: str) -> bool:
         steps = self._runs.get(run, {})
-        # a step whose replicas disagree under compare_replicas = "refuse" is never the latest
         new = max((s for s, info in steps.items() if not info.refused), default=None)
         old = self._latest.get(run)
         if new is None:
@@ -380,10 +368,9 @@ class Index:
         if changed and self._on_latest_change is not None:
             try:
                 self._on_latest_change(run, self.latest(run))
-            except Exception:  # a failing callback must not stop the index
+            except Exception:
                 log.exception("latest-change callback failed for run %s", run)
 
-    # -- events ----------------------------------------------------------------------------
     def _mark(self, path: str) -> None:
         """Map a path an event named to what must be re-read."""
         try:
@@ -391,7 +378,7 @@ class Index:
         except ValueError:
             return
         if not parts:
-            self.request_rescan()  # the root itself moved or vanished
+            self.request_rescan()
             return
         run = parts[0]
         if not RUN_ID_PATTERN.fullmatch(run):
@@ -401,7 +388,7 @@ class Index:
         else:
             step = layout.parse_step_dir(parts[1])
             if step is None:
-                return  # the latest pointer, trash folders, other files
+                return
             key = (run, step)
         with self._wake:
             self._dirty.add(key)
@@ -440,7 +427,7 @@ class Index:
             if self.observer_kind == "polling" and time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.config.poll_interval
                 self._check_known()
-            time.sleep(0.02)  # let a burst of events (a folder being written) coalesce
+            time.sleep(0.02)
             with self._wake:
                 dirty, self._dirty = self._dirty, set()
                 rescan, self._rescan_wanted = self._rescan_wanted, False
@@ -459,7 +446,7 @@ class Index:
                 for run, step in dirty:
                     if step is not None and (run, None) not in dirty:
                         self.refresh_step(run, step)
-            except Exception:  # keep indexing; the next rescan repairs
+            except Exception:
                 log.exception("index update failed")
 
     def _start_observer(self) -> None:
@@ -468,10 +455,7 @@ class Index:
         from watchdog.observers import Observer
         from watchdog.observers.polling import PollingObserver
 
-        # What can change a step's completeness: names appearing, vanishing or moving,
-        # and files closed after writing (a manifest or chunk copied in, a file
-        # truncated). Not every write: the daemon's own chunk writes would cost it CPU
-        # for events that say nothing new.
+        # what changes a step's completeness; not every write: the daemon's own would cost it CPU
         wanted = [ev.FileCreatedEvent, ev.FileDeletedEvent, ev.FileMovedEvent, ev.FileClosedEvent,
                   ev.DirCreatedEvent, ev.DirDeletedEvent, ev.DirMovedEvent]
 
@@ -486,9 +470,7 @@ class Index:
 
         kind = self.config.observer
         observer = None
-        # watchdog warns when a folder is removed and one of the same name is made again
-        # (a step saved anew) while its old inotify watch is still registered; it then
-        # replaces the watch itself, which is all we need: not a log line worth having.
+        # watchdog warns when a folder is made again under a still-registered watch, and fixes it itself
         warnings.filterwarnings("ignore", message="Callback with id .* already exists for watch",
                                 category=RuntimeWarning)
         if kind in ("auto", "inotify"):

@@ -17,17 +17,13 @@ from pathlib import Path
 
 STEP_DIR = re.compile(r"step-(\d{12})")
 MANIFEST = re.compile(r"manifest-r(\d{5})\.json")
-# Each storage format's data files (ckptd.format names them through these): one place
-# for their names, which a manifest, a step folder's clean-up and an export all read.
-CHUNK_SUFFIX = ".safetensors"  # format = "chunk": r<rank>-<seq>.safetensors, each a whole safetensors file
+# each format's data file names: one place, read by manifests, clean-up and export
+CHUNK_SUFFIX = ".safetensors"
 H5_SUFFIX = ".h5"
 CHUNK = re.compile(r"r(\d{5})-(\d{6})" + re.escape(CHUNK_SUFFIX))
-# format = "hdf5": one file per rank and step, r<rank>.h5; r<rank>-<step>.h5 is the
-# r<rank>.h5 written at that earlier step, linked into this folder for the tensors this
-# step shares with it (daemon.reuse): one name for one file in every folder, so that the
-# external links an r<rank>.h5 holds to it resolve the same wherever it is linked
+# hdf5: r<rank>-<step>.h5 is the r<rank>.h5 of an earlier step, linked here under one name so its external links resolve
 H5 = re.compile(r"r(\d{5})(?:-\d{12})?" + re.escape(H5_SUFFIX))
-WRITING = re.compile(r"r(\d{5})\.writing")  # "this host is writing rank N here"
+WRITING = re.compile(r"r(\d{5})\.writing")
 
 
 def step_dir_name(step: int) -> str:
@@ -77,7 +73,7 @@ def parse_step_dir(name: str) -> int | None:
 
 def is_ckptd_file(name: str) -> bool:
     """A name ckptd itself writes inside a step folder (manifests, chunks, temp files)."""
-    if name.startswith(".") and name.endswith(".tmp"):  # .<name>~<host>-<pid>.tmp (durable.replacing)
+    if name.startswith(".") and name.endswith(".tmp"):
         return is_ckptd_file(name[1:-4].split("~", 1)[0])
     return file_rank(name) is not None
 
@@ -159,7 +155,7 @@ def read_limited(fd: int, name: str | os.PathLike[str], limit: int) -> bytes:
         raise OSError(errno.EFBIG, f"{name} is {size} bytes, more than the {limit} allowed")
     chunks = []
     total = 0
-    while total <= limit:  # the file may grow while it is read: stop past the limit
+    while total <= limit:
         data = os.read(fd, min(limit + 1 - total, 1 << 20))
         if not data:
             break
@@ -194,7 +190,7 @@ def _kind(mode: int) -> str:
 
 
 LATEST = "latest"
-_POINTER_LIMIT = 4096  # one line: a step folder's name
+_POINTER_LIMIT = 4096
 
 
 def read_latest_pointer(run_dir: Path, default: int) -> int:

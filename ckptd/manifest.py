@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 import xxhash
@@ -19,14 +19,14 @@ import xxhash
 from . import dtypes, format as formats, layout, names, replicas
 from .errors import CheckpointCorrupt
 from .format import FORMATS
+from .records import MAX_DIMS, MAX_INT, Shard, TensorRecord, short_repr
 
-FORMAT_VERSION = 1  # a manifest without sharded or replicated tensors
-SHARDED_FORMAT_VERSION = 2  # one whose records carry "shard" or that lists "replicas"
-PIECES_FORMAT_VERSION = 3  # one with several pieces of a tensor: a record's "shard" names its "tensor"
+FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2
+PIECES_FORMAT_VERSION = 3
 READABLE_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION, PIECES_FORMAT_VERSION)
 CHECKSUM_ALGORITHM = "xxh3_64"
-# Commit metadata keys that ckptd's own layers write (ckptd.dcp: DCP's Metadata); they stay
-# in the manifest and are left out of CheckpointInfo.metadata, which is the user's.
+# keys ckptd's own layers write (ckptd.dcp): kept in the manifest, left out of the user's CheckpointInfo.metadata
 LAYER_METADATA_PREFIX = "ckptd."
 
 
@@ -53,158 +53,44 @@ def checksum(buffers: Iterable[Any]) -> str:
 
 
 @dataclass(frozen=True)
-class Shard:
-    """Where a stored piece sits in its whole tensor (docs/format.md): the record's
-    ``shape`` is the piece's own; ``placements`` and ``mesh_shape`` are for people.
-    ``tensor``: the name of the tensor the piece belongs to, where the record is kept
-    under another key (a rank's second and later pieces of one tensor,
-    ``sharding.piece_name``); None: the record's key is the tensor's name."""
-
-    global_shape: list[int]
-    offsets: list[int]
-    placements: list[str] | None = None
-    mesh_shape: list[int] | None = None
-    tensor: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"global_shape": self.global_shape, "offsets": self.offsets}
-        if self.tensor is not None:
-            d["tensor"] = self.tensor
-        if self.placements is not None:
-            d["placements"] = self.placements
-        if self.mesh_shape is not None:
-            d["mesh_shape"] = self.mesh_shape
-        return d
-
-    @classmethod
-    def parse(cls, d: Any, shape: list[int]) -> "Shard":
-        """Check an untrusted shard object against its piece's ``shape``; ValueError
-        saying what is wrong."""
-        if not isinstance(d, dict):
-            raise ValueError(f"shard must be an object, not {type(d).__name__}")
-        extra = set(d) - {"global_shape", "offsets", "placements", "mesh_shape", "tensor"}
-        if extra:
-            raise ValueError(f"shard has unknown fields {sorted(extra)}")
-        global_shape = _sizes(d.get("global_shape"), "shard global_shape")
-        offsets = _sizes(d.get("offsets"), "shard offsets")
-        if not len(global_shape) == len(offsets) == len(shape):
-            raise ValueError(f"shard global_shape {global_shape} and offsets {offsets} must have one entry "
-                             f"per dimension of the piece's shape {shape}")
-        for dim, (o, n, g) in enumerate(zip(offsets, shape, global_shape)):
-            if o + n > g:
-                raise ValueError(f"a piece of shape {shape} at offsets {offsets} does not fit global_shape "
-                                 f"{global_shape} (dimension {dim})")
-        placements = d.get("placements")
-        if placements is not None and (not isinstance(placements, list) or len(placements) > MAX_DIMS
-                                       or not all(isinstance(p, str) and len(p) <= 200 for p in placements)):
-            raise ValueError(f"shard placements {_short(placements)} must be a list of short strings")
-        mesh_shape = d.get("mesh_shape")
-        if mesh_shape is not None:
-            mesh_shape = _sizes(mesh_shape, "shard mesh_shape")
-        tensor = d.get("tensor")
-        if tensor is not None:
-            try:
-                names.check_name(tensor)
-            except ValueError as exc:
-                raise ValueError(f"shard tensor: {exc}") from None
-        return cls(global_shape, offsets, placements, mesh_shape, tensor)
-
-
-def _sizes(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or len(value) > MAX_DIMS or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= _MAX_INT for n in value):
-        raise ValueError(f"{what} {_short(value)} must be a list of at most {MAX_DIMS} sizes")
-    return value
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    dtype: str
-    shape: list[int]
-    file: str  # relative to the step folder
-    key: str  # safetensors key or HDF5 dataset path
-    # absolute offset of the data in the file; None where the data has no one place
-    # (a chunked or empty HDF5 dataset): read it by ``key`` then
-    offset: int | None
-    nbytes: int
-    checksum: str
-    numpy: bool = False  # emitted as a numpy array; loads back as one
-    shard: Shard | None = None  # None: the record holds the whole tensor
-
-    @property
-    def global_shape(self) -> list[int]:
-        return self.shard.global_shape if self.shard is not None else self.shape
-
-    @property
-    def offsets(self) -> list[int]:
-        return self.shard.offsets if self.shard is not None else [0] * len(self.shape)
-
-    def as_tensor(self, raw: Any) -> Any:
-        """Its bytes, ``raw`` (a torch uint8 tensor), viewed as its dtype and shape."""
-        return raw.view(dtypes.torch_dtype(self.dtype)).reshape(self.shape)
-
-    def tensor_name(self, key: str) -> str:
-        """The name of the tensor this record (kept under ``key`` in its manifest) holds
-        all or a piece of."""
-        return self.shard.tensor if self.shard is not None and self.shard.tensor is not None else key
-
-    def to_dict(self) -> dict[str, Any]:
-        # not asdict(): it deep-copies every field, a cost seen at 10,000 records
-        d = {name: getattr(self, name) for name in _RECORD_FIELDS}
-        if not self.numpy:
-            del d["numpy"]
-        if self.shard is None:
-            del d["shard"]
-        else:
-            d["shard"] = self.shard.to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TensorRecord":
-        """A record as it stands, unchecked; ``Manifest.from_json`` checks each one."""
-        return cls(
-            dtype=d["dtype"], shape=[int(x) for x in d["shape"]], file=d["file"], key=d["key"],
-            offset=None if d["offset"] is None else int(d["offset"]), nbytes=int(d["nbytes"]),
-            checksum=d["checksum"],
-            numpy=bool(d.get("numpy", False)),
-            shard=None if d.get("shard") is None else Shard.parse(d["shard"], [int(x) for x in d["shape"]]),
-        )
-
-
-_RECORD_FIELDS = tuple(f.name for f in fields(TensorRecord))
-
-
-@dataclass(frozen=True)
 class Manifest:
+    """One rank's share of a step, as its ``manifest-r<rank>.json`` says (docs/format.md).
+
+    ``state``: the saved structure (ckptd.state), None for emit-built steps
+    ``files``: data file -> its size when committed; lets the completeness check see a file
+        that is still being copied in where offsets say nothing (chunked HDF5 datasets)
+    ``attempt``: the job's attempt that wrote it (ckptd.attempt); a step is complete out of
+        one attempt's
+    ``written_by``: replicated tensors this rank's state refers to but another rank wrote
+        (JSON ``"replicas"``): name -> that rank
+    ``replica_digests``, ``host``, ``compare_replicas``: replica comparison (ckptd.replicas),
+        optional, older readers skip them: piece key -> ``"<function>:<hex>"`` of this rank's
+        copy of each replicated piece it holds; the host it ran on, to name it when its copy
+        differs; the producer's ``[producer] compare_replicas``"""
+
     run: str
     step: int
     rank: int
     world_size: int
     time: float
     tensors: dict[str, TensorRecord]
-    state: Any = None  # the saved structure (ckptd.state), None for emit-built steps
+    state: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     format: str = "chunk"
     format_version: int = FORMAT_VERSION
-    # data file -> its size when committed; lets the completeness check see a file that
-    # is still being copied in where offsets say nothing (chunked HDF5 datasets)
     files: dict[str, int] = field(default_factory=dict)
-    # the job's attempt that wrote it (ckptd.attempt); a step is complete out of one attempt's
     attempt: str | None = None
-    # replicated tensors this rank's state refers to but another rank wrote: name -> that rank
-    replicas: dict[str, int] = field(default_factory=dict)
-    # replica comparison (ckptd.replicas, docs/replicas.md), optional: older readers skip them.
-    # piece key -> "<function>:<hex>" of this rank's copy of each replicated piece it holds
+    written_by: dict[str, int] = field(default_factory=dict)
     replica_digests: dict[str, str] = field(default_factory=dict)
-    host: str | None = None  # the host the rank ran on, to name it when its copy differs
-    compare_replicas: str | None = None  # the producer's [producer] compare_replicas, with digests
+    host: str | None = None
+    compare_replicas: str | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
     def to_json(self) -> bytes:
-        sharded = self.replicas or any(t.shard is not None for t in self.tensors.values())
+        sharded = self.written_by or any(t.shard is not None for t in self.tensors.values())
         pieces = any(t.shard is not None and t.shard.tensor is not None for t in self.tensors.values())
         d = {
             "format_version": PIECES_FORMAT_VERSION if pieces else SHARDED_FORMAT_VERSION if sharded
@@ -218,8 +104,8 @@ class Manifest:
         }
         if self.attempt is not None:
             d["attempt"] = self.attempt
-        if self.replicas:
-            d["replicas"] = self.replicas
+        if self.written_by:
+            d["replicas"] = self.written_by
         if self.replica_digests:
             d["replica_digests"] = self.replica_digests
         if self.host is not None:
@@ -247,7 +133,7 @@ class Manifest:
 
 def _dumps_lines(d: dict[str, Any]) -> str:
     """JSON with one line per top-level field and per tensor record: readable, and made
-    by the C encoder (``indent=`` falls back to the pure-Python one, 10x slower)."""
+    by the C encoder (``indent=`` falls back to the slower pure-Python one)."""
     def dump(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
@@ -261,9 +147,7 @@ def _dumps_lines(d: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(fields_) + "\n}"
 
 
-MAX_MANIFEST_BYTES = 1 << 30  # far above any real one (64 MiB of state plus ~300 bytes a tensor)
-MAX_DIMS = 64
-_MAX_INT = (1 << 63) - 1  # offsets and sizes end up in off_t and int64 shapes
+MAX_MANIFEST_BYTES = 1 << 30
 _CHECKSUM = re.compile(rf"{CHECKSUM_ALGORITHM}:[0-9a-f]{{16}}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
@@ -287,13 +171,13 @@ class _Parser:
         value = d[key]
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            raise self.fail(f"{what}field {key!r} must be {names}, not {type(value).__name__} {_short(value)}")
+            raise self.fail(f"{what}field {key!r} must be {names}, not {type(value).__name__} {short_repr(value)}")
         return value
 
     def int_field(self, d: dict[str, Any], key: str, low: int, high: int, what: str = "") -> int:
         value = self.typed(d, key, int, what)
         if not low <= value <= high:
-            raise self.fail(f"{what}field {key!r} is {_short(value)}, out of range {low}..{high}")
+            raise self.fail(f"{what}field {key!r} is {short_repr(value)}, out of range {low}..{high}")
         return value
 
     def manifest(self, d: Any) -> Manifest:
@@ -301,11 +185,11 @@ class _Parser:
             raise self.fail(f"manifest must be a JSON object, not {type(d).__name__}")
         version = d.get("format_version")
         if version not in READABLE_VERSIONS or isinstance(version, bool):
-            raise self.fail(f"manifest format_version {_short(version)} is not supported by this ckptd "
+            raise self.fail(f"manifest format_version {short_repr(version)} is not supported by this ckptd "
                             f"(it reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade ckptd")
         run = self.typed(d, "run", str)
         if not names.RUN_ID_PATTERN.fullmatch(run):
-            raise self.fail(f"run {_short(run)} is not a valid run id")
+            raise self.fail(f"run {short_repr(run)} is not a valid run id")
         step = self.int_field(d, "step", 0, names.MAX_STEP)
         world = self.int_field(d, "world_size", 1, names.MAX_WORLD_SIZE)
         rank = self.int_field(d, "rank", 0, world - 1)
@@ -313,10 +197,10 @@ class _Parser:
         try:
             when = float(when)
         except OverflowError:
-            raise self.fail(f"time {_short(when)} is not a Unix time") from None
+            raise self.fail(f"time {short_repr(when)} is not a Unix time") from None
         fmt = d.get("format", "chunk")
         if fmt not in FORMATS:
-            raise self.fail(f"format {_short(fmt)} is not one of {', '.join(FORMATS)}")
+            raise self.fail(f"format {short_repr(fmt)} is not one of {', '.join(FORMATS)}")
         metadata = d.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise self.fail(f"metadata must be an object, not {type(metadata).__name__}")
@@ -325,11 +209,11 @@ class _Parser:
             raise self.fail(f"files must be an object, not {type(files).__name__}")
         for file, size in files.items():
             self.data_file(file, rank, fmt, "files: ")
-            if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= _MAX_INT:
-                raise self.fail(f"files: the size of {file!r} is {_short(size)}, not a byte count")
+            if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_INT:
+                raise self.fail(f"files: the size of {file!r} is {short_repr(size)}, not a byte count")
         attempt = d.get("attempt")
         if attempt is not None and not (isinstance(attempt, str) and 0 < len(attempt) <= 1024):
-            raise self.fail(f"attempt {_short(attempt)} is not a string of 1 to 1024 characters")
+            raise self.fail(f"attempt {short_repr(attempt)} is not a string of 1 to 1024 characters")
         tensors = self.typed(d, "tensors", dict)
         records = {name: self.tensor(name, t, rank, fmt) for name, t in tensors.items()}
         for name, rec in records.items():
@@ -338,11 +222,11 @@ class _Parser:
                                 f"format_version {version} does not have (a manifest with it is version "
                                 f"{PIECES_FORMAT_VERSION})")
         self.no_overlaps(records)
-        replicas = self.replicas(d.get("replicas") or {}, rank, world, records)
+        written_by = self.written_by(d.get("replicas") or {}, rank, world, records)
         digests, host, policy = self.comparison(d)
         return Manifest(run=run, step=step, rank=rank, world_size=world, time=when,
                         tensors=records, state=d.get("state"), metadata=metadata, format=fmt,
-                        files=dict(files), format_version=version, replicas=replicas, attempt=attempt,
+                        files=dict(files), format_version=version, written_by=written_by, attempt=attempt,
                         replica_digests=digests, host=host, compare_replicas=policy)
 
     def comparison(self, d: dict[str, Any]) -> tuple[dict[str, str], str | None, str | None]:
@@ -353,17 +237,17 @@ class _Parser:
         for key, value in digests.items():
             function, _, hexdigits = value.partition(":") if isinstance(value, str) else ("", "", "")
             if len(key) > 4096 or function not in replicas.FUNCTIONS or not _HEX16.fullmatch(hexdigits):
-                raise self.fail(f"replica_digests: {_short(key)}: {_short(value)} is not "
+                raise self.fail(f"replica_digests: {short_repr(key)}: {short_repr(value)} is not "
                                 f"<{' or '.join(replicas.FUNCTIONS)}>:<16 hex digits>")
         host = d.get("host")
         if host is not None and not (isinstance(host, str) and len(host) <= 255):
-            raise self.fail(f"host {_short(host)} is not a host name")
+            raise self.fail(f"host {short_repr(host)} is not a host name")
         policy = d.get("compare_replicas")
         if policy is not None and policy not in replicas.POLICIES:
-            raise self.fail(f"compare_replicas {_short(policy)} is not one of {', '.join(replicas.POLICIES)}")
+            raise self.fail(f"compare_replicas {short_repr(policy)} is not one of {', '.join(replicas.POLICIES)}")
         return dict(digests), host, policy
 
-    def replicas(self, d: Any, rank: int, world: int, records: dict[str, TensorRecord]) -> dict[str, int]:
+    def written_by(self, d: Any, rank: int, world: int, records: dict[str, TensorRecord]) -> dict[str, int]:
         if not isinstance(d, dict):
             raise self.fail(f"replicas must be an object, not {type(d).__name__}")
         for name, writer in d.items():
@@ -374,14 +258,14 @@ class _Parser:
             if name in records:
                 raise self.fail(f"replicas: tensor {name!r} is also one of this rank's own tensors")
             if isinstance(writer, bool) or not isinstance(writer, int) or not 0 <= writer < world or writer == rank:
-                raise self.fail(f"replicas: tensor {name!r} names writer rank {_short(writer)}, not another "
+                raise self.fail(f"replicas: tensor {name!r} names writer rank {short_repr(writer)}, not another "
                                 f"rank of 0..{world - 1}")
         return dict(d)
 
     def data_file(self, file: Any, rank: int, fmt: str, what: str) -> str:
         # Only the names ckptd writes: no "..", no "/", no absolute path, this rank's own
         if not isinstance(file, str) or not layout.is_data_file(file):
-            raise self.fail(f"{what}file {_short(file)} is not a ckptd data file name "
+            raise self.fail(f"{what}file {short_repr(file)} is not a ckptd data file name "
                             "(r<rank>-<seq>.safetensors, r<rank>.h5 or r<rank>-<step>.h5, inside the step folder)")
         if layout.file_rank(file) != rank:
             raise self.fail(f"{what}file {file!r} belongs to another rank than this manifest's ({rank})")
@@ -391,7 +275,7 @@ class _Parser:
 
     def tensor(self, name: Any, t: Any, rank: int, fmt: str) -> TensorRecord:
         try:
-            if name != names.RESERVED_NAME:  # refused when written since; harmless to read (HDF5)
+            if name != names.RESERVED_NAME:  # refused when written; harmless to read (HDF5)
                 names.check_name(name)
         except ValueError as exc:
             raise self.fail(f"tensor name is invalid: {exc}") from None
@@ -401,14 +285,14 @@ class _Parser:
         dtype = self.typed(t, "dtype", str, what)
         info = dtypes.BY_NAME.get(dtype)
         if info is None:
-            raise self.fail(f"{what}dtype {_short(dtype)} is not one ckptd knows")
+            raise self.fail(f"{what}dtype {short_repr(dtype)} is not one ckptd knows")
         shape = self.typed(t, "shape", list, what)
         if len(shape) > MAX_DIMS:
             raise self.fail(f"{what}shape has {len(shape)} dimensions, more than {MAX_DIMS}")
         for n in shape:
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_INT:
-                raise self.fail(f"{what}shape {_short(shape)} holds {_short(n)}, not a size")
-        nbytes = self.int_field(t, "nbytes", 0, _MAX_INT, what)
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_INT:
+                raise self.fail(f"{what}shape {short_repr(shape)} holds {short_repr(n)}, not a size")
+        nbytes = self.int_field(t, "nbytes", 0, MAX_INT, what)
         expected = math.prod(shape) * info.itemsize
         if nbytes != expected:
             raise self.fail(f"{what}nbytes {nbytes} disagrees with shape {shape} of {dtype} "
@@ -420,14 +304,14 @@ class _Parser:
         if problem is not None:
             raise self.fail(what + problem)
         if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int)
-                                   or not 0 <= offset <= _MAX_INT - nbytes):
-            raise self.fail(f"{what}offset {_short(offset)} is not a byte offset")
+                                   or not 0 <= offset <= MAX_INT - nbytes):
+            raise self.fail(f"{what}offset {short_repr(offset)} is not a byte offset")
         digest = self.typed(t, "checksum", str, what)
         if not _CHECKSUM.fullmatch(digest):
-            raise self.fail(f"{what}checksum {_short(digest)} is not {CHECKSUM_ALGORITHM}:<16 hex digits>")
+            raise self.fail(f"{what}checksum {short_repr(digest)} is not {CHECKSUM_ALGORITHM}:<16 hex digits>")
         numpy = t.get("numpy", False)
         if not isinstance(numpy, bool) or (numpy and info.numpy is None):
-            raise self.fail(f"{what}numpy {_short(numpy)} is not possible for dtype {dtype}")
+            raise self.fail(f"{what}numpy {short_repr(numpy)} is not possible for dtype {dtype}")
         shard = None
         if t.get("shard") is not None:
             try:
@@ -447,18 +331,20 @@ class _Parser:
                 raise self.fail(f"tensors {n1!r} and {n2!r} overlap in {f1} (bytes {begin2}..{end1})")
 
 
-def _short(value: Any, limit: int = 60) -> str:
-    """``repr`` of an untrusted value, cut short: an error message must stay one line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 @dataclass(frozen=True)
 class CheckpointInfo:
     """One checkpoint, as ``latest`` and ``list`` report it: all ranks of a complete
     step. A commit handle of a multi-rank step that other ranks have not completed
     yet reports only its own rank's share: then ``rank`` says whose (else None), and
-    ``nbytes``/``ntensors`` count that share alone."""
+    ``nbytes``/``ntensors`` count that share alone.
+
+    ``refused``: diverged under compare_replicas = "refuse": never picked without a step
+
+    ``tiers``: where the step is complete: "local" (this root), "remote" (the [remote] tier), or
+        both
+    ``diverged``: replica comparison (docs/replicas.md): None where no replicas were compared (a
+        share alone, "off", nothing replicated); else {tensor: [ranks whose copy differs from the
+        majority]}, {} when every copy agrees"""
 
     run: str
     step: int
@@ -469,14 +355,10 @@ class CheckpointInfo:
     format: str
     metadata: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
-    rank: int | None = None  # None: the whole step; an int: only that rank's share
-    # where the step is complete: "local" (this root), "remote" (the [remote] tier), or both
+    rank: int | None = None
     tiers: tuple[str, ...] = ("local",)
-    # replica comparison (docs/replicas.md): None where no replicas were compared (a share
-    # alone, "off", nothing replicated); else {tensor: [ranks whose copy differs from the
-    # majority]}, {} when every copy agrees
     diverged: dict[str, list[int]] | None = None
-    refused: bool = False  # diverged under compare_replicas = "refuse": never picked without a step
+    refused: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

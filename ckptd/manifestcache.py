@@ -1,13 +1,9 @@
 """Parsed manifests, kept by the identity of the file they were read from.
 
-A daemon reads each manifest it writes several times: the completeness check
-right after the commit, the index's refresh, its watcher's event, retention. At
-10,000 tensors one parse (JSON, then every field checked) took ~0.3 s and a commit
-paid it four times over (benchmarks/limits.py). A manifest is never rewritten in
-place (a commit renames a new file over it, which is a new inode), so a file whose
-device, inode, size, mtime and ctime are unchanged holds the manifest parsed
-before. The writer seeds the entry of the manifest it just wrote. Bounded: the
-newest ``LIMIT`` entries.
+A daemon reads each manifest it writes several times (completeness, the index, its
+watcher, retention). A manifest is never rewritten in place (a commit renames a new
+file over it), so a file whose device, inode, size, mtime and ctime are unchanged holds
+the manifest parsed before. The writer seeds its own; the newest ``LIMIT`` are kept.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """What a run measured, kept on disk beside its checkpoints, and what the advice reads of it.
 
-Each daemon keeps one file per run it served, ``<root>/<run>/.measures.<host>.json``
-(``ckptd.daemon.measuring`` writes it, replaced atomically; one per host, so that
-daemons sharing a root never overwrite each other's). It survives a daemon restart
-and is read offline by ``ckptd advise``. The index, retention and the orphan sweep
-look only at ``step-*`` folders, ``latest`` and their own files: they leave it be.
-
-The file (version 1) holds, most recent last and each list bounded:
-
-- ``saves``: one per committed share: ``step``, ``rank``, ``attempt``, ``time`` (Unix
-  time the daemon received the commit, i.e. when the save returned), ``stall_s`` (the
-  producer's measure of how long its save blocked the training loop), ``persist_s``
-  (the daemon's: first byte received to manifest durable);
-- ``uploads``: ``step``, ``rank``, ``persist_s`` (commit received to uploaded, or to
-  replicated) and ``tier`` ("remote" where absent, or "peer") per share that reached the
-  remote tier or its partners' memory;
-- ``restores``: ``attempt``, ``rank``, ``seconds`` of the loads (``ckptd.load``,
-  ``ckptd.load_into``) a producer's process made before its first save;
-- ``failures``: ``attempt``, ``time``, ``why``: an attempt of the job whose producers
-  ended without saying goodbye (killed, died, silent past the session timeout);
-- ``first_seen`` / ``last_seen``: the span of time the run was watched.
-
-``summarise`` turns the files of a run into ``ckptd.advise.Inputs``.
+Each daemon keeps ``<root>/<run>/.measures.<host>.json`` per run it served
+(``ckptd.daemon.measuring`` writes it): bounded lists of ``saves``, ``uploads``,
+``restores`` and ``failures``, and the span the run was watched. ``ckptd advise`` reads
+it offline: ``summarise`` turns a run's files into ``ckptd.advise.Inputs``. The
+producer's side times its restores (``timed_restore``, ``take_restored``).
 """
 
 from __future__ import annotations
@@ -42,14 +25,13 @@ from . import layout
 from .advise import Inputs, recommend
 
 VERSION = 1
-PREFIX = ".measures."  # a dotfile: the run folder shows only its checkpoints
-MAX_BYTES = 4 * 2**20  # far above what the bounded lists below take
+PREFIX = ".measures."
+MAX_BYTES = 4 * 2**20
 KEEP = {"saves": 2000, "uploads": 2000, "restores": 200, "failures": 1000}
-RECENT = 20  # steps the stall, persist and step time are figured from (medians, sums)
-DEFAULT_MTBF_S = 24 * 3600.0  # with no failure seen and no [advise] mtbf
-MIN_FAILURES = 2  # fewer failures than this: the configured mtbf, where there is one, wins
-# names as the file and the advice write them (ckptd.tiers.local.NAME, ckptd.tiers.bucket.NAME:
-# this module sits below the tiers)
+RECENT = 20
+DEFAULT_MTBF_S = 24 * 3600.0
+MIN_FAILURES = 2
+# tiers.local.NAME and tiers.bucket.NAME, spelled out: this module sits below the tiers
 ROOT = "local"
 BUCKET = "remote"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -155,7 +137,7 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
         inputs.persist_s = statistics.median(persists) if persists else None
     inputs.step_s, current = _step_time(steps[-(RECENT + 1):])
 
-    restores: dict[Any, float] = {}  # the slowest rank's load, per attempt
+    restores: dict[Any, float] = {}
     for r in m["restores"]:
         v = _num(r.get("seconds"))
         if v is not None:
@@ -170,7 +152,6 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
     seen = m["first_seen"] is not None or bool(steps)
     failures = len({(f.get("attempt"), f.get("key")) for f in m["failures"]})
     inputs.failures = failures if seen else None
-    # the time the run was watched: first hello (or save) to the last thing seen of it
     start = m["first_seen"] if m["first_seen"] is not None else (steps[0]["time"] if steps else None)
     ends = [m["last_seen"], steps[-1]["time"] if steps else None, *(_num(f.get("time")) for f in m["failures"])]
     span = max(0.0, max((v for v in ends if v is not None), default=start) - start) if start is not None else 0.0
@@ -213,8 +194,7 @@ def advice(m: dict[str, Any], mtbf: float | None, tiers: tuple[str, ...] = (ROOT
     return out
 
 
-# -- the resume time, as the producer reports it (ckptd.load / ckptd.load_into) -----------------
-_restored: dict[str, float] = {}  # run -> seconds spent loading in this process, not reported yet
+_restored: dict[str, float] = {}
 _local = threading.local()
 _lock = threading.Lock()
 

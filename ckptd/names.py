@@ -12,8 +12,8 @@ import re
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_NAME_BYTES = 1024
 RESERVED_NAME = "__metadata__"  # a chunk file's safetensors header holds its metadata there
-MAX_STEP = 10**12 - 1  # step folders carry 12 digits
-MAX_WORLD_SIZE = 99_999  # manifests carry 5 rank digits
+MAX_STEP = 10**12 - 1
+MAX_WORLD_SIZE = 99_999
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 

@@ -22,4 +22,4 @@ def bytes_bar(total: int, what: str, *, enabled: bool = True) -> Iterator[Callab
     with tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
               file=sys.stderr, leave=False, dynamic_ncols=True) as bar:
         yield bar.update
-        bar.refresh()  # the final count and rate, even for work done within tqdm's redraw interval
+        bar.refresh()

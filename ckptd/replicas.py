@@ -1,27 +1,11 @@
-"""Replica comparison: every rank that holds a copy of a replicated piece digests it,
-and where a step's shares meet the digests of one piece are compared across ranks
-(docs/replicas.md).
+"""Replica comparison: every rank holding a copy of a replicated piece digests it, and
+where a step's shares meet, the digests of one piece are compared across ranks; a copy
+that differs was corrupted silently (docs/reliability.md).
 
-Data-parallel state (DDP's model and optimizer under ``save(replicated=True)``,
-HSDP's replicate dimension, a TP model's ``Replicate()`` norms) is bit-identical on
-every rank that holds it. A rank whose copy differs was corrupted without an error
-(a bad core, a flipped bit): checksums of the stored bytes cannot see it, the other
-copies can. Only one rank writes a replicated piece (``sharding.assign_writers``);
-each other holder hands its daemon an 8-byte digest of its own copy, recorded in its
-manifest under ``replica_digests`` with the host it ran on. The writer's digest is its
-record's checksum under xxh3 (the same function over the bytes it wrote), and one of
-its own under words64.
-
-Digests, one function per run (``digest_function``), named in every value
-(``"<function>:<16 hex>"``) so that two copies are compared only under one function:
-
-- ``xxh3_64``: xxhash's, over the tensor's memory on the CPU (it releases the GIL).
-- ``words64``: a small deterministic kernel of integer torch ops, run where the tensor
-  lives (on a GPU: no copy to the host): the bytes as little-endian signed 32-bit words
-  ``s_i`` (the last one zero-padded), ``sum(s_i * (2i+1) * K) mod 2**64`` with
-  ``K = 0x9E3779B97F4A7C15``, then ``splitmix64(sum ^ nbytes)``. Integer sums wrap
-  and are exact, so every device and every reduction order gives the same value;
-  each word's multiplier is odd, so a flip of any one bit always changes the digest.
+One rank writes a replicated piece; the others record a digest of their own copy in
+their manifests (``replica_digests``). Digests are ``xxh3_64`` on the CPU or
+``words64``, an exact integer kernel run where the tensor lives (``digest_function``).
+Start at ``start`` (the producer's side) and ``mismatches`` (the reader's).
 """
 
 from __future__ import annotations
@@ -32,12 +16,12 @@ import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Container, Iterable
+from typing import TYPE_CHECKING, Any, Container, Iterable, Protocol, Sequence
 
 import xxhash
 
 if TYPE_CHECKING:
-    from .manifest import Manifest, Shard
+    from .records import Shard, TensorRecord
 
 log = logging.getLogger("ckptd.replicas")
 
@@ -47,12 +31,10 @@ WORDS64 = "words64"
 FUNCTIONS = (XXH3, WORDS64)
 K = 0x9E3779B97F4A7C15  # the golden ratio's 64 bits: odd
 _MASK = (1 << 64) - 1
-_BLOCK = 1 << 20  # words64 works through a tensor in blocks of this many 32-bit words (4 MiB)
-# process-group backends whose tensors live on an accelerator: such a run digests with words64
+_BLOCK = 1 << 20
 _DEVICE_BACKENDS = ("nccl", "xccl", "hccl", "mccl", "cncl", "ucc")
 
 
-# -- the functions -------------------------------------------------------------------------
 def digest_function() -> str:
     """The function this run's replicas are digested with, the same on every rank
     without communicating: ``words64`` where the default process group's backend is an
@@ -143,7 +125,7 @@ def _splitmix64(x: int) -> int:
 def _host_bytes(value: Any) -> Any:
     """A buffer of ``value``'s bytes in host memory, without a copy where it is one
     already (a CPU tensor or numpy array in C order)."""
-    if hasattr(value, "detach"):  # torch
+    if hasattr(value, "detach"):
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()  # xxh3 on a device tensor: a run on gloo with a GPU tensor (docs/replicas.md)
@@ -165,7 +147,6 @@ def _torch_bytes(value: Any) -> Any:
     return t.view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8, device=t.device)
 
 
-# -- what a save digests ---------------------------------------------------------------------
 def piece_key(name: str, shard: "Shard | None") -> str:
     """The key a holder's digest of a piece is kept under: the tensor's name, with the
     piece's offsets where it is a piece of a sharded tensor (HSDP: each replicate group
@@ -276,22 +257,48 @@ def _nbytes(value: Any) -> int:
     return int(value.nbytes)
 
 
-# -- the comparison ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mismatch:
     """One piece whose copies disagree: ``ranks`` differ from the majority (every
-    holder where there is none, e.g. two copies)."""
+    holder where there is none, e.g. two copies).
+
+    ``holders``: rank -> its digest"""
 
     key: str
     ranks: list[int]
-    holders: dict[int, str]  # rank -> its digest
+    holders: dict[int, str]
 
     @property
     def tensor(self) -> str:
         return tensor_of(self.key)
 
 
-def mismatches(manifests: "list[Manifest]") -> list[Mismatch] | None:
+class ManifestView(Protocol):
+    """What the comparison reads of one rank's ``manifest.Manifest``."""
+
+    @property
+    def run(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def host(self) -> str | None: ...
+
+    @property
+    def tensors(self) -> dict[str, TensorRecord]: ...
+
+    @property
+    def replica_digests(self) -> dict[str, str]: ...
+
+    @property
+    def compare_replicas(self) -> str | None: ...
+
+
+def mismatches(manifests: "Sequence[ManifestView]") -> list[Mismatch] | None:
     """The pieces of a complete step whose copies disagree, across the ranks' manifests;
     None where no two ranks digested a piece (nothing was compared)."""
     holders: dict[str, dict[int, str]] = {}
@@ -311,7 +318,7 @@ def mismatches(manifests: "list[Manifest]") -> list[Mismatch] | None:
     return out if compared else None
 
 
-def _add_writers(manifests: "list[Manifest]", holders: dict[str, dict[int, str]]) -> None:
+def _add_writers(manifests: "Sequence[ManifestView]", holders: dict[str, dict[int, str]]) -> None:
     """Add to ``holders`` the digest of each xxh3-digested piece's writer, which digests
     none of the pieces it writes (``start``): its record's checksum, the xxh3_64 of
     exactly the bytes it wrote, in the same ``"xxh3_64:<16 hex>"``. Only where every
@@ -338,7 +345,7 @@ def _odd_ones(by_rank: dict[int, str]) -> list[int]:
     return sorted(r for r, d in by_rank.items() if d != counts[0][0])
 
 
-def diverged(manifests: "list[Manifest]") -> dict[str, list[int]] | None:
+def diverged(manifests: "Sequence[ManifestView]") -> dict[str, list[int]] | None:
     """``CheckpointInfo.diverged`` of a step: ``{tensor: [ranks differing from the
     majority]}``, ``{}`` when every compared copy agrees, None when none was compared."""
     found = mismatches(manifests)
@@ -350,13 +357,13 @@ def diverged(manifests: "list[Manifest]") -> dict[str, list[int]] | None:
     return {name: sorted(ranks) for name, ranks in sorted(out.items())}
 
 
-def refused(manifests: "list[Manifest]", diverged_: dict[str, list[int]] | None) -> bool:
+def refused(manifests: "Sequence[ManifestView]", diverged_: dict[str, list[int]] | None) -> bool:
     """A step saved under ``compare_replicas = "refuse"`` whose replicas disagree: kept,
     never picked without an explicit step."""
     return bool(diverged_) and any(m.compare_replicas == "refuse" for m in manifests)
 
 
-def describe(manifests: "list[Manifest]") -> list[str]:
+def describe(manifests: "Sequence[ManifestView]") -> list[str]:
     """One line per piece whose copies disagree, naming the tensor, the ranks that
     differ and the hosts they ran on, and the ranks that agree (for a log and ``verify``)."""
     found = mismatches(manifests) or []
@@ -374,7 +381,7 @@ def describe(manifests: "list[Manifest]") -> list[str]:
     return lines
 
 
-def report(manifests: "list[Manifest]", info: Any) -> int:
+def report(manifests: "Sequence[ManifestView]", info: Any) -> int:
     """Log a completed step's disagreeing replicas at ERROR, one line each (``info``: its
     CheckpointInfo, with ``diverged`` set); return how many tensors disagree."""
     first = manifests[0]

@@ -1,16 +1,10 @@
-"""Sharded tensors: where a piece sits in its whole tensor, who stores a replicated
-one, and which bytes of a stored piece a target needs.
+"""Sharded tensors: where a piece sits in its whole tensor, who stores a replicated one,
+and which bytes of a stored piece a target needs.
 
-A *piece* is a block of a tensor: its global offsets and its own sizes, per
-dimension (DCP's ``ChunkStorageMetadata`` is the same idea). A DTensor's local
-shard is one piece (``describe_dtensor``); a hand-sharded tensor names its piece
-with ``global_shape=`` and ``offset=``, and a rank may hold several pieces of one
-tensor (a DCP ShardedTensor's chunks): the first is kept under the tensor's name,
-later ones under ``piece_name``. A piece held whole by several ranks (a
-Replicate placement, or a tensor saved ``replicated=``) is written once, by a rank
-``assign_writers`` picks the same way on every rank, without communicating.
-Loading copies the intersection of a stored piece and a target piece
-(``overlap``), read as runs of contiguous bytes.
+A *piece* is a block of a tensor: its global offsets and its own sizes (DCP's
+``ChunkStorageMetadata``). ``describe_dtensor`` names a DTensor's; ``piece_name`` keys a
+rank's later pieces of one tensor; ``assign_writers`` picks, the same on every rank, the
+one rank that writes a piece several hold; ``overlap`` is what a load copies.
 """
 
 from __future__ import annotations
@@ -25,16 +19,18 @@ from .manifest import Shard
 
 @dataclass(frozen=True)
 class DTensorPiece:
-    """A DTensor's local shard and what places it."""
+    """A DTensor's local shard and what places it.
 
-    local: Any  # the plain local torch.Tensor
+    ``local``: the plain local torch.Tensor
+    ``group``: global ranks holding this same piece (more than one: replicated)"""
+
+    local: Any
     shard: Shard
-    group: tuple[int, ...]  # global ranks holding this same piece (more than one: replicated)
+    group: tuple[int, ...]
 
 
 def is_dtensor(value: Any) -> bool:
-    # No DTensor exists before torch.distributed.tensor is imported, and importing it
-    # here would cost every producer of plain tensors ~40 MiB and a second at its first save.
+    # no DTensor exists before torch.distributed.tensor is imported, which plain-tensor producers need not pay for
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)
 
@@ -127,7 +123,6 @@ def assign_writers(items: Iterable[tuple[str, int, tuple[int, ...]]]) -> dict[st
     return writers
 
 
-# -- overlaps: which bytes of a stored piece a target needs ----------------------------------
 @dataclass(frozen=True)
 class Box:
     """A block of a tensor: global ``offsets`` and ``sizes`` per dimension."""

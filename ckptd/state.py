@@ -1,17 +1,10 @@
 """Flatten a nested training state into named tensors plus a JSON structure, and back.
 
-``save(state)`` splits ``{"model": sd, "optim": osd, "epoch": 3}`` into tensors named
-by their key path (``model.layers.0.weight``, as DCP names them) and a structure
-that holds every plain value and a reference for each tensor. The structure is
-plain JSON with tagged nodes, so loading never executes anything:
-
-    {"dict": [[key, node], ...], "ordered": bool, "meta": {...}?}   dict / OrderedDict
-    {"list": [node, ...]}   {"tuple": [node, ...]}
-    {"tensor": name}   {"ndarray": name}
-    {"float": "nan" | "inf" | "-inf"}   {"bytes": base64}
-    {"dtype": "float32"}   {"device": "cuda:0"}   {"size": [2, 3]}
-    {"npscalar": "float32", "data": base64}   a numpy scalar, its exact bytes
-    null, true/false, integers, finite floats and strings stand for themselves.
+``save(state)`` splits ``{"model": sd, "optim": osd, "epoch": 3}`` into tensors named by
+their key path (``model.layers.0.weight``, as DCP names them) and a structure of plain
+JSON with tagged nodes (``{"dict": ...}``, ``{"tensor": name}``, ``{"bytes": base64}``;
+docs/format.md lists them), so loading never executes anything. Start at ``flatten``
+and ``unflatten``.
 """
 
 from __future__ import annotations
@@ -151,7 +144,7 @@ def _claim(path: tuple[Any, ...], value: Any, tensors: dict[str, Any]) -> str:
 def _decode(node: Any, lookup: Callable[[str], Any]) -> Any:
     if not isinstance(node, (dict, list)):
         return node
-    if isinstance(node, list):  # not produced by encode; tolerate as a list
+    if isinstance(node, list):
         return [_decode(v, lookup) for v in node]
     if "tensor" in node:
         return lookup(node["tensor"])

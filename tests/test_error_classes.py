@@ -48,7 +48,7 @@ def test_the_scan_sees_an_exception_class() -> None:
     ("ckptd.remote.store", "RemoteAuthError", "RemoteAuthError"),
     ("ckptd.daemon.owners", "NotOwner", "NotOwner"),
     ("ckptd.daemon.assembly", "StepError", "StepError"),
-    ("ckptd.daemon.failpoints", "Failpoint", "Failpoint"),
+    ("ckptd.failpoints", "Failpoint", "Failpoint"),
     ("ckptd.transport.handoff", "HandoffRefused", "HandoffRefused"),
     ("ckptd.peer.messages", "PeerDown", "PeerDown"),
     ("ckptd.peer.messages", "PeerRefused", "PeerRefused"),

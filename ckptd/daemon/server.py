@@ -21,11 +21,10 @@ from typing import Any, Iterator
 
 import zmq
 
-from .. import env
+from .. import env, failpoints
 from ..config import Config, ConfigError, load as load_config, writer_threads
 from ..transport import wire
 from ..transport.wakeup import WakePipe
-from . import failpoints
 from .arenas import Arenas
 from .handlers import Handlers
 from .ledger import Ledger

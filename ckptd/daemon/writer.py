@@ -444,7 +444,7 @@ class Writer:
             time=time.time(), tensors=share.written.records, state=state, metadata=metadata,
             format=share.id.format, files={f: os.stat(share.at(f)).st_size for f in sorted(data_files)},
             attempt=share.id.attempt,
-            replicas=share.declared.written_by, replica_digests=share.declared.digests, host=share.id.host,
+            written_by=share.declared.written_by, replica_digests=share.declared.digests, host=share.id.host,
             compare_replicas=share.declared.compare,
         )
         atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self.fsync)

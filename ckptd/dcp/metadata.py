@@ -16,7 +16,7 @@ from .. import dtypes, state as state_mod
 from ..errors import CheckpointCorrupt
 from ..manifest import Manifest
 
-METADATA_KEY = "ckptd.dcp"  # rank 0's commit metadata holds DCP's Metadata under this key (manifest.py)
+METADATA_KEY = "ckptd.dcp"
 ENCODING_VERSION = 1
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "preserve_format": torch.preserve_format}
@@ -78,7 +78,7 @@ def decode_metadata(d: Any, where: str) -> Metadata:
 
 
 def _plain(value: Any, what: str) -> Any:
-    structure, tensors = state_mod.flatten(value)  # ckptd's tagged JSON: tuples stay tuples
+    structure, tensors = state_mod.flatten(value)
     if tensors:
         raise TypeError(f"DCP's {what} holds tensors ({sorted(tensors)[:3]}); ckptd.dcp stores plain data only")
     return structure
@@ -98,7 +98,7 @@ def synthesize_metadata(manifests: list[Manifest], rank: int) -> Metadata:
     order = sorted(manifests, key=lambda m: (m.rank != rank, m.rank))
     for m in order:
         for key, rec in m.tensors.items():
-            name = rec.tensor_name(key)  # a rank's later pieces of a tensor are kept under other keys
+            name = rec.tensor_name(key)
             index = MetadataIndex(name, rec.offsets)
             if index in storage:
                 continue

@@ -17,7 +17,7 @@ from torch.futures import Future
 from .. import reader, state as state_mod
 from ..errors import CheckpointCorrupt
 from ..manifest import CheckpointInfo, Manifest
-from ..reader import Piece, Target, fill  # ckptd.load_into's reader: byte ranges into targets
+from ..reader import Piece, Target, fill
 from ..sharding import Box
 from .. import env
 from .ids import is_checkpoint_id, step_of as _step_of
@@ -78,7 +78,7 @@ class StorageReader(_Reader):
             rank, name = self._stored(req.storage_index)
             if req.type == LoadItemType.BYTE_IO:
                 buf = io.BytesIO()
-                torch.save(self._value(rank, req.storage_index.fqn), buf)  # plain data, from JSON
+                torch.save(self._value(rank, req.storage_index.fqn), buf)
                 buf.seek(0)
                 planner.load_bytes(req, buf)
                 continue
@@ -88,7 +88,7 @@ class StorageReader(_Reader):
                                         "which that rank's manifest does not hold")
             dest = planner.resolve_tensor(req).detach()
             origin = [o + s for o, s in zip(rec.offsets, req.storage_offsets)]
-            key = f"{name}\0{i}"  # one target per read item, each from its one stored piece
+            key = f"{name}\0{i}"
             pieces[key] = [Piece.of(rank, name, rec)]
             # DCP's planner hands a tensor of the caller's dtype: fill casts into it, as
             # DCP's FileSystemReader does (its read_data ends in target.copy_(stored))

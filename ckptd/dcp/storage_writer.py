@@ -45,8 +45,7 @@ class StorageWriter(_Writer):
         self.metadata = dict(metadata or {})
         self.timeout = timeout
         self.options = options
-        # Decided here, in the training process: a process executor's helper process has
-        # another parent, and every rank of one attempt must agree (ckptd.attempt).
+        # decided here: a process executor's helper has another parent, and every rank must agree
         world = env.group_world_size()
         self.options.setdefault("attempt", current_attempt(
             str(options.get("attempt") or config_mod.load().producer.attempt), world, env.elastic()) or "")
@@ -55,19 +54,18 @@ class StorageWriter(_Writer):
         self.rank = 0
         self.is_coordinator = True
         self._structure: Any = None
-        self._staged_structure: Any = None  # AsyncStorageWriter: the structure as it was staged
+        self._staged_structure: Any = None
         self._emitted: set[str] = set()
-        self._keys: dict[Any, str] = {}  # DCP's MetadataIndex of each item emitted -> its record's name
+        self._keys: dict[Any, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         if not self._own_producer:
             raise TypeError("a ckptd.dcp.StorageWriter given producer= cannot go to another process "
                             "(AsyncCheckpointerType.PROCESS); give it run= and the producer's options instead")
         state = dict(self.__dict__)
-        state["_producer"] = None  # the other process makes its own
+        state["_producer"] = None
         return state
 
-    # -- DCP's calls, in order ------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.step = _step_of(checkpoint_id)
@@ -96,7 +94,7 @@ class StorageWriter(_Writer):
         results = []
         try:
             for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:  # a plain value: kept in the structure
+                if item.type == WriteItemType.BYTE_IO:
                     results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=(self.rank, None)))
                     continue
                 nbytes, key = self._write_item(producer, item, planner)
@@ -136,16 +134,16 @@ class StorageWriter(_Writer):
         metadata.storage_meta = self.storage_meta()
         writers = {index.fqn: rank for index, (rank, name) in metadata.storage_data.items() if name is not None}
         structure = self._structure
-        replicas = {name: writers.get(name, -1) for name in state_mod.tensor_names(structure)
-                    if name not in self._emitted}
-        unwritten = sorted(name for name, rank in replicas.items() if rank < 0)
+        written_by = {name: writers.get(name, -1) for name in state_mod.tensor_names(structure)
+                      if name not in self._emitted}
+        unwritten = sorted(name for name, rank in written_by.items() if rank < 0)
         try:
             if unwritten:
                 raise ValueError(f"ckptd.dcp: DCP's plan writes tensors {unwritten[:3]} on no rank")
-            handle = producer.commit(self.step, structure=structure, replicas=replicas,
+            handle = producer.commit(self.step, structure=structure, written_by=written_by,
                                      metadata={**self.metadata, METADATA_KEY: encode_metadata(metadata)})
         except BaseException:
-            producer.abort(self.step)  # what rank 0 emitted is discarded, not left open
+            producer.abort(self.step)
             raise
         if self.durable:
             handle.wait(self.timeout)
@@ -202,16 +200,16 @@ class AsyncStorageWriter(StorageWriter):
         except BaseException:
             producer.abort(self.step)
             raise
-        return state_dict  # DCP plans with it; its values are never read again
+        return state_dict
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None and _step_of(checkpoint_id) != self.step:
             raise ValueError("ckptd.dcp.AsyncStorageWriter: the step was fixed when it was staged; "
                              "give it as AsyncStorageWriter(step=N), not as checkpoint_id")
-        self._structure = None  # what stage() emitted stays
+        self._structure = None
 
     def _write_item(self, producer: Any, item: Any, planner: SavePlanner) -> tuple[int, str]:
-        if self._staged_structure is None:  # staging now
+        if self._staged_structure is None:
             return super()._write_item(producer, item, planner)
         key = self._keys.get(item.index)
         if key is None:
@@ -228,7 +226,7 @@ class AsyncStorageWriter(StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         if self._producer is not None and self.step is not None:
-            self._producer.abort(self.step)  # staged, and now never to be committed
+            self._producer.abort(self.step)
         raise TypeError("ckptd.dcp.AsyncStorageWriter stages into this process's producer, so it cannot go to "
                         "another process (AsyncCheckpointerType.PROCESS); use ckptd.dcp.StorageWriter there")
 
@@ -242,7 +240,7 @@ def _shared_producer(endpoint: str | None, run: str | None, rank: int, world: in
     from .. import producer as default
     from ..producer import Producer
 
-    mine = default.current()  # the module's producer (producer.save) of this run: one session, shared
+    mine = default.current()
     if (mine is not None and (mine.run, mine.rank, mine.world_size) == (run, rank, world)
             and (endpoint is None or config_mod.resolve_endpoint(endpoint, Path.cwd()) == mine.endpoint)):
         return mine

@@ -15,7 +15,7 @@ from .protocol import DataReader, Entry, Format, Ref, Stored, WriteIO, Written
 
 _ALL: tuple[Format, ...] = (chunk.FORMAT, hdf5.FORMAT)
 BY_NAME: dict[str, Format] = {f.name: f for f in _ALL}
-FORMATS = tuple(BY_NAME)  # their names, as manifests and ``[daemon] format`` spell them
+FORMATS = tuple(BY_NAME)
 
 __all__ = ["BY_NAME", "FORMATS", "DataReader", "Entry", "Format", "Ref", "Stored", "WriteIO", "Written", "for_file",
            "get"]

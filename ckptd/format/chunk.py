@@ -1,17 +1,10 @@
 """The chunk format: each chunk file is a complete, valid safetensors file.
 
-A safetensors file cannot be appended to (its header, with every offset, comes
-first), so a chunk is written whole once its tensors are known: the header, padded
-with spaces so the data starts page-aligned, then every tensor's bytes in order,
-with no holes between them, as safetensors requires. A tensor too large to batch is
-streamed into a chunk file of its own: its header first, then its bytes as they
-arrive. An unchanged tensor of an earlier step is placed at the commit, once the
-step's every unchanged tensor is known (``place``; docs/format.md says why):
-a base file whose every tensor is unchanged is linked whole, the unchanged tensors of
-the others are copied into new chunk files of the step.
-
-This module is the only one that knows the safetensors layout: it writes the
-header, and reads it back to check a file against its manifest.
+A chunk is written whole once its tensors are known (header padded so the data starts
+page-aligned, then every tensor's bytes in order); a tensor too large to batch streams
+into a file of its own. Unchanged tensors of an earlier step are placed at the commit
+(``place``): a base file unchanged throughout is linked whole, others' tensors copied.
+The only module that knows the safetensors layout; start at ``ChunkFormat``.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from .fileio import pread_into
 from .protocol import DataFile, Entry, Ref, Stored, WriteIO, Written
 
 if TYPE_CHECKING:
-    from ..manifest import TensorRecord
+    from ..records import TensorRecord
 
 log = logging.getLogger("ckptd.writer")
 
@@ -39,7 +32,6 @@ MAX_HEADER = 100_000_000  # safetensors' own limit
 _METADATA = {"format": "pt", "writer": "ckptd"}
 
 
-# -- the layout ---------------------------------------------------------------------------
 def header(entries: Sequence[Entry]) -> bytes:
     """The safetensors header (8-byte length + JSON) for ``entries`` in order."""
     body: dict[str, Any] = {"__metadata__": _METADATA}
@@ -53,7 +45,7 @@ def header(entries: Sequence[Entry]) -> bytes:
         begin += e.nbytes
     text = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     size = len(text)
-    padded = -(-(8 + size) // ALIGN) * ALIGN - 8  # data then starts on an ALIGN boundary
+    padded = -(-(8 + size) // ALIGN) * ALIGN - 8
     return padded.to_bytes(8, "little") + text + b" " * (padded - size)
 
 
@@ -105,7 +97,6 @@ class ChunkFormat:
     def link_name(self, io: WriteIO, base_step: int, file: str) -> str:
         return self.next_file(io)
 
-    # -- writing, on ckptd-writer (or its pool) -----------------------------------------------
     def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
                     *, listed: bool = False) -> Written:
         """One chunk file. ``listed``: the writer listed the file already (the pool's case)."""
@@ -114,7 +105,7 @@ class ChunkFormat:
         except OSError as exc:
             io.fail(f"linking unchanged tensors into {io.dir}", exc)
             return Written([])
-        if not entries:  # every tensor of it is stored already
+        if not entries:
             return Written([])
         head = header(entries)
         placed: list[tuple[Entry, str, int | None]] = []
@@ -170,22 +161,23 @@ class ChunkFormat:
     def close(self, io: WriteIO) -> None:
         """Nothing stays open between a share's chunk files."""
 
-    # -- reading ----------------------------------------------------------------------------
     def open(self, fd: int, size: int) -> ChunkReader:
         return ChunkReader(fd, size)
 
 
 @dataclass(eq=False)
 class _Streamed:
-    """A tensor streamed into a chunk file of its own, being written."""
+    """A tensor streamed into a chunk file of its own, being written.
+
+    ``name``: the file's
+    ``header_len``: bytes before its data"""
 
     file: DataFile
     key: str
-    name: str  # the file's
-    header_len: int  # bytes before its data
+    name: str
+    header_len: int
 
 
-# -- unchanged tensors, placed at the commit -----------------------------------------------
 def place(io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
     """Put the stored copies ``refs`` into the share's folder: each base file whose every
     tensor is among them is linked; the tensors of the others are copied into new chunk
@@ -197,7 +189,7 @@ def place(io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, i
         by_file.setdefault(ref.ident, []).append(ref)
     records: dict[str, TensorRecord] = {}
     linked = copied = 0
-    batch: list[list[Ref]] = []  # whole groups, each a base file's tensors in its order
+    batch: list[list[Ref]] = []
     size = 0
     for group in by_file.values():
         first = group[0]
@@ -229,7 +221,7 @@ def _copy(io: WriteIO, groups: list[list[Ref]]) -> dict[str, TensorRecord]:
     head = header([Entry(r.record.key, dtypes.lookup(r.record.dtype), r.record.shape, r.record.nbytes, [])
                    for r in refs])
     name = layout.chunk_name(io.rank, io.next_seq())
-    dst = io.create_plain(name)  # listed before it exists: a failed step removes it
+    dst = io.create_plain(name)
     records = {}
     try:
         write_all(dst, head)
@@ -243,7 +235,7 @@ def _copy(io: WriteIO, groups: list[list[Ref]]) -> dict[str, TensorRecord]:
                     raise OSError(errno.ESTALE, f"{first.base.path / first.record.file} was replaced while step "
                                                 f"{io.step} was written")
                 for r in group:
-                    assert r.record.offset is not None  # (a chunk file's tensors all have one)
+                    assert r.record.offset is not None
                     io.throttled(r.record.nbytes)
                     _copy_range(src, dst, r.record.offset, at, r.record.nbytes)
                     records[r.name] = replace(r.record, file=name, offset=at)
@@ -270,7 +262,7 @@ def _copy_range(src: int, dst: int, src_at: int, dst_at: int, n: int) -> None:
             if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             done = 0
-        if done == 0:  # not in the kernel (or past the end: then pread says so)
+        if done == 0:
             data = os.pread(src, min(n, 8 * 2**20), src_at)
             if not data:
                 raise OSError(errno.EIO, f"the file ends {n} bytes early")
@@ -297,13 +289,13 @@ class ChunkReader:
         self.fd, self.size = fd, size
         self._header: dict[str, Any] | None = None
         self._data_start = 0
-        self._error: CheckpointCorrupt | None = None  # the header is unreadable
+        self._error: CheckpointCorrupt | None = None
 
     def check(self, name: str, rec: TensorRecord) -> None:
         header = self._read_header()
         entry = header.get(rec.key) if rec.key != "__metadata__" else None
         info = dtypes.lookup(rec.dtype)
-        assert rec.offset is not None  # (the manifest's parser requires one in a chunk file)
+        assert rec.offset is not None
         begin = rec.offset - self._data_start
         want = {"dtype": info.st_code, "shape": info.stored_shape(rec.shape),
                 "data_offsets": [begin, begin + rec.nbytes]}
@@ -313,7 +305,6 @@ class ChunkReader:
                                     "another step (`ckptd latest RUN --verify` names the newest undamaged one)")
 
     def read_into(self, name: str, rec: TensorRecord, out: Any) -> None:
-        # (the manifest's parser refuses such a record first)
         raise CheckpointCorrupt("has no offset in its chunk file: the manifest is damaged; load another step "
                                 "(`ckptd latest RUN --verify` names the newest undamaged one)")
 
@@ -328,7 +319,7 @@ class ChunkReader:
                 except CheckpointCorrupt as exc:
                     self._error = exc
             if self._error is not None:
-                raise CheckpointCorrupt(str(self._error))  # the first reading's message, which says what to do
+                raise CheckpointCorrupt(str(self._error))
         assert self._header is not None
         return self._header
 

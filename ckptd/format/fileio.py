@@ -23,7 +23,6 @@ def write_buffers(fd: int, buffers: Sequence[Any]) -> None:
     while pending:
         batch = [pending[i] for i in range(min(len(pending), _IOV_MAX))]
         n = os.writev(fd, batch)
-        # drop what was fully written; trim a partly written buffer
         while n and pending:
             head = pending[0]
             if n >= len(head):

@@ -1,40 +1,11 @@
-"""The HDF5 format: one file per rank and step, one dataset per tensor.
+"""The HDF5 format, both sides: one plain HDF5 (1.8) file per rank and step, one dataset
+per tensor in the root group, named by the tensor name (``%`` and ``/`` escaped) with
+the exact name and torch dtype in attributes. Contiguous datasets are written with
+``pwritev`` at offsets known when they are created, chunked ones through h5py; an
+unchanged tensor is an external link into the earlier step's linked file (``refer``).
 
-The files are plain HDF5 (format of HDF5 1.8, which every tool of the last decade
-reads): h5py, ``h5dump`` or HDFView open them without ckptd.
-
-**Names.** Every dataset sits in the root group. Its link name is the tensor name
-with ``%`` written ``%25`` and ``/`` written ``%2F`` (and the name ``.`` as ``%2E``),
-which HDF5 accepts for any name ckptd does; decoding is exact, so two distinct
-names never share a dataset. The exact name is also in the dataset's ``name``
-attribute, and the torch dtype in ``torch_dtype``.
-
-**Types.** A dtype numpy has is stored as HDF5's own (bool as h5py's enum, complex
-as its compound of two floats); one it lacks (bfloat16, the float8 types,
-complex32) as the unsigned integer of the same width. The bytes are the tensor's
-bytes either way.
-
-**Writing.** Datasets are created as tensors arrive. A contiguous dataset (the
-default) gets its space in the file when it is created, and is never filled, so its
-absolute offset is known at once: its bytes go there with ``pwritev`` straight
-from the received buffers, like a chunk file's, and h5py only writes metadata.
-Where the filesystem takes O_DIRECT, the page-aligned part of a buffer (datasets
-of 64 KiB and more start on a page, and so do large shared-memory pieces) goes
-through a second, O_DIRECT descriptor, as chunk files do: buffered, then written
-back at fsync, the same bytes took twice as long as naive h5py (benchmarks/limits.py).
-The rest (a last partial page, small pieces) goes through the page cache. A
-chunked dataset (``chunk_shape = "auto"``, compression, fletcher32) is written
-through h5py, whole rows at a time, since HDF5's filters run inside the library.
-
-**Reusing.** An unchanged tensor of an earlier step is there at once: the earlier
-step's whole file is linked into the folder (``r<rank>-<step>.h5``) and the tensor's
-dataset shows in ``r<rank>.h5`` as an external link to it (``Hdf5Format.refer``).
-
-Only this module imports h5py, and only once a file is written or read (the format
-object itself needs none: a daemon or reader that never meets an HDF5 file never loads
-it). Its errors become ``OSError`` (writing) or ``CheckpointCorrupt`` (reading).
-It is longer than most modules because it is the whole format, both sides, in the one
-place h5py may be used.
+The only module that imports h5py, and only once a file is written or read. Start at
+``Hdf5Format``; its errors become ``OSError`` (writing) or ``CheckpointCorrupt`` (reading).
 """
 
 from __future__ import annotations
@@ -52,24 +23,22 @@ from .. import dtypes, layout
 from ..dtypes import Dtype
 from ..errors import CheckpointCorrupt
 from .fileio import buffer_address, write_buffers
-from .protocol import Entry, Ref, Stored, WriteIO, Written
+from .protocol import Entry, Hdf5Options, Ref, Stored, WriteIO, Written
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..config import Hdf5Config
-    from ..manifest import TensorRecord
+    from ..records import TensorRecord
 
-ATTR_NAME = "name"  # the exact tensor name
-ATTR_DTYPE = "torch_dtype"  # the torch dtype, e.g. "bfloat16" (stored as uint16)
-_ALIGN_THRESHOLD = 64 * 2**10  # datasets this large start on a page boundary...
-_ALIGN = 4096  # ...like chunk files' data
+ATTR_NAME = "name"
+ATTR_DTYPE = "torch_dtype"
+_ALIGN_THRESHOLD = 64 * 2**10  # datasets this large start on a page boundary, like chunk files' data
+_ALIGN = 4096
 _LIBVER = ("v108", "v108")  # readable by HDF5 >= 1.8 (Debian's h5dump, HDFView); large attributes
-_H5PY_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError)  # h5py's, as Python's
-_ESCAPE = re.compile("%(25|2F)")  # every "%" in a key starts one of these
+_H5PY_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError)
+_ESCAPE = re.compile("%(25|2F)")
 
 
-# -- names and types ----------------------------------------------------------------------
 def dataset_key(name: str) -> str:
     """The link name of tensor ``name`` in the root group (injective: see ``tensor_name``)."""
     key = name.replace("%", "%25").replace("/", "%2F")
@@ -90,16 +59,18 @@ def stored_dtype(dtype: Dtype) -> np.dtype:
     return np.dtype(dtype.numpy) if dtype.numpy else np.dtype(f"<u{dtype.itemsize}")
 
 
-# -- writing ----------------------------------------------------------------------------------
 @dataclass(eq=False)
 class Slot:
-    """One tensor's dataset, being written; its bytes arrive in order through ``write``."""
+    """One tensor's dataset, being written; its bytes arrive in order through ``write``.
+
+    ``offset``: absolute file offset of the data; None if chunked or empty
+    ``rows``: for a chunked dataset: h5py writes whole rows"""
 
     key: str
-    offset: int | None  # absolute file offset of the data; None if chunked or empty
+    offset: int | None
     nbytes: int
     written: int = 0
-    rows: _Rows | None = None  # for a chunked dataset: h5py writes whole rows
+    rows: _Rows | None = None
 
 
 class H5Writer:
@@ -110,18 +81,18 @@ class H5Writer:
     and close.
     """
 
-    def __init__(self, path: Path, options: Hdf5Config, attrs: dict[str, Any] | None = None,
+    def __init__(self, path: Path, options: Hdf5Options, attrs: dict[str, Any] | None = None,
                  shown: Path | None = None, direct: bool = False) -> None:
         import h5py
 
         self.path = path
-        self.shown = shown or path  # in messages (``path`` may go through /proc/self/fd)
+        self.shown = shown or path
         self.options = options
         self._file: Any = None
         self._fd = -1
-        self._dfd = -1  # the same file with O_DIRECT, where the filesystem allows it
+        self._dfd = -1
         try:
-            path.unlink(missing_ok=True)  # a leftover of an earlier attempt; "x" below refuses symlinks
+            path.unlink(missing_ok=True)
             self._file = h5py.File(path, "x", libver=_LIBVER, locking="best-effort", track_order=False,
                                    alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN)
             for key, value in (attrs or {}).items():
@@ -131,7 +102,7 @@ class H5Writer:
                 try:
                     self._dfd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT)
                 except OSError as exc:
-                    if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                    if exc.errno != errno.EINVAL:
                         raise
         except _H5PY_ERRORS as exc:
             self.abort()
@@ -203,7 +174,7 @@ class H5Writer:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                os.close(self._dfd)  # accepted at open, refused at write: buffered from now on
+                os.close(self._dfd)
                 self._dfd = -1
                 done = 0
             at, view = at + done, view[done:]
@@ -263,12 +234,14 @@ class H5Writer:
 @dataclass(eq=False)
 class _Rows:
     """Feeds a chunked dataset whole rows (slices of its first dimension) from bytes
-    that arrive in pieces of any size; only a row split between pieces is copied."""
+    that arrive in pieces of any size; only a row split between pieces is copied.
+
+    ``done``: rows written"""
 
     ds: Any
     dtype: np.dtype
     shape: tuple[int, ...]
-    done: int = 0  # rows written
+    done: int = 0
     carry: bytearray = field(default_factory=bytearray)
 
     @property
@@ -313,12 +286,7 @@ def _os_error(what: str, exc: BaseException) -> OSError:
     return OSError(f"{what}: {exc}")
 
 
-# -- reading (what the manifest's offsets cannot serve) ---------------------------------------
-# A file read is untrusted: HDF5 can keep a dataset's bytes in other files (external
-# storage, virtual datasets, external links), which would read outside the step
-# folder, and a filter can expand a few bytes into gigabytes. Only what the writer
-# itself makes is accepted: hard links in this file, contiguous, compact or
-# chunked storage, and the filters below.
+# a file read is untrusted: only the storage and filters the writer itself makes are accepted
 _EXPANSION = 1032  # the most that deflate expands (lzf: about 90); shuffle and fletcher32 do not
 
 
@@ -407,17 +375,16 @@ class Hdf5Format:
         return bool(layout.H5.fullmatch(file))
 
     def record_problem(self, name: str, key: str, offset: int | None) -> str | None:
-        return None  # the key and offset are checked against the file when it is read
+        return None
 
     def next_file(self, io: WriteIO) -> str:
         return layout.h5_name(io.rank)
 
     def link_name(self, io: WriteIO, base_step: int, file: str) -> str:
-        if file == layout.h5_name(io.rank):  # named for the step that wrote it
+        if file == layout.h5_name(io.rank):
             return layout.h5_link_name(io.rank, base_step)
-        return file  # linked there already: the same name here
+        return file
 
-    # -- writing, on ckptd-hdf5 ---------------------------------------------------------------
     @staticmethod
     def _file(io: WriteIO) -> H5Writer:
         """The share's open HDF5 file (kept between calls), created on first use."""
@@ -441,7 +408,7 @@ class Hdf5Format:
                 placed.append((e, dataset.key, dataset.offset))
         except OSError as exc:
             io.fail(f"writing {io.dir / name}", exc)
-        return Written(placed)  # fsynced once, when the file is closed
+        return Written(placed)
 
     def open_stream(self, io: WriteIO, entry: Entry, file: str) -> Slot | None:
         try:
@@ -466,7 +433,7 @@ class Hdf5Format:
         return record
 
     def place(self, io: WriteIO, refs: list[Ref]) -> tuple[dict[str, TensorRecord], int, int]:
-        return {}, 0, 0  # (refer links at once: nothing waits for the commit)
+        return {}, 0, 0
 
     def close(self, io: WriteIO) -> None:
         """HDF5 writes its metadata now; the file is then queued for fsync."""
@@ -483,7 +450,6 @@ class Hdf5Format:
             return
         io.sync(h5.path.name, fd)
 
-    # -- reading ----------------------------------------------------------------------------
     def open(self, fd: int, size: int) -> Hdf5Reader:
         return Hdf5Reader(fd)
 
@@ -497,14 +463,14 @@ class Hdf5Reader:
         self.fd = fd
         self._file: Any = None
         self._source: Any = None
-        self._error: CheckpointCorrupt | None = None  # not a readable HDF5 file
-        self._checked: tuple[str, Any] | None = None  # the last dataset checked: (key, dataset)
+        self._error: CheckpointCorrupt | None = None
+        self._checked: tuple[str, Any] | None = None
 
     def check(self, name: str, rec: TensorRecord) -> None:
         self._checked = (rec.key, self._dataset(name, rec))
 
     def read_into(self, name: str, rec: TensorRecord, out: Any) -> None:
-        if self._checked is not None and self._checked[0] == rec.key:  # (check just found it)
+        if self._checked is not None and self._checked[0] == rec.key:
             ds = self._checked[1]
         else:
             ds = self._dataset(name, rec)

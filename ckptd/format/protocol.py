@@ -1,18 +1,10 @@
-"""What a storage format is: the small protocol that the daemon's writer and the
-reader meet, so that neither knows which format a share is in (docs/format.md).
+"""What a storage format is: the protocol (``Format``) that the daemon's writer and the
+reader meet, so that neither knows which format a share is in.
 
-A format has a **write side**, called on the writer thread it names (``thread``)
-with the writer's services (``WriteIO``): write a batch of tensors, open a streamed
-tensor and write it piece by piece, refer to an unchanged record of an earlier step
-(link or copy it), and finish the share's files before its commit or discard. Its
-**read side** opens one data file of a step (``DataReader``): check a record against
-the file's own structure, and read a record that has no byte offset. A record with
-an offset is read by the reader itself, the same way for every format (``preadv``
-or a mapping), which is what keeps reads zero-copy.
-
-The formats are ``ckptd.format.chunk`` (safetensors chunk files) and
-``ckptd.format.hdf5``; ``ckptd.format.get`` finds one by name, ``for_file`` by a
-data file's name.
+Its write side runs on the writer thread it names, with the writer's services
+(``WriteIO``): write tensors, stream one in pieces, refer to an earlier step's record,
+finish the files. Its read side (``DataReader``) checks a record against a data file
+and reads one with no byte offset; a record with an offset the reader reads itself.
 """
 
 from __future__ import annotations
@@ -22,22 +14,41 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ..config import Hdf5Config
     from ..dtypes import Dtype
-    from ..manifest import TensorRecord
+    from ..records import TensorRecord
+
+
+class Hdf5Options(Protocol):
+    """How HDF5 files are written: ``config.Hdf5Config`` (``[hdf5]``)."""
+
+    @property
+    def compression(self) -> str: ...
+
+    @property
+    def level(self) -> int: ...
+
+    @property
+    def chunk_shape(self) -> str: ...
+
+    @property
+    def fletcher32(self) -> bool: ...
 
 
 @dataclass
 class Entry:
-    """One tensor as a writer sees it: a name, a type and its bytes."""
+    """One tensor as a writer sees it: a name, a type and its bytes.
+
+    ``buffers``: bytes-like pieces, in order, adding up to nbytes
+    ``numpy``: emitted as a numpy array
+    ``shard``: a manifest.Shard: the piece of a larger tensor this is"""
 
     name: str
     dtype: Dtype
     shape: list[int]
     nbytes: int
-    buffers: list[Any]  # bytes-like pieces, in order, adding up to nbytes
-    numpy: bool = False  # emitted as a numpy array
-    shard: Any = None  # a manifest.Shard: the piece of a larger tensor this is
+    buffers: list[Any]
+    numpy: bool = False
+    shard: Any = None
 
 
 class Stored(Protocol):
@@ -57,12 +68,15 @@ class Stored(Protocol):
 @dataclass(eq=False)
 class Ref:
     """A tensor of a share that refers to a record stored already, in an earlier step
-    (``base``): placed in the share's folder at commit (``Format.place``)."""
+    (``base``): placed in the share's folder at commit (``Format.place``).
+
+    ``record``: the base's
+    ``ident``: (device, inode) of the base's file that holds it (Stored.check)"""
 
     name: str
     base: Stored
-    record: TensorRecord  # the base's
-    ident: tuple[int, int]  # (device, inode) of the base's file that holds it (Stored.check)
+    record: TensorRecord
+    ident: tuple[int, int]
 
 
 @dataclass
@@ -88,16 +102,24 @@ class DataFile(Protocol):
 class WriteIO(Protocol):
     """Where one share is written, and what a format's write side asks of the daemon's
     writer for it. The writer makes one for each call: a format keeps nothing of it
-    between calls but ``kept``, and never sees the daemon's own objects."""
+    between calls but ``kept``, and never sees the daemon's own objects.
+
+    ``chunk_size``: ``[daemon] chunk_size``: the most a file of copied tensors holds
+    ``direct_io``: O_DIRECT where the filesystem takes it
+    ``fsync``: files are fsynced before the commit ([daemon] fsync)
+    ``kept``: what the format keeps open between calls for this share (None at first)"""
 
     run: str
     step: int
     rank: int
-    chunk_size: int  # ``[daemon] chunk_size``: the most a file of copied tensors holds
-    direct_io: bool  # O_DIRECT where the filesystem takes it
-    fsync: bool  # files are fsynced before the commit ([daemon] fsync)
-    hdf5_options: Hdf5Config
-    kept: Any  # what the format keeps open between calls for this share (None at first)
+    chunk_size: int
+    direct_io: bool
+    fsync: bool
+    kept: Any
+
+    @property
+    def hdf5_options(self) -> Hdf5Options:
+        """``[hdf5]``: how HDF5 files are written."""
 
     @property
     def dir(self) -> Path:
@@ -156,13 +178,16 @@ class DataReader(Protocol):
 
 
 class Format(Protocol):
-    """A storage format: one module of ``ckptd.format`` holds one."""
+    """A storage format: one module of ``ckptd.format`` holds one.
 
-    name: str  # as manifests and ``[daemon] format`` name it
-    thread: str  # the writer thread its shares are written on
-    parallel: bool  # each batch is a file of its own: a pool may write several at once
+    ``name``: as manifests and ``[daemon] format`` name it
+    ``thread``: the writer thread its shares are written on
+    ``parallel``: each batch is a file of its own: a pool may write several at once"""
 
-    # -- names and records ------------------------------------------------------------------
+    name: str
+    thread: str
+    parallel: bool
+
     def owns(self, file: str) -> bool:
         """``file`` (a data file name) is one of this format's."""
 
@@ -176,7 +201,6 @@ class Format(Protocol):
         """The name, in the share's folder, of data file ``file`` of step ``base_step``
         when it is linked there (unchanged tensors)."""
 
-    # -- the write side, on ``thread`` ------------------------------------------------------
     def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
                     *, listed: bool = False) -> Written:
         """Write ``entries`` (checksums ``digests``) into file ``name``; what was written
@@ -207,6 +231,5 @@ class Format(Protocol):
         """Before a commit or discard: finish the share's open file (queued for fsync); a
         failed share's file is only let go of."""
 
-    # -- the read side ---------------------------------------------------------------------
     def open(self, fd: int, size: int) -> DataReader:
         """A reader of the data file open as ``fd`` (``size`` bytes; the caller closes ``fd``)."""

@@ -1,23 +1,11 @@
 """accelerate's ``save_state`` / ``load_state``, through ckptd.
 
-    from ckptd.integrations import accelerate as ckptd_accelerate
     ckptd_accelerate.prepare(accelerator)              # once, after the first optimizer step
     ckptd_accelerate.save_state(accelerator, step)     # returns once copied
     info = ckptd_accelerate.load_state(accelerator)    # newest complete step; info.step
 
-What ``Accelerator.save_state`` covers is saved as one ckptd step, each process
-its own share: process 0 the prepared models (unwrapped, so a checkpoint of N
-processes loads into M), optimizers, schedulers, the gradient scaler, stateful
-dataloaders and the objects given to ``register_for_checkpointing``; every process
-its RNG states and ``accelerator.step``. ``load_state`` gives every process
-process 0's share and its own RNG states. FSDP and DeepSpeed shard the model
-and optimizer: they are refused here (``ckptd.dcp`` is their route).
-
-``prepare`` makes staging for what ``save_state`` will copy, in the background,
-so that the first checkpoint blocks no longer than the later ones (without it,
-the first one streams through the 32 MiB "auto" staging starts with). Call it
-once the optimizer's state exists (after the first step, for Adam); it costs that
-staging's memory from then on rather than from the first checkpoint.
+What ``Accelerator.save_state`` covers is one ckptd step: process 0 saves the unwrapped
+models and the rest, every process its RNG states. FSDP and DeepSpeed go through ``ckptd.dcp``.
 """
 
 from __future__ import annotations
@@ -82,7 +70,7 @@ def load_state(accelerator: Any, step: int | None = None, *, run: str | None = N
     RNG states from ``step`` (None: the newest complete step); return its CheckpointInfo."""
     _check_unsharded(accelerator)
     run = _run(run)
-    path, manifests = reader.find(run, step, root)  # step None: the newest complete one
+    path, manifests = reader.find(run, step, root)
     step, world = manifests[0].step, manifests[0].world_size
     first = reader.load(run, step, root=root, rank=0)
     rank = accelerator.process_index

@@ -1,34 +1,11 @@
 """PyTorch Lightning (and Fabric) checkpoints through ckptd: ``CkptdCheckpointIO``.
 
-    trainer = L.Trainer(plugins=[CkptdCheckpointIO(run="exp1")],
-                        callbacks=[ModelCheckpoint(every_n_train_steps=100, save_last=True)])
-    trainer.fit(model, ckpt_path="last")
+    trainer = L.Trainer(plugins=[CkptdCheckpointIO(run="exp1")], callbacks=[ModelCheckpoint(...)])
 
-Lightning keeps deciding *when* to save, *which* file name a checkpoint has and
-which ones to remove (``ModelCheckpoint``); this plugin decides where the bytes
-go. Paths map to ckptd checkpoints like this (docs/integrations.md):
-
-- ``save_checkpoint(checkpoint, path)`` saves the dict as step
-  ``checkpoint["global_step"]`` (Fabric: the dict's ``"global_step"`` or
-  ``"step"``, else one past the newest step) of the plugin's run, through the
-  producer: it returns once the tensors are copied. Then it writes, at ``path``,
-  a small JSON *pointer file* naming that run and step. Lightning's own
-  bookkeeping (``exists``, modification times, ``last*.ckpt`` globbing,
-  ``save_last="link"`` symlinks) works on the pointer files unchanged.
-- ``load_checkpoint(path)`` reads the pointer and loads its step through ckptd;
-  a ``last*.ckpt`` pointer loads the run's newest *complete* checkpoint, so
-  ``ckpt_path="last"`` ends at what ckptd made durable even when the process was
-  killed before its last save was. Nothing is ever unpickled.
-- ``remove_checkpoint(path)`` removes the pointer and deletes its step once that
-  is safe: no other pointer names it, and a newer checkpoint of the run is
-  complete (so neither the newest complete checkpoint nor one that a pending
-  save would replace before it is durable is ever deleted).
-- the first checkpoint blocks no longer than the later ones: after the first
-  training step (once the optimizer's state exists), ``PrepareStaging`` has the
-  plugin's producer make staging for the whole checkpoint, in the background.
-  ckptd registers that callback with every ``lightning.pytorch`` Trainer (the
-  ``lightning.pytorch.callbacks_factory`` entry point); it does nothing where the
-  Trainer's checkpoint IO is not a ``CkptdCheckpointIO``.
+Lightning decides when to save, a checkpoint's file name and which to remove; this
+plugin saves the dict as a ckptd step and writes a small JSON *pointer file* at the
+path. ``last*.ckpt`` loads the run's newest complete step; a removed step is deleted
+once no pointer names it and a newer one is complete. ``PrepareStaging`` makes staging early.
 """
 
 from __future__ import annotations
@@ -58,7 +35,7 @@ log = logging.getLogger("ckptd.integrations.lightning")
 
 POINTER_KIND = "ckptd-lightning-pointer"
 _POINTER_LIMIT = 1 << 16
-_LAST = re.compile(r"^last(-v?\d+)?$")  # ModelCheckpoint.CHECKPOINT_NAME_LAST and its versions
+_LAST = re.compile(r"^last(-v?\d+)?$")
 
 
 class CkptdCheckpointIO(_io.CheckpointIO):
@@ -84,11 +61,10 @@ class CkptdCheckpointIO(_io.CheckpointIO):
         self.root = root
         self.producer_options = producer_options
         self._producer: Producer | None = None
-        self._handles: dict[int, CommitHandle] = {}  # steps this process saved
-        self._doomed: set[int] = set()  # steps Lightning removed, deleted once safe
-        self._dirs: set[Path] = set()  # folders holding this plugin's pointer files
+        self._handles: dict[int, CommitHandle] = {}
+        self._doomed: set[int] = set()
+        self._dirs: set[Path] = set()
 
-    # -- the CheckpointIO protocol ----------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Snapshot ``checkpoint`` through the producer (returns once copied), then point ``path`` at it."""
         if storage_options is not None:
@@ -99,8 +75,7 @@ class CkptdCheckpointIO(_io.CheckpointIO):
             self._handles[step] = self.producer.save(plain(checkpoint), step, metadata=scores(checkpoint))
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        # Replaced atomically but not fsynced: it is bookkeeping for Lightning, the checkpoint is
-        # ckptd's (durable once committed), and a "last" pointer resolves to the newest complete step.
+        # not fsynced: it is Lightning's bookkeeping; the checkpoint is ckptd's, durable once committed
         atomic_write(target, pointer_bytes(self.run, step), fsync=False)
         self._dirs.add(target.parent.absolute())
         self._reap()
@@ -110,7 +85,7 @@ class CkptdCheckpointIO(_io.CheckpointIO):
         """The checkpoint ``path`` points at; for ``last*.ckpt``, the run's newest complete one."""
         run, step = read_pointer(path)
         if self._producer is not None and run == self.run:
-            self._producer.flush()  # a save of this process may still be on its way
+            self._producer.flush()
         if _LAST.match(Path(path).stem):
             info = reader.latest(run, root=self.root)
             if info is None:
@@ -157,7 +132,6 @@ class CkptdCheckpointIO(_io.CheckpointIO):
         Returns the staging bytes one such checkpoint takes."""
         return self.producer.prepare(plain(checkpoint))
 
-    # -- helpers ---------------------------------------------------------------------------
     @property
     def producer(self) -> Producer:
         if self._producer is None:
@@ -190,7 +164,7 @@ class CkptdCheckpointIO(_io.CheckpointIO):
             if step in live or (handle is not None and not handle.done()):
                 continue
             if newest is None or newest.step <= step:
-                continue  # the newest complete checkpoint, or older than nothing complete yet
+                continue
             self._doomed.discard(step)
             try:
                 trash = retention.delete(run_dir, step)
@@ -229,7 +203,7 @@ class PrepareStaging(Callback):
         self._pending = True
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._pending = True  # each fit makes its producer anew (teardown closes it)
+        self._pending = True
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._pending:

@@ -3,27 +3,9 @@
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[CkptdCallback(run="exp1")])
     trainer.train(resume_from_checkpoint=True)   # ckptd's newest complete checkpoint
 
-How it hooks in (docs/integrations.md): when the Trainer that holds it is built
-(``on_init_end``), the callback attaches itself to that Trainer, the same way as
-``callback.attach(trainer)`` does for a callback added later:
-
-- the Trainer's checkpoint writer (``_save_checkpoint``, called at its own save
-  points: ``save_strategy``, ``save_steps``) becomes one ``producer.save`` of
-  what the Trainer would have written: model, optimizer, scheduler, scaler, RNG
-  states and ``TrainerState`` (as its JSON). Training waits only for the copy.
-  Each process saves its own share (its RNG states; process 0 also the rest),
-  as step ``global_step``.
-- ``train(resume_from_checkpoint=True)`` resumes from the run's newest complete
-  checkpoint: the callback writes its ``TrainerState`` JSON into
-  ``<output_dir>/ckptd-resume/checkpoint-<step>/`` and hands that folder to the
-  Trainer's own resume path, whose readers of model, optimizer, scheduler,
-  scaler and RNG files read the ckptd checkpoint instead. So global step,
-  epoch, data position (the Trainer skips the batches already trained), RNG,
-  optimizer and scheduler come back exactly as from the Trainer's own files.
-- ``save_total_limit = N`` becomes the run's ckptd retention ``keep_last = N``.
-- after the first training step (once the optimizer's state exists), process 0's
-  producer makes staging for the model and optimizer in the background, so the
-  first checkpoint blocks no longer than the later ones (``Producer.prepare``).
+The callback attaches to its Trainer (``attach``): the Trainer's checkpoint writer becomes
+one ``producer.save`` per process, resuming reads the ckptd checkpoint through the
+Trainer's own resume path, and ``save_total_limit`` becomes ``keep_last``.
 """
 
 from __future__ import annotations
@@ -86,10 +68,9 @@ class CkptdCallback(TrainerCallback):
         self._producer: Producer | None = None
         self._trainer: Any = None
         self._resume_dir: str | None = None
-        self._resume: dict[str, Any] = {}  # the checkpoint being resumed from: rank 0's share and ours
-        self._prepare_pending = True  # staging for the first checkpoint: made after the first step
+        self._resume: dict[str, Any] = {}
+        self._prepare_pending = True
 
-    # -- attaching -------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = _owning_trainer()
         if trainer is not None:
@@ -126,7 +107,7 @@ class CkptdCallback(TrainerCallback):
             self._prepare_staging()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._prepare_pending = True  # a later train() may follow close(): a new producer
+        self._prepare_pending = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Training ends once every checkpoint is durable; a failed one raises CheckpointError."""
@@ -152,7 +133,6 @@ class CkptdCallback(TrainerCallback):
                                       world_size=args.world_size, **options)
         return self._producer
 
-    # -- saving ----------------------------------------------------------------------------
     def _prepare_staging(self) -> None:
         """Process 0: make staging for the checkpoint's model and optimizer now, in the
         background (its memory is taken from the first step rather than the first save;
@@ -175,7 +155,7 @@ class CkptdCallback(TrainerCallback):
         trainer.store_flos()
         args = trainer.args
         share: dict[str, Any] = {}
-        if args.should_save:  # process 0: the replicated model and the trainer's state
+        if args.should_save:
             share["model"] = trainer.model.state_dict()
             if not args.save_only_model:
                 share["optimizer"] = trainer.optimizer.state_dict()
@@ -187,14 +167,12 @@ class CkptdCallback(TrainerCallback):
             share["trainer_state"] = json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
         if not args.save_only_model:
             share["rng"] = rng.capture()
-        # Parameters that do not train (a frozen base under LoRA/PEFT) are copied and written
-        # once; later steps refer to the stored copy (ckptd.producer.frozen, daemon.reuse).
+        # frozen parameters (a LoRA/PEFT base) are written once; later steps refer to the stored copy
         frozen = [f"model.{n}" for n, p in trainer.model.named_parameters() if not p.requires_grad] \
             if "model" in share else None
         self.producer.save(share, trainer.state.global_step, frozen=frozen or None)
         self.save_seconds.append(time.perf_counter() - started)
 
-    # -- resuming --------------------------------------------------------------------------
     def _resolve(self, resume_from_checkpoint: Any) -> Any:
         """``True``: ckptd's newest complete checkpoint of the run (else the Trainer's own lookup)."""
         if resume_from_checkpoint is not True:
@@ -202,7 +180,7 @@ class CkptdCallback(TrainerCallback):
         self.flush()
         info = reader.latest(self.run, root=self.root)
         if info is None:
-            return True  # nothing in ckptd: the Trainer looks for its own checkpoint folders
+            return True
         args = self._trainer.args
         first = reader.load(self.run, info.step, root=self.root, rank=0)
         mine = first if args.process_index == 0 else reader.load(self.run, info.step, root=self.root,

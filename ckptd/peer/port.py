@@ -21,7 +21,7 @@ from typing import Any, Callable
 import zmq
 
 from .. import index, layout
-from ..daemon import failpoints
+from .. import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
 from ..manifest import Manifest
 from ..names import check_run

@@ -38,7 +38,7 @@ import zmq
 
 from .. import index, layout
 from ..config import ConfigError, PeerConfig
-from ..daemon import failpoints
+from .. import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
 from . import messages, partners, supervise
 from .asking import ask_all

@@ -104,7 +104,7 @@ def stats() -> dict[str, Any]:
 
 def wait_complete(step: int, timeout: float | None = None, *, tier: str | None = None) -> CheckpointInfo:
     """Until every rank's share of ``step`` is durable in the remote tier (else the shared
-    root); ``tier="peer"``: until every rank's share has a replica in a peer's memory."""
+    root); ``tier="peer"``: until every rank's share has a copy in a peer's memory."""
     return _get().wait_complete(step, timeout, tier=tier)
 
 

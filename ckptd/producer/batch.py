@@ -1,20 +1,10 @@
 """Small tensors travel in batches: many in one region of the staging arena, one message.
 
-One message per tensor cost the training thread an encode, a queue put and a
-wake-up, and the sender thread a send, for each tensor: 33 µs a tensor for
-10,000 small ones, 28x a memcpy of the same bytes (benchmarks/limits.py). A batch
-takes one region of the arena, copies each small tensor into it when it is
-emitted (the snapshot is taken at once, as for any tensor), and goes out as one
-``tensors`` message (docs/protocol.md) when it is full, when the step changes,
-when a tensor that is not batched comes (regions must go out in the order they
-were taken, for the arena's ring), and before a commit, an abort, a flush or a
-close. Only in shared memory: inline, every tensor is a frame anyway.
-
-A batch sent before it filled gives the rest of its region back to the arena
-(``Arena.shrink``): in a ``state_dict()``'s order (a weight, its bias, a norm's
-weight, ...) every large tensor sends the open batch, and regions of an eighth of
-the arena holding one bias each filled staging with bytes nobody used while the
-daemon, still gathering the chunk they belong to, held them all.
+A ``Batcher`` copies each small tensor into its region as it is emitted (the snapshot
+is taken at once) and sends one ``tensors`` message when it is full, when the step
+changes, before a tensor that is not batched (regions go out in the order they were
+taken) and before a commit, abort, flush or close. A batch sent before it filled gives
+the rest of its region back (``Arena.shrink``). Shared memory only.
 """
 
 from __future__ import annotations
@@ -24,9 +14,9 @@ from typing import Any, Callable
 
 from .staging import ALIGN, Region
 
-SMALL = 64 * 1024  # tensors up to this size are batched
-BATCH_BYTES = 4 * 2**20  # one batch's region (at most an eighth of the arena)
-BATCH_ITEMS = 4096  # tensors per batch: bounds one header's size and decode time
+SMALL = 64 * 1024
+BATCH_BYTES = 4 * 2**20
+BATCH_ITEMS = 4096
 
 
 class Batcher:
@@ -46,7 +36,7 @@ class Batcher:
         self._region: Region | None = None
         self._used = 0
         self._items: list[list[Any]] = []
-        self._frozen = False  # the open batch holds declared-frozen tensors (only those)
+        self._frozen = False
 
     def wants(self, item: Any) -> bool:
         """Whether ``item`` (a validated ``_Tensor``) goes into a batch."""
@@ -66,10 +56,10 @@ class Batcher:
         src = item.source
         if not item.is_numpy and src.is_contiguous() and not src.is_conj() and not src.is_neg():
             if item.nbytes:
-                ctypes.memmove(self._base + at, src.data_ptr(), item.nbytes)  # releases the GIL
+                ctypes.memmove(self._base + at, src.data_ptr(), item.nbytes)
         else:
             self._copy(Region(at, item.nbytes), item)
-        self._items.append([name, item.dtype.name, item.shape, item.nbytes, item.is_numpy, at])  # wire.BATCH_ITEM
+        self._items.append([name, item.dtype.name, item.shape, item.nbytes, item.is_numpy, at])
         self._used = offset + item.nbytes
 
     def flush(self) -> None:

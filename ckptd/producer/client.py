@@ -1,17 +1,10 @@
-"""``Producer``: the API a training loop calls (docs/usage.md).
+"""``Producer``: the API a training loop calls (docs/training.md).
 
-``emit`` validates a tensor, copies it into the staging arena (a snapshot: the
-caller may overwrite the tensor as soon as ``emit`` returns) and queues it for
-the sender thread. ``commit`` closes a step and returns a ``CommitHandle`` that
-resolves when the daemon has made the step durable, or fails with
-``CheckpointError``. Failures always reach the caller: through the handle,
-``flush()`` and ``close()``.
-
-``Producer`` checks the arguments and dispatches: ``stager.Stager`` is the one
-staging sequence of ``emit``, ``emit_many`` and ``save`` (plan, copy, hand over),
-over ``copies.Copier`` (staging and the copies into it), ``connection.Connection``
-(the daemon connection and its replies), ``steps.StepBook`` (the steps in flight and
-the commits awaited) and ``plan.Plan`` (the fast way of saving a layout that repeats).
+``emit`` copies a tensor into staging (a snapshot: the caller may overwrite it at once)
+and queues it; ``commit`` returns a ``CommitHandle`` that resolves once the step is
+durable, or fails with ``CheckpointError``; failures always reach the caller. ``Producer``
+checks arguments and dispatches to ``stager.Stager`` (the staging sequence),
+``connection.Connection`` (the daemon), ``steps.StepBook`` (steps in flight).
 """
 
 from __future__ import annotations
@@ -72,16 +65,15 @@ class Producer:
             config_mod.ProducerConfig, merged, "Producer options"
         )
         who = identify(cfg, self.options, options, endpoint, run, rank, world_size, retention, format)
-        # who this producer is (the hello says it; read-only)
         self.endpoint, self.run, self.rank, self.world_size = who.endpoint, who.run, who.rank, who.world_size
         self.local_rank, self.local_world_size = who.local_rank, who.local_world_size
         self.retention, self.format, self.attempt = who.retention, who.format, who.attempt
 
         self._emit_lock = threading.Lock()  # one emit at a time: regions go out in order
-        self._frozen = frozen_mod.Frozen()  # save(frozen=...): what the daemon stores already
+        self._frozen = frozen_mod.Frozen()
         self._book = StepBook(on_done=self._frozen.done)
-        self._copier = Copier(self.options)  # makes staging in the background now
-        if prepare is not None:  # the state (or its bytes) to make staging for now: self.prepare
+        self._copier = Copier(self.options)
+        if prepare is not None:
             try:
                 self.prepare(prepare)
             except BaseException:
@@ -89,9 +81,9 @@ class Producer:
                 raise
         self._connection = Connection(who, self.options, self._copier, self._book, self._frozen, self._emit_lock)
         self._stager = Stager(self._copier, self._connection, self._book, self._frozen, self._emit_lock)
-        self._current_step: int | None = None  # the open checkpoint() block's
+        self._current_step: int | None = None
         self._pacer = Pacer()
-        self._agree: Any = None  # rank 0's plan to every rank (pacing.broadcast_from_rank0), made at first use
+        self._agree: Any = None
         ref = weakref.ref(self)
 
         def close_at_exit() -> None:
@@ -106,7 +98,6 @@ class Producer:
         """``close`` was called: this producer takes nothing more."""
         return self._connection.closed
 
-    # -- public API -------------------------------------------------------------------------
     def emit(self, name: str, tensor: Any, *, step: int | None = None,
              global_shape: Any = None, offset: Any = None) -> str:
         """Snapshot ``tensor`` as ``name`` of ``step`` and return; it is written in the background.
@@ -128,22 +119,21 @@ class Producer:
             item = dataclasses.replace(item, shard=hand_shard(name, item.shape, global_shape, offset))
         elif is_dtensor(tensor):
             planned = sharded.plan({name: tensor}, self.rank, self.world_size)
-            if name in planned.replicas:  # another rank of its mesh writes this replicated piece
+            if name in planned.written_by:
                 with self._emit_lock:
-                    self._book.claim(step, name, replica_of=planned.replicas[name])
+                    self._book.claim(step, name, written_by=planned.written_by[name])
                 return name
             source, shard = planned.stage[name]
             item = dataclasses.replace(describe(name, source), shard=shard)
         else:
             item = describe(name, tensor)
         with self._emit_lock:
-            piece = None  # a hand-placed piece: (its tensor, its box)
+            piece = None
             if global_shape is not None and item.shard is not None:
                 piece = (name, Box(tuple(item.shard.offsets), tuple(item.shape)))
                 kept = self._book.place(step, *piece)
-                if kept != name:  # this rank's second piece of it: its shard names the tensor
+                if kept != name:
                     name, item = kept, dataclasses.replace(item, shard=dataclasses.replace(item.shard, tensor=name))
-            # staging grows for the last checkpoint's room: one tensor says nothing of the next
             self._stager.stage(step, {name: item}, room=sizing.room_for([item.nbytes]), grow_for=0, piece=piece)
         return name
 
@@ -162,7 +152,7 @@ class Producer:
             raise TypeError(f"emit_many takes a dict of {{name: tensor}}, not a {type(tensors).__name__}")
         if not tensors:
             return []
-        if any(is_dtensor(t) for t in tensors.values()):  # each places itself, as emit does
+        if any(is_dtensor(t) for t in tensors.values()):
             return [self.emit(name, t, step=step) for name, t in tensors.items()]
         with _no_cyclic_gc():
             if self._stager.by_plan(self._stager.many_plans, tensors, step, kick=True) is not None:
@@ -175,18 +165,18 @@ class Producer:
         return list(items)
 
     def commit(self, step: int, *, metadata: dict[str, Any] | None = None, structure: Any = None,
-               replicas: dict[str, int] | None = None) -> CommitHandle:
+               written_by: dict[str, int] | None = None) -> CommitHandle:
         """Close ``step``: the daemon makes it durable, then the handle resolves.
 
         For layers that emit a state piece by piece (``ckptd.dcp``): ``structure`` is
         the saved state's structure (``ckptd.state.flatten``'s) over the tensors
-        emitted, and ``replicas`` names the tensors it refers to that another rank
+        emitted, and ``written_by`` names the tensors it refers to that another rank
         writes (``{name: that rank}``)."""
         check_step(step)
         state_json = None if structure is None else json.dumps(structure, ensure_ascii=False, allow_nan=False)
         with self._emit_lock:
-            for name, writer in (replicas or {}).items():
-                self._book.claim(step, check_name(name), replica_of=writer)
+            for name, writer in (written_by or {}).items():
+                self._book.claim(step, check_name(name), written_by=writer)
         return self._commit(step, metadata, None, state_json)
 
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None,
@@ -201,10 +191,10 @@ class Producer:
         neither copy nor send them, and the new step refers to the stored copy. A
         torch tensor whose in-place version counter moved is copied again all the
         same (``ckptd.producer.frozen``)."""
-        began = time.monotonic()  # the training loop is blocked from here to the commit
+        began = time.monotonic()
         check_step(step)
         pattern = frozen_mod.globs(frozen)
-        meta_json = _metadata_json(metadata)  # TypeError before anything is staged
+        meta_json = _metadata_json(metadata)
         with _no_cyclic_gc():
             # a plan copies every tensor; frozen= ones go the general way, which leaves them out
             if pattern is None and not (replicated and self.world_size > 1):
@@ -215,25 +205,24 @@ class Producer:
                     raise
                 if got is not None:
                     return self._commit(step, metadata, meta_json, got[1], began=began)
-            structure, tensors = flatten(state)  # TypeError/ValueError before anything is sent
+            structure, tensors = flatten(state)
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
-            # digests of the replicated pieces held, beside the copies below; taken at the commit
             digests = replicas.start(planned.shared, self.options.compare_replicas, written=planned.stage)
             items = {name: dataclasses.replace(describe(name, t), shard=shard)
                      for name, (t, shard) in planned.stage.items()}
-            for name in planned.replicas:  # checked on every rank, though another writes it
+            for name in planned.written_by:
                 if not is_dtensor(tensors[name]):
                     describe(name, tensors[name])
             state_json = json.dumps(structure, ensure_ascii=False, allow_nan=False)
             try:
                 with self._emit_lock:
                     whole = sizing.room_for([i.nbytes for i in items.values()])
-                    self._stager.stage(step, items, room=0, grow_for=whole, frozen=pattern, replicas=planned.replicas)
+                    self._stager.stage(step, items, room=0, grow_for=whole, frozen=pattern, written_by=planned.written_by)
             except BaseException:
                 self.abort(step)
                 raise
-            room = sizing.room_for([i.nbytes for i in items.values()])  # (less the frozen ones not sent)
-            if pattern is None and not planned.replicas and not (replicated and self.world_size > 1):
+            room = sizing.room_for([i.nbytes for i in items.values()])
+            if pattern is None and not planned.written_by and not (replicated and self.world_size > 1):
                 with self._emit_lock:
                     self._stager.keep(self._stager.save_plans, state, structure, tensors, items, room)
         self._book.set_room(step, room)
@@ -254,7 +243,7 @@ class Producer:
                 raise ValueError(f"prepare({state}): a size cannot be negative")
             room = state
         else:
-            _, tensors = flatten(state)  # TypeError/ValueError, as save would raise them
+            _, tensors = flatten(state)
             planned = sharded.plan(tensors, self.rank, self.world_size, replicated)
             room = sizing.room_for([describe(name, t).nbytes for name, (t, _) in planned.stage.items()])
         self._copier.prepare(room)
@@ -303,7 +292,7 @@ class Producer:
     def wait_complete(self, step: int, timeout: float | None = None, *, tier: str | None = None) -> CheckpointInfo:
         """Wait until every rank's share of ``step`` is durable in the remote tier (or,
         with no ``[remote]``, on the shared root), as the storage itself shows it;
-        ``tier="peer"``: until every rank's share has a replica in a peer's memory."""
+        ``tier="peer"``: until every rank's share has a copy in a peer's memory."""
         from ..completion import wait_complete
 
         return wait_complete(self._connection.need_run(), check_step(step), timeout=timeout,
@@ -366,7 +355,7 @@ class Producer:
         this producer has not yet."""
         check_step(step)
         check_bounds(min_steps, max_steps, min_seconds, max_seconds)
-        if self._agree is None:  # the first call: connected, so that the welcome's advice is here
+        if self._agree is None:
             with self._emit_lock:
                 self._connection.ensure()
             self._agree = broadcast_from_rank0(self.world_size)
@@ -385,7 +374,6 @@ class Producer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- the steps between -------------------------------------------------------------------------
     def _resolve_step(self, step: int | None) -> int:
         if step is None:
             if self._current_step is None:
@@ -404,7 +392,7 @@ class Producer:
         st = self._book.close_step(step, handle)
         self._copier.want(st.room)
         conn = self._connection
-        if st.error is not None:  # the daemon failed this step already: do not commit it
+        if st.error is not None:
             self._book.finish(step, handle, error=st.error)
             if conn.live:
                 conn.send("abort", step=step, reason="failed before commit")
@@ -415,14 +403,13 @@ class Producer:
                 conn.send_batch()
         except CheckpointError as exc:
             self._book.finish(step, handle, error=str(exc))
-            handle.observed = True  # raised here, to the caller: flush() and close() do not raise it again
+            handle.observed = True
             raise
-        ours = digests.result() if digests is not None else None  # (replica comparison, docs/replicas.md)
-        # what this save cost the training loop, and the loads before it (docs/advise.md)
+        ours = digests.result() if digests is not None else None
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
                   "restore_s": measures.take_restored(self.run) if self.run is not None else None}
         conn.send("commit", handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",
-                  metadata=meta_json, replicas=st.replicas or None, timing=timing,
+                  metadata=meta_json, replicas=st.written_by or None, timing=timing,
                   digests=ours or None, compare=self.options.compare_replicas if ours else None)
         return handle
 

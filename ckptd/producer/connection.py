@@ -1,14 +1,10 @@
-"""A producer's connection to its daemon: hello and welcome, replies, reconnect, bye.
+"""A producer's connection to its daemon (``Connection``): hello and welcome, replies,
+reconnect, bye.
 
-``ensure()`` says hello on first use and again after the daemon was lost (a
-restarted daemon is met with a new transport, the staging arena offered anew and
-reset, docs/protocol.md), and raises ``CheckpointError`` with what to do when no
-daemon answers or it refuses the producer; ``start()`` does it at the producer's
-start, in the background with a warning unless ``[producer] on_no_daemon = "raise"``.
-Every message gets its ``seq`` here. The transport's sender thread hands each
-reply to ``_on_reply`` (acks free staging, commits and errors resolve the step
-book's handles, answers wake ``ask``) and calls ``_on_lost`` when the daemon goes
-silent: every step in flight then fails, loudly. ``close()`` says bye.
+``ensure()`` says hello on first use and after the daemon was lost, and raises
+``CheckpointError`` with what to do when none answers; every message gets its ``seq``
+here. The sender thread hands each reply to ``_on_reply`` (acks free staging, commits
+resolve handles, answers wake ``ask``) and calls ``_on_lost``: every step in flight fails.
 """
 
 from __future__ import annotations
@@ -41,19 +37,27 @@ log = logging.getLogger("ckptd.producer")
 
 @dataclass(frozen=True)
 class Identity:
-    """Who a producer is to its daemon: what its hello says, and where it goes."""
+    """Who a producer is to its daemon: what its hello says, and where it goes.
+
+    ``local_rank``: the launcher's node-local identity: information only
+    ``retention``: this run's own [retention] keys, applied by the daemon
+    ``format``: this run's storage format; None: the daemon's [daemon] format
+    ``attempt``: this launch among restarts (ckptd.attempt)
+    ``curve_keys``: tcp:// only
+    ``serve_config``: the config that starts a daemon at this endpoint, for "start one with ..."
+        hints"""
 
     endpoint: str
     run: str | None
     rank: int
     world_size: int
-    local_rank: int  # the launcher's node-local identity: information only
+    local_rank: int
     local_world_size: int
-    retention: dict[str, Any] | None  # this run's own [retention] keys, applied by the daemon
-    format: str | None  # this run's storage format; None: the daemon's [daemon] format
-    attempt: str | None  # this launch among restarts (ckptd.attempt)
-    curve_keys: curve.ClientKeys | None  # tcp:// only
-    serve_config: Path | None  # the config that starts a daemon at this endpoint, for "start one with ..." hints
+    retention: dict[str, Any] | None
+    format: str | None
+    attempt: str | None
+    curve_keys: curve.ClientKeys | None
+    serve_config: Path | None
 
 
 def identify(cfg: config_mod.Config, options: config_mod.ProducerConfig, given: dict[str, Any],
@@ -64,8 +68,7 @@ def identify(cfg: config_mod.Config, options: config_mod.ProducerConfig, given: 
     if endpoint is None:
         endpoint = env.endpoint()
     endpoint = config_mod.resolve_endpoint(endpoint, Path.cwd()) if endpoint else cfg.endpoint
-    curve_keys = curve.client_keys(endpoint, cfg, given)  # tcp:// only; files checked now
-    # the config that starts a daemon at this endpoint, for "start one with ..." hints
+    curve_keys = curve.client_keys(endpoint, cfg, given)
     serve_config = cfg.path if cfg.path is not None and endpoint == cfg.endpoint else None
     run = run if run is not None else env.run()
     run = check_run(run) if run is not None else None
@@ -73,21 +76,18 @@ def identify(cfg: config_mod.Config, options: config_mod.ProducerConfig, given: 
     rank = rank if rank is not None else 0 if env_rank is None else env_rank
     world_size = world_size if world_size is not None else 1 if env_world is None else env_world
     rank, world_size = check_rank(rank, world_size)
-    # the launcher's node-local identity (torchrun, Slurm's wrappers): information only,
-    # each node's ranks reach their own node's daemon through its endpoint
+    # each node's ranks reach their own node's daemon through its endpoint: information only
     local_rank, local_world_size = env.local_rank(), env.local_world_size()
     local_rank = rank if local_rank is None else local_rank
     local_world_size = world_size if local_world_size is None else local_world_size
-    # this run's own [retention] keys, checked here and applied by the daemon
     if retention is not None:
         from ..retention import merge
 
         merge(cfg.retention, retention, "Producer(retention=...)")
-    # this run's storage format; None: the daemon's [daemon] format
     if format is not None and format not in config_mod.FORMATS:
         raise ValueError(f"format={format!r}: use one of {', '.join(map(repr, config_mod.FORMATS))}, "
                          "or None for the daemon's [daemon] format")
-    attempt = current_attempt(options.attempt, world_size, env.elastic())  # elastic restarts
+    attempt = current_attempt(options.attempt, world_size, env.elastic())
     return Identity(endpoint, run, rank, world_size, local_rank, local_world_size, retention, format, attempt,
                     curve_keys, serve_config)
 
@@ -109,15 +109,15 @@ class Connection:
         self._emit_lock = emit_lock
         self._lock = threading.Lock()  # seq numbers and queries, from any thread
         self._seq = 0
-        self._queries: dict[int, list[Any]] = {}  # wire seq -> [event, answer]
+        self._queries: dict[int, list[Any]] = {}
         self.transport: Transport | None = None
         self._welcome: threading.Event | None = None
         self._hello_error: str | None = None
         self.max_frame = 0
-        self.shm = False  # this connection's tensors travel through the shared arena
-        self.batcher: Batcher | None = None  # small tensors' open batch (shared memory only)
-        self._batches = False  # the daemon takes batches (its welcome says so)
-        self.advice: dict[str, Any] | None = None  # the daemon's interval advice for this run (should_save)
+        self.shm = False
+        self.batcher: Batcher | None = None
+        self._batches = False
+        self.advice: dict[str, Any] | None = None
         self.closed = False
         self._connector: threading.Thread | None = None
 
@@ -131,7 +131,6 @@ class Connection:
             raise ValueError("no run id: pass run= to configure() / Producer(), or set CKPTD_RUN")
         return self.who.run
 
-    # -- hello, reconnect, bye -----------------------------------------------------------------
     def start(self) -> None:
         """Find the daemon now, not at the first checkpoint hours in (on_no_daemon)."""
         if self.who.run is None:
@@ -179,16 +178,16 @@ class Connection:
         run = self.need_run()
         arena = self._copier.ready()
         old, self.transport = self.transport, None
-        self._frozen.forget()  # the daemon there may keep another root
+        self._frozen.forget()
         if self.batcher is not None:
-            self.batcher.drop()  # its region went with the old connection
+            self.batcher.drop()
             self.batcher = None
         if old is not None:
             old.close()
             if old.lost is not None and endpoint.startswith("ipc://") and not unixsock.in_use(endpoint[len("ipc://"):]):
                 # it stopped or died, and nobody took its place: say so now, not a timeout later
                 raise CheckpointError(f"{old.lost}, and no daemon listens there now; {self._start_hint()}")
-        arena.reset()  # whatever the old connection carried is gone with it
+        arena.reset()
         self._welcome = threading.Event()
         self._hello_error = None
         token = self._offer_arena()
@@ -200,13 +199,13 @@ class Connection:
                                    retention=who.retention, format=who.format, shm_token=token,
                                    shm_size=arena.capacity if token else None, attempt=who.attempt))
         if not self._welcome.wait(timeout) or self._hello_error or transport.lost:
-            transport.close(linger=False)  # the hello has nobody to reach, or was answered
+            transport.close(linger=False)
             if self._hello_error:
                 raise CheckpointError(f"the daemon at {endpoint} refused this producer: {self._hello_error}")
             if transport.refused or transport.stopped:
                 raise CheckpointError(transport.lost)
             hint = self._start_hint()
-            if who.curve_keys is not None:  # a CurveZMQ refusal looks like silence from here
+            if who.curve_keys is not None:
                 hint += ("; or the daemon refused this producer's CurveZMQ key, or curve_server_key is not "
                          "the daemon's public key (the daemon's log, or `ckptd status -c CONFIG`, says which)")
             raise CheckpointError(f"no ckptd daemon answered at {endpoint} within {timeout:g} s; {hint}")
@@ -263,7 +262,6 @@ class Connection:
         self.closed = True
         self.drop()
 
-    # -- messages out ---------------------------------------------------------------------------
     @property
     def seq(self) -> int:
         """The last seq number taken: how many messages this producer numbered."""
@@ -293,7 +291,7 @@ class Connection:
         assert self.transport is not None
         seq = self.number()
         with self._lock:
-            self._queries[seq] = answer  # before it leaves: the answer may come at once
+            self._queries[seq] = answer
         self.transport.send(wire.encode(op, seq=seq, **fields))
         if not done.wait(self._options.timeout):
             raise CheckpointError(f"the daemon at {self.who.endpoint} did not answer within "
@@ -347,7 +345,7 @@ class Connection:
         ``kick``: wake the sender now (the step's first message: the daemon knows it is open
         at once, as it does from emit's first tensor)."""
         assert self.transport is not None
-        with self._lock:  # consecutive numbers, queued in their order
+        with self._lock:
             first = self._seq + 1
             self._seq += len(messages)
             region.seq = self._seq
@@ -376,11 +374,10 @@ class Connection:
         if self.transport is None or self.transport.lost is not None:
             return
         if self.shm:
-            self.send("drain")  # wakes the sender: what was queued leaves before it
+            self.send("drain")
         else:
-            self.transport.kick()  # inline, staging is free once the daemon has read it
+            self.transport.kick()
 
-    # -- replies, on the sender thread -------------------------------------------------------------
     def _on_reply(self, h: dict[str, Any]) -> None:
         op = h["op"]
         if op == "ack":
@@ -389,7 +386,7 @@ class Connection:
         elif op == "welcome":
             self.max_frame = h["max_frame"]
             self.shm = bool(h["shm"])
-            self._batches = bool(h["batch"])  # this daemon takes ``tensors`` messages
+            self._batches = bool(h["batch"])
             if h["advice"] is not None:
                 self.advice = h["advice"]
             if self._welcome is not None:
@@ -413,7 +410,7 @@ class Connection:
     def _on_error(self, h: dict[str, Any]) -> None:
         seq, step, message = h["seq"], h["step"], h["message"]
         if self._welcome is not None and not self._welcome.is_set() and step is None:
-            self._hello_error = message  # the hello itself was refused
+            self._hello_error = message
             self._welcome.set()
             return
         if seq is not None and seq in self._queries:
@@ -425,7 +422,7 @@ class Connection:
     def _on_lost(self, message: str) -> None:
         """The daemon went silent: every step in flight fails, loudly."""
         if self._copier.arena is not None:
-            self._copier.arena.break_(message)  # wakes an emit waiting for staging
+            self._copier.arena.break_(message)
         self._book.lose(message)
         with self._lock:
             queries = list(self._queries.values())

@@ -1,12 +1,9 @@
-"""Copies into staging: the snapshot ``emit`` and ``save`` take (docs/usage.md).
+"""Copies into staging: the snapshot ``emit`` and ``save`` take.
 
-``describe`` checks a tensor or array and says how to stage it (an ``Item``).
-``Copier`` owns the staging arena (allocated and pre-faulted in the background,
-grown between steps with ``staging_size = "auto"``, producer/sizing.py) and every
-copy into it: a tensor whole, a large one in pieces, a CUDA tensor through pinned
-staging on a side stream. ``Copier.stage`` copies one tensor and hands its regions
-to the connection, which numbers and sends them. When a copy returns, the caller
-may overwrite the tensor (for a CUDA tensor the current stream waits for the copy).
+``describe`` checks a tensor or array and says how to stage it (an ``Item``). ``Copier``
+owns the staging arena (made in the background, grown between steps by ``sizing``) and
+every copy into it; ``Copier.stage`` copies one tensor and hands its regions to the
+connection. When a copy returns the caller may overwrite the tensor.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .. import config as config_mod
 from .. import dtypes
@@ -22,10 +19,10 @@ from ..errors import CheckpointError
 from ..manifest import Shard
 from . import sizing
 from .plan import Plan
+from .batch import Batcher
 from .staging import Arena, Region, background_priority
 
 if TYPE_CHECKING:
-    from .connection import Connection
     from .steps import Step
 
 log = logging.getLogger("ckptd.producer")
@@ -34,7 +31,10 @@ log = logging.getLogger("ckptd.producer")
 @dataclass(slots=True, eq=False)
 class Item:
     """A validated tensor or array, ready to stage (not frozen: made once per tensor, on
-    the training thread, where a frozen dataclass's slower __init__ showed at 10,000 tensors)."""
+    the training thread, where a frozen dataclass's slower __init__ showed at 10,000 tensors).
+
+    ``shard``: a piece of a larger tensor
+    ``frozen``: save(frozen=...) names it: sent in chunks of frozen tensors only"""
 
     source: Any
     dtype: dtypes.Dtype
@@ -42,8 +42,8 @@ class Item:
     nbytes: int
     is_numpy: bool
     is_cuda: bool
-    shard: Shard | None = None  # a piece of a larger tensor
-    frozen: bool = False  # save(frozen=...) names it: sent in chunks of frozen tensors only
+    shard: Shard | None = None
+    frozen: bool = False
 
 
 def describe(name: str, value: Any) -> Item:
@@ -53,7 +53,7 @@ def describe(name: str, value: Any) -> Item:
 
     if (type(value) is torch.Tensor or type(value) is torch.nn.Parameter) and value.layout is torch.strided \
             and (value.is_cpu or value.is_cuda) and not value.is_quantized and not value.is_nested:
-        d = dtypes.by_torch(value.dtype)  # the common case, checked in as few calls as it takes
+        d = dtypes.by_torch(value.dtype)
         return Item(value, d, list(value.shape), value.numel() * d.itemsize, False, value.is_cuda)
     if isinstance(value, np.ndarray):
         found = dtypes.BY_NUMPY.get(value.dtype.name)
@@ -107,6 +107,19 @@ def same_item(t: Item) -> tuple:
     return (t.dtype.name, list(t.shape), t.is_numpy, None if t.shard is None else t.shard.to_dict())
 
 
+class Outlet(Protocol):
+    """What ``Copier.stage`` sends through: a connected ``connection.Connection``."""
+
+    batcher: Batcher | None
+    shm: bool
+    max_frame: int
+
+    def drain(self) -> None: ...
+
+    def send_tensor(self, header: dict[str, Any], start: int, region: Region | None, event: Any,
+                    wake: bool = True) -> None: ...
+
+
 class Copier:
     """The staging arena of one producer and the copies into it.
 
@@ -121,28 +134,25 @@ class Copier:
         self._arena_error: BaseException | None = None
         self.arena_t: Any = None
         self._arena_np: Any = None
-        self._cuda: dict[str, Any] | None = None  # the pinned arena's address and a side stream per device
-        self._blocked_before = 0.0  # blocked_seconds of arenas that grown ones replaced
-        self.last_room = 0  # staging the last checkpoint committed took (want)
-        self.prepared_bytes = 0  # the largest checkpoint announced ahead (prepare, expected_bytes) to "auto"
-        # staging_size = "auto": start small, grow to fit (sizing); else exactly what was asked
+        self._cuda: dict[str, Any] | None = None
+        self._blocked_before = 0.0
+        self.last_room = 0
+        self.prepared_bytes = 0
         self.growth: sizing.Growth | None = None
         size = options.staging_size
         if size is None:
             self.growth = sizing.Growth(options.staging_limit or sizing.default_limit())
             size = min(sizing.INITIAL, self.growth.limit)
-            if options.expected_bytes:  # known now: made at its size at once, not grown into
+            if options.expected_bytes:
                 size = sizing.size_for(options.expected_bytes, self.growth.limit)
                 self.growth.made(size)
                 self.prepared_bytes = options.expected_bytes
         self._first_size = size
-        # Allocate and pre-fault staging in the background now, so the first
-        # checkpoint does not pay for page faults (mmap releases the GIL).
+        # made and pre-faulted in the background: the first checkpoint does not pay for page faults
         self._arena_ready = threading.Thread(target=self._make_arena, args=(size,), name="ckptd-staging",
                                              daemon=True)
         self._arena_ready.start()
 
-    # -- the arena's life -------------------------------------------------------------------------
     def ready(self) -> Arena:
         """The arena, once made; CheckpointError if it could not be."""
         self._arena_ready.join()
@@ -201,7 +211,6 @@ class Copier:
         old = self.swap_grown()
         return old if old is not None else self.bridge(room or self.last_room)
 
-    # -- a save plan's staging (plan.py) ------------------------------------------------------
     def take(self, plan: Plan) -> Region | None:
         """The plan's region of staging if it is free now, else None (nothing was taken)."""
         return None if self.arena is None else plan.take(self.arena)
@@ -242,7 +251,7 @@ class Copier:
         in the background after its commit (``want``)."""
         if self.growth is None:
             return None
-        self._arena_ready.join()  # the first one (32 MiB: made in milliseconds)
+        self._arena_ready.join()
         if self.arena is None:
             return None
         size = sizing.bridge_for(room, self.arena.capacity, self.growth.limit)
@@ -281,10 +290,10 @@ class Copier:
             self.arena.close()
 
     def _make_arena(self, size: int) -> None:
-        background_priority()  # the training thread's own work comes first
+        background_priority()
         try:
             self.arena = Arena(size)
-        except BaseException as exc:  # reported at first use
+        except BaseException as exc:
             self._arena_error = exc
 
     def _set_views(self) -> None:
@@ -295,16 +304,12 @@ class Copier:
         self.arena_t = self.arena.tensor()
         self._arena_np = np.frombuffer(self.arena._mm, dtype=np.uint8)
 
-    # -- copies -------------------------------------------------------------------------------
-    def stage(self, conn: Connection, st: Step | None, step: int, name: str, item: Item) -> None:
+    def stage(self, conn: Outlet, st: Step | None, step: int, name: str, item: Item) -> None:
         """Copy ``item`` into staging and queue it on ``conn`` (connected, under its
         emit lock): into the open batch, whole, or in pieces."""
         arena = self.arena
         assert arena is not None
-        # A step's first tensor goes out alone and wakes the sender, so that the daemon
-        # knows the step is open at once (a SIGTERM then waits for its commit, docs/service.md);
-        # later ones leave the sender asleep until the commit (Transport.send), and small
-        # ones wait in a batch. (A batch item has no shard field: pieces go alone.)
+        # a step's first tensor wakes the sender: the daemon knows the step is open (a SIGTERM waits for its commit)
         wake = st is None or not st.opened
         batcher = conn.batcher
         if st is not None:
@@ -313,15 +318,14 @@ class Copier:
                 return
             st.opened = True
         if batcher is not None:
-            batcher.flush()  # regions go out in the order they were taken
+            batcher.flush()
         header = dict(step=step, name=name, dtype=item.dtype.name, shape=item.shape,
                       nbytes=item.nbytes, numpy=item.is_numpy)
         if item.shard is not None:
             header["shard"] = item.shard.to_dict()
         if item.frozen:
             header["frozen"] = True
-        # In shared memory a large tensor goes in quarters of the arena, so that the
-        # daemon writes one while the next is copied; inline, frames are capped too.
+        # in shared memory, quarters of the arena: the daemon writes one while the next is copied
         piece = arena.capacity // 4 if conn.shm else min(arena.capacity, conn.max_frame)
         if item.nbytes <= piece:
             region = self.alloc(item.nbytes, name, conn.drain)
@@ -334,8 +338,7 @@ class Copier:
                     raise
             conn.send_tensor(header, 0, region, event, wake)
             return
-        # Larger than staging or the daemon's frame limit: travel in pieces. emit
-        # still returns only when every byte is copied, so the snapshot holds.
+        # larger than staging or a frame: in pieces; emit returns only once every byte is copied
         flat = self._flat_bytes(item)
         for start in range(0, item.nbytes, piece):
             n = min(piece, item.nbytes - start)
@@ -385,7 +388,7 @@ class Copier:
             return np.ascontiguousarray(item.source).reshape(-1).view(np.uint8)
         import torch
 
-        t = item.source.detach().resolve_conj().resolve_neg()  # materialise lazy views
+        t = item.source.detach().resolve_conj().resolve_neg()
         return t.contiguous().reshape(-1).view(torch.uint8)
 
     def _copy_bytes(self, region: Region, flat: Any, start: int, n: int, item: Item) -> Any:
@@ -398,7 +401,6 @@ class Copier:
         dst.copy_(flat[start:start + n])
         return None
 
-    # -- CUDA: pinned staging, side stream, events (docs/usage.md, CUDA tensors) ---------------------------------
     def _copy_from_cuda(self, dst: Any, src: Any) -> Any:
         """Start an async device-to-host copy into pinned staging; return its event.
 
@@ -416,9 +418,7 @@ class Copier:
         src = src.detach()
         device_copy = self._options.gpu_snapshot == "device"
         if device_copy:
-            # A device-to-device clone on the current stream (HBM bandwidth) is the
-            # snapshot: later updates change src, not the clone, so the training
-            # stream never waits for the slower copy to the host.
+            # the clone on the current stream is the snapshot: the training stream never waits for the host copy
             src = src.clone()
         side.wait_stream(current)
         with torch.cuda.stream(side):

@@ -1,18 +1,10 @@
-"""``save(..., frozen=[globs])``: tensors the producer need not copy again.
+"""``save(..., frozen=[globs])``: tensors the producer need not copy again (``Frozen``).
 
-A frozen base model under LoRA, frozen embeddings: the user declares them, and
-from the second checkpoint on their bytes are neither copied into staging nor
-sent. The ``same`` message describes them, naming the step this producer last
-committed them in; the daemon links that step's stored copy into the new step
-(``ckptd.daemon.reuse``) or fails the step, and the next save sends them again.
-
-A declaration alone is trusted only as far as torch lets it be checked: a torch
-tensor whose storage address or in-place version counter (``tensor._version``,
-which every in-place op bumps, under ``no_grad`` too, and which ``detach()`` and
-``state_dict()`` share) moved since that step is copied again, so a tensor that
-was declared frozen by mistake still reaches the checkpoint as it is. Writes that
-bypass the counter (through ``.data``, a numpy view or DLPack) are not seen, nor
-are numpy arrays' writes: for those the declaration is the promise.
+From the second checkpoint on, a declared-frozen tensor is described by a ``same``
+message naming the step it was last committed in, and the daemon links that stored
+copy (``ckptd.daemon.reuse``). A torch tensor whose storage address or ``_version``
+moved since is copied again; writes that bypass the counter (``.data``, numpy views,
+DLPack) are not seen: for those the declaration is the promise.
 """
 
 from __future__ import annotations
@@ -26,8 +18,13 @@ from typing import Any, Callable
 
 @dataclass(frozen=True, slots=True)
 class _Stored:
-    item: tuple  # what the daemon checks against the stored record: dtype, shape, numpy, shard
-    at: tuple  # where and in which version the bytes were: (data_ptr, _version), or () for numpy
+    """A frozen tensor as it was last sent.
+
+    ``item``: what the daemon checks against the stored record: dtype, shape, numpy, shard
+    ``at``: where and in which version the bytes were: (data_ptr, _version), or () for numpy"""
+
+    item: tuple
+    at: tuple
 
 
 def globs(frozen: Any) -> Callable[[str], bool] | None:
@@ -56,7 +53,7 @@ _WILD = re.compile(r"[*?\[]")
 
 def _where(source: Any) -> tuple:
     version = getattr(source, "_version", None)
-    if version is None:  # a numpy array: nothing to check
+    if version is None:
         return ()
     return (source.data_ptr(), version)
 
@@ -68,7 +65,7 @@ class Frozen:
     the daemon acknowledged becomes a base: until then a save sends everything."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # done() comes from the sender thread
+        self._lock = threading.Lock()
         self._base: int | None = None
         self._stored: dict[str, _Stored] = {}
         self._pending: dict[int, dict[str, _Stored]] = {}

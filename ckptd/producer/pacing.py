@@ -1,20 +1,10 @@
 """``should_save(step)``: whether the advised interval has passed since the last save.
 
-The interval comes from the daemon's advice for the run (docs/advise.md), which
-reaches the producer with its welcome and with each commit's reply: asking costs
-no round trip. The step time is the producer's own, from the calls themselves.
-
-Every rank of a job must answer the same for the same step, or ranks would save
-different steps and none would be complete. So the answer depends on the step only:
-at a *plan* (the first call, and the call after each save) rank 0's figures fix the
-step of the next save, and with ``torch.distributed`` initialised every rank takes
-that step from rank 0 by one broadcast of a number. Between plans a call compares
-two integers.
-
-With no advice yet (a run's first save), the answer is True at once: a first save
-is how the stall and persist times get measured. The bounds (``min_steps``,
-``max_steps``, ``min_seconds``, ``max_seconds``) always win over the advice; a
-bound in seconds becomes steps through the measured step time.
+The interval comes with the daemon's welcome and commit replies (no round trip); the
+step time is measured from the calls. Every rank answers the same for the same step: at
+a *plan* (the first call, and the one after each save) rank 0's figures fix the next
+save's step and one broadcast shares it. With no advice yet the answer is True; the
+bounds (``min_steps`` ... ``max_seconds``) always win over the advice.
 """
 
 from __future__ import annotations
@@ -45,11 +35,11 @@ class Pacer:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.anchor: int | None = None  # the step of the last save, or of the first call
-        self.next_step: float | None = None  # the step of the next save; None: plan at this call
-        self.last_call: tuple[int, float] | None = None  # (step, monotonic time) of the last call
-        self.step_s: float | None = None  # seconds per step, from consecutive calls
-        self.saved = False  # a save was decided since this producer was made
+        self.anchor: int | None = None
+        self.next_step: float | None = None
+        self.last_call: tuple[int, float] | None = None
+        self.step_s: float | None = None
+        self.saved = False
         self._just_saved = False  # the time to the next call holds the save's stall: not a step time
 
     def should_save(self, step: int, interval_s: float | None, agree: Callable[[float], float],
@@ -63,7 +53,7 @@ class Pacer:
             self.anchor = step
         if self.next_step is None:
             self.next_step = agree(self._plan(interval_s, bounds))
-        if math.isnan(self.next_step):  # nothing to plan with yet: plan again at the next call
+        if math.isnan(self.next_step):
             self.next_step = None
             return False
         due = step >= self.next_step
@@ -85,10 +75,10 @@ class Pacer:
                  else math.inf)
         want: float
         if interval_s is None and not self.saved:
-            want = 0  # no advice for this run yet: a save now measures what the advice needs
+            want = 0
         elif interval_s is None or s is None:
             if hi == math.inf:
-                return math.nan  # the advice (the first commit's reply) or a step time is on its way
+                return math.nan
             want = hi
         else:
             want = max(1, round(interval_s / s))

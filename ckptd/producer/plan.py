@@ -1,32 +1,10 @@
 """A cached plan for saving a state whose layout repeats (``Producer.save``).
 
-Training saves the same state every N steps: the same keys, dtypes and shapes,
-new values. At 10,000 small tensors (an optimizer's state) the per-tensor Python
-work of the general path (flatten, check each name and tensor, take a place in a
-batch, describe it for the wire) cost 5-7x the memcpy itself. A plan keeps what
-that work produced the last time:
-
-- the state's layout: container types, their keys, which leaves are tensors. The
-  walk that collects this save's tensors in order also proves that their names
-  are unchanged; plain values (an epoch, a learning rate) are encoded anew;
-- every tensor's class, dtype and shape, compared a chunk of tensors at a time
-  with one C-level ``map`` just before that chunk is copied;
-- one region of the staging arena for all its tensors, each at a fixed offset;
-  the destination views into the arena and the packed wire messages that name
-  them are made once per region start and reused (after the daemon drained the
-  arena, a save starts at the same place as the last one).
-
-A save that matches copies every tensor with one ``torch._foreach_copy_`` (a C++
-loop) and queues a few messages. Anything else (a key added, a numpy array, a
-DTensor, a CUDA tensor, a tensor larger than a quarter of staging, no room in
-staging right now, the inline transport) goes the general way; a state that
-went the general way and may repeat gets a fresh plan. The snapshot contract is
-the general path's: every byte is copied before ``save`` returns.
-
-Order of calls (``Producer.save``): ``Plan.collect``, then under ``_emit_lock``
-``Plan.take`` and ``Plan.copy`` (None from any: go the general way; nothing was
-sent or kept), claim the names, send the messages ``copy`` returned, commit. After a general save,
-``Plan.build`` makes the plan for the next one.
+A plan keeps the layout (containers, keys, which leaves are tensors), every tensor's
+class, dtype and shape, and one staging region with its views and packed wire messages;
+a matching save copies every tensor with one ``torch._foreach_copy_``. Anything else
+goes the general way. Calls, in order: ``collect``, then under the emit lock ``take``
+and ``copy`` (None from any: the general way); after a general save, ``build``.
 """
 
 from __future__ import annotations
@@ -45,12 +23,11 @@ from ..state import encode
 from .batch import BATCH_BYTES, BATCH_ITEMS, SMALL
 from .staging import ALIGN, LARGE, PAGE, Arena, Region
 
-# layout node tags: a tensor leaf; a plain value; a dict or a list/tuple of nodes; a dict
-# or list/tuple whose values are all tensors (walked without visiting each leaf)
+# node tags: a tensor, a plain value, a container of nodes, a container of tensors only
 _TENSOR, _PLAIN, _DICT, _SEQ, _TDICT, _TSEQ = range(6)
 _SIGNATURE = operator.attrgetter("__class__", "dtype", "shape")
 _CHUNK = 256  # tensors checked, then copied, at a time: their metadata is still in cache for the copy
-_VIEWS_KEPT = 2  # region starts whose views a plan keeps (each: one view per tensor)
+_VIEWS_KEPT = 2
 
 
 @functools.cache
@@ -69,33 +46,40 @@ def _arrays() -> tuple[type, ...]:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False)  # as Producer.save dumps the structure
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 @dataclass(eq=False)
 class _Placed:
-    """The arena views and packed messages of a plan at one region start."""
+    """The arena views and packed messages of a plan at one region start.
+
+    ``messages``: (op, wire.pack_fields(...)) but seq and step"""
 
     views: list[Any]
-    messages: list[tuple[str, tuple[bytes, int]]]  # (op, wire.pack_fields(...)) but seq and step
+    messages: list[tuple[str, tuple[bytes, int]]]
 
 
 @dataclass(eq=False)
 class Plan:
-    """What a general save of one state layout produced; see the module docstring."""
+    """What a general save of one state layout produced; see the module docstring.
+
+    ``signatures``: (class, torch dtype, torch.Size) of each tensor
+    ``offsets``: within the plan's region
+    ``room``: sizing.room_for(nbytes): what the general save would report
+    ``json_parts``: the structure's JSON around its plain values
+    ``uses``: saves it served (Producer.stats-like figure, for tests and debugging)"""
 
     layout: Any
     names: list[str]
-    signatures: list[tuple[type, Any, Any]]  # (class, torch dtype, torch.Size) of each tensor
+    signatures: list[tuple[type, Any, Any]]
     nbytes: list[int]
-    offsets: list[int]  # within the plan's region
+    offsets: list[int]
     region_bytes: int
-    room: int  # sizing.room_for(nbytes): what the general save would report
-    json_parts: list[str]  # the structure's JSON around its plain values
-    uses: int = 0  # saves it served (Producer.stats-like figure, for tests and debugging)
+    room: int
+    json_parts: list[str]
+    uses: int = 0
     _placed: OrderedDict[tuple[int, int], _Placed] = field(default_factory=OrderedDict)
 
-    # -- making one -----------------------------------------------------------------------
     @classmethod
     def build(cls, state: Any, structure: Any, tensors: dict[str, Any], capacity: int,
               room: int) -> "Plan | None":
@@ -105,19 +89,19 @@ class Plan:
         values = list(tensors.values())
         if not values or not set(map(type, values)) <= plain or any(t.is_cuda for t in values):
             return None
-        slot = f"ckptd-slot-{uuid.uuid4().hex}"  # stands for each plain value in the JSON text
+        slot = f"ckptd-slot-{uuid.uuid4().hex}"
         layout = _layout(state, structure, (), plain)
         if layout is None:
             return None
         parts = _json(_template(structure, slot)).split(_json(slot))
         if len(parts) != _count_slots(layout) + 1:
-            return None  # a key or value spells the placeholder: no template, no plan
+            return None
         sizes = [t.nbytes for t in values]
-        if max(sizes) > capacity // 4:  # such a tensor travels in pieces (Copier.stage)
+        if max(sizes) > capacity // 4:
             return None
         offsets, end = [], 0
         for n in sizes:
-            align = PAGE if n >= LARGE else ALIGN  # the general path's alignment, for O_DIRECT
+            align = PAGE if n >= LARGE else ALIGN
             end = -(-end // align) * align
             offsets.append(end)
             end += n
@@ -127,7 +111,6 @@ class Plan:
         return cls(layout=layout, names=list(tensors), signatures=list(map(_SIGNATURE, values)), nbytes=sizes,
                    offsets=offsets, region_bytes=region_bytes, room=room, json_parts=parts)
 
-    # -- using it ---------------------------------------------------------------------------
     def collect(self, state: Any) -> tuple[list[Any], str] | None:
         """This save's tensors in the plan's order and its structure's JSON text, or None
         when ``state`` does not have the plan's layout and names (``copy`` checks the
@@ -138,7 +121,7 @@ class Plan:
             if not _collect(state, self.layout, tensors, plains) or len(tensors) != len(self.names):
                 return None
         except (TypeError, ValueError):
-            return None  # a plain value ckptd cannot store: the general way says why
+            return None
         parts = self.json_parts
         text = parts[0] + "".join(p + q for p, q in zip(plains, parts[1:])) if plains else parts[0]
         return tensors, text
@@ -168,8 +151,7 @@ class Plan:
                         arena.release(region)
                         return None
                     torch._foreach_copy_(views[i:i + _CHUNK], chunk)
-        except (AttributeError, RuntimeError, NotImplementedError):  # not a tensor; no sizes (sparse,
-            # nested), no data (meta): the general way says why
+        except (AttributeError, RuntimeError, NotImplementedError):  # not a dense tensor: the general way says why
             arena.release(region)
             return None
         except BaseException:
@@ -209,7 +191,7 @@ class Plan:
         (``tensors``, as ``Batcher`` sends them), a larger one alone (``tensor``)."""
         out: list[tuple[str, tuple[bytes, int]]] = []
         items: list[list[Any]] = []
-        first = 0  # the batch's first byte, within the region
+        first = 0
         for name, (_, dtype, shape), n, off in zip(self.names, self.signatures, self.nbytes, self.offsets):
             d, shape = dtypes.by_torch(dtype).name, list(shape)
             if n > SMALL:
@@ -221,13 +203,12 @@ class Plan:
                 items = []
             if not items:
                 first = off
-            items.append([name, d, shape, n, False, start + off])  # wire.BATCH_ITEM
+            items.append([name, d, shape, n, False, start + off])
         if items:
             out.append(("tensors", wire.pack_fields(items=items)))
         return out
 
 
-# -- the layout: walked once to build it, then once per save to check and collect --------------
 def _layout(value: Any, node: Any, path: tuple[Any, ...], plain: frozenset[type]) -> Any:
     """The layout node of ``value``, whose ``flatten`` structure is ``node``; None where a
     plan cannot stand for it (a numpy array)."""
@@ -235,7 +216,7 @@ def _layout(value: Any, node: Any, path: tuple[Any, ...], plain: frozenset[type]
         if "tensor" in node:
             return (_TENSOR,) if type(value) in plain else None
         if "ndarray" in node:
-            return None  # numpy arrays go the general way (np.copyto, is_numpy on the wire)
+            return None
         if "dict" in node and type(value) in (dict, OrderedDict):
             keys = tuple(value)
             key_types = None if all(type(k) is str for k in keys) else tuple(map(type, keys))
@@ -295,11 +276,11 @@ def _collect(value: Any, layout: Any, tensors: list[Any], plains: list[str]) -> 
     in ``flatten``'s order; False where ``value`` does not have ``layout``."""
     tag = layout[0]
     if tag == _TENSOR:
-        tensors.append(value)  # its type is checked with all the others
+        tensors.append(value)
         return True
     if tag == _PLAIN:
         if type(value) in _CONTAINERS or isinstance(value, _arrays()):
-            return False  # was a plain value, is now a container, tensor or array
+            return False
         plains.append(_json(encode(value, layout[1], {})))
         return True
     if tag == _TDICT or tag == _DICT:

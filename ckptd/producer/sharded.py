@@ -4,7 +4,7 @@ tensors by one rank each (``Producer.save(replicated=...)``, DTensor Replicate).
 ``plan`` runs on every rank with the same state layout and reaches the same
 answer on each, without communicating (``sharding.assign_writers``); a rank
 neither copies nor sends a tensor another rank writes, and its manifest lists
-the tensor under ``replicas`` instead.
+the tensor under ``written_by`` instead.
 """
 
 from __future__ import annotations
@@ -19,10 +19,15 @@ from ..sharding import assign_writers, describe_dtensor, is_dtensor
 
 @dataclass
 class Plan:
-    stage: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)  # name -> (plain tensor, piece)
-    replicas: dict[str, int] = field(default_factory=dict)  # name -> the rank that writes it
-    # every piece this rank holds a copy of that other ranks hold too (written here or not):
-    # name -> (plain tensor, piece), the copies compared across ranks (ckptd.replicas)
+    """What this rank stages of a state.
+
+    ``stage``: name -> (plain tensor, piece)
+    ``written_by``: name -> the rank that writes it
+    ``shared``: every piece this rank holds a copy of that other ranks hold too (written here or
+        not): name -> (plain tensor, piece), the copies compared across ranks (ckptd.replicas)"""
+
+    stage: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)
+    written_by: dict[str, int] = field(default_factory=dict)
     shared: dict[str, tuple[Any, Shard | None]] = field(default_factory=dict)
 
 
@@ -50,7 +55,7 @@ def plan(tensors: dict[str, Any], rank: int, world_size: int, replicated: Any = 
     """Split ``{name: tensor}`` into what this rank stages and what other ranks write."""
     is_replicated = replicated_matcher(replicated)
     out = Plan()
-    shared: list[tuple[str, int, tuple[int, ...]]] = []  # pieces several ranks hold
+    shared: list[tuple[str, int, tuple[int, ...]]] = []
     everyone = tuple(range(world_size))
     placed: dict[Any, Any] = {}
     for name, value in tensors.items():
@@ -71,7 +76,7 @@ def plan(tensors: dict[str, Any], rank: int, world_size: int, replicated: Any = 
     for name, writer in assign_writers(shared).items():
         if writer != rank:
             del out.stage[name]
-            out.replicas[name] = writer
+            out.written_by[name] = writer
     return out
 
 

@@ -1,35 +1,11 @@
-"""How large a producer's staging arena is when ``staging_size = "auto"``.
+"""How large a producer's staging arena is when ``staging_size = "auto"`` (``Growth``).
 
-A fixed arena of one checkpoint's size, pre-faulted at start, costs its full size
-in every process from the first second, whatever the model: eight ranks of a
-26 KB model paid 8 GiB before their first checkpoint. With ``"auto"`` the arena
-starts at ``INITIAL`` bytes and grows to fit the largest checkpoint seen:
-
-- the producer learns a checkpoint's size before copying it (``save`` knows all
-  its tensors; for ``emit`` the size is known at ``commit``) and asks
-  ``Growth.want`` for room; the new arena is allocated and pre-faulted on a
-  background thread (``mmap`` with ``MAP_POPULATE`` releases the GIL), never in
-  ``emit``;
-- the producer swaps it in between checkpoints, when nothing is in flight
-  (``Growth.take``), so that checkpoint's bytes block at memcpy speed from the
-  next checkpoint on; until then a larger checkpoint streams through the smaller
-  arena, as with a small ``staging_size`` set by hand;
-- streaming through 32 MiB is slow (1 GiB: durable in 0.72-1.0 s, against 0.5 s
-  staged whole), so a checkpoint that staging cannot hold, starting while nothing
-  is in flight, first gets an arena of up to ``BRIDGE`` made on the spot
-  (``bridge_for``): a ``save`` knows its size before it copies anything; for
-  emits, the last checkpoint's size stands for it;
-- the threads that make staging in the background run at nice 19
-  (``staging.background_priority``), so that training and the daemon go first;
-- where the checkpoint's size is known before the first one (``Producer(expected_bytes=)``,
-  ``Producer.prepare(state)``), the arena is made at that size in one step, in the
-  background while training runs; the first checkpoint then waits for it, if it is
-  not made yet, rather than stream through 32 MiB (``Growth.take(wait=True)``):
-  the first touch of fresh pages costs the same whoever pays it, and only a thread
-  that runs before the checkpoint takes it off the checkpoint's time;
-- it never grows past ``limit``: a share of the machine's memory (or of the
-  cgroup's limit) divided among the ranks on this node (``LOCAL_WORLD_SIZE``),
-  unless ``staging_limit`` says otherwise.
+The arena starts at ``INITIAL`` bytes and grows to fit the largest checkpoint seen:
+``Growth.want`` makes a larger arena on a background thread at nice 19, the producer
+swaps it in between checkpoints (``Growth.take``), and until then a larger checkpoint
+streams through, or gets an arena of up to ``BRIDGE`` made on the spot (``bridge_for``).
+A size known ahead (``expected_bytes``, ``prepare``) is made at once. It never grows
+past ``limit``: a share of the node's memory divided among its ranks.
 """
 
 from __future__ import annotations
@@ -44,12 +20,11 @@ from .staging import ALIGN, PAGE, Arena, background_priority
 
 log = logging.getLogger("ckptd.producer")
 
-INITIAL = 32 * 2**20  # small checkpoints never need more; see the module docstring
-# What a larger checkpoint than staging holds streams through, made on the spot (bridge_for)
+INITIAL = 32 * 2**20
 BRIDGE = 128 * 2**20
-HEADROOM = 1.25  # a checkpoint that grew once will likely grow a little again
+HEADROOM = 1.25
 GRAIN = 64 * 2**20  # sizes are rounded up to this, so small changes in size reuse the arena
-MEMORY_SHARE = 0.25  # of the machine's (or cgroup's) memory, for all the node's ranks together
+MEMORY_SHARE = 0.25
 
 
 def machine_memory() -> int:
@@ -74,7 +49,7 @@ def default_limit() -> int:
 def size_for(need: int, limit: int) -> int:
     """The arena ``"auto"`` makes for a checkpoint that needs ``need`` bytes of staging."""
     want = int(need * HEADROOM)
-    return min(limit, INITIAL if want <= INITIAL else _round_up(want, GRAIN))  # a small model stays small
+    return min(limit, INITIAL if want <= INITIAL else _round_up(want, GRAIN))
 
 
 def bridge_for(need: int, have: int, limit: int) -> int | None:
@@ -105,9 +80,9 @@ class Growth:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready: Arena | None = None
-        self._target = 0  # the size being made or made
-        self._making = False  # a thread is making self._target (or will, in its loop)
-        self._awaited = False  # asked for ahead of a checkpoint (prepare): take(wait=True) waits for it
+        self._target = 0
+        self._making = False
+        self._awaited = False
         self._capped_warned = False
 
     def want(self, need: int, have: int, *, ahead: bool = False) -> None:
@@ -131,7 +106,7 @@ class Growth:
                 return
             self._target = target
             if self._making:
-                return  # the thread makes this larger size next
+                return
             self._making = True
             self._thread = threading.Thread(target=self._make, args=(have,), name="ckptd-staging", daemon=True)
             self._thread.start()
@@ -186,7 +161,7 @@ class Growth:
                      _mib(have), _mib(size), _mib(self.limit))
             with self._lock:
                 old, self._ready = self._ready, arena
-                again = self._target > size  # asked for more while this one was made
+                again = self._target > size
                 self._making = again
             if old is not None:
                 old.close()

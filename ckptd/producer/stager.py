@@ -1,20 +1,10 @@
 """The one staging sequence of ``emit``, ``emit_many`` and ``save``: plan, copy, hand over.
 
-Every way a tensor enters staging goes through ``Stager`` under the producer's emit
-lock, in the same order: grow staging between steps (``grow``), claim the names in
-the step's book, copy into staging and hand the copy to the connection. There are
-two ways to copy, and each call takes one:
-
-- **by plan** (``by_plan``): a layout saved before (``save``'s state, ``emit_many``'s
-  dict) has a cached ``plan.Plan``: one region of staging, one C++ copy loop, the
-  messages made once; the region is handed to the connection whole;
-- **the general way** (``stage``): each tensor checked and copied on its own
-  (``copies.Copier.stage``: a region per tensor, small ones batched), after which
-  the layout gets a plan for next time where one serves (``keep``).
-
-A per-tensor hook on the saved bytes (a digest, say) belongs in the copy: in
-``Copier.stage`` for the general way and in ``Plan.copy`` for the plan's, the two
-places a tensor's bytes are read; this module never touches a tensor itself.
+Every tensor enters staging through ``Stager`` under the producer's emit lock, in one
+order: grow staging between steps (``grow``), claim the names in the step's book, copy,
+hand the copy to the connection. A layout saved before copies by its cached plan
+(``by_plan``); any other goes the general way (``stage``, through ``copies.Copier``)
+and gets a plan for next time (``keep``). This module never touches a tensor itself.
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ from .frozen import Frozen
 from .plan import Plan
 from .steps import Step, StepBook
 
-PLANS_KEPT = 4  # layouts whose plans a producer keeps, per kind (a loop may save a model and its optimizer apart)
+PLANS_KEPT = 4
 
 
 class Stager:
@@ -39,12 +29,10 @@ class Stager:
     def __init__(self, copier: Copier, connection: Connection, book: StepBook, frozen: Frozen,
                  lock: threading.Lock) -> None:
         self._copier, self._connection, self._book, self._frozen = copier, connection, book, frozen
-        self.lock = lock  # the producer's emit lock: one staging at a time, so regions go out in order
-        # the layouts last staged, newest last, for their next calls: save's states, emit_many's dicts
+        self.lock = lock
         self.save_plans: list[Plan] = []
         self.many_plans: list[Plan] = []
 
-    # -- by plan ----------------------------------------------------------------------------
     def by_plan(self, plans: list[Plan], state: Any, step: int, *, kick: bool) -> Any:
         """Stage ``state`` by the newest of ``plans`` that serves it and hand it over; what the
         plan's ``collect`` gave, or None (nothing done) where none serves: then the caller
@@ -62,12 +50,12 @@ class Stager:
         with self.lock:
             self.grow()
             if not self._connection.ready_for_plan() or plan not in plans:
-                return None  # inline now, or a new connection; the general way, which plans anew
+                return None
             region = self._copier.take(plan)
             if region is None:
-                return None  # staging is busy: the general way streams through it
+                return None
             messages = self._copier.copy_planned(plan, region, got[0])
-            if messages is None:  # a tensor changed: the general way, which plans anew
+            if messages is None:
                 plans.remove(plan)
                 return None
             try:
@@ -78,22 +66,21 @@ class Stager:
             opened = self._book.opened(step)
             self._connection.send_planned(step, region, messages, kick=kick and not opened)
             plans.remove(plan)
-            plans.append(plan)  # the newest used
+            plans.append(plan)
         return got
 
-    # -- the general way --------------------------------------------------------------------
     def stage(self, step: int, items: dict[str, Item], *, room: int, grow_for: int | None = None,
-              piece: Any = None, frozen: Any = None, replicas: dict[str, int] | None = None) -> Step:
+              piece: Any = None, frozen: Any = None, written_by: dict[str, int] | None = None) -> Step:
         """Under ``lock``: claim ``items`` in ``step`` (taking ``room`` bytes of staging;
-        ``piece``: the one item is a hand-placed piece; ``replicas``: tensors another rank
+        ``piece``: the one item is a hand-placed piece; ``written_by``: tensors another rank
         writes, ``{name: that rank}``) and stage each, in order. Staging grows first, for
         ``grow_for`` bytes (default ``room``; 0: the last checkpoint's). ``frozen``: globs
         of tensors the daemon stores already, described (``same``) instead of staged. On
         an error, the names not staged are given back."""
         self.grow(room if grow_for is None else grow_for)  # first: a claimed step is in flight
-        if replicas:
-            for name, writer in replicas.items():
-                self._book.claim(step, name, replica_of=writer)
+        if written_by:
+            for name, writer in written_by.items():
+                self._book.claim(step, name, written_by=writer)
         st = self._book.claim(step, *items, room=room, piece=piece)
         if frozen is not None:
             self._send_same(step, items, frozen)
@@ -105,8 +92,8 @@ class Stager:
                 self._copier.stage(self._connection, st, step, name, item)
                 staged += 1
         except BaseException:
-            give_back = room if staged == 0 else 0  # the room is the whole call's
-            for name in list(items)[staged:]:  # not staged: they may be emitted again
+            give_back = room if staged == 0 else 0
+            for name in list(items)[staged:]:
                 self._book.unclaim(step, name, give_back, piece)
                 give_back = 0
             raise
@@ -126,10 +113,9 @@ class Stager:
     def keep_many(self, tensors: dict[str, Any], items: dict[str, Item], room: int) -> None:
         """``keep`` for ``emit_many``'s ``{name: tensor}``, whose names are its own."""
         structure, flat = flatten(tensors)
-        if list(flat) == list(items):  # else a name flatten spells otherwise: no plan
+        if list(flat) == list(items):
             self.keep(self.many_plans, tensors, structure, flat, items, room)
 
-    # -- between steps ----------------------------------------------------------------------
     def grow(self, room: int = 0) -> None:
         """Swap in a grown arena (sizing) while no step is in flight; under ``lock``.
         ``room``: the staging the checkpoint about to be staged takes, where known (a
@@ -143,7 +129,7 @@ class Stager:
             return
         self._connection.drop()
         for plan in self.save_plans + self.many_plans:
-            plan.forget_views()  # they would keep the old arena mapped
+            plan.forget_views()
         self._copier.retire(old)
 
     def _send_same(self, step: int, items: dict[str, Item], pattern: Any) -> None:

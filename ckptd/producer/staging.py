@@ -1,24 +1,10 @@
-"""Staging memory: one arena, allocated and pre-faulted once, reused for every snapshot.
+"""Staging memory: one arena (``Arena``), allocated and pre-faulted once, reused for every snapshot.
 
-First-touch page faults cost more than the copy itself (1 GiB into fresh pages
-blocked 2.5 s here, into warm pages 0.15 s), so ``emit`` never allocates: it takes
-a region of this arena, copies the tensor into it and hands it to the sender. The
-arena is a ring: regions are taken at the head and given back, oldest first, when
-the daemon acknowledges them, which is exactly the order they were sent in.
-
-The arena lives in a memfd: anonymous shared memory with no name in any
-filesystem, so a crash of either process leaks nothing (the kernel frees it with
-the last mapping or descriptor). Its descriptor is what the shared-memory
-transport hands to the daemon (``ckptd.transport.handoff``); it is sealed against
-shrinking, so the daemon can map it without fear that a later ``ftruncate``
-turns its reads into SIGBUS.
-
-Pre-faulting is the arena's whole cost (zeroing fresh pages), so a large arena is
-faulted by several threads at once, each over its own range, with
-``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+; one syscall per range, no page
-touched from Python), or where that is refused by writing the range with
-``memset``; both through ctypes, which releases the GIL. A small arena is
-faulted by ``MAP_POPULATE`` in the ``mmap`` call itself.
+``emit`` never allocates: it takes a region at the ring's head, copies into it and hands
+it to the sender; regions come back, oldest first, as the daemon acknowledges them. The
+arena is a memfd sealed against shrinking, whose descriptor the shared-memory transport
+hands to the daemon (``ckptd.transport.handoff``); a large one is pre-faulted by several
+threads (``madvise(MADV_POPULATE_WRITE)`` or ``memset``, through ctypes).
 """
 
 from __future__ import annotations
@@ -36,18 +22,22 @@ from typing import Any, Callable
 from ..errors import CheckpointError
 
 ALIGN = 64  # every region starts on a cache line, so any dtype view of it is aligned
-PAGE = 4096  # large regions start on a page, so the daemon can write them with O_DIRECT
+PAGE = 4096  # large regions start on a page: the daemon writes them with O_DIRECT
 LARGE = 2**20
-MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+; not in Python's mmap module before 3.13
-PREFAULT_SPLIT = 64 * 2**20  # an arena this large or larger is faulted by several threads
+MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+; Python's mmap module lacks it before 3.13
+PREFAULT_SPLIT = 64 * 2**20
 PREFAULT_THREADS = 8  # at most; past the memory controller's bandwidth more only contend
 
 
 @dataclass(eq=False)
 class Region:
+    """A range of the staging arena that one message's bytes occupy.
+
+    ``seq``: the wire sequence number it travels under; set by the sender"""
+
     start: int
     nbytes: int
-    seq: int = -1  # the wire sequence number it travels under; set by the sender
+    seq: int = -1
 
 
 class Arena:
@@ -73,7 +63,7 @@ class Arena:
         self._head = 0
         self._cond = threading.Condition()
         self._broken: str | None = None
-        self.blocked_s = 0.0  # total time callers waited for space
+        self.blocked_s = 0.0
 
     def tensor(self) -> Any:
         """The whole arena as one flat uint8 torch tensor (no copy)."""
@@ -118,7 +108,7 @@ class Arena:
                         on_wait()
                     finally:
                         self._cond.acquire()
-                    continue  # space may have come back meanwhile
+                    continue
                 now = time.monotonic()
                 deadline = deadline or now + timeout
                 if now >= deadline:
@@ -151,11 +141,11 @@ class Arena:
             return 0
         tail = self._live[0].start
         head = -(-self._head // align) * align
-        if self._head > tail:  # live data is [tail, head): free space at the end, then the start
+        if self._head > tail:
             if head + need <= self.capacity:
                 return head
             return 0 if need <= tail else None
-        return head if head + need <= tail else None  # wrapped: free is [head, tail)
+        return head if head + need <= tail else None
 
     def release_through(self, seq: int) -> None:
         """Give back every region sent under a sequence number up to ``seq``."""
@@ -171,7 +161,7 @@ class Arena:
         """Give back the unused end of ``region``, if it is the newest region: a batch
         sent before it filled (an eighth of the arena, holding one small tensor between
         two large ones) must not hold what it does not use."""
-        nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)  # never empty: head == tail means "empty"
+        nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         with self._cond:
             if self._live and self._live[-1] is region and nbytes < region.nbytes:
                 region.nbytes = nbytes
@@ -212,7 +202,7 @@ class Arena:
         try:
             self._mm.close()
         except BufferError:
-            pass  # a frame still references it; the mapping goes with the last reference
+            pass
 
 
 def _prefault_threads(size: int) -> int:
@@ -229,7 +219,7 @@ def background_priority() -> None:
     waited for it (durable 1.1 s against 0.7 s). Linux nice values are per thread."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux: normal priority, as before
+    except (AttributeError, OSError):
         pass
 
 
@@ -246,22 +236,22 @@ def prefault(mm: mmap.mmap, threads: int) -> None:
         def fault(at: int, n: int) -> None:
             try:
                 _populate(at, n)
-            except BaseException as exc:  # raised in the caller's thread below
+            except BaseException as exc:
                 errors.append(exc)
 
         workers = [threading.Thread(target=fault, args=r, name="ckptd-prefault", daemon=True) for r in ranges[1:]]
         for w in workers:
             w.start()
-        fault(*ranges[0])  # this thread takes the first range
+        fault(*ranges[0])
         for w in workers:
             w.join()
         if errors:
             raise errors[0]
     finally:
-        del buf  # the mapping must not stay exported, or it could never be closed
+        del buf
 
 
-_madvise_refused = False  # the kernel refused MADV_POPULATE_WRITE once: it is older than 5.14
+_madvise_refused = False
 
 
 def _populate(at: int, n: int) -> None:
@@ -275,7 +265,7 @@ def _populate(at: int, n: int) -> None:
         if err == 12:  # ENOMEM: no memory for the pages; touching them would only get SIGBUS
             raise MemoryError(f"no memory to fault in {n} bytes of staging; lower [producer] staging_size "
                               "(or staging_limit), or free memory on this node")
-        _madvise_refused = True  # EINVAL (an older kernel), or no libc: write the pages instead
+        _madvise_refused = True
     ctypes.memset(at, 0, n)
 
 
@@ -301,7 +291,6 @@ def _memfd(size: int) -> int:
     fd = os.memfd_create("ckptd-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        # The daemon maps this size; it can never shrink (or grow) under it again.
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)

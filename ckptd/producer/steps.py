@@ -1,12 +1,9 @@
 """A producer's steps: the ones it is emitting, the commits it awaits, how each ended.
 
-``CommitHandle`` is what ``commit`` returns. ``StepBook`` keeps, under one lock
-(the training thread writes it, the sender thread brings the daemon's replies):
-each open step's names and staging room, the commits awaiting a reply (by wire
-seq), and the failed commits no caller was told of yet, which ``flush()`` and
-``close()`` raise (docs/usage.md: a failure always reaches the caller). A
-``Step``'s ``opened`` flag alone is set outside the lock, by the copy that opens
-the step (``copies.Copier.stage``, under the emit lock): only emits read it.
+``CommitHandle`` is what ``commit`` returns. ``StepBook`` keeps, under one lock (the
+training thread writes it, the sender thread brings replies), each open step's names and
+staging room, the commits awaiting a reply, and the failures no caller was told of yet,
+which ``flush()`` and ``close()`` raise. Only ``Step.opened`` is set outside the lock.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ class CommitHandle:
         self._event = threading.Event()
         self._info: CheckpointInfo | None = None
         self._error: str | None = None
-        self.observed = False  # a failure raised by wait() is not raised again by flush()
+        self.observed = False
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -61,16 +58,24 @@ class CommitHandle:
 
 @dataclass(eq=False)
 class Step:
-    """What this producer knows of a step it is emitting or committing."""
+    """What this producer knows of a step it is emitting or committing.
+
+    ``pieces``: hand-placed pieces emitted, by tensor
+    ``room``: staging bytes its tensors take at once (sizing.room_for)
+    ``written_by``: tensors of the step another rank writes
+    ``handle``: set once commit() was called
+    ``error``: the daemon failed it before commit()
+    ``opened``: a tensor of it went out alone: the daemon knows the step is open
+    ``began``: its first emit: the stall of emit + commit"""
 
     names: set[str] = field(default_factory=set)
-    pieces: dict[str, list[Box]] = field(default_factory=dict)  # hand-placed pieces emitted, by tensor
-    room: int = 0  # staging bytes its tensors take at once (sizing.room_for)
-    replicas: dict[str, int] = field(default_factory=dict)  # tensors of the step another rank writes
-    handle: CommitHandle | None = None  # set once commit() was called
-    error: str | None = None  # the daemon failed it before commit()
-    opened: bool = False  # a tensor of it went out alone: the daemon knows the step is open
-    began: float = field(default_factory=time.monotonic)  # its first emit: the stall of emit + commit
+    pieces: dict[str, list[Box]] = field(default_factory=dict)
+    room: int = 0
+    written_by: dict[str, int] = field(default_factory=dict)
+    handle: CommitHandle | None = None
+    error: str | None = None
+    opened: bool = False
+    began: float = field(default_factory=time.monotonic)
 
 
 class StepBook:
@@ -80,19 +85,18 @@ class StepBook:
     def __init__(self, on_done: Callable[[int, bool], None]) -> None:
         self._lock = threading.Lock()
         self._steps: dict[int, Step] = {}
-        self._commits: dict[int, CommitHandle] = {}  # wire seq -> handle
-        self._failures: list[CommitHandle] = []  # failed commits flush() has not raised yet
+        self._commits: dict[int, CommitHandle] = {}
+        self._failures: list[CommitHandle] = []
         self._on_done = on_done
 
-    # -- the training thread: emit, save, commit, abort --------------------------------------
     def idle(self) -> bool:
         """No step in flight: none of their bytes is in staging."""
         with self._lock:
             return not self._steps
 
-    def claim(self, step: int, *names: str, replica_of: int | None = None, room: int = 0,
+    def claim(self, step: int, *names: str, written_by: int | None = None, room: int = 0,
               piece: tuple[str, Box] | None = None) -> Step:
-        """Record ``names`` as emitted in ``step`` (or, ``replica_of``, written by that
+        """Record ``names`` as emitted in ``step`` (or, ``written_by``, written by that
         rank), taking ``room`` more bytes of staging; ``piece``: the one name is the
         hand-placed piece (tensor, box) that ``place`` named. Return the step (the
         training thread stages into it); ValueError if the step is committed or a
@@ -105,16 +109,16 @@ class StepBook:
                 raise ValueError(f"step {step} was already committed by this producer; save under a new "
                                  "step number")
             if len(names) == 1:
-                clash = names[0] in st.names or names[0] in st.replicas
-            else:  # a save's thousands of names, checked in C
-                clash = not st.names.isdisjoint(names) or not st.replicas.keys().isdisjoint(names)
+                clash = names[0] in st.names or names[0] in st.written_by
+            else:
+                clash = not st.names.isdisjoint(names) or not st.written_by.keys().isdisjoint(names)
             if clash:
-                name = next(n for n in names if n in st.names or n in st.replicas)
+                name = next(n for n in names if n in st.names or n in st.written_by)
                 raise ValueError(f"tensor name {name!r} was already emitted in step {step}")
-            if replica_of is None:
+            if written_by is None:
                 st.names.update(names)
             else:
-                st.replicas.update(dict.fromkeys(names, replica_of))
+                st.written_by.update(dict.fromkeys(names, written_by))
             st.room += room
             if piece is not None:
                 st.pieces.setdefault(piece[0], []).append(piece[1])
@@ -158,7 +162,7 @@ class StepBook:
         """The staging ``step``'s tensors take at once, as a save counted it."""
         with self._lock:
             st = self._steps.get(step)
-            if st is not None:  # the commit asks sizing for room to fit it next time
+            if st is not None:
                 st.room = room
 
     def drop(self, step: int) -> bool:
@@ -215,7 +219,6 @@ class StepBook:
         if error is not None:
             log.error("checkpoint step %d failed: %s", step, error)
 
-    # -- the sender thread: the daemon's replies ----------------------------------------------
     def committed(self, seq: int, step: int, info: CheckpointInfo) -> None:
         handle = self._take(seq)
         if handle is not None:
@@ -234,7 +237,7 @@ class StepBook:
                 if handle is not None:
                     self._commits = {k: v for k, v in self._commits.items() if v is not handle}
                 elif st.error is None:
-                    st.error = message  # reported again when the step is committed
+                    st.error = message
         if handle is not None:
             self.finish(handle.step, handle, error=message)
         return True

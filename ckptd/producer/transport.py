@@ -1,13 +1,9 @@
 """The producer's end of the wire: a DEALER socket owned by one thread, ``ckptd-sender``.
 
-ZeroMQ sockets are not thread-safe, so the training thread never touches the
-socket: it queues ready messages here and returns. The sender waits for a staged
-GPU copy's event before shipping it, sends payloads as zero-copy frames, hands
-every reply to ``on_reply``, pings the daemon, and calls ``on_lost`` once when the
-daemon has been silent for ``timeout`` seconds, or, over ``ipc://``, as soon as the
-daemon's process exited (``ckptd.transport.pidwatch``). Over ``ipc://`` a daemon that
-is silent but whose process keeps running (starved of CPU on a loaded node, or busy)
-is waited for longer (``pidwatch.Silence``). One Transport is one connection.
+The training thread never touches the socket (ZeroMQ's are not thread-safe): it queues
+messages on a ``Transport`` and returns. The sender waits for a staged GPU copy's event,
+ships zero-copy frames, hands replies to ``on_reply``, pings, and calls ``on_lost`` once
+the daemon is silent too long or, over ``ipc://``, its process exited (``pidwatch``).
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
@@ -29,16 +26,39 @@ from ..errors import ProtocolError
 log = logging.getLogger("ckptd.producer")
 
 
-CLOSE_LINGER_MS = 1000  # how long a clean close waits for queued messages to leave
-# the daemon's process exited, and nothing came from it for this long: libzmq's I/O thread
-# has handed on every message it sent before it died (a commit's acknowledgement among them)
+CLOSE_LINGER_MS = 1000
+# once nothing came from a dead daemon for this long, libzmq has handed on all it sent
 GRACE_S = 0.5
-# a daemon whose process keeps running (or waiting for a CPU) is silent at most this many
-# ``timeout``s, and at least this long, before it is given up on (``pidwatch.Silence``)
+# how long a silent daemon whose process runs is waited for: ``timeout``s, seconds (pidwatch.Silence)
 BUSY_TIMEOUTS, BUSY_LIMIT_S = 6, 60.0
 
 
+@dataclass
+class _Link:
+    """The sender thread's connection: its socket and what it knows of the daemon.
+
+    ``want_pid``: over ipc://, until the first reply names the daemon's process
+    ``died``: when the daemon's process was seen to exit
+    ``silence``: over ipc://: whether the daemon's silence means it is hung"""
+
+    sock: zmq.Socket
+    poller: zmq.Poller
+    handshake: curve.Handshake
+    want_pid: bool
+    last_heard: float
+    last_ping: float
+    outbox: list[tuple[bytes, Any, Any]] = field(default_factory=list)
+    seq: int = 0
+    daemon: ProcessWatch | None = None
+    died: float | None = None
+    silence: Silence | None = None
+
+
 class Transport:
+    """One connection to the daemon. ``lost``: why it ended (then ``on_lost`` ran);
+    ``refused``: why the daemon refused this producer's CurveZMQ key; ``stopped``: the
+    daemon said it stopped (or is stopping)."""
+
     def __init__(
         self,
         endpoint: str,
@@ -54,24 +74,19 @@ class Transport:
         self._heartbeat = heartbeat
         self._on_reply = on_reply
         self._on_lost = on_lost
-        self._curve_keys = curve_keys  # a tcp:// endpoint's CurveZMQ keys (docs/security.md)
+        self._curve_keys = curve_keys
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = WakePipe()
-        # the sender sleeps in poll: only then does a queued message need a wake-up
-        # (a pipe write per message, with the thread switch it causes, was a third of
-        # the time a many-tensor save blocked the training thread)
+        # only a sender asleep in poll needs a wake-up: one per message would slow the training thread
         self._idle = False
         self._stop = False
-        self._linger = True  # close(linger=False) drops what is queued
+        self._linger = True
         self.lost: str | None = None
-        self.refused: str | None = None  # why the daemon refused this producer's CurveZMQ key
-        self.stopped = False  # the daemon said it stopped (or is stopping): self.lost says so
+        self.refused: str | None = None
+        self.stopped = False
         self._welcomed = False
-        self._next_proc_check = 0.0  # where the daemon's process has no pidfd: when /proc is read next
-        # its own context, which close() terminates: that waits (up to CLOSE_LINGER_MS) until
-        # libzmq's I/O thread has written the last messages (the bye) to the socket; with
-        # the process-wide one, a process that exits right after close() lost them, and
-        # the daemon took its clean exit for a death
+        self._next_proc_check = 0.0
+        # its own context: close() terminates it, which waits until the bye has left the socket
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="ckptd-sender", daemon=True)
         self._thread.start()
@@ -102,108 +117,131 @@ class Transport:
         self._wake.wake()
         self._thread.join()
         self._wake.close()
-        self._ctx.term()  # every socket is closed: returns once their queues left (linger)
+        self._ctx.term()
 
-    # -- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        link = self._connect()
+        try:
+            while True:
+                events = self._wait(link)
+                link.outbox = self._ship(link.sock, self._take_queued(link.outbox))
+                if self._receive(link):
+                    return
+                lost = self._daemon_exited(link, events)
+                if lost is None:
+                    self.refused = lost = link.handshake.refusal(self.endpoint)
+                if lost is not None:
+                    self._lose(lost)
+                    return
+                if self._stop and self._stopped(link):
+                    return
+                now = time.monotonic()
+                self._ping(link, now)
+                lost = self._silent(link, now)
+                if lost:
+                    self._lose(lost)
+                    return
+                link.poller.modify(link.sock, zmq.POLLIN | (zmq.POLLOUT if link.outbox else 0))
+        except Exception as exc:  # never let the thread die silently
+            log.exception("ckptd sender thread failed")
+            self._lose(f"the ckptd sender thread failed: {exc}")
+        finally:
+            self._disconnect(link)
+
+    def _connect(self) -> _Link:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # memory is bounded in bytes by the staging arena
         sock.setsockopt(zmq.RCVHWM, 0)
-        # tcp://: encrypt and check the daemon's key; watch the handshake until the daemon
-        # answers, since a refused key looks like silence from here
+        # a refused CurveZMQ key looks like silence: watch the handshake until the daemon answers
         handshake = curve.secure_client(sock, self._curve_keys, watch=True)
         sock.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(self._wake.fd, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)
-        if handshake.monitor is not None:  # a refused key wakes this thread at once
+        if handshake.monitor is not None:
             poller.register(handshake.monitor, zmq.POLLIN)
-        outbox: list[tuple[bytes, Any, Any]] = []
-        last_heard = last_ping = time.monotonic()
-        seq = 0
-        # over ipc:// the kernel names the daemon's process with its first reply: watched from then on
-        daemon: ProcessWatch | None = None
-        want_pid = self.endpoint.startswith("ipc://")
-        died: float | None = None  # when the daemon's exit was noticed
-        silence: Silence | None = None  # over ipc://: whether the daemon's silence means it is hung
-        try:
-            while True:
-                self._idle = True  # then look at the queue: a message put before this was seen
-                wait = 0 if not self._queue.empty() else int(self._heartbeat * 1000 / 2)
-                if died is not None:  # wake for the end of the grace period
-                    wait = min(wait, int(GRACE_S * 1000 / 2))
-                events = dict(poller.poll(wait))
-                if self._wake.fd in events:
-                    self._wake.drain()
-                self._idle = False
-                outbox = self._ship(sock, self._take_queued(outbox))
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=not want_pid)
-                    except zmq.Again:
-                        break
-                    last_heard = time.monotonic()
-                    if want_pid:
-                        want_pid = False
-                        daemon = self._watch(poller, frames[0])
-                        if daemon is not None:
-                            silence = Silence(daemon.pid, self._timeout,
-                                              max(BUSY_LIMIT_S, BUSY_TIMEOUTS * self._timeout))
-                    if handshake.monitor is not None:  # the daemon answered: the handshake is done
-                        poller.unregister(handshake.monitor)
-                        handshake.close()
-                    if self._dispatch(frames):
-                        return
-                if daemon is not None and died is None and self._exited(daemon, events):
-                    died = time.monotonic()
-                    if daemon.fd >= 0:  # readable from now on: it would wake every poll
-                        poller.unregister(daemon.fd)
-                if died is not None and time.monotonic() - max(died, last_heard) >= GRACE_S:
-                    assert daemon is not None
-                    self.lost = (f"lost contact with the ckptd daemon at {self.endpoint}: "
-                                 f"its process (pid {daemon.pid}) exited")
-                    self._on_lost(self.lost)
-                    return
-                refused = handshake.refusal(self.endpoint)
-                if refused:
-                    self.lost = self.refused = refused
-                    self._on_lost(refused)
-                    return
-                if self._stop:
-                    # what was queued before close() set _stop (the bye) may have come after
-                    # this pass took the queue: take it, or it is never sent
-                    outbox = self._ship(sock, self._take_queued(outbox))
-                    if not outbox or not self._linger or time.monotonic() - last_heard > 1.0:
-                        return
-                now = time.monotonic()
-                if now - last_ping >= self._heartbeat:
-                    seq += 1
-                    outbox = self._ship(sock, [*outbox, (wire.encode("ping", seq=seq), None, None)])
-                    last_ping = now
-                silent = now - last_heard
-                if silence.gone(silent, now) if silence is not None else silent > self._timeout:
-                    busy = f", though its process (pid {silence.pid}) kept running" \
-                        if silence is not None and silent > silence.limit else ""
-                    self.lost = (
-                        f"lost contact with the ckptd daemon at {self.endpoint}: "
-                        f"no answer for {silent:.0f} s{busy}"
-                    )
-                    self._on_lost(self.lost)
-                    return
-                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if outbox else 0))
-        except Exception as exc:  # never let the thread die silently
-            log.exception("ckptd sender thread failed")
-            self.lost = f"the ckptd sender thread failed: {exc}"
-            self._on_lost(self.lost)
-        finally:
-            if daemon is not None:
-                daemon.close()
-            handshake.close()
-            # A clean close lets what was shipped (the bye) leave the socket's queue;
-            # LINGER 0 would drop it, and the daemon would count this producer until
-            # its session timed out. A lost connection has nobody to deliver to.
-            sock.close(linger=CLOSE_LINGER_MS if self.lost is None and self._linger else 0)
+        now = time.monotonic()
+        return _Link(sock, poller, handshake, want_pid=self.endpoint.startswith("ipc://"),
+                     last_heard=now, last_ping=now)
+
+    def _wait(self, link: _Link) -> dict[Any, int]:
+        """Sleep in poll until a wake-up, a reply, or half a heartbeat (or grace period)."""
+        self._idle = True  # before looking at the queue: a message put before this is seen
+        wait = 0 if not self._queue.empty() else int(self._heartbeat * 1000 / 2)
+        if link.died is not None:
+            wait = min(wait, int(GRACE_S * 1000 / 2))
+        events = dict(link.poller.poll(wait))
+        if self._wake.fd in events:
+            self._wake.drain()
+        self._idle = False
+        return events
+
+    def _receive(self, link: _Link) -> bool:
+        """Hand on every reply waiting; True when one ends this connection."""
+        while True:
+            try:
+                frames = link.sock.recv_multipart(zmq.NOBLOCK, copy=not link.want_pid)
+            except zmq.Again:
+                return False
+            link.last_heard = time.monotonic()
+            if link.want_pid:
+                link.want_pid = False
+                link.daemon = self._watch(link.poller, frames[0])
+                if link.daemon is not None:
+                    link.silence = Silence(link.daemon.pid, self._timeout,
+                                           max(BUSY_LIMIT_S, BUSY_TIMEOUTS * self._timeout))
+            if link.handshake.monitor is not None:
+                link.poller.unregister(link.handshake.monitor)
+                link.handshake.close()
+            if self._dispatch(frames):
+                return True
+
+    def _daemon_exited(self, link: _Link, events: dict[Any, int]) -> str | None:
+        """Why the connection is lost once the daemon's process exited and its grace
+        period has passed; else None."""
+        daemon = link.daemon
+        if daemon is not None and link.died is None and self._exited(daemon, events):
+            link.died = time.monotonic()
+            if daemon.fd >= 0:
+                link.poller.unregister(daemon.fd)
+        if link.died is None or time.monotonic() - max(link.died, link.last_heard) < GRACE_S:
+            return None
+        assert daemon is not None
+        return f"lost contact with the ckptd daemon at {self.endpoint}: its process (pid {daemon.pid}) exited"
+
+    def _stopped(self, link: _Link) -> bool:
+        """After ``close``: whether what is queued has left (or need not)."""
+        # the bye, queued before close() set _stop, may have come after this pass took the queue
+        link.outbox = self._ship(link.sock, self._take_queued(link.outbox))
+        return not link.outbox or not self._linger or time.monotonic() - link.last_heard > 1.0
+
+    def _ping(self, link: _Link, now: float) -> None:
+        if now - link.last_ping >= self._heartbeat:
+            link.seq += 1
+            link.outbox = self._ship(link.sock, [*link.outbox, (wire.encode("ping", seq=link.seq), None, None)])
+            link.last_ping = now
+
+    def _silent(self, link: _Link, now: float) -> str | None:
+        """Why the connection is lost when the daemon was silent too long; else None."""
+        silent = now - link.last_heard
+        silence = link.silence
+        if not (silence.gone(silent, now) if silence is not None else silent > self._timeout):
+            return None
+        busy = f", though its process (pid {silence.pid}) kept running" \
+            if silence is not None and silent > silence.limit else ""
+        return f"lost contact with the ckptd daemon at {self.endpoint}: no answer for {silent:.0f} s{busy}"
+
+    def _lose(self, why: str) -> None:
+        self.lost = why
+        self._on_lost(why)
+
+    def _disconnect(self, link: _Link) -> None:
+        if link.daemon is not None:
+            link.daemon.close()
+        link.handshake.close()
+        # without the bye, the daemon would count this producer until its session timed out
+        link.sock.close(linger=CLOSE_LINGER_MS if self.lost is None and self._linger else 0)
 
     def _watch(self, poller: zmq.Poller, frame: Any) -> ProcessWatch | None:
         """Watch the daemon's process, named by the kernel on ``frame``, or None where it cannot be."""
@@ -211,7 +249,7 @@ class Transport:
         if pid is None:
             return None
         daemon = ProcessWatch(pid)
-        if not daemon.watchable:  # hidden from this process: silence for ``timeout`` tells
+        if not daemon.watchable:
             log.debug("cannot watch the daemon's process %d (%s)", pid, daemon.why)
             daemon.close()
             return None
@@ -241,7 +279,7 @@ class Transport:
     def _ship(self, sock: zmq.Socket, outbox: list[tuple[bytes, Any, Any]]) -> list[tuple[bytes, Any, Any]]:
         for i, (header, payload, event) in enumerate(outbox):
             if event is not None:
-                event.synchronize()  # the device-to-host copy has landed in staging
+                event.synchronize()
             frames = [header] if payload is None else [header, payload]
             try:
                 sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -266,7 +304,6 @@ class Transport:
         if header["op"] == "welcome":
             self._welcomed = True
         elif header["op"] == "error" and header["code"] == wire.STOPPING and self._welcomed:
-            # (before the welcome, STOPPING refuses the hello itself: on_reply reports that)
             self.stopped = True
             self.lost = f"the ckptd daemon at {self.endpoint} stopped ({header['message']})"
             self._on_lost(self.lost)

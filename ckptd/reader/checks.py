@@ -40,7 +40,7 @@ def check_structure(step_path: Path, manifest: Manifest) -> None:
     """CheckpointCorrupt if the manifest's saved structure cannot be rebuilt (a node
     ckptd does not write, a reference to a tensor it does not list, ...)."""
     if manifest.state is not None:
-        unflatten_state(step_path, manifest, dict.fromkeys([*manifest.tensors, *manifest.replicas]))
+        unflatten_state(step_path, manifest, dict.fromkeys([*manifest.tensors, *manifest.written_by]))
 
 
 def unflatten_state(path: Path, manifest: Manifest, values: dict[str, Any]) -> Any:
@@ -62,10 +62,10 @@ def unflatten_state(path: Path, manifest: Manifest, values: dict[str, Any]) -> A
 def share_records(step_path: Path, manifests: list[Manifest], manifest: Manifest) -> dict[str, TensorRecord]:
     """The records of one rank's share: its own tensors, and each replicated tensor it
     lists under ``replicas`` from the manifest of the rank that wrote it."""
-    if not manifest.replicas:
+    if not manifest.written_by:
         return manifest.tensors
     records = dict(manifest.tensors)
-    for name, writer in manifest.replicas.items():
+    for name, writer in manifest.written_by.items():
         rec = manifests[writer].tensors.get(name)
         if rec is None:
             raise CheckpointCorrupt(

@@ -42,7 +42,7 @@ def export(run: str, step: int | None, out: str | os.PathLike[str], *,
         raise ValueError(f"cannot export to {out}: folder {out.parent} does not exist")
     path, manifests = find(run, step, root)
     manifest = pick_rank(manifests, rank)
-    manifest = dataclasses.replace(manifest, tensors=share_records(path, manifests, manifest), replicas={})
+    manifest = dataclasses.replace(manifest, tensors=share_records(path, manifests, manifest), written_by={})
     check_structure(path, manifest)
     if write is _pt:  # refuse before reading gigabytes
         _check_pt(manifest)

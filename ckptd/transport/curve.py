@@ -1,15 +1,10 @@
 """CurveZMQ for ``tcp://`` endpoints: key files, the daemon's allowlist, ``ckptd keygen``.
 
-An ``ipc://`` socket is guarded by its folder's permissions; a TCP port is open
-to every host that can route to it, so ckptd allows (docs/security.md) ``tcp://`` only with
-CurveZMQ: the connection is encrypted, the producer checks that it talks to the
-daemon whose public key it holds, and the daemon admits only producers whose
-public key files lie in its ``curve_clients`` folder (docs/security.md).
-
-This module imports zmq beside the two transport ends because it configures
-their sockets; they call it with one line each. Key files are the ones pyzmq's
-``zmq.auth.create_certificates`` writes (ZeroMQ's certificate format):
-``NAME.key`` holds the public key, ``NAME.key_secret`` both keys.
+A TCP port is open to every host that can route to it, so ``tcp://`` is CurveZMQ only
+(docs/security.md): encrypted, the producer checks the daemon's public key, and the
+daemon admits only the public keys in its ``curve_clients`` folder (``CurveServer``).
+Both transport ends call it with one line each (``secure_client``). Key files are
+pyzmq's: ``NAME.key`` the public key, ``NAME.key_secret`` both.
 """
 
 from __future__ import annotations
@@ -41,14 +36,13 @@ log = logging.getLogger("ckptd.curve")
 ZAP_DOMAIN = b"ckptd"
 HOW_TO_MAKE = "make keys with `ckptd keygen NAME` (docs/security.md)"
 _KEYGEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_REFUSAL_LOG_S = 60.0  # log a refused key at most this often
+_REFUSAL_LOG_S = 60.0
 
 
 def is_tcp(endpoint: str) -> bool:
     return endpoint.startswith("tcp://")
 
 
-# -- key files ------------------------------------------------------------------------------
 def _z85_key(text: bytes, path: Path, which: str) -> bytes:
     try:
         raw = z85.decode(text)
@@ -62,7 +56,7 @@ def _z85_key(text: bytes, path: Path, which: str) -> bytes:
 
 def _read_key_file(path: Path, what: str) -> tuple[bytes, bytes | None]:
     """(public, secret or None) from a ZeroMQ certificate file; ConfigError naming ``path``."""
-    if not os.path.lexists(path):  # pyzmq would say only "Invalid certificate file"
+    if not os.path.lexists(path):
         raise ConfigError(f"{what} {path} does not exist; {HOW_TO_MAKE}")
     try:
         public, secret = zmq.auth.load_certificate(path)
@@ -84,7 +78,6 @@ def load_secret(path: Path, what: str) -> tuple[bytes, bytes]:
         )
     if os.stat(path).st_mode & stat.S_IROTH:
         raise ConfigError(f"{what} {path} is readable by every user on this host; `chmod 600 {path}`")
-    # The public key comes from the secret one, so a file whose two lines disagree cannot mislead.
     return zmq.curve_public(secret), secret
 
 
@@ -117,7 +110,6 @@ def allowed_keys(folder: Path,
     return keys
 
 
-# -- the daemon -----------------------------------------------------------------------------
 @dataclass(eq=False)
 class CurveServer:
     """The daemon's CurveZMQ: its keys, and the ZAP handler (thread ``ckptd-zap``) that
@@ -125,15 +117,18 @@ class CurveServer:
 
     Off (every method a no-op) for an ``ipc://`` endpoint. The folder is read at each
     handshake, not once: a key file removed is refused from the next connection on,
-    without a reload."""
+    without a reload.
+
+    ``secret``: never in a log line or a traceback
+    ``_logged``: refused key -> when last logged"""
 
     endpoint: str
     public: bytes = b""
-    secret: bytes = field(default=b"", repr=False)  # never in a log line or a traceback
+    secret: bytes = field(default=b"", repr=False)
     clients: Path | None = None
     _auth: ThreadAuthenticator | None = None
-    admits = "producer"  # who the allowlist's keys are, for the log (the peer port: "peer")
-    _logged: dict[bytes, float] = field(default_factory=dict)  # refused key -> when last logged
+    admits = "producer"
+    _logged: dict[bytes, float] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -170,13 +165,12 @@ class CurveServer:
         """Make ``sock`` (before it binds) a CurveZMQ server, and start the ZAP handler."""
         if not self.enabled:
             return
-        sock.setsockopt(zmq.IPV6, 1)  # a [::1] or dual-stack address binds too
+        sock.setsockopt(zmq.IPV6, 1)
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
         sock.zap_domain = ZAP_DOMAIN
-        # Fail closed: should the handler be missing, libzmq refuses every peer rather
-        # than letting all in (its default, for old ZAP-less programs).
+        # fail closed: without a handler, libzmq would let every peer in
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         from zmq.auth.thread import ThreadAuthenticator  # here: it imports asyncio, which producers need not
 
@@ -193,7 +187,6 @@ class CurveServer:
         producer with public key ``key`` (Z85) connect?"""
         assert self.clients is not None
         try:
-            # A file broken since start-up admits nobody, but locks out no one else either.
             allowed = allowed_keys(self.clients, self._bad_file)
         except ConfigError as exc:  # the folder itself is gone: refuse everyone, loudly, keep serving
             if self._log_now(b""):
@@ -216,7 +209,7 @@ class CurveServer:
         now = time.monotonic()
         if now - self._logged.get(key, -_REFUSAL_LOG_S) < _REFUSAL_LOG_S:
             return False
-        if len(self._logged) > 1000:  # many strangers: forget the old ones, stay bounded
+        if len(self._logged) > 1000:
             self._logged.clear()
         self._logged[key] = now
         return True
@@ -228,13 +221,18 @@ class CurveServer:
             self._auth = None
 
 
-# -- producers and the CLI ------------------------------------------------------------------
 @dataclass(frozen=True)
 class ClientKeys:
-    server: bytes  # the daemon's public key: the producer talks to that daemon or to nobody
+    """A producer's CurveZMQ keys for one tcp:// daemon.
+
+    ``server``: the daemon's public key: the producer talks to that daemon or to nobody
+    ``secret``: never in a log line or a traceback
+    ``secret_file``: for messages"""
+
+    server: bytes
     public: bytes
-    secret: bytes = field(repr=False)  # never in a log line or a traceback
-    secret_file: Path  # for messages
+    secret: bytes = field(repr=False)
+    secret_file: Path
 
 
 def client_keys(endpoint: str, config: Config, options: Mapping[str, Any] | None = None) -> ClientKeys | None:
@@ -279,7 +277,6 @@ class Handshake:
         if sock is not None:
             events = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                       | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-            # A unique name: pyzmq's default is derived from the fd, which a closed socket frees.
             name = f"inproc://ckptd-handshake-{os.getpid()}-{next(self._ids)}"
             self._monitor = sock.get_monitor_socket(events, name)
 
@@ -326,7 +323,6 @@ def secure_client(sock: zmq.Socket, keys: ClientKeys | None, *, watch: bool = Fa
     return Handshake(sock, keys) if watch else Handshake()
 
 
-# -- ckptd keygen ---------------------------------------------------------------------------
 def keygen(name: str, folder: str | os.PathLike[str] = ".") -> tuple[Path, Path]:
     """Write ``NAME.key`` (public, 0644) and ``NAME.key_secret`` (secret, 0600) into
     ``folder``; never replaces a file. Returns their paths."""
@@ -338,8 +334,7 @@ def keygen(name: str, folder: str | os.PathLike[str] = ".") -> tuple[Path, Path]
     for p in (public, secret):
         if os.path.lexists(p):
             raise FileExistsError(f"{p} already exists; remove it first or choose another NAME")
-    # pyzmq writes with the umask's mode: write in a private (0700) folder, fix the modes,
-    # then link into place, so the secret is never readable by others, not even briefly.
+    # written in a private folder, then linked into place: the secret is never readable by others
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder))
     try:
         made_public, made_secret = (Path(p) for p in zmq.auth.create_certificates(tmp, name))

@@ -1,17 +1,10 @@
-"""Handing a producer's staging arena to a daemon on the same host.
+"""Handing a producer's staging arena (a memfd) to a daemon on the same host.
 
-ZeroMQ cannot carry file descriptors, so beside its ``ipc://PATH`` socket the
-daemon listens on a Unix seqpacket socket, ``PATH.shm``. A producer connects,
-sends one message: a random 16-byte token, with its arena's memfd attached
-(SCM_RIGHTS), and waits for the daemon's one-line answer. Its ``hello`` then names
-the token; the daemon maps the arena read-only and from then on reads tensors
-straight out of it. The token binds the descriptor to the session that sent
-it, and only travels on that producer's own connections.
-
-The kernel tells the daemon who sent the descriptor (SO_PEERCRED), and permits
-the connection only to those who may reach the socket's folder: the same rule as
-for the ZeroMQ socket beside it. A memfd has no name, so nothing is left behind
-when either side dies.
+Beside its ``ipc://PATH`` socket the daemon listens on a Unix seqpacket socket,
+``PATH.shm``: a producer sends a random 16-byte token with the memfd attached
+(SCM_RIGHTS), and its ``hello`` names the token; the daemon then maps the arena
+read-only. Who may connect is decided by the socket's folder, as for the ZeroMQ
+socket. Start at ``Listener`` (the daemon's side) and ``offer`` (the producer's).
 """
 
 from __future__ import annotations
@@ -25,14 +18,14 @@ import struct
 import time
 from dataclasses import dataclass
 
-from ..errors import HandoffRefused  # re-exported: its home was here
+from ..errors import HandoffRefused
 from . import unixsock
 
 log = logging.getLogger("ckptd.daemon")
 TOKEN_BYTES = 16
 SUFFIX = ".shm"
-MAX_PENDING = 64  # handoffs received and not yet claimed by a hello; the oldest go first
-PENDING_TTL = 60.0  # seconds an unclaimed handoff is kept
+MAX_PENDING = 64
+PENDING_TTL = 60.0
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK  # a shrinking file would turn the daemon's reads into SIGBUS
 
 
@@ -40,7 +33,6 @@ def socket_path(ipc_path: str) -> str:
     return ipc_path + SUFFIX
 
 
-# -- the producer's side ----------------------------------------------------------------
 def offer(ipc_path: str, fd: int, timeout: float) -> bytes:
     """Send ``fd`` to the daemon listening beside ``ipc_path``; return the token that
     names it. OSError if nobody listens; HandoffRefused if the daemon says no."""
@@ -55,12 +47,15 @@ def offer(ipc_path: str, fd: int, timeout: float) -> bytes:
     return token
 
 
-# -- the daemon's side -------------------------------------------------------------------
 @dataclass
 class Handoff:
+    """A memory file handed over a Unix socket.
+
+    ``ident``: (st_dev, st_ino): the same memory file, whichever descriptor"""
+
     fd: int
     size: int
-    ident: tuple[int, int]  # (st_dev, st_ino): the same memory file, whichever descriptor
+    ident: tuple[int, int]
     pid: int
     uid: int
     gid: int
@@ -79,13 +74,13 @@ class Listener:
         self.path = socket_path(ipc_path)
         unixsock.refuse_if_served(self.path, socket.SOCK_SEQPACKET, "staging handoffs")
         try:
-            os.unlink(self.path)  # a crashed daemon's socket: nobody listens on it
+            os.unlink(self.path)
         except FileNotFoundError:
             pass
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(self.path)
         self._bound = unixsock.BoundSocket.of(self.path)
-        os.chmod(self.path, 0o660)  # as the ZeroMQ socket: its folder decides who may connect
+        os.chmod(self.path, 0o660)
         self._sock.listen(64)
         self._sock.setblocking(False)
         self.connections: dict[int, tuple[socket.socket, float]] = {}
@@ -102,12 +97,11 @@ class Listener:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return fds
-            except OSError as exc:  # out of descriptors (EMFILE): keep serving; the next poll tries again
+            except OSError as exc:
                 log.warning("cannot accept a staging handoff on %s: %s", self.path, exc)
                 return fds
             if len(self.connections) >= MAX_PENDING:
-                # Peers that connect and say nothing must not take every descriptor the
-                # daemon has (it died of EMFILE): refuse; a producer then sends inline.
+                # a peer that connects and says nothing must not take every descriptor: refuse, the producer sends inline
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -138,7 +132,7 @@ class Listener:
             _answer(conn, b"ok" if why is None else why.encode())
             return None if why is None else f"refused a handoff from pid {pid} (uid {uid}): {why}"
         finally:
-            for extra in fds:  # never keep a descriptor that was refused
+            for extra in fds:
                 os.close(extra)
 
     def _add(self, token: bytes, handoff: Handoff) -> None:

@@ -19,8 +19,7 @@ def request(endpoint: str, header: bytes, timeout: float, curve_keys: curve.Clie
     return the decoded reply, or raise CheckpointError after ``timeout`` seconds.
     ``curve_keys``: a tcp:// endpoint's (``curve.client_keys``)."""
     if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):  # @: Linux's abstract names
-        # a socket file that is missing, or that nobody listens on, cannot answer: say so
-        # now rather than after the whole timeout
+        # a socket file that is missing, or that nobody listens on, cannot answer: say so at once
         path = endpoint[len("ipc://"):]
         if not os.path.exists(path):
             raise CheckpointError(f"no ckptd daemon at {endpoint}: the socket file {path} does not exist; "
@@ -31,13 +30,13 @@ def request(endpoint: str, header: bytes, timeout: float, curve_keys: curve.Clie
                                   "(a stopped daemon's leftover); start one with `ckptd serve -c CONFIG`")
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    handshake = curve.secure_client(sock, curve_keys, watch=True)  # tells a refused key from silence
+    handshake = curve.secure_client(sock, curve_keys, watch=True)
     try:
         sock.connect(endpoint)
         sock.send(header)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        if handshake.monitor is not None:  # a refused key is said at once, not after the timeout
+        if handshake.monitor is not None:
             poller.register(handshake.monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout
         while not sock.poll(0):

@@ -1,24 +1,10 @@
 """Noticing at once that the process at the other end of an ``ipc://`` socket exited.
 
-Over ``ipc://`` the kernel tells libzmq which process is at the other end
-(SO_PEERCRED, the frame property ``Peer-Address`` = ``host:uid:gid:pid``): a pid
-neither side can forge, translated into the reader's own pid namespace. Both ends
-use it: the daemon to end a dead producer's session (``ckptd.daemon.liveness``), a
-producer to fail its steps in flight the moment its daemon dies, instead of after
-``timeout`` seconds of silence (which, set short, also fails a daemon that is only
-starved of CPU for a moment).
-
-A ``ProcessWatch`` holds a pidfd (Linux >= 5.3), readable once the process exited;
-where pidfds are not available it compares the process's start time in
-``/proc/<pid>/stat`` when asked (a reused pid has another start time).
-
-Silence alone cannot tell a hung process from a starved one: on a training node whose
-cores the data loaders fill, a daemon can wait seconds for a CPU. ``Silence`` tells
-them apart by the scheduler's own accounts (``/proc/<pid>/task/*/schedstat`` and
-``stat``): a process whose threads ran since the last look, or one of which is
-waiting in a run queue, is alive and only slow; one stopped (SIGSTOP), hung on a lock or blocked for good
-accrues neither. A silent process that keeps running is given up on only after a
-longer limit, so that nothing waits forever on a process spinning without answering.
+The kernel names that process (SO_PEERCRED, libzmq's ``Peer-Address``): a pid neither
+side can forge. ``ProcessWatch`` holds its pidfd (else compares its start time in
+``/proc``); the daemon ends a dead producer's session, a producer fails its steps in
+flight. ``Silence`` tells a hung process from one starved of CPU by the scheduler's
+accounts, so a running but silent daemon is waited for longer.
 """
 
 from __future__ import annotations
@@ -53,7 +39,7 @@ class ProcessWatch:
         try:
             self.fd = os.pidfd_open(pid)
         except OSError as exc:
-            if exc.errno == errno.ESRCH:  # gone already
+            if exc.errno == errno.ESRCH:
                 self.gone_at_start = True
             else:  # ENOSYS, EPERM (a seccomp filter): /proc it is
                 self.start = start_time(pid)
@@ -97,7 +83,7 @@ def activity(pid: int) -> tuple[int, bool] | None:
                 stat = f.read()
             runnable = runnable or stat[stat.rfind(b")") + 2:][:1] == b"R"
             seen = True
-        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+        except (OSError, ValueError, IndexError):
             continue
     return (total, runnable) if seen else None
 
@@ -107,13 +93,13 @@ class Silence:
     meanwhile (stopped, hung), up to ``limit`` while it keeps running or waiting for a
     CPU (busy, or starved by a loaded host)."""
 
-    LOOK_S = 0.5  # the scheduler's accounts are read at most this often
+    LOOK_S = 0.5
 
     def __init__(self, pid: int, timeout: float, limit: float) -> None:
         self.pid, self.timeout, self.limit = pid, timeout, max(limit, timeout)
-        self._last: int | None = None  # its threads' time on and queued for a CPU, at the last look
+        self._last: int | None = None
         self._looked = 0.0
-        self._ran = True  # whether it ran (or waited to run) between the last two looks
+        self._ran = True
 
     def gone(self, silent_for: float, now: float) -> bool:
         """Whether a silence of ``silent_for`` seconds means the process is lost (call it

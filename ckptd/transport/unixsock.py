@@ -1,12 +1,9 @@
 """Unix socket files a daemon binds: refuse one that is alive, remove only its own.
 
-Binding an ``ipc://`` path replaces whatever socket file is there (libzmq unlinks
-it first), so a second daemon pointed at a running daemon's endpoint would cut
-that daemon off from every producer. Before binding, ``claim`` connects to the
-path: an answer means somebody serves there, and the bind is refused; a refused
-connection means a dead daemon's leftover, which may go. After binding, the file's
-inode is remembered, and ``remove`` unlinks the path only while it is still that
-file: a process never removes a socket it did not create.
+Binding an ``ipc://`` path replaces whatever socket file is there, which would cut a
+running daemon off from its producers. ``claim`` connects first: an answer refuses the
+bind, a refused connection is a dead daemon's leftover. ``remove`` unlinks the path only
+while it is still the inode this process bound.
 """
 
 from __future__ import annotations
@@ -19,10 +16,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BoundSocket:
-    """A socket file this process made: removed only while it is still the same file."""
+    """A socket file this process made: removed only while it is still the same file.
+
+    ``ident``: (st_dev, st_ino) right after the bind"""
 
     path: str
-    ident: tuple[int, int]  # (st_dev, st_ino) right after the bind
+    ident: tuple[int, int]
 
     @classmethod
     def of(cls, path: str) -> "BoundSocket":
@@ -48,12 +47,12 @@ def in_use(path: str, kind: int = socket.SOCK_STREAM) -> bool:
         try:
             probe.connect(path)
         except (FileNotFoundError, ConnectionRefusedError):
-            return False  # nothing there, or a socket file nobody listens on
+            return False
         except socket.timeout:
             return True  # a listener whose backlog is full is still a listener
         except OSError as exc:
             if exc.errno in (errno.ENOTSOCK, errno.EPROTOTYPE):
-                return False  # not a socket of that kind: bind fails with its own error
+                return False
             raise
         return True
 

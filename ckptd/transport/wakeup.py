@@ -17,7 +17,7 @@ class WakePipe:
         try:
             os.write(self._write_fd, b"w")
         except (BlockingIOError, OSError):
-            pass  # full: the loop is awake anyway; closed: it has stopped
+            pass
 
     def drain(self) -> None:
         try:

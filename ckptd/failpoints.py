@@ -1,23 +1,18 @@
 """Failpoints: faults a test switches on in a real daemon, by name, from outside.
 
 ``CKPTD_FAILPOINTS="writer.chunk"`` makes every pass through that point raise
-``Failpoint``; ``"writer.chunk@3"`` only the third and later passes. Several points
-are separated by commas. The daemon reads the variable once, as it starts (``serve``):
-with it unset (always, outside the test suite) ``hit`` is one dict lookup that finds
-nothing.
-
-They exist for what a kill -9 or a full disk cannot produce: an unexpected exception
-on a daemon thread (a bug), whose step must fail, named, rather than commit without
-the tensors that the failed job was writing.
+``Failpoint``; ``"writer.chunk@3"`` the third and later; several are comma-separated.
+The daemon arms them once, as it starts (``arm``); unarmed, ``hit`` is one dict lookup.
+They produce what a kill -9 cannot: an unexpected exception on a daemon thread.
 """
 
 from __future__ import annotations
 
 import threading
 
-from ..errors import Failpoint  # re-exported: its home was here
+from .errors import Failpoint
 
-_ARMED: dict[str, int] = {}  # point -> the first pass that raises (1-based)
+_ARMED: dict[str, int] = {}
 _passes: dict[str, int] = {}
 _lock = threading.Lock()
 
