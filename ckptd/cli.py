@@ -26,8 +26,8 @@ from .names import check_run
 log = logging.getLogger(__name__)
 
 
-CONFIG_HELP = ("default: $CKPTD_CONFIG, else ./config.toml, else ~/.config/ckptd/config.toml, "
-               "else /etc/ckptd/config.toml, else built-in defaults")
+CONFIG_HELP = ("default: $CKPTD_CONFIG, else ./config.toml if all its tables are ckptd's, else "
+               "~/.config/ckptd/config.toml, else /etc/ckptd/config.toml, else built-in defaults")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,10 +6,11 @@ resolve against the config file's folder (or the current directory when no file
 is used), so the shipped ``config.toml`` works unchanged from a checkout.
 
 Which file (``discover``; every entry point uses this one rule): an explicit path
-(``-c``), else ``$CKPTD_CONFIG`` (``none``: the defaults, searching nothing), else ``./config.toml`` when present, else the
-user's ``$XDG_CONFIG_HOME/ckptd/config.toml`` (``~/.config/...``), else
-``/etc/ckptd/config.toml``, else none: the built-in defaults, which equal the
-shipped file's values.
+(``-c``), else ``$CKPTD_CONFIG`` (``none``: the defaults, searching nothing), else
+``./config.toml`` when it is ckptd's (every table in it one of ckptd's: a training
+project's own config.toml is passed over), else the user's
+``$XDG_CONFIG_HOME/ckptd/config.toml`` (``~/.config/...``), else
+``/etc/ckptd/config.toml``, else none: the built-in defaults, the shipped file's values.
 """
 
 from __future__ import annotations
@@ -472,16 +473,29 @@ def discover(path: str | os.PathLike[str] | None = None) -> tuple[Path | None, s
         return None, "CKPTD_CONFIG=none: built-in defaults"
     if env:
         return Path(env).expanduser().absolute(), "named by $CKPTD_CONFIG"
-    for candidate, why in ((Path.cwd() / "config.toml", "found in the current folder"),
-                           (user_config(), "the user's config"),
-                           (SYSTEM_CONFIG, "the system config")):
+    here = Path.cwd() / "config.toml"
+    passed_over = _not_ours(here) if here.is_file() else ""
+    if here.is_file() and not passed_over:
+        return here.absolute(), "found in the current folder"
+    for candidate, why in ((user_config(), "the user's config"), (SYSTEM_CONFIG, "the system config")):
         try:
             if candidate.is_file():
-                return candidate.absolute(), why
+                return candidate.absolute(), why + passed_over
         except OSError:  # an unreadable home folder, say: not there for us
             continue
     return None, "no config file found (-c, $CKPTD_CONFIG, ./config.toml, " \
-                 f"{user_config()}, {SYSTEM_CONFIG}): built-in defaults"
+                 f"{user_config()}, {SYSTEM_CONFIG}){passed_over}: built-in defaults"
+
+
+def _not_ours(path: Path) -> str:
+    """Why ``path`` is not ckptd's config (a table of another program, or not TOML), or ""."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError):
+        return f"; {path} passed over: not a TOML file this user can read"
+    foreign = [name for name, table in data.items() if name not in _TABLES or not isinstance(table, dict)]
+    return f"; {path} passed over: [{foreign[0]}] is not a ckptd table" if foreign else ""
 
 
 def describe(cfg: Config) -> str:
