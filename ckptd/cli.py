@@ -193,6 +193,10 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("%s: endpoint %s, root %s", config_mod.describe(cfg), cfg.endpoint, cfg.root)
     else:
         log.info("%s", config_mod.describe(cfg))
+    from . import unitnet
+
+    for line in unitnet.blocked_lines(cfg):  # installed before the config named these hosts, say
+        log.error("%s", line)
     return serve(cfg)
 
 

@@ -128,6 +128,11 @@ def failpoints(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get("CKPTD_FAILPOINTS", "")
 
 
+def under_systemd(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a systemd service manager started this process (it sets ``INVOCATION_ID``)."""
+    return bool(environ.get("INVOCATION_ID"))
+
+
 def xdg(name: str, fallback: str, environ: Mapping[str, str] = os.environ) -> str:
     """An XDG base directory (``XDG_CONFIG_HOME``, ``XDG_STATE_HOME``, ``XDG_RUNTIME_DIR``),
     or ``fallback`` when unset or empty, as the XDG base directory specification says."""

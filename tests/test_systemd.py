@@ -31,6 +31,7 @@ import torch
 import ckptd
 from ckptd import Producer
 from ckptd.install import SYSTEM_DROPIN, render_dropin, render_unit
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = {"system": REPO / "systemd/ckptd.service", "user": REPO / "systemd/user/ckptd.service"}
@@ -588,3 +589,48 @@ def test_system_unit_sandbox_runs_the_daemon(manager: UserManager) -> None:
     m.systemctl("stop", "ckptd")
     shown = m.show()
     assert (shown["Result"], shown["ExecMainStatus"]) == ("success", "0"), m.log()
+
+
+def _system_unit(m: UserManager, config: str) -> Path:
+    """The system unit as installed, run by ``m`` on ``config``: as in the test above,
+    User= and Group= go (a user manager cannot switch users) and the config lives in /srv."""
+    unit = "".join(line for line in render_unit(user=False).splitlines(keepends=True)
+                   if not line.startswith(("User=", "Group=")))
+    (m.base / "config/systemd/user/ckptd.service").write_text(unit)
+    dropins = m.base / "config/systemd/user/ckptd.service.d"
+    dropins.mkdir()
+    if render_dropin() is not None:
+        (dropins / SYSTEM_DROPIN.name).write_text(render_dropin())
+    (dropins / "test.conf").write_text(
+        "[Service]\nExecStart=\n"
+        f"ExecStart={sys.executable} -m ckptd serve -c /srv/config/ckptd/config.toml\n"
+        "ReadWritePaths=/srv/state\nStandardOutput=append:/srv/log/daemon.log\nStandardError=inherit\n")
+    (m.base / "config/ckptd").mkdir()
+    (m.base / "config/ckptd/config.toml").write_text(
+        '[daemon]\nendpoint = "ipc:///srv/rt/ckptd/ckptd.sock"\nroot = "/srv/state/ckptd"\n' + config)
+    m.systemctl("daemon-reload")
+    return dropins
+
+
+@pytest.mark.needs("/lib/systemd/systemd")
+def test_the_daemon_names_each_address_the_unit_blocks_and_the_fix(manager: UserManager) -> None:
+    """Installed before the config named a peer: the unit's IPAddressDeny=any blocks it,
+    and the daemon says so at start, with the command that writes the drop-in; with the
+    drop-in install-systemd writes from that config, nothing is blocked."""
+    from ckptd.install import SYSTEM_NETWORK_DROPIN, render_network_dropin
+
+    m = manager
+    peer = "198.51.100.7"  # reached through the default route; nobody answers there
+    dropins = _system_unit(m, f'[peer]\nlisten = "tcp://127.0.0.1:{free_port()}"\npeers = ["tcp://{peer}:7701"]\n')
+    m.systemctl("start", "ckptd")
+    wait_for("the start-up line", lambda: "is blocked on this host" in m.log(), 30, m.log)
+    line = next(t for t in m.log().splitlines() if "is blocked on this host" in t)
+    assert line.startswith(f"ERROR ckptd.daemon: {peer} is blocked on this host ([peer] peers: tcp://{peer}:7701)")
+    assert "sudo ckptd install-systemd && sudo systemctl daemon-reload && sudo systemctl restart ckptd" in line
+    m.systemctl("stop", "ckptd")
+    text, _ = render_network_dropin(m.base / "config/ckptd/config.toml")
+    (dropins / SYSTEM_NETWORK_DROPIN.name).write_text(text)
+    m.systemctl("daemon-reload")
+    m.systemctl("start", "ckptd")
+    m.systemctl("stop", "ckptd")
+    assert m.log().count("is blocked on this host") == 1, m.log()
