@@ -634,3 +634,69 @@ def test_the_daemon_names_each_address_the_unit_blocks_and_the_fix(manager: User
     m.systemctl("start", "ckptd")
     m.systemctl("stop", "ckptd")
     assert m.log().count("is blocked on this host") == 1, m.log()
+
+
+SAVE_AS = """
+import sys, torch
+from ckptd import CheckpointError, Producer
+try:
+    with Producer(sys.argv[1], sys.argv[2], transport="inline", staging_size="1MiB", timeout=10) as p:
+        p.save({"w": torch.ones(4)}, int(sys.argv[3])).wait(30)
+    print("saved")
+except CheckpointError as exc:
+    print(f"refused: {exc}")
+"""
+
+
+@pytest.fixture
+def two_users() -> Iterator[tuple[str, str, str]]:
+    """Two real non-root users in a group of their own: (group, alice, bob)."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("making two users needs root and useradd")
+    tag = f"{os.getpid() % 100000}"
+    group, users = f"ckt{tag}", [f"cka{tag}", f"ckb{tag}"]
+    subprocess.run(["groupadd", group], check=True)
+    try:
+        for user in users:
+            subprocess.run(["useradd", "-M", "-N", "-g", group, "-s", "/bin/false", user], check=True)
+        yield group, users[0], users[1]
+    finally:
+        for user in users:
+            subprocess.run(["userdel", user], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+@pytest.mark.needs("/lib/systemd/systemd")
+def test_two_users_own_their_runs_separately_under_the_system_unit(manager: UserManager, two_users) -> None:
+    """Run ownership comes from the producers' uids (SO_PEERCRED): under the unit as
+    installed, each user's run refuses the other user's producer."""
+    m = manager
+    group, alice, bob = two_users
+    _system_unit(m, "")
+    m.systemctl("start", "ckptd")
+    sock = m.base / "rt/ckptd/ckptd.sock"
+    for path in (m.base, m.base / "rt"):  # the test's folders: the users may pass through
+        os.chmod(path, 0o711)
+    shutil.chown(sock.parent, group=group)  # the system service's group, RuntimeDirectoryMode=0750
+    shutil.chown(sock, group=group)
+
+    def save(user: str, run: str, step: int) -> str:
+        env = {"PATH": os.environ["PATH"], "HOME": "/tmp", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+               "CKPTD_CONFIG": "none"}
+        r = subprocess.run(["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups", sys.executable,
+                            "-c", SAVE_AS, f"ipc://{sock}", run, str(step)],
+                           capture_output=True, text=True, env=env, timeout=120, cwd="/")
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    assert save(alice, "alices", 1) == "saved"
+    assert save(bob, "bobs", 1) == "saved"
+    theirs = save(bob, "alices", 2)
+    assert theirs.startswith("refused:") and "run 'alices' belongs to" in theirs, theirs
+    assert save(alice, "bobs", 2).startswith("refused:")
+    root = m.base / "state/ckptd"
+    uid = {u: subprocess.run(["id", "-u", u], capture_output=True, text=True, check=True).stdout.strip()
+           for u in (alice, bob)}
+    assert (root / "alices/.owner").read_text().strip() == f"uid:{uid[alice]}"
+    assert (root / "bobs/.owner").read_text().strip() == f"uid:{uid[bob]}"
+    m.systemctl("stop", "ckptd")
