@@ -93,7 +93,9 @@ def allowed(cfg: Config) -> Allowed:
 
 def _hosts(cfg: Config) -> list[str]:
     """Every host the config names, peers, bucket endpoint and listen addresses."""
-    urls = [*cfg.peer.peers, cfg.peer.listen, cfg.daemon.endpoint]
+    urls = [*cfg.peer.peers, cfg.peer.listen]
+    if cfg.daemon.endpoint.startswith("tcp://"):
+        urls.append(cfg.daemon.endpoint)
     if cfg.remote.url and urlsplit(cfg.remote.url).scheme == "s3":
         urls.append(env.s3_endpoint())
     return list(dict.fromkeys(h for h in (urlsplit(u).hostname for u in urls if u) if h))

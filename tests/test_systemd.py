@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -700,3 +701,26 @@ def test_two_users_own_their_runs_separately_under_the_system_unit(manager: User
     assert (root / "alices/.owner").read_text().strip() == f"uid:{uid[alice]}"
     assert (root / "bobs/.owner").read_text().strip() == f"uid:{uid[bob]}"
     m.systemctl("stop", "ckptd")
+
+
+def test_network_dropin_allows_the_peers_network_and_the_resolvers_of_a_name(tmp_path: Path) -> None:
+    """[peer] listen on an interface: its whole network, so a node replaced at a new address
+    there needs no new drop-in on the others; a peer named by name: the resolvers too."""
+    from ckptd.install import render_network_dropin
+    from ckptd.unitnet import resolvers
+
+    out = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, check=True).stdout
+    own = next(ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}") for link in json.loads(out)
+               for a in link["addr_info"] if a["family"] == "inet" and not a["local"].startswith("127."))
+    name = socket.gethostname()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[peer]\nlisten = "tcp://{own.ip}:7701"\npeers = ["tcp://{name}:7701"]\n')
+    text, _ = render_network_dropin(config)
+    assert f"# [peer] listen tcp://{own.ip}:7701 (its peers, at any address): the network of its interface\n" \
+           f"IPAddressAllow={own.network}\n" in text, text
+    servers = [a for a in resolvers() if not ipaddress.ip_address(a).is_loopback]
+    for server in servers:
+        assert f"IPAddressAllow={server}\n" in text and f"/etc/resolv.conf, for {name}" in text, text
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("# a comment\nnameserver 10.1.2.3\nnameserver fe80::1%eth0\nsearch example\nnameserver bad\n")
+    assert resolvers(str(resolv)) == ["10.1.2.3", "fe80::1"]
