@@ -137,6 +137,8 @@ def blocked(cfg: Config) -> list[tuple[str, str]]:
     except ValueError as exc:  # a name that does not resolve, perhaps with its resolver blocked
         servers = [a for a in resolvers() if _refused(a)]
         return [(a, f"the DNS resolver, while {exc}") for a in servers] or [("?", str(exc))]
+    except (OSError, subprocess.SubprocessError):  # no `ip` to ask: the check cannot tell, start anyway
+        return []
     return [(a, why) for a, why in needed if a != "any" and _refused(_probe_address(a))]
 
 
