@@ -1,4 +1,5 @@
-"""The ``ckptd`` command line: ``serve`` runs the daemon; the rest read the checkpoint root.
+"""The ``ckptd`` command line: ``serve`` runs the daemon; ``keygen``, ``cluster`` and
+``install-systemd`` set a node up; the rest read the checkpoint root.
 
 Every failure prints one line on stderr and exits non-zero; ``--json`` prints
 machine-readable results on stdout.
@@ -284,12 +285,9 @@ def _cluster(args: argparse.Namespace) -> int:
         for line in cluster.init(nodes, out, endpoint=args.endpoint, root=args.root, bucket=args.bucket):
             print(line)
         return 0
-    found = cluster.check(nodes, out)
-    for node, wrong in found.items():
-        print(f"{node}: " + ("ok" if not wrong else f"{len(wrong)} problem(s)"))
-        for text in wrong:
-            print(f"  {text}")
-    return 1 if any(found.values()) else 0
+    sound, lines = cluster.report(cluster.check(nodes, out))
+    print("\n".join(lines))
+    return 0 if sound else 1
 
 
 def _install_systemd(args: argparse.Namespace) -> int:

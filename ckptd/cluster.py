@@ -98,6 +98,15 @@ def check(every: list[Node], out: Path) -> dict[str, list[str]]:
     return {node.listen: _problems(node, every, out) for node in every}
 
 
+def report(found: dict[str, list[str]]) -> tuple[bool, list[str]]:
+    """Whether every node is sound, and the lines saying so, node by node."""
+    lines = []
+    for node, wrong in found.items():
+        lines.append(f"{node}: " + ("ok" if not wrong else f"{len(wrong)} problem(s)"))
+        lines.extend(f"  {text}" for text in wrong)
+    return not any(found.values()), lines
+
+
 def _problems(node: Node, every: list[Node], out: Path) -> list[str]:
     path = out / node.folder / "config.toml"
     try:
