@@ -1,16 +1,10 @@
-"""Typed configuration, loaded from ``config.toml``.
+"""Typed configuration, loaded from ``config.toml``: one keyword-only dataclass per table.
 
-One keyword-only dataclass per component. Every key has a default; an unknown key
-or a bad value is a ``ConfigError`` naming the key and the file. Relative paths
-resolve against the config file's folder (or the current directory when no file
-is used), so the shipped ``config.toml`` works unchanged from a checkout.
-
-Which file (``discover``; every entry point uses this one rule): an explicit path
-(``-c``), else ``$CKPTD_CONFIG`` (``none``: the defaults, searching nothing), else
-``./config.toml`` when it is ckptd's (every table in it one of ckptd's: a training
-project's own config.toml is passed over), else the user's
-``$XDG_CONFIG_HOME/ckptd/config.toml`` (``~/.config/...``), else
-``/etc/ckptd/config.toml``, else none: the built-in defaults, the shipped file's values.
+Every key has a default; an unknown key or a bad value is a ``ConfigError`` naming the
+key and the file. Relative paths resolve against the config file's folder (or the current
+directory when no file is used). Which file: ``discover``, the one rule every entry point
+uses (``-c``, ``$CKPTD_CONFIG``, a ``./config.toml`` whose tables are all ckptd's, the
+user's, ``/etc/ckptd/config.toml``, the built-in defaults). Start reading at ``load``.
 """
 
 from __future__ import annotations
@@ -462,7 +456,10 @@ def user_config() -> Path:
 
 
 def discover(path: str | os.PathLike[str] | None = None) -> tuple[Path | None, str]:
-    """The config file the discovery rule picks, and why (for the start-up log line).
+    """The config file the discovery rule picks, and why (for the start-up log line):
+    ``path``, else ``$CKPTD_CONFIG`` (``none``: the defaults, searching nothing), else
+    ``./config.toml`` when every table in it is ckptd's (a training project's own is
+    passed over, and the reason says so), else ``user_config()``, else ``SYSTEM_CONFIG``.
 
     An explicit ``path`` or ``$CKPTD_CONFIG`` must exist (``load`` says so when it does
     not); the places searched after them are used only when a file is there."""

@@ -1,25 +1,9 @@
-"""The addresses the system unit lets ckptd reach: a drop-in for ``ckptd install-systemd``.
+"""The addresses the system unit lets ckptd reach: the drop-in ``install-systemd`` writes,
+and the check the daemon makes at start.
 
-The shipped system unit allows IP only on loopback (``IPAddressAllow=localhost``,
-``IPAddressDeny=any``). A config that reaches other hosts needs those hosts allowed,
-each from what the config names:
-
-- ``[peer] peers``: each partner's address (a host name resolved now, as systemd
-  takes addresses only), and the network of ``[peer] listen``'s interface, so that a
-  node replaced at a new address on it needs no drop-in rewritten on the others;
-- the resolvers of ``/etc/resolv.conf``, where the config names a host by name;
-- ``[remote] url``: the object store's host, ``AWS_ENDPOINT_URL(_S3)``'s for an
-  ``s3://`` bucket with an endpoint of its own (resolved as above). A cloud provider's
-  own endpoint (no endpoint set, or ``gs://``, ``az://``) has addresses that change
-  with no notice: the drop-in then allows any address, and says so;
-- ``[daemon] endpoint`` on ``tcp://`` and ``[daemon] metrics`` on an address other
-  than loopback: the producers and the scraper connect from the networks of the
-  interface the daemon listens on (every interface's, for a wildcard address), which
-  ``ip -j addr`` lists.
-
-Every allowed address comes with a comment saying where it came from. A name that
-does not resolve is an error naming it. At start the daemon sends one datagram to each
-(``blocked_lines``) and names every address refused, with the command that fixes it.
+The shipped unit allows IP only on loopback (``IPAddressDeny=any``); ``allowed`` lists
+what a config reaches beyond it, each with why. ``blocked_lines`` sends one datagram to
+each at start and names every address refused, with the command that fixes it.
 """
 
 from __future__ import annotations
@@ -67,7 +51,13 @@ class Allowed:
 
 
 def allowed(cfg: Config) -> Allowed:
-    """What ``cfg``'s daemon must reach beyond loopback."""
+    """What ``cfg``'s daemon must reach beyond loopback: each ``[peer] peers`` address (a
+    name resolved now: systemd takes addresses only; one that does not resolve is a
+    ValueError naming it); the network of ``[peer] listen``'s interface, so that a node
+    replaced at a new address there needs no drop-in rewritten on the others; the bucket's
+    endpoint (a provider's own, whose addresses change without notice: any); the networks
+    a ``tcp://`` endpoint or off-loopback metrics take clients from (``ip -j addr``); and
+    the resolvers of /etc/resolv.conf where any of those is a name."""
     out = Allowed()
     for peer in cfg.peer.peers:
         host = urlsplit(peer).hostname or ""
