@@ -1,4 +1,5 @@
-"""The ``ckptd`` command line: ``serve`` runs the daemon; the rest read the checkpoint root.
+"""The ``ckptd`` command line: ``serve`` runs the daemon; ``keygen``, ``cluster`` and
+``install-systemd`` set a node up; the rest read the checkpoint root.
 
 Every failure prints one line on stderr and exits non-zero; ``--json`` prints
 machine-readable results on stdout.
@@ -26,8 +27,8 @@ from .names import check_run
 log = logging.getLogger(__name__)
 
 
-CONFIG_HELP = ("default: $CKPTD_CONFIG, else ./config.toml, else ~/.config/ckptd/config.toml, "
-               "else /etc/ckptd/config.toml, else built-in defaults")
+CONFIG_HELP = ("default: $CKPTD_CONFIG, else ./config.toml if all its tables are ckptd's, else "
+               "~/.config/ckptd/config.toml, else /etc/ckptd/config.toml, else built-in defaults")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptd", description="Checkpoint daemon for PyTorch training.")
     p.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _daemon_commands(sub)
+    _setup_commands(sub)
+    _reading_commands(sub)
+    return p
 
+
+def _daemon_commands(sub: Any) -> None:
+    """``serve`` and ``status``: the daemon itself."""
     s = sub.add_parser("serve", help="run the writer daemon in the foreground (systemd runs this)")
     s.add_argument("-c", "--config", help=CONFIG_HELP)
     s.set_defaults(func=_serve)
@@ -79,12 +87,32 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(func=_status)
 
+
+def _setup_commands(sub: Any) -> None:
+    """``keygen``, ``cluster`` and ``install-systemd``: setting a node up."""
     kg = sub.add_parser("keygen", help="make a CurveZMQ key pair, for a tcp:// endpoint (docs/security.md)",
                         description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) and "
                         "print where each goes in the daemon's and the producers' config files.")
     kg.add_argument("name", metavar="NAME", help="the key's name, such as the daemon's host or a producer's user")
-    kg.add_argument("--dir", default=".", help="the folder to write them to (default: the current folder)")
+    kg.add_argument("folder", metavar="DIR", nargs="?", help="the folder to write them to (as --dir)")
+    kg.add_argument("--dir", help="the folder to write them to (default: the current folder)")
     kg.set_defaults(func=_keygen)
+
+    cluster = sub.add_parser("cluster", help="set up N nodes' keys and configs from one list of hosts "
+                             "(docs/runbook.md)").add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, help in (("init", "write every node's key pair and config.toml, and the folder of public keys"),
+                         ("check", "read a set-up `cluster init` wrote back and say what is wrong, node by node")):
+        c = cluster.add_parser(action, help=help, description=help)
+        c.add_argument("--hosts", required=True, help="the nodes, comma-separated: HOST or HOST:PORT each")
+        c.add_argument("--port", type=int, default=7701, help="the peer port of a HOST without one (default 7701)")
+        c.add_argument("--out", required=True, metavar="DIR", help="the set-up's folder: DIR/NODE/, DIR/public/")
+        if action == "init":
+            c.add_argument("--bucket", default="", metavar="URL", help="[remote] url of every node (s3://...)")
+            c.add_argument("--endpoint", default="ipc:///run/ckptd/ckptd.sock", help="[daemon] endpoint of "
+                           "every node (default: the system service's socket)")
+            c.add_argument("--root", default="/var/lib/ckptd", help="[daemon] root of every node "
+                           "(default: the system service's)")
+        c.set_defaults(func=_cluster)
 
     inst = sub.add_parser("install-systemd", help="install ckptd's systemd unit for this host's Python",
                           description="Write ckptd.service with ExecStart pointing at this ckptd, and a "
@@ -94,51 +122,51 @@ def _parser() -> argparse.ArgumentParser:
                       help="print the unit on stdout; write nothing")
     inst.set_defaults(func=_install_systemd)
 
-    def reading(name: str, help: str, step: bool, run: str = "") -> argparse.ArgumentParser:
-        r = sub.add_parser(name, help=help, description=help)
-        if run != "none":
-            r.add_argument("run", metavar="RUN", help="run id" + (" (none: every run, as `ckptd runs`)"
-                                                                   if run == "optional" else ""),
-                           nargs="?" if run == "optional" else None)
-        if step:
-            r.add_argument("step", metavar="STEP", nargs="?", type=int, help="step (default: the newest complete)")
-        r.add_argument("--root", help="checkpoint root (default: $CKPTD_ROOT, else the config's root)")
-        r.add_argument("-c", "--config", help="config file whose root to read; " + CONFIG_HELP)
-        r.add_argument("--json", action="store_true", help="print JSON")
-        if name in ("latest", "list", "show", "verify"):
-            r.add_argument("--remote", nargs="?", const="", default=None, metavar="URL",
-                           help="read the remote tier (URL, or the config's [remote] url) instead of the root")
-        return r
 
-    latest = reading("latest", "print the newest complete checkpoint of RUN", False)
-    latest.add_argument("--endpoint", help="ask the daemon at this endpoint (its index) instead of reading the root")
-    latest.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
+def _reading(sub: Any, name: str, help: str, step: bool, run: str = "") -> argparse.ArgumentParser:
+    """A command that reads a checkpoint root: RUN (and STEP), --root, -c, --json."""
+    r = sub.add_parser(name, help=help, description=help)
+    if run != "none":
+        r.add_argument("run", metavar="RUN", help="run id" + (" (none: every run, as `ckptd runs`)"
+                                                               if run == "optional" else ""),
+                       nargs="?" if run == "optional" else None)
+    if step:
+        r.add_argument("step", metavar="STEP", nargs="?", type=int, help="step (default: the newest complete)")
+    r.add_argument("--root", help="checkpoint root (default: $CKPTD_ROOT, else the config's root)")
+    r.add_argument("-c", "--config", help="config file whose root to read; " + CONFIG_HELP)
+    r.add_argument("--json", action="store_true", help="print JSON")
+    if name in ("latest", "list", "show", "verify"):
+        r.add_argument("--remote", nargs="?", const="", default=None, metavar="URL",
+                       help="read the remote tier (URL, or the config's [remote] url) instead of the root")
+    if name in ("latest", "list"):
+        r.add_argument("--endpoint", help="ask the daemon at this endpoint (its index) instead of reading the root")
+        r.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
+    return r
+
+
+def _reading_commands(sub: Any) -> None:
+    latest = _reading(sub, "latest", "print the newest complete checkpoint of RUN", False)
     latest.add_argument("--verify", action="store_true",
                         help="the newest one that passes `verify` (reads every tensor), skipping damaged ones")
     latest.set_defaults(func=_latest)
-    prune = reading("prune", "apply RUN's retention policy now (or show it with --dry-run)", False)
+    prune = _reading(sub, "prune", "apply RUN's retention policy now (or show it with --dry-run)", False)
     prune.add_argument("--dry-run", action="store_true", help="show what would be kept and removed, and why")
     prune.set_defaults(func=_prune)
-    reading("pin", "protect a checkpoint from every retention rule", True).set_defaults(func=_pin, pin=True)
-    reading("unpin", "release a pinned checkpoint", True).set_defaults(func=_pin, pin=False)
-    listing = reading("list", "list the complete checkpoints of RUN, oldest first (* = pinned)", False,
-                      run="optional")
-    listing.add_argument("--endpoint", help="ask the daemon at this endpoint (its index) instead of reading "
-                         "every manifest under the root")
-    listing.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon (default 5)")
-    listing.set_defaults(func=_list)
-    reading("runs", "list the runs under the root with their newest step, size and age", False,
-            run="none").set_defaults(func=_runs, run=None)
-    reading("show", "describe one checkpoint and its tensors", True).set_defaults(func=_show)
-    reading("verify", "check every tensor of a checkpoint against its checksum", True).set_defaults(func=_verify)
-    reading("advise", "how often RUN should checkpoint, from what its saves and failures measured "
-            "(docs/advise.md)", False).set_defaults(func=_advise)
-    ex = reading("export", "write one checkpoint to one .safetensors, .h5 or .pt file (the suffix decides)", True)
+    _reading(sub, "pin", "protect a checkpoint from every retention rule", True).set_defaults(func=_pin, pin=True)
+    _reading(sub, "unpin", "release a pinned checkpoint", True).set_defaults(func=_pin, pin=False)
+    _reading(sub, "list", "list the complete checkpoints of RUN, oldest first (* = pinned)", False,
+             run="optional").set_defaults(func=_list)
+    _reading(sub, "runs", "list the runs under the root with their newest step, size and age", False,
+             run="none").set_defaults(func=_runs, run=None)
+    _reading(sub, "show", "describe one checkpoint and its tensors", True).set_defaults(func=_show)
+    _reading(sub, "verify", "check every tensor of a checkpoint against its checksum", True).set_defaults(func=_verify)
+    _reading(sub, "advise", "how often RUN should checkpoint, from what its saves and failures measured "
+             "(docs/advise.md)", False).set_defaults(func=_advise)
+    ex = _reading(sub, "export", "write one checkpoint to one .safetensors, .h5 or .pt file (the suffix decides)", True)
     ex.add_argument("-o", "--output", required=True, metavar="PATH",
                     help="the file to write: .safetensors (flat tensors), .h5 (HDF5) or .pt (torch.save)")
     ex.add_argument("--rank", type=int, help="whose share, in a multi-rank checkpoint (default: $RANK)")
     ex.set_defaults(func=_export)
-    return p
 
 
 def _root(args: argparse.Namespace) -> Any:
@@ -166,6 +194,10 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("%s: endpoint %s, root %s", config_mod.describe(cfg), cfg.endpoint, cfg.root)
     else:
         log.info("%s", config_mod.describe(cfg))
+    from . import unitnet
+
+    for line in unitnet.blocked_lines(cfg):  # installed before the config named these hosts, say
+        log.error("%s", line)
     return serve(cfg)
 
 
@@ -238,9 +270,24 @@ def _curve_keys(args: argparse.Namespace, endpoint: str) -> Any:
 def _keygen(args: argparse.Namespace) -> int:
     from .transport import curve
 
-    for line in curve.keygen_instructions(*curve.keygen(args.name, args.dir)):
+    if args.folder and args.dir and Path(args.folder).absolute() != Path(args.dir).absolute():
+        raise ValueError(f"two folders: DIR {args.folder!r} and --dir {args.dir!r}; give one")
+    for line in curve.keygen_instructions(*curve.keygen(args.name, args.folder or args.dir or ".")):
         print(line)
     return 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from . import cluster
+
+    nodes, out = cluster.nodes(args.hosts, args.port), Path(args.out)
+    if args.action == "init":
+        for line in cluster.init(nodes, out, endpoint=args.endpoint, root=args.root, bucket=args.bucket):
+            print(line)
+        return 0
+    sound, lines = cluster.report(cluster.check(nodes, out))
+    print("\n".join(lines))
+    return 0 if sound else 1
 
 
 def _install_systemd(args: argparse.Namespace) -> int:

@@ -1,15 +1,10 @@
-"""Typed configuration, loaded from ``config.toml``.
+"""Typed configuration, loaded from ``config.toml``: one keyword-only dataclass per table.
 
-One keyword-only dataclass per component. Every key has a default; an unknown key
-or a bad value is a ``ConfigError`` naming the key and the file. Relative paths
-resolve against the config file's folder (or the current directory when no file
-is used), so the shipped ``config.toml`` works unchanged from a checkout.
-
-Which file (``discover``; every entry point uses this one rule): an explicit path
-(``-c``), else ``$CKPTD_CONFIG`` (``none``: the defaults, searching nothing), else ``./config.toml`` when present, else the
-user's ``$XDG_CONFIG_HOME/ckptd/config.toml`` (``~/.config/...``), else
-``/etc/ckptd/config.toml``, else none: the built-in defaults, which equal the
-shipped file's values.
+Every key has a default; an unknown key or a bad value is a ``ConfigError`` naming the
+key and the file. Relative paths resolve against the config file's folder (or the current
+directory when no file is used). Which file: ``discover``, the one rule every entry point
+uses (``-c``, ``$CKPTD_CONFIG``, a ``./config.toml`` whose tables are all ckptd's, the
+user's, ``/etc/ckptd/config.toml``, the built-in defaults). Start reading at ``load``.
 """
 
 from __future__ import annotations
@@ -461,7 +456,10 @@ def user_config() -> Path:
 
 
 def discover(path: str | os.PathLike[str] | None = None) -> tuple[Path | None, str]:
-    """The config file the discovery rule picks, and why (for the start-up log line).
+    """The config file the discovery rule picks, and why (for the start-up log line):
+    ``path``, else ``$CKPTD_CONFIG`` (``none``: the defaults, searching nothing), else
+    ``./config.toml`` when every table in it is ckptd's (a training project's own is
+    passed over, and the reason says so), else ``user_config()``, else ``SYSTEM_CONFIG``.
 
     An explicit ``path`` or ``$CKPTD_CONFIG`` must exist (``load`` says so when it does
     not); the places searched after them are used only when a file is there."""
@@ -472,16 +470,29 @@ def discover(path: str | os.PathLike[str] | None = None) -> tuple[Path | None, s
         return None, "CKPTD_CONFIG=none: built-in defaults"
     if env:
         return Path(env).expanduser().absolute(), "named by $CKPTD_CONFIG"
-    for candidate, why in ((Path.cwd() / "config.toml", "found in the current folder"),
-                           (user_config(), "the user's config"),
-                           (SYSTEM_CONFIG, "the system config")):
+    here = Path.cwd() / "config.toml"
+    passed_over = _not_ours(here) if here.is_file() else ""
+    if here.is_file() and not passed_over:
+        return here.absolute(), "found in the current folder"
+    for candidate, why in ((user_config(), "the user's config"), (SYSTEM_CONFIG, "the system config")):
         try:
             if candidate.is_file():
-                return candidate.absolute(), why
+                return candidate.absolute(), why + passed_over
         except OSError:  # an unreadable home folder, say: not there for us
             continue
     return None, "no config file found (-c, $CKPTD_CONFIG, ./config.toml, " \
-                 f"{user_config()}, {SYSTEM_CONFIG}): built-in defaults"
+                 f"{user_config()}, {SYSTEM_CONFIG}){passed_over}: built-in defaults"
+
+
+def _not_ours(path: Path) -> str:
+    """Why ``path`` is not ckptd's config (a table of another program, or not TOML), or ""."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError):
+        return f"; {path} passed over: not a TOML file this user can read"
+    foreign = [name for name, table in data.items() if name not in _TABLES or not isinstance(table, dict)]
+    return f"; {path} passed over: [{foreign[0]}] is not a ckptd table" if foreign else ""
 
 
 def describe(cfg: Config) -> str:

@@ -1,13 +1,10 @@
-"""The process environment ckptd reads, in one place and with one rule.
+"""The process environment ckptd reads, in one place and with one rule; every other
+module asks here instead of reading ``os.environ``.
 
-What a launcher sets (torchrun, Slurm's wrappers, ``mpirun`` through them):
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and torchelastic's
-restart identity; what a user sets: the ``CKPTD_*`` variables (docs/configuration.md).
-
-The rule for a number: unset or empty means "not given" (``None``, and the caller's
-default applies); a whole number >= 0 is that number; anything else is a ``ValueError``
-naming the variable, so a typo in a job script fails at start instead of saving as
-another rank. Every other module asks here instead of reading ``os.environ``.
+What a launcher sets (torchrun, Slurm's wrappers): ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, torchelastic's restart identity; what a user sets:
+the ``CKPTD_*`` variables (docs/configuration.md). A number unset or empty is None; a
+whole number >= 0 is that number; anything else is a ValueError naming the variable.
 """
 
 from __future__ import annotations
@@ -126,6 +123,11 @@ def root(environ: Mapping[str, str] = os.environ) -> str | None:
 def failpoints(environ: Mapping[str, str] = os.environ) -> str:
     """``$CKPTD_FAILPOINTS``: faults the daemon injects, for tests (failpoints.py)."""
     return environ.get("CKPTD_FAILPOINTS", "")
+
+
+def under_systemd(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a systemd service manager started this process (it sets ``INVOCATION_ID``)."""
+    return bool(environ.get("INVOCATION_ID"))
 
 
 def xdg(name: str, fallback: str, environ: Mapping[str, str] = os.environ) -> str:

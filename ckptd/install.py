@@ -1,13 +1,10 @@
 """``ckptd install-systemd``: the shipped unit, made to run this host's ckptd.
 
-The units in the package's ``systemd/`` folder (package data, so that a pip install
-has them; the source tree's ``systemd/`` links to it) are the templates. Installing
-changes one line, ``ExecStart=``, to this Python interpreter (the one whose
-environment has ckptd), so what runs is exactly what the test suite checks
-with ``systemd-analyze``. What this host needs beyond that goes into a drop-in
-(a Python under /root or /home, which the sandbox would hide), and the addresses the
-config reaches beyond loopback into another (``unitnet``). A config file is written
-only where there is none: an operator's config is never replaced.
+The units in the package's ``systemd/`` folder are the templates; installing changes one
+line, ``ExecStart=``, to this Python, so what runs is what the tests check with
+``systemd-analyze``. What this host needs beyond that goes into drop-ins: a Python under
+/root or /home (which the sandbox hides), and the addresses the config reaches
+(``unitnet``). A config file is written only where there is none. Start at ``install``.
 """
 
 from __future__ import annotations

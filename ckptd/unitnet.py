@@ -1,23 +1,9 @@
-"""The addresses the system unit lets ckptd reach: a drop-in for ``ckptd install-systemd``.
+"""The addresses the system unit lets ckptd reach: the drop-in ``install-systemd`` writes,
+and the check the daemon makes at start.
 
-The shipped system unit allows IP only on loopback (``IPAddressAllow=localhost``,
-``IPAddressDeny=any``). A config that reaches other hosts needs those hosts allowed,
-each from what the config names:
-
-- ``[peer] peers``: each partner's address (a host name resolved now, as systemd
-  takes addresses only), for the replicas this daemon sends and receives;
-- ``[remote] url``: the object store's host, ``AWS_ENDPOINT_URL(_S3)``'s for an
-  ``s3://`` bucket with an endpoint of its own (resolved as above). A cloud provider's
-  own endpoint (no endpoint set, or ``gs://``, ``az://``) has addresses that change
-  with no notice: the drop-in then allows any address, and says so;
-- ``[daemon] endpoint`` on ``tcp://`` and ``[daemon] metrics`` on an address other
-  than loopback: the producers and the scraper connect from the networks of the
-  interface the daemon listens on (every interface's, for a wildcard address), which
-  ``ip -j addr`` lists.
-
-Every allowed address comes with a comment and a line of ``install-systemd``'s output
-saying where it came from. A name that does not resolve is an error naming it: a
-drop-in without it would leave the service unable to reach it, silently.
+The shipped unit allows IP only on loopback (``IPAddressDeny=any``); ``allowed`` lists
+what a config reaches beyond it, each with why. ``blocked_lines`` sends one datagram to
+each at start and names every address refused, with the command that fixes it.
 """
 
 from __future__ import annotations
@@ -65,11 +51,20 @@ class Allowed:
 
 
 def allowed(cfg: Config) -> Allowed:
-    """What ``cfg``'s daemon must reach beyond loopback."""
+    """What ``cfg``'s daemon must reach beyond loopback: each ``[peer] peers`` address (a
+    name resolved now: systemd takes addresses only; one that does not resolve is a
+    ValueError naming it); the network of ``[peer] listen``'s interface, so that a node
+    replaced at a new address there needs no drop-in rewritten on the others; the bucket's
+    endpoint (a provider's own, whose addresses change without notice: any); the networks
+    a ``tcp://`` endpoint or off-loopback metrics take clients from (``ip -j addr``); and
+    the resolvers of /etc/resolv.conf where any of those is a name."""
     out = Allowed()
     for peer in cfg.peer.peers:
         host = urlsplit(peer).hostname or ""
         out.add(_resolve(host, f"[peer] peers: {peer}"), f"[peer] peers: {peer}{_resolved_note(host)}")
+    if cfg.peer.listen:  # a node replaced at a new address on that network needs no new drop-in here
+        host = urlsplit(cfg.peer.listen).hostname or ""
+        _listening(host, f"[peer] listen {cfg.peer.listen} (its peers, at any address)", out)
     if cfg.remote.url:
         _remote(cfg.remote.url, out)
     if cfg.daemon.endpoint.startswith("tcp://"):
@@ -78,7 +73,94 @@ def allowed(cfg: Config) -> Allowed:
     if cfg.daemon.metrics:
         host, _ = split_host_port(cfg.daemon.metrics)
         _listening(host, f"[daemon] metrics {cfg.daemon.metrics} (its scraper)", out)
+    names = [n for n in _hosts(cfg) if _is_name(n)]
+    if names and "any" not in [e for e, _ in out.entries]:
+        servers = [a for a in resolvers() if not ipaddress.ip_address(a).is_loopback]
+        out.add(servers, f"the DNS resolver{'s' if len(servers) > 1 else ''} of /etc/resolv.conf, for "
+                         f"{', '.join(names)}")
     return out
+
+
+def _hosts(cfg: Config) -> list[str]:
+    """Every host the config names, peers, bucket endpoint and listen addresses."""
+    urls = [*cfg.peer.peers, cfg.peer.listen]
+    if cfg.daemon.endpoint.startswith("tcp://"):
+        urls.append(cfg.daemon.endpoint)
+    if cfg.remote.url and urlsplit(cfg.remote.url).scheme == "s3":
+        urls.append(env.s3_endpoint())
+    return list(dict.fromkeys(h for h in (urlsplit(u).hostname for u in urls if u) if h))
+
+
+def _is_name(host: str) -> bool:
+    """Whether ``host`` needs DNS: not an address, and not localhost (/etc/hosts has it)."""
+    try:
+        ipaddress.ip_address(host)
+        return False
+    except ValueError:
+        return host != "localhost" and not host.endswith(".localhost")
+
+
+def resolvers(path: str = "/etc/resolv.conf") -> list[str]:
+    """The ``nameserver`` addresses of ``path``, scope suffixes left out."""
+    try:
+        with open(path) as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    found = [line.split()[1].split("%")[0] for line in lines if line.startswith("nameserver") and len(line.split()) > 1]
+    return [a for a in dict.fromkeys(found) if _is_address(a)]
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def blocked(cfg: Config) -> list[tuple[str, str]]:
+    """Each (address, why) that ``cfg`` reaches and this process may not: a datagram to it
+    is refused with EPERM, as systemd's ``IPAddressDeny=`` (or a firewall) refuses it."""
+    try:
+        needed = allowed(cfg).entries
+    except ValueError as exc:  # a name that does not resolve, perhaps with its resolver blocked
+        servers = [a for a in resolvers() if _refused(a)]
+        return [(a, f"the DNS resolver, while {exc}") for a in servers] or [("?", str(exc))]
+    except (OSError, subprocess.SubprocessError):  # no `ip` to ask: the check cannot tell, start anyway
+        return []
+    return [(a, why) for a, why in needed if a != "any" and _refused(_probe_address(a))]
+
+
+def _probe_address(entry: str) -> str:
+    """An address to try for an allowed entry: itself, or one inside a network."""
+    net = ipaddress.ip_network(entry, strict=False)
+    return str(net.network_address + 1) if net.num_addresses > 2 else str(net.network_address)
+
+
+def _refused(address: str) -> bool:
+    """Whether sending one datagram to ``address`` (the discard port) fails with EPERM."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.sendto(b"", (address, 9))
+        except PermissionError:
+            return True
+        except OSError:  # unreachable, no route: not the unit's doing
+            return False
+    return False
+
+
+def blocked_lines(cfg: Config) -> list[str]:
+    """What the daemon logs at start for each address it cannot reach, with the fix."""
+    if not env.under_systemd():
+        fix = "allow it in this host's firewall"
+    else:
+        fix = "sudo ckptd install-systemd && sudo systemctl daemon-reload && sudo systemctl restart ckptd"
+        if cfg.path is not None and str(cfg.path) != "/etc/ckptd/config.toml":
+            fix += f" (install-systemd reads /etc/ckptd/config.toml, not {cfg.path})"
+    return [f"{address} is blocked on this host ({why}); to allow every address the config reaches: {fix}"
+            for address, why in blocked(cfg)]
 
 
 def _remote(url: str, out: Allowed) -> None:

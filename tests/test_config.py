@@ -125,3 +125,40 @@ def test_the_peer_placement_rate_and_plaintext_keys(tmp_path) -> None:
     f.write_text('[peer]\nallow_plaintext = "yes"\n')
     with pytest.raises(ConfigError, match=r"allow_plaintext"):
         config.load(f)
+
+
+# -- which file: config.discover ---------------------------------------------------------------
+def test_a_training_projects_own_config_toml_is_passed_over(tmp_path, monkeypatch) -> None:
+    """A job run from its own folder, whose config.toml is its own, reads ckptd's config
+    (here the user's) and says which file it passed over, instead of "unknown table"."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPTD_CONFIG")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "config.toml").write_text('[model]\nwidth = 512\n[daemon]\nroot = "mine"\n')
+    user = tmp_path / "xdg/ckptd/config.toml"
+    user.parent.mkdir(parents=True)
+    user.write_text('[daemon]\nroot = "/srv/ckpt"\n')
+    cfg = config.load()
+    assert cfg.path == user and cfg.root == Path("/srv/ckpt")
+    assert f"{tmp_path / 'config.toml'} passed over: [model] is not a ckptd table" in cfg.origin
+    user.unlink()
+    cfg = config.load()
+    assert cfg.path is None and "passed over" in cfg.origin and "built-in defaults" in cfg.origin
+    (tmp_path / "config.toml").write_text('[daemon]\nroot = "mine"\n[retention]\nkeep_last = 2\n')
+    assert config.load().path == tmp_path / "config.toml"  # ckptd's own tables only: ckptd's file
+
+
+def test_a_producer_that_never_reached_a_daemon_fails_its_first_save_with_the_fix(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from ckptd import CheckpointError, Producer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPTD_CONFIG")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "config.toml").write_text('[model]\nwidth = 512\n')
+    with Producer(run="job", timeout=1, staging_size="1MiB") as p:  # it warns at start, in the background
+        with pytest.raises(CheckpointError) as raised:
+            p.save({"w": torch.ones(2)}, 1).wait(10)
+    text = str(raised.value)
+    assert "no ckptd daemon answered" in text and "CKPTD_CONFIG" in text and "CKPTD_ENDPOINT" in text, text

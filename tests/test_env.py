@@ -42,3 +42,8 @@ def test_torchrun_attempts_differ_by_restart_count_and_run_id() -> None:
     assert current("", 4, one) == "torchelastic:j:0"
     assert current("", 4, two) == "torchelastic:j:1"
     assert current("given-7", 4, one) == "given-7"
+
+
+def test_a_service_manager_is_known_by_the_invocation_id_it_sets() -> None:
+    assert env.under_systemd({"INVOCATION_ID": "0f3c9a"}) and not env.under_systemd({})
+    assert not env.under_systemd({"INVOCATION_ID": ""})

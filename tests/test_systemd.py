@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ import torch
 import ckptd
 from ckptd import Producer
 from ckptd.install import SYSTEM_DROPIN, render_dropin, render_unit
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = {"system": REPO / "systemd/ckptd.service", "user": REPO / "systemd/user/ckptd.service"}
@@ -588,3 +590,137 @@ def test_system_unit_sandbox_runs_the_daemon(manager: UserManager) -> None:
     m.systemctl("stop", "ckptd")
     shown = m.show()
     assert (shown["Result"], shown["ExecMainStatus"]) == ("success", "0"), m.log()
+
+
+def _system_unit(m: UserManager, config: str) -> Path:
+    """The system unit as installed, run by ``m`` on ``config``: as in the test above,
+    User= and Group= go (a user manager cannot switch users) and the config lives in /srv."""
+    unit = "".join(line for line in render_unit(user=False).splitlines(keepends=True)
+                   if not line.startswith(("User=", "Group=")))
+    (m.base / "config/systemd/user/ckptd.service").write_text(unit)
+    dropins = m.base / "config/systemd/user/ckptd.service.d"
+    dropins.mkdir()
+    if render_dropin() is not None:
+        (dropins / SYSTEM_DROPIN.name).write_text(render_dropin())
+    (dropins / "test.conf").write_text(
+        "[Service]\nExecStart=\n"
+        f"ExecStart={sys.executable} -m ckptd serve -c /srv/config/ckptd/config.toml\n"
+        "ReadWritePaths=/srv/state\nStandardOutput=append:/srv/log/daemon.log\nStandardError=inherit\n")
+    (m.base / "config/ckptd").mkdir()
+    (m.base / "config/ckptd/config.toml").write_text(
+        '[daemon]\nendpoint = "ipc:///srv/rt/ckptd/ckptd.sock"\nroot = "/srv/state/ckptd"\n' + config)
+    m.systemctl("daemon-reload")
+    return dropins
+
+
+@pytest.mark.needs("/lib/systemd/systemd")
+def test_the_daemon_names_each_address_the_unit_blocks_and_the_fix(manager: UserManager) -> None:
+    """Installed before the config named a peer: the unit's IPAddressDeny=any blocks it,
+    and the daemon says so at start, with the command that writes the drop-in; with the
+    drop-in install-systemd writes from that config, nothing is blocked."""
+    from ckptd.install import SYSTEM_NETWORK_DROPIN, render_network_dropin
+
+    m = manager
+    peer = "198.51.100.7"  # reached through the default route; nobody answers there
+    dropins = _system_unit(m, f'[peer]\nlisten = "tcp://127.0.0.1:{free_port()}"\npeers = ["tcp://{peer}:7701"]\n')
+    m.systemctl("start", "ckptd")
+    wait_for("the start-up line", lambda: "is blocked on this host" in m.log(), 30, m.log)
+    line = next(t for t in m.log().splitlines() if "is blocked on this host" in t)
+    assert line.startswith(f"ERROR ckptd.daemon: {peer} is blocked on this host ([peer] peers: tcp://{peer}:7701)")
+    assert "sudo ckptd install-systemd && sudo systemctl daemon-reload && sudo systemctl restart ckptd" in line
+    m.systemctl("stop", "ckptd")
+    text, _ = render_network_dropin(m.base / "config/ckptd/config.toml")
+    (dropins / SYSTEM_NETWORK_DROPIN.name).write_text(text)
+    m.systemctl("daemon-reload")
+    m.systemctl("start", "ckptd")
+    m.systemctl("stop", "ckptd")
+    assert m.log().count("is blocked on this host") == 1, m.log()
+
+
+SAVE_AS = """
+import sys, torch
+from ckptd import CheckpointError, Producer
+try:
+    with Producer(sys.argv[1], sys.argv[2], transport="inline", staging_size="1MiB", timeout=10) as p:
+        p.save({"w": torch.ones(4)}, int(sys.argv[3])).wait(30)
+    print("saved")
+except CheckpointError as exc:
+    print(f"refused: {exc}")
+"""
+
+
+@pytest.fixture
+def two_users() -> Iterator[tuple[str, str, str]]:
+    """Two real non-root users in a group of their own: (group, alice, bob)."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("making two users needs root and useradd")
+    tag = f"{os.getpid() % 100000}"
+    group, users = f"ckt{tag}", [f"cka{tag}", f"ckb{tag}"]
+    subprocess.run(["groupadd", group], check=True)
+    try:
+        for user in users:
+            subprocess.run(["useradd", "-M", "-N", "-g", group, "-s", "/bin/false", user], check=True)
+        yield group, users[0], users[1]
+    finally:
+        for user in users:
+            subprocess.run(["userdel", user], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+@pytest.mark.needs("/lib/systemd/systemd")
+def test_two_users_own_their_runs_separately_under_the_system_unit(manager: UserManager, two_users) -> None:
+    """Run ownership comes from the producers' uids (SO_PEERCRED): under the unit as
+    installed, each user's run refuses the other user's producer."""
+    m = manager
+    group, alice, bob = two_users
+    _system_unit(m, "")
+    m.systemctl("start", "ckptd")
+    sock = m.base / "rt/ckptd/ckptd.sock"
+    for path in (m.base, m.base / "rt"):  # the test's folders: the users may pass through
+        os.chmod(path, 0o711)
+    shutil.chown(sock.parent, group=group)  # the system service's group, RuntimeDirectoryMode=0750
+    shutil.chown(sock, group=group)
+
+    def save(user: str, run: str, step: int) -> str:
+        env = {"PATH": os.environ["PATH"], "HOME": "/tmp", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+               "CKPTD_CONFIG": "none"}
+        r = subprocess.run(["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups", sys.executable,
+                            "-c", SAVE_AS, f"ipc://{sock}", run, str(step)],
+                           capture_output=True, text=True, env=env, timeout=120, cwd="/")
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    assert save(alice, "alices", 1) == "saved"
+    assert save(bob, "bobs", 1) == "saved"
+    theirs = save(bob, "alices", 2)
+    assert theirs.startswith("refused:") and "run 'alices' belongs to" in theirs, theirs
+    assert save(alice, "bobs", 2).startswith("refused:")
+    root = m.base / "state/ckptd"
+    uid = {u: subprocess.run(["id", "-u", u], capture_output=True, text=True, check=True).stdout.strip()
+           for u in (alice, bob)}
+    assert (root / "alices/.owner").read_text().strip() == f"uid:{uid[alice]}"
+    assert (root / "bobs/.owner").read_text().strip() == f"uid:{uid[bob]}"
+    m.systemctl("stop", "ckptd")
+
+
+def test_network_dropin_allows_the_peers_network_and_the_resolvers_of_a_name(tmp_path: Path) -> None:
+    """[peer] listen on an interface: its whole network, so a node replaced at a new address
+    there needs no new drop-in on the others; a peer named by name: the resolvers too."""
+    from ckptd.install import render_network_dropin
+    from ckptd.unitnet import resolvers
+
+    out = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, check=True).stdout
+    own = next(ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}") for link in json.loads(out)
+               for a in link["addr_info"] if a["family"] == "inet" and not a["local"].startswith("127."))
+    name = socket.gethostname()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[peer]\nlisten = "tcp://{own.ip}:7701"\npeers = ["tcp://{name}:7701"]\n')
+    text, _ = render_network_dropin(config)
+    assert f"# [peer] listen tcp://{own.ip}:7701 (its peers, at any address): the network of its interface\n" \
+           f"IPAddressAllow={own.network}\n" in text, text
+    servers = [a for a in resolvers() if not ipaddress.ip_address(a).is_loopback]
+    for server in servers:
+        assert f"IPAddressAllow={server}\n" in text and f"/etc/resolv.conf, for {name}" in text, text
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("# a comment\nnameserver 10.1.2.3\nnameserver fe80::1%eth0\nsearch example\nnameserver bad\n")
+    assert resolvers(str(resolv)) == ["10.1.2.3", "fe80::1"]

@@ -165,7 +165,8 @@ class Connection:
         if self.who.serve_config is not None:
             return f"start one with `ckptd serve -c {self.who.serve_config}`, or point CKPTD_ENDPOINT at a running one"
         return (f"start one whose [daemon] endpoint is {self.who.endpoint} (`ckptd serve -c CONFIG`), "
-                "or point CKPTD_ENDPOINT at a running one")
+                "or point CKPTD_CONFIG at a running one's config (the system service's: /etc/ckptd/config.toml) "
+                "or CKPTD_ENDPOINT at its endpoint")
 
     def ensure(self) -> None:
         """Connected: say hello now if there is no connection or the daemon was lost."""
