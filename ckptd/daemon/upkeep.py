@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import retention, tiers
-from ..tiers import cluster
+from ..tiers import bucket, cluster
 from ..config import Config, ConfigError, RetentionConfig
 from .. import index
 from ..index import Index, write_pointer
@@ -39,7 +39,7 @@ class Upkeep:
         self._reaper = threading.Thread(target=self._reap, name="ckptd-reaper", daemon=True)
         self.replicas = tiers.replicas(config, self._keep_last, self._remote_complete)  # docs/tiers.md
         self._peers = cluster.open_peers(config) if config.peer.enabled else None
-        self._in_bucket: dict[str, set[int]] = {}  # run -> steps the bucket reported complete
+        self._store = bucket.open_store(None, config) if config.remote.enabled else None
         self._known: dict[str, dict[int, tuple[str, ...]]] = {}  # run -> steps found complete across the cluster
         across = config.peer.enabled or config.remote.enabled
         self._passes = Passes(self.prune) if across else None
@@ -125,9 +125,8 @@ class Upkeep:
         return retention.run_policy(self.policy, self.root / run).keep_last
 
     def _remote_complete(self, run: str, infos: list[CheckpointInfo]) -> None:
-        """On the uploader's thread: a step became complete in the bucket (``infos``:
-        the bucket's complete steps); retention counts them on its next pass."""
-        self._in_bucket[run] = {i.step for i in infos}
+        """On the uploader's thread: a step became complete in the bucket; a pass counts
+        it (and any another node's upload completed meanwhile)."""
         if self._passes is not None:
             self._passes.request(run)
 
@@ -155,7 +154,7 @@ class Upkeep:
 
     def _prune_across(self, run: str, run_dir: Path, policy: RetentionConfig, busy: set[int]) -> list[Path]:
         known = self._known.setdefault(run, {})
-        s = cluster.survey(run, run_dir, self._peers, self._in_bucket.get(run, ()), known)
+        s = cluster.survey(run, run_dir, self._peers, self._store, known)
         known.clear()
         known.update(s.complete)
         return cluster.apply(s, run_dir, policy, now=time.time(), protect=busy)[1]

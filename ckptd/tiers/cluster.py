@@ -11,14 +11,14 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 from .. import index, layout, retention
 from ..config import Config, RetentionConfig
 from ..errors import CheckpointCorrupt
 from ..manifest import CheckpointInfo, Manifest
 from ..remote import catalog
-from ..remote.store import RemoteError
+from ..remote.store import RemoteError, Store
 from . import bucket, local, peer
 
 log = logging.getLogger("ckptd.retention")
@@ -74,12 +74,12 @@ def committed_ranks(step_path: Path) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := layout.MANIFEST.fullmatch(n)))
 
 
-def survey(run: str, run_dir: Path, peers: Summaries | None, in_bucket: Iterable[int],
+def survey(run: str, run_dir: Path, peers: Summaries | None, store: Store | None,
            known: dict[int, tuple[str, ...]] | None = None) -> Survey:
-    """Where each step of ``run`` this root holds is complete. ``in_bucket``: the steps
-    complete in the bucket; ``known``: steps already found complete (not asked again)."""
+    """Where each step of ``run`` this root holds is complete. ``store``: the bucket;
+    ``known``: steps already found complete, not asked again (None: every tier is
+    asked of every step, to say where each is complete)."""
     out = Survey(run, local_shares(run_dir))
-    bucket_steps = set(in_bucket)
     seen: dict[int, dict[int, list[Any]]] = {}
     if peers is not None:
         seen = peers.summary(run)
@@ -87,9 +87,9 @@ def survey(run: str, run_dir: Path, peers: Summaries | None, in_bucket: Iterable
         for step in older[:ASKED_ALONE]:  # beyond the peers' newest: a backlog, or keep_every's
             seen.update(peers.summary(run, step))
     for step, shares in out.here.items():
-        tiers = (known or {}).get(step, ())
-        if not tiers:
-            tiers = _where(shares, seen.get(step, {}), step in bucket_steps)
+        tiers = (known or {}).get(step) or _where(shares, seen.get(step, {}))
+        if store is not None and (known is None or not tiers) and _in_bucket(store, run, step):
+            tiers += (bucket.NAME,)
         if tiers:
             out.complete[step] = tiers
         else:
@@ -97,8 +97,19 @@ def survey(run: str, run_dir: Path, peers: Summaries | None, in_bucket: Iterable
     return out
 
 
-def _where(shares: list[Manifest], seen: dict[int, list[Any]], in_bucket: bool) -> tuple[str, ...]:
-    """The tiers in which a step is complete: this root alone, with the peers, the bucket."""
+def _in_bucket(store: Store, run: str, step: int) -> bool:
+    """Whether the step is complete in the bucket; False (logged) when it is out of reach."""
+    prefix = catalog.step_prefix(run, step)
+    try:
+        objects = {k[len(prefix):]: v for k, v in store.list(prefix).items()}
+        return catalog.step_info(store, run, step, objects) is not None
+    except (OSError, RemoteError) as exc:
+        log.warning("retention: %s is out of reach, its steps are not counted: %s", store.url, exc)
+        return False
+
+
+def _where(shares: list[Manifest], seen: dict[int, list[Any]]) -> tuple[str, ...]:
+    """Where a step is complete short of the bucket: in this root alone, or with the peers."""
     groups: dict[tuple[str | None, int], set[int]] = {}
     for m in shares:
         groups.setdefault((m.attempt, m.world_size), set()).add(m.rank)
@@ -107,8 +118,7 @@ def _where(shares: list[Manifest], seen: dict[int, list[Any]], in_bucket: bool) 
         for c in copies:
             groups.setdefault((c.attempt, c.world_size), set()).add(rank)
     across = any(ranks >= set(range(world)) for (_, world), ranks in groups.items())
-    found = [local.NAME] if here else [peer.NAME] if across else []
-    return tuple(found + ([bucket.NAME] if in_bucket else []))
+    return (local.NAME,) if here else (peer.NAME,) if across else ()
 
 
 def _ranks(shares: list[Manifest], seen: dict[int, list[Any]]) -> tuple[set[int], int]:
@@ -158,19 +168,6 @@ def apply(s: Survey, run_dir: Path, policy: RetentionConfig, *, now: float, dry_
             trash.append(t)
             log.info("retention: removed run=%s step=%d (%d bytes): %s", s.run, d.step, d.nbytes, "; ".join(d.reasons))
     return decisions, trash
-
-
-def bucket_steps(config: Config, run: str) -> set[int]:
-    """The steps of ``run`` complete in ``config``'s bucket; none (logged) when it is
-    out of reach: a step then counts only where the peers complete it."""
-    store = bucket.open_store(None, config)
-    if store is None:
-        return set()
-    try:
-        return {i.step for i in catalog.list_checkpoints(store, run)}
-    except (OSError, RemoteError) as exc:
-        log.warning("retention: %s is out of reach (%s): its steps are not counted", store.url, exc)
-        return set()
 
 
 def whole_here(s: Survey) -> set[int]:
