@@ -124,7 +124,7 @@ def test_each_root_holds_what_the_policy_keeps_across_the_cluster(setup, tmp_pat
             node.cleanup()
 
 
-def test_a_root_per_node_without_peers_or_bucket_is_named_at_the_first_commits(tmp_path, request) -> None:
+def test_a_root_per_node_without_peers_or_bucket_is_named_at_commit_and_at_start(tmp_path, request) -> None:
     nodes = [Daemon(tmp_path / f"node{i}", tables={"retention": {"keep_last": KEEP}}) for i in range(2)]
     request.node.stash[DAEMONS] = nodes  # their logs in a failed test's report
     try:
@@ -141,6 +141,9 @@ def test_a_root_per_node_without_peers_or_bucket_is_named_at_the_first_commits(t
             assert f"run 'job': no step ever completes in {node.root}: it holds only rank(s) [{r}] of 2" in text
             assert "give the nodes a shared root, or add a [peer] table" in text
             assert text.count("no step ever completes") == 1  # once a run
+        nodes[0].kill()  # a daemon started on such a root says so at start
+        nodes[0].start()
+        _wait(lambda: nodes[0].log_text().count("no step ever completes in") == 2, nodes[0].log_tail)
     finally:
         for node in nodes:
             node.cleanup()

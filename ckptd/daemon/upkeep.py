@@ -11,6 +11,7 @@ with ``[peer]`` or ``[remote]`` (each node may have its own root) on the
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any, Callable
 from .. import retention, tiers
 from ..tiers import bucket, cluster
 from ..config import Config, ConfigError, RetentionConfig
+from ..errors import CheckpointCorrupt
 from .. import index
 from ..index import Index, write_pointer
 from ..manifest import CheckpointInfo
@@ -55,6 +57,8 @@ class Upkeep:
             r.start()
         if self._passes is not None:
             self._passes.start()
+        else:
+            self._alone.at_start()
 
     def close(self) -> None:
         if self._passes is not None:
@@ -96,7 +100,7 @@ class Upkeep:
         elif complete:  # whoever completes a step applies retention to its run
             self.prune(share.run)
         else:
-            self._alone.check(share)
+            self._alone.check(share.run, share.step, share.world_size)
 
     def received(self) -> None:
         """The main loop got tensor bytes: a snapshot is under way, copies hold off."""
@@ -224,22 +228,39 @@ class Alone:
         self.root = root
         self._decided: set[str] = set()
 
-    def check(self, share: Share) -> None:
-        """On the syncer thread, after a commit that left its step incomplete here."""
-        if share.run in self._decided or share.world_size <= 1:
+    def at_start(self) -> None:
+        """The runs already in the root: a root per node shows in their newest steps."""
+        try:
+            runs = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)
+                    and not e.name.startswith(".")]
+        except OSError:
             return
-        newest = index.step_dirs(self.root / share.run)[:2 * self.SEEN]
+        for run in runs:
+            steps = index.step_dirs(self.root / run)
+            ranks = cluster.committed_ranks(steps[0][1]) if steps else []
+            try:
+                share = index.read_share(steps[0][1], ranks[0]) if ranks else None
+            except (CheckpointCorrupt, OSError):
+                share = None
+            if share is not None:
+                self.check(run, steps[0][0] + 1, share.world_size)
+
+    def check(self, run: str, step: int, world_size: int) -> None:
+        """After a commit of ``step`` that left it incomplete here (the syncer thread)."""
+        if run in self._decided or world_size <= 1:
+            return
+        newest = index.step_dirs(self.root / run)[:2 * self.SEEN]
         held = {s: cluster.committed_ranks(p) for s, p in newest}
-        if any(len(ranks) >= share.world_size for ranks in held.values()):
-            self._decided.add(share.run)  # a step completes here: a shared root
+        if any(len(ranks) >= world_size for ranks in held.values()):
+            self._decided.add(run)  # a step completes here: a shared root
             return
-        ranks = {frozenset(r) for s, r in held.items() if s < share.step}
-        if len([s for s in held if s < share.step]) < self.SEEN or len(ranks) != 1:
+        ranks = {frozenset(r) for s, r in held.items() if s < step}
+        if len([s for s in held if s < step]) < self.SEEN or len(ranks) != 1:
             return
-        self._decided.add(share.run)
+        self._decided.add(run)
         log.warning(
             "run %r: no step ever completes in %s: it holds only rank(s) %s of %d, as a root per node does, and "
             "this daemon has no [peer] and no [remote] to complete the steps across the nodes. Retention then "
             "removes nothing and the disk fills. Fix: give the nodes a shared root, or add a [peer] table "
-            "(docs/tiers.md) or a [remote] bucket to each node's config", share.run, self.root,
-            sorted(next(iter(ranks))), share.world_size)
+            "(docs/tiers.md) or a [remote] bucket to each node's config", run, self.root,
+            sorted(next(iter(ranks))), world_size)
