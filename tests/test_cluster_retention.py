@@ -147,3 +147,37 @@ def test_a_root_per_node_without_peers_or_bucket_is_named_at_commit_and_at_start
     finally:
         for node in nodes:
             node.cleanup()
+
+
+@pytest.mark.slow
+def test_a_node_down_never_costs_a_step_a_rule_keeps(tmp_path, request) -> None:
+    """With a peer down, its shares are out of reach: no step is complete as far as this
+    node can tell, and nothing is removed (keep_every's steps, the ones rank 0 keeps
+    saving alone) until the cluster can tell again."""
+    tables = _tables("peers", 2)
+    for t in tables:
+        t["retention"] = {"keep_last": 2, "keep_every": 4}
+    nodes = [Daemon(tmp_path / f"node{i}", tables=t) for i, t in enumerate(tables)]
+    request.node.stash[DAEMONS] = nodes
+    try:
+        for node in nodes:
+            node.start()
+        producers = [node.producer("job", rank=r, world_size=2) for r, node in enumerate(nodes)]
+        for step in range(1, 11):
+            for h in [p.save({"w": _tensor(step, r)}, step) for r, p in enumerate(producers)]:
+                h.wait(30)
+        _wait(lambda: _on_disk(nodes[0]) == [4, 8, 9, 10], lambda: f"{_on_disk(nodes[0])}")
+        producers[1].close()
+        nodes[1].kill()
+        for step in range(11, 14):
+            producers[0].save({"w": _tensor(step, 0)}, step).wait(30)
+        time.sleep(2)  # the passes after those commits ran
+        assert _on_disk(nodes[0]) == [4, 8, 9, 10, 11, 12, 13]
+        out = _lines(_prune(nodes[0], tables[0], tmp_path, 2, "--dry-run"))
+        assert sorted(out) == [4, 8, 9, 10, 11, 12, 13] and all(" keep " in line for line in out.values()), out
+        for step in (11, 12, 13):
+            assert "not complete across the cluster: rank(s) [0] of 2" in out[step], out
+        producers[0].close()
+    finally:
+        for node in nodes:
+            node.cleanup()
