@@ -17,6 +17,7 @@ import torch
 import ckptd
 from ckptd import index
 from ckptd.daemon.launcher import toml_text
+from ckptd.daemon.upkeep import Passes
 from conftest import DAEMONS, Daemon, cli, free_port
 
 KEEP = 3
@@ -100,8 +101,9 @@ def test_each_root_holds_what_the_policy_keeps_across_the_cluster(setup, tmp_pat
                 _wait(lambda: getattr(ckptd.latest("job"), "step", None) == step, f"step {step} complete")
                 got = ckptd.load("job", rank=r)
                 assert got["step"] == step and torch.equal(got["w"], _tensor(step, r)), (step, r)
-        for node in nodes:
-            _wait(lambda: len(_on_disk(node)) <= KEEP + 1, lambda: f"{node.root}: {_on_disk(node)}")
+        for node in nodes:  # the last step is complete everywhere: no step is in flight
+            _wait(lambda: len(_on_disk(node)) == KEEP, lambda: f"{node.root}: {_on_disk(node)}",
+                  timeout=Passes.EVERY_S + 30)
         # `ckptd prune` follows the same rule and says why: a stricter keep_last would remove
         # the oldest steps, each complete across the cluster; the newest stays
         out = _lines(_prune(nodes[0], tables[0], tmp_path, 1, "--dry-run"))

@@ -178,11 +178,16 @@ class Upkeep:
 
 class Passes:
     """The ``ckptd-prune`` thread: retention passes that ask the peers (the network),
-    one run at a time; requests for a run already waiting are one pass."""
+    one run at a time; requests for a run already waiting are one pass. Every run seen
+    is passed again every ``EVERY_S`` seconds: a step another node completes after this
+    node's last commit is counted without waiting for its next one."""
+
+    EVERY_S = 30.0
 
     def __init__(self, prune: Callable[[str], None]) -> None:
         self._prune = prune
         self._wanted: dict[str, None] = {}
+        self._seen: dict[str, None] = {}
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="ckptd-prune", daemon=True)
@@ -192,7 +197,7 @@ class Passes:
 
     def request(self, run: str) -> None:
         with self._cond:
-            self._wanted[run] = None
+            self._wanted[run] = self._seen[run] = None
             self._cond.notify()
 
     def close(self) -> None:
@@ -202,15 +207,21 @@ class Passes:
         if self._thread.is_alive():
             self._thread.join()
 
+    def _next(self) -> str | None:
+        with self._cond:
+            if not self._wanted and not self._closing and not self._cond.wait(self.EVERY_S):
+                self._wanted.update(self._seen)
+            if self._closing or not self._wanted:
+                return None
+            run = next(iter(self._wanted))
+            del self._wanted[run]
+            return run
+
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._wanted and not self._closing:
-                    self._cond.wait()
-                if self._closing:
-                    return
-                run = next(iter(self._wanted))
-                del self._wanted[run]
+        while not self._closing:
+            run = self._next()
+            if run is None:
+                continue
             try:
                 self._prune(run)
             except Exception:  # the next commit tries again; the daemon serves on
