@@ -552,12 +552,21 @@ def _prune(args: argparse.Namespace) -> int:
     root = _root(args)
     run_dir = root / check_run(args.run)
     policy = retention.run_policy(cfg.retention, run_dir)
-    decisions, trash = retention.apply(run_dir, reader.list_checkpoints(args.run, root=root), policy,
-                                       now=time.time(), dry_run=args.dry_run)
+    if cfg.peer.enabled or cfg.remote.enabled:  # each node may have its own root: the cluster's rule
+        from .tiers import bucket, cluster
+
+        peers = cluster.open_peers(cfg) if cfg.peer.enabled else None
+        s = cluster.survey(args.run, run_dir, peers, bucket.open_store(None, cfg))
+        decisions, trash = cluster.apply(s, run_dir, policy, now=time.time(), dry_run=args.dry_run)
+        whole = cluster.whole_here(s)  # the steps the pointer may name: complete in this root
+    else:
+        decisions, trash = retention.apply(run_dir, reader.list_checkpoints(args.run, root=root), policy,
+                                           now=time.time(), dry_run=args.dry_run)
+        whole = {d.step for d in decisions}
     for t in trash:
         retention.remove_trash(t)
     if trash:
-        newest = max((d.step for d in decisions if d.keep), default=None)
+        newest = max((d.step for d in decisions if d.keep and d.step in whole), default=None)
         index.write_pointer(run_dir, newest)
     if args.json:
         print(json.dumps([{"step": d.step, "keep": d.keep, "reasons": d.reasons, "nbytes": d.nbytes}

@@ -1,18 +1,17 @@
 """The daemon's view of the root after commits: the index, the ``latest`` pointers,
 retention, and the removal of deleted checkpoints in the background.
 
-It runs on the syncer thread after each commit (so nothing is deleted before
-the commit that triggered the pass is durable), on the index thread when the
-watcher notices a change, and on the ``ckptd-reaper`` thread that removes trash.
-It also holds the tiers each commit is copied to (``ckptd.tiers.copy_targets``: the
-bucket's ``ckptd-uploader`` thread, the peers' send and serve threads), each behind
-one interface: each commit is handed to every one, local retention never removes a
-step with a share one of them still has to copy, and tells each what it removed.
+Retention runs on the syncer thread after a commit completes a step in this root;
+with ``[peer]`` or ``[remote]`` (each node may have its own root) on the
+``ckptd-prune`` thread instead, counting the steps complete across the cluster
+(``ckptd.tiers.cluster``). ``Upkeep`` also holds the tiers each commit is copied to
+(``ckptd.tiers.copy_targets``); retention never removes a step one of them still copies.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,7 +20,9 @@ from typing import Any, Callable
 
 from .. import retention, tiers
 from ..tiers.base import Forgets, Pending, Receives, Reports, Yields
+from ..tiers import bucket, cluster
 from ..config import Config, ConfigError, RetentionConfig
+from ..errors import CheckpointCorrupt
 from .. import index
 from ..index import Index, write_pointer
 from ..manifest import CheckpointInfo
@@ -40,6 +41,12 @@ class Upkeep:
         self._trash: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
         self._reaper = threading.Thread(target=self._reap, name="ckptd-reaper", daemon=True)
         self.targets = tiers.copy_targets(config, self._keep_last, self._remote_complete)  # docs/tiers.md
+        self._peers = cluster.open_peers(config) if config.peer.enabled else None
+        self._store = bucket.open_store(None, config) if config.remote.enabled else None
+        self._known: dict[str, dict[int, tuple[str, ...]]] = {}  # run -> steps found complete across the cluster
+        across = config.peer.enabled or config.remote.enabled
+        self._passes = Passes(self.prune) if across else None
+        self._alone = Alone(self.root)
 
     def start(self) -> None:
         """Scan the root (fixing stale pointers), then follow it."""
@@ -49,8 +56,14 @@ class Upkeep:
                  len(self.index.runs()), self.index.last_scan_s, self.index.observer_kind)
         for t in self.targets:
             t.start()
+        if self._passes is not None:
+            self._passes.start()
+        else:
+            self._alone.at_start()
 
     def close(self) -> None:
+        if self._passes is not None:
+            self._passes.close()
         for t in reversed(self.targets):
             t.close()
         self.index.close()
@@ -83,8 +96,12 @@ class Upkeep:
             nbytes = sum(r.nbytes for r in share.records.values())
             for t in self.targets:
                 t.committed(share.run, share.step, share.rank, nbytes)
-        if complete:  # whoever completes a step applies retention to its run
+        if self._passes is not None:  # the peers are asked: off the syncer thread
+            self._passes.request(share.run)
+        elif complete:  # whoever completes a step applies retention to its run
             self.prune(share.run)
+        else:
+            self._alone.check(share.run, share.step, share.id.world_size)
 
     def received(self) -> None:
         """The main loop got tensor bytes: a snapshot is under way, copies hold off."""
@@ -116,33 +133,40 @@ class Upkeep:
         return retention.run_policy(self.policy, self.root / run).keep_last
 
     def _remote_complete(self, run: str, infos: list[CheckpointInfo]) -> None:
-        """On a tier's thread (the uploader's): a step became complete there. Where each
-        node has its own root, no step is ever complete locally; local retention then
-        counts the steps complete in the bucket."""
-        self.prune(run, remote=infos)
+        """On the uploader's thread: a step became complete in the bucket; a pass counts
+        it (and any another node's upload completed meanwhile)."""
+        if self._passes is not None:
+            self._passes.request(run)
 
-    def prune(self, run: str, remote: list[CheckpointInfo] = ()) -> None:
+    def prune(self, run: str) -> None:
+        """Apply ``run``'s retention to this root: to the steps complete in it, or with
+        ``[peer]``/``[remote]``, to those complete across the cluster (docs/service.md)."""
         run_dir = self.root / run
         policy = retention.run_policy(self.policy, run_dir)
         if not policy.enabled:
             return
         with self._retention_lock:
-            infos = {i.step: i for i in remote}
-            if infos:
-                here = {s for s, _ in index.step_dirs(run_dir)}
-                infos = {s: i for s, i in infos.items() if s in here}
-            infos.update((i.step, i) for i in self.index.list(run))
             # a step with a share still to copy is the copy's source: never removed
             busy = set().union(*(t.pending(run) for t in self.targets if isinstance(t, Pending)))
-            _, trash = retention.apply(run_dir, [infos[s] for s in sorted(infos)], policy, now=time.time(),
-                                       protect=busy)
-        for t in trash:
-            self.index.refresh_step(run, int(t.name.split("-")[2]))
+            if self._passes is None:
+                _, trash = retention.apply(run_dir, self.index.list(run), policy, now=time.time(), protect=busy)
+            else:
+                trash = self._prune_across(run, run_dir, policy, busy)
+        steps = [int(t.name.split("-")[2]) for t in trash]
+        for step, t in zip(steps, trash):
+            self.index.refresh_step(run, step)
             self._trash.put(t)
-        if trash:  # the peers drop their replicas of these steps
+        if trash:  # the peers drop their copies of these steps
             for target in self.targets:
                 if isinstance(target, Forgets):
-                    target.dropped(run, [int(t.name.split("-")[2]) for t in trash])
+                    target.dropped(run, steps)
+
+    def _prune_across(self, run: str, run_dir: Path, policy: RetentionConfig, busy: set[int]) -> list[Path]:
+        known = self._known.setdefault(run, {})
+        s = cluster.survey(run, run_dir, self._peers, self._store, known)
+        known.clear()
+        known.update(s.complete)
+        return cluster.apply(s, run_dir, policy, now=time.time(), protect=busy)[1]
 
     def _latest_changed(self, run: str, info: CheckpointInfo | None) -> None:
         # readers that run no index follow this pointer (docs/retention.md)
@@ -155,3 +179,104 @@ class Upkeep:
     def _reap(self) -> None:
         while (trash := self._trash.get()) is not None:
             retention.remove_trash(trash)
+
+
+class Passes:
+    """The ``ckptd-prune`` thread: retention passes that ask the peers (the network),
+    one run at a time; requests for a run already waiting are one pass. Every run seen
+    is passed again every ``EVERY_S`` seconds: a step another node completes after this
+    node's last commit is counted without waiting for its next one."""
+
+    EVERY_S = 30.0
+
+    def __init__(self, prune: Callable[[str], None]) -> None:
+        self._prune = prune
+        self._wanted: dict[str, None] = {}
+        self._seen: dict[str, None] = {}
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="ckptd-prune", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request(self, run: str) -> None:
+        with self._cond:
+            self._wanted[run] = self._seen[run] = None
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _next(self) -> str | None:
+        with self._cond:
+            if not self._wanted and not self._closing and not self._cond.wait(self.EVERY_S):
+                self._wanted.update(self._seen)
+            if self._closing or not self._wanted:
+                return None
+            run = next(iter(self._wanted))
+            del self._wanted[run]
+            return run
+
+    def _run(self) -> None:
+        while not self._closing:
+            run = self._next()
+            if run is None:
+                continue
+            try:
+                self._prune(run)
+            except Exception:  # the next commit tries again; the daemon serves on
+                log.exception("retention of run %r failed", run)
+
+
+class Alone:
+    """Warns, once a run, where no step can ever complete: each node has its own root
+    (the root never holds every rank's share) and there are no peers nor bucket to
+    complete the steps across (docs/service.md, "Retention across nodes")."""
+
+    SEEN = 3  # steps of the same ranks, none complete, before this root counts as one node's
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._decided: set[str] = set()
+
+    def at_start(self) -> None:
+        """The runs already in the root: a root per node shows in their newest steps."""
+        try:
+            runs = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)
+                    and not e.name.startswith(".")]
+        except OSError:
+            return
+        for run in runs:
+            steps = index.step_dirs(self.root / run)
+            ranks = cluster.committed_ranks(steps[0][1]) if steps else []
+            try:
+                share = index.read_share(steps[0][1], ranks[0]) if ranks else None
+            except (CheckpointCorrupt, OSError):
+                share = None
+            if share is not None:
+                self.check(run, steps[0][0] + 1, share.world_size)
+
+    def check(self, run: str, step: int, world_size: int) -> None:
+        """After a commit of ``step`` that left it incomplete here (the syncer thread)."""
+        if run in self._decided or world_size <= 1:
+            return
+        newest = index.step_dirs(self.root / run)[:2 * self.SEEN]
+        held = {s: cluster.committed_ranks(p) for s, p in newest}
+        if any(len(ranks) >= world_size for ranks in held.values()):
+            self._decided.add(run)  # a step completes here: a shared root
+            return
+        ranks = {frozenset(r) for s, r in held.items() if s < step}
+        if len([s for s in held if s < step]) < self.SEEN or len(ranks) != 1:
+            return
+        self._decided.add(run)
+        log.warning(
+            "run %r: no step ever completes in %s: it holds only rank(s) %s of %d, as a root per node does, and "
+            "this daemon has no [peer] and no [remote] to complete the steps across the nodes. Retention then "
+            "removes nothing and the disk fills. Fix: give the nodes a shared root, or add a [peer] table "
+            "(docs/tiers.md) or a [remote] bucket to each node's config", run, self.root,
+            sorted(next(iter(ranks))), world_size)
