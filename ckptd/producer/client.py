@@ -35,7 +35,7 @@ from ..manifest import CheckpointInfo, check_json
 from ..names import check_name, check_run, check_step
 from ..sharding import Box, hand_shard, is_dtensor
 from ..state import flatten
-from . import frozen as frozen_mod, sharded, sizing
+from . import frozen as frozen_mod, preempt, sharded, sizing
 from .connection import Connection, identify
 from .copies import Copier, describe
 from .pacing import Pacer, broadcast_from_rank0, check_bounds
@@ -92,6 +92,9 @@ class Producer:
         self._current_step: int | None = None  # the open checkpoint() block's
         self._pacer = Pacer()
         self._agree: Any = None  # rank 0's plan to every rank (pacing.broadcast_from_rank0), made at first use
+        self._any_rank: Any = None  # a notice on any rank, to every rank (preempt.any_rank)
+        self._notices = preempt.Notices(self.options.preempt_signals, self.options.preempt_grace)
+        self._resume_from = preempt.resume_tier(cfg.remote.url, cfg.peer.enabled)
         ref = weakref.ref(self)
 
         def close_at_exit() -> None:
@@ -100,6 +103,17 @@ class Producer:
                 p._close_at_exit()
         atexit.register(close_at_exit)
         self._connection.start()
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption notice arrived: one of ``[producer] preempt_signals``, or ``preempt()``."""
+        return self._notices.preempted
+
+    def preempt(self) -> None:
+        """A notice that the job ends soon, from the user's own code (a cloud's metadata
+        poll, a file): the next ``should_save`` answers True on every rank, and that save
+        returns once durable where the job resumes from (docs/runbook.md)."""
+        self._notices.preempt()
 
     @property
     def closed(self) -> bool:
@@ -330,6 +344,7 @@ class Producer:
             else:
                 self._book.raise_unseen()
         finally:
+            self._notices.close()
             self._connection.close()
             self._copier.close()
 
@@ -370,6 +385,10 @@ class Producer:
             with self._emit_lock:
                 self._connection.ensure()
             self._agree = broadcast_from_rank0(self.world_size)
+            self._any_rank = preempt.any_rank(self.world_size)
+        self._notices.install()
+        if self._notices.due(self._any_rank):
+            return True
         advice = self._connection.advice
         interval = advice.get("interval_seconds") if advice else None
         return self._pacer.should_save(step, interval, self._agree, (min_steps, max_steps, min_seconds, max_seconds))
@@ -395,9 +414,30 @@ class Producer:
             return self._current_step
         return check_step(step)
 
-    def _commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
-                handle: CommitHandle | None = None, began: float | None = None,
-                digests: replicas.Pending | None = None) -> CommitHandle:
+    def _commit(self, step: int, *args: Any, **kwargs: Any) -> CommitHandle:
+        if not self._notices.saving:
+            return self._send_commit(step, *args, **kwargs)
+        handle: CommitHandle | None = None
+        try:  # the save after a preemption notice: durable where the job resumes before it returns
+            handle = self._send_commit(step, *args, **kwargs)
+        finally:
+            self._notices.settle(step, lambda step, timeout: self._durable(handle, step, timeout))
+        assert handle is not None  # (an exception from _send_commit went on past the finally)
+        return handle
+
+    def _durable(self, handle: CommitHandle | None, step: int, timeout: float) -> str:
+        """Wait until ``step`` is durable where the job resumes from; say where."""
+        deadline = time.monotonic() + timeout
+        if handle is None:
+            raise CheckpointError(f"step {step} was not committed")
+        handle.wait(timeout)
+        tier, where = self._resume_from
+        self.wait_complete(step, max(0.0, deadline - time.monotonic()), tier=tier)
+        return where
+
+    def _send_commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
+                     handle: CommitHandle | None = None, began: float | None = None,
+                     digests: replicas.Pending | None = None) -> CommitHandle:
         if meta_json is None:
             meta_json = _metadata_json(metadata)
         handle = handle or CommitHandle(step)
