@@ -26,6 +26,7 @@ import time
 import warnings
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 from .. import config as config_mod
@@ -430,9 +431,13 @@ class Producer:
         deadline = time.monotonic() + timeout
         if handle is None:
             raise CheckpointError(f"step {step} was not committed")
-        handle.wait(timeout)
+        from ..completion import wait_complete
+
+        info = handle.wait(timeout)
         tier, where = self._resume_from
-        self.wait_complete(step, max(0.0, deadline - time.monotonic()), tier=tier)
+        # the daemon's root, which this process's environment may not name: <root>/<run>/step-N
+        wait_complete(self._connection.need_run(), step, timeout=max(0.0, deadline - time.monotonic()),
+                      root=Path(info.path).parent.parent, world_size=self.world_size, tier=tier)
         return where
 
     def _send_commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
