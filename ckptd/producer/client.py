@@ -26,11 +26,10 @@ import time
 import warnings
 import weakref
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 from .. import config as config_mod
-from .. import measures, replicas
+from .. import advise, measures, replicas
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, check_json
 from ..names import check_name, check_run, check_step
@@ -93,9 +92,9 @@ class Producer:
         self._current_step: int | None = None  # the open checkpoint() block's
         self._pacer = Pacer()
         self._agree: Any = None  # rank 0's plan to every rank (pacing.broadcast_from_rank0), made at first use
-        self._any_rank: Any = None  # a notice on any rank, to every rank (preempt.any_rank)
-        self._notices = preempt.Notices(self.options.preempt_signals, self.options.preempt_grace)
-        self._resume_from = preempt.resume_tier(cfg.remote.url, cfg.peer.enabled)
+        self._any_rank: Any = None  # preempt.any_rank, made at first use
+        self._notices = preempt.Notices(self.options.preempt_signals, self.options.preempt_grace,
+                                        preempt.resume_tier(cfg.remote.url, cfg.peer.enabled))
         ref = weakref.ref(self)
 
         def close_at_exit() -> None:
@@ -390,8 +389,7 @@ class Producer:
         self._notices.install()
         if self._notices.due(self._any_rank):
             return True
-        advice = self._connection.advice
-        interval = advice.get("interval_seconds") if advice else None
+        interval = advise.most_frequent(self._connection.advice)
         return self._pacer.should_save(step, interval, self._agree, (min_steps, max_steps, min_seconds, max_seconds))
 
     def advice(self) -> dict[str, Any] | None:
@@ -418,27 +416,8 @@ class Producer:
     def _commit(self, step: int, *args: Any, **kwargs: Any) -> CommitHandle:
         if not self._notices.saving:
             return self._send_commit(step, *args, **kwargs)
-        handle: CommitHandle | None = None
-        try:  # the save after a preemption notice: durable where the job resumes before it returns
-            handle = self._send_commit(step, *args, **kwargs)
-        finally:
-            self._notices.settle(step, lambda step, timeout: self._durable(handle, step, timeout))
-        assert handle is not None  # (an exception from _send_commit went on past the finally)
-        return handle
-
-    def _durable(self, handle: CommitHandle | None, step: int, timeout: float) -> str:
-        """Wait until ``step`` is durable where the job resumes from; say where."""
-        deadline = time.monotonic() + timeout
-        if handle is None:
-            raise CheckpointError(f"step {step} was not committed")
-        from ..completion import wait_complete
-
-        info = handle.wait(timeout)
-        tier, where = self._resume_from
-        # the daemon's root, which this process's environment may not name: <root>/<run>/step-N
-        wait_complete(self._connection.need_run(), step, timeout=max(0.0, deadline - time.monotonic()),
-                      root=Path(info.path).parent.parent, world_size=self.world_size, tier=tier)
-        return where
+        return self._notices.commit(step, lambda: self._send_commit(step, *args, **kwargs),
+                                    self._connection.need_run(), self.world_size)
 
     def _send_commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
                      handle: CommitHandle | None = None, began: float | None = None,

@@ -14,30 +14,33 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
+
+from ..completion import wait_complete
+from .steps import CommitHandle
 
 log = logging.getLogger("ckptd.producer")
 
-Handler = Any  # what signal.getsignal returns: a callable, SIG_DFL, SIG_IGN or None
 
 
 class Notices:
-    """One producer's preemption notices."""
+    """One producer's preemption notices. ``signum``: the signal that gave notice (None:
+    ``preempt()``), at monotonic time ``at``; ``saving``: ``should_save`` answered True
+    for it and the next commit settles it; ``_due``: a notice ``should_save`` has not
+    answered yet; ``_passing``: settled or closed, signals go on to the dispositions
+    found at ``install`` (``_previous``); ``resume_from``: ``resume_tier``'s answer."""
 
-    def __init__(self, signals: tuple[str, ...], grace_s: float) -> None:
+    def __init__(self, signals: tuple[str, ...], grace_s: float, resume_from: tuple[str | None, str]) -> None:
         self.signals = tuple(signal.Signals[name] for name in signals)
-        self.grace_s = grace_s
-        self.preempted = False
-        self.signum: int | None = None  # the signal that gave notice (None: preempt())
-        self.at: float | None = None  # monotonic time of the notice
-        self.saving = False  # should_save answered True for the notice: the next commit settles it
-        self._due = False  # a notice should_save has not answered yet
-        self._previous: dict[int, Handler] = {}
-        self._passing = False  # the notice is settled or the producer closed: signals go on as before
+        self.grace_s, self.resume_from = grace_s, resume_from
+        self.preempted = self.saving = self._due = self._passing = False
+        self.signum: int | None = None
+        self.at: float | None = None
+        self._previous: dict[int, Any] = {}
         self._settled = threading.Event()
         self._heard = threading.Event()
 
-    # -- the notice --------------------------------------------------------------------------
     def install(self) -> None:
         """Hear the signals, once, from the main thread (where Python runs signal handlers)."""
         if self._previous or self._passing or not self.signals \
@@ -56,7 +59,7 @@ class Notices:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._passing:
             self._pass_on(signum, frame)
-        elif self.signum is not None:  # a second signal: the process ends now, as the signal's default
+        elif self.signum is not None:  # a second signal ends the process now, as the signal's default
             self.restore()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -68,7 +71,7 @@ class Notices:
         """Whether ``should_save`` answers True for a notice (this rank's or another's)."""
         if not any_rank(self._due):
             return False
-        if not self.preempted:  # another rank's notice
+        if not self.preempted:
             self.preempted, self.at = True, time.monotonic()
         self._due, self.saving = False, True
         why = signal.Signals(self.signum).name if self.signum is not None else "a notice"
@@ -78,16 +81,23 @@ class Notices:
     def left(self) -> float:
         return max(0.0, self.grace_s - (time.monotonic() - (self.at or time.monotonic())))
 
-    # -- the save after it --------------------------------------------------------------------
-    def settle(self, step: int, durable: Callable[[int, float], str]) -> None:
-        """Wait (within the grace) until ``step`` is durable where the job resumes from
-        (``durable(step, timeout)`` names where), then hand the signal on."""
+    def commit(self, step: int, send: Callable[[], CommitHandle], run: str, world_size: int) -> CommitHandle:
+        """The save after a notice: ``send()`` commits ``step``; it returns once every rank's
+        share is durable where the job resumes from, or the grace is over; then the signal
+        is handed on."""
         self.saving = False
         try:
-            where = durable(step, self.left())
+            handle = send()
+            info = handle.wait(self.left())
+            tier, where = self.resume_from
+            # the daemon's root (<root>/<run>/step-N), which this process's environment may not name
+            wait_complete(run, step, timeout=self.left(), root=Path(info.path).parent.parent,
+                          world_size=world_size, tier=tier)
             log.warning("preemption: step %d is durable in %s, %.1f s of the grace left", step, where, self.left())
-        except Exception as exc:  # the grace runs out all the same: the signal goes on
+            return handle
+        except Exception as exc:
             log.error("preemption: step %d is not known durable within the %.0f s grace: %s", step, self.grace_s, exc)
+            raise
         finally:
             self._settled.set()
             self.hand_on()
@@ -109,10 +119,10 @@ class Notices:
         previous, self._previous = self._previous, {}
         if threading.current_thread() is threading.main_thread():
             for sig, handler in previous.items():
-                if signal.getsignal(sig) == self._on_signal:  # (not when the user replaced it since)
+                if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         else:
-            self._previous = previous  # the handler, still installed, passes signals on
+            self._previous = previous
 
     def close(self) -> None:
         self.restore()
