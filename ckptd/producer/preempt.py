@@ -2,9 +2,9 @@
 
 ``Notices.install`` hears ``[producer] preempt_signals``; its handler only records the
 notice (as the daemon's signal handlers do). ``Notices.due`` tells ``should_save``, agreed
-over the ranks by ``any_rank``; ``Notices.settle`` waits for the save after it to be
-durable within ``[producer] preempt_grace``, then hands the signal on as the process
-would have taken it. Read ``Notices`` top to bottom.
+over the ranks by ``any_rank``; ``Notices.commit`` makes the save after it durable within
+``[producer] preempt_grace``, then hands the signal on as the process would have taken
+it. Read ``Notices`` top to bottom.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from .steps import CommitHandle
 log = logging.getLogger("ckptd.producer")
 
 
-
 class Notices:
     """One producer's preemption notices. ``signum``: the signal that gave notice (None:
     ``preempt()``), at monotonic time ``at``; ``saving``: ``should_save`` answered True
@@ -40,6 +39,7 @@ class Notices:
         self._previous: dict[int, Any] = {}
         self._settled = threading.Event()
         self._heard = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def install(self) -> None:
         """Hear the signals, once, from the main thread (where Python runs signal handlers)."""
@@ -49,7 +49,8 @@ class Notices:
         for sig in self.signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._on_signal)
-        threading.Thread(target=self._watch, name="ckptd-preempt", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="ckptd-preempt", daemon=True)
+        self._watcher.start()
 
     def preempt(self) -> None:
         """A notice from the user's own code (a cloud's metadata poll, a file)."""
@@ -99,7 +100,6 @@ class Notices:
             log.error("preemption: step %d is not known durable within the %.0f s grace: %s", step, self.grace_s, exc)
             raise
         finally:
-            self._settled.set()
             self.hand_on()
 
     def hand_on(self) -> None:
@@ -109,6 +109,7 @@ class Notices:
         if self.signum is None:
             return
         self._passing = True
+        self._settled.set()
         if threading.current_thread() is threading.main_thread():
             self.restore()
         os.kill(os.getpid(), self.signum)
@@ -128,6 +129,8 @@ class Notices:
         self.restore()
         self._settled.set()
         self._heard.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
 
     def _pass_on(self, signum: int, frame: Any) -> None:
         handler = self._previous.get(signum, signal.SIG_DFL)
