@@ -157,6 +157,8 @@ def test_the_advice_per_tier_against_failures_drawn_from_the_measured_mtbf() -> 
     for name, t in tiers.items():
         got = simulate(a["inputs"]["stall_s"], t["persist_s"], t["restore_s"], t["mtbf_s"], t["interval_seconds"], rng)
         assert got == pytest.approx(t["expected_waste"], rel=0.10), (name, got, t)
+    text = "\n".join(advise.render("r", a))
+    assert "tier peer: every 106 steps (against a node lost;" in text and "tier remote: every 187 steps" in text
     # with one failure, the prior: the MTBF is assumed, and said to be
     one = measures.advice(measured_run(failures=1, span=HOUR), 5 * HOUR, ("local", "remote"))
     assert all(t["mtbf_s"] == 5 * HOUR and "mtbf_s" in t["assumed"] for t in one["tiers"].values())
