@@ -378,7 +378,9 @@ class Producer:
         no advice yet (a run's first save) it answers True at once. Every rank answers
         the same for a step (rank 0 decides, docs/advise.md): call it on every rank, at
         every step, with the same bounds. The first call connects to the daemon, if
-        this producer has not yet."""
+        this producer has not yet, and (in the main thread) hears ``[producer]
+        preempt_signals``: after a notice on any rank, the next call answers True on
+        every rank, whatever the bounds (docs/runbook.md)."""
         check_step(step)
         check_bounds(min_steps, max_steps, min_seconds, max_seconds)
         if self._agree is None:  # the first call: connected, so that the welcome's advice is here
