@@ -13,7 +13,8 @@ Pure functions, no I/O (docs/advise.md has the model, its inputs and its limits)
   half an interval on average, plus the time the last save took to become durable)
   ``+ R/M`` (the resume itself).
 - ``recommend``: all of it for one set of ``Inputs``, as the ``Advice`` that
-  ``ckptd advise``, ``ckptd status`` and the metrics show.
+  ``ckptd advise``, ``ckptd status`` and the metrics show, one per tier;
+  ``most_frequent`` is the interval ``should_save`` follows.
 """
 
 from __future__ import annotations
@@ -132,6 +133,14 @@ def recommend(inputs: Inputs, current_steps: int | None = None) -> Advice:
                   w.dominant, current, inputs)
 
 
+def most_frequent(advice: dict[str, Any] | None) -> float | None:
+    """The interval of the tier the advice saves to most often: ``should_save``'s."""
+    if not advice:
+        return None
+    every = [t["interval_seconds"] for t in (advice.get("tiers") or {}).values() if t.get("interval_seconds")]
+    return min(every) if every else advice.get("interval_seconds")
+
+
 def seconds(v: float | None) -> str:
     """``0.00203 s``, ``9.35 s``, ``21600 s (6h 00m)``; None: "not measured"."""
     from .units import duration
@@ -167,4 +176,19 @@ def render(run: str, advice: dict[str, Any]) -> list[str]:
     if i["assumed"]:
         lines.append(f"  assumed (not measured): {', '.join(i['assumed'])}")
     lines += [f"  note: {n}" for n in i["notes"]]
+    return lines + tier_lines(advice)[1:]  # the root's is the advice above
+
+
+def tier_lines(advice: dict[str, Any], indent: str = "  ") -> list[str]:
+    """One line per tier: its interval, what it protects against, its own inputs."""
+    lines = []
+    for tier, t in (advice.get("tiers") or {}).items():
+        if t["interval_seconds"] is None:
+            continue
+        every = (f"{t['interval_steps']} steps" if t["interval_steps"] is not None
+                 else seconds(t["interval_seconds"]))
+        assumed = f"; assumed: {', '.join(t['assumed'])}" if t.get("assumed") else ""
+        lines.append(f"{indent}tier {tier}: every {every} (against {t.get('protects', 'a failure')}; persist "
+                     f"{seconds(t['persist_s'])}, restore {seconds(t.get('restore_s'))}, MTBF "
+                     f"{seconds(t.get('mtbf_s'))}{assumed}), expected loss {t['expected_waste']:.2%}")
     return lines

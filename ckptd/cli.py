@@ -253,6 +253,8 @@ def _status(args: argparse.Namespace) -> int:
                      if a["interval_steps"] is not None else advise.seconds(a["interval_seconds"]))
             print(f"  {run}: checkpoint every {every}, expected loss {a['expected_waste']:.2%} "
                   f"({a['dominant']} dominates); {a['inputs']['failures']} failure(s) seen")
+            for line in advise.tier_lines(a, "    "):
+                print(line)
     for text in tiers.status_lines(s):  # each tier's, for those the daemon copies to
         print(text)
     print(f"metrics:      {s['metrics'] or 'off'}")
@@ -610,12 +612,6 @@ def _advise(args: argparse.Namespace) -> int:
         return 0
     for line in advise.render(run, advice):
         print(line)
-    for tier, t in list(advice["tiers"].items())[1:]:  # after the root's, at the top
-        if t["interval_seconds"] is not None:
-            every = (f"{t['interval_steps']} steps" if t["interval_steps"] is not None
-                     else advise.seconds(t["interval_seconds"]))
-            print(f"  tier {tier}: every {every} (persist {t['persist_s']:.3g} s), expected loss "
-                  f"{t['expected_waste']:.2%}")
     return 0
 
 

@@ -146,6 +146,23 @@ class ProducerConfig:
     # ranks (ckptd.replicas, docs/replicas.md): "refuse" keeps a step whose copies disagree
     # from being the latest
     compare_replicas: str = _opt("warn", _choice("off", "warn", "refuse"))
+    # a scheduler's notice that the job ends soon (ckptd.producer.preempt): should_save
+    # answers True at the next step, and that save is made durable before the signal goes on
+    preempt_signals: tuple[str, ...] = _opt(("SIGTERM", "SIGUSR1"), lambda v: _signal_names(v))
+    preempt_grace: float = _opt(30.0, _positive(parse_duration))
+
+
+def _signal_names(value: object) -> tuple[str, ...]:
+    import signal
+
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{value!r} is not a list of signal names such as [\"SIGTERM\", \"SIGUSR1\"]")
+    for name in value:
+        if not isinstance(name, str) or not name.startswith("SIG") or not hasattr(signal, name) \
+                or name in ("SIGKILL", "SIGSTOP") or name.startswith("SIG_"):
+            raise ValueError(f"{name!r} is not a signal a process can catch; name one such as \"SIGTERM\", "
+                             "or give [] to hear no signal")
+    return tuple(value)
 
 
 def _auto(value: object, parse: Callable[[object], Any]) -> Any:

@@ -155,24 +155,30 @@ def summarise(m: dict[str, Any], mtbf: float | None = None, *, now: float | None
     start = m["first_seen"] if m["first_seen"] is not None else (steps[0]["time"] if steps else None)
     ends = [m["last_seen"], steps[-1]["time"] if steps else None, *(_num(f.get("time")) for f in m["failures"])]
     span = max(0.0, max((v for v in ends if v is not None), default=start) - start) if start is not None else 0.0
-    if failures >= MIN_FAILURES or (failures and mtbf is None):
-        inputs.mtbf_s = max(span, 1.0) / failures
-        if failures < MIN_FAILURES:
-            inputs.notes.append(f"mtbf_s is from {failures} failure over {span:.0f} s: a rough estimate "
-                                "([advise] mtbf in config.toml gives a steadier one)")
-    elif mtbf is not None:
-        inputs.mtbf_s = mtbf
-        inputs.assumed.append("mtbf_s")
-        inputs.notes.append(f"mtbf_s is [advise] mtbf from the config: {failures} failure(s) seen, fewer "
-                            f"than the {MIN_FAILURES} needed to measure it")
-    else:
-        inputs.mtbf_s = DEFAULT_MTBF_S
-        inputs.assumed.append("mtbf_s")
-        inputs.notes.append(f"no failure seen and no [advise] mtbf in the config: mtbf_s is assumed to be "
-                            f"{DEFAULT_MTBF_S / 3600:.0f} h; set [advise] mtbf to your cluster's figure")
+    _mtbf(inputs, failures, span, mtbf)
     if not steps:
         inputs.notes.append("no save of this run was measured")
     return inputs, current
+
+
+def _mtbf(inputs: Inputs, failures: int, span: float, mtbf: float | None) -> None:
+    """The mean time between failures: measured from two failures on; before, the prior
+    (``[advise] mtbf``, else ``DEFAULT_MTBF_S``), named as assumed."""
+    if failures >= MIN_FAILURES:
+        inputs.mtbf_s = max(span, 1.0) / failures
+    else:  # one failure is no rate: the prior, until a second one
+        inputs.mtbf_s = mtbf if mtbf is not None else DEFAULT_MTBF_S
+        inputs.assumed.append("mtbf_s")
+        if mtbf is not None:
+            inputs.notes.append(f"mtbf_s is [advise] mtbf from the config: {failures} failure(s) seen, fewer "
+                                f"than the {MIN_FAILURES} needed to measure it")
+        elif failures:
+            inputs.notes.append(f"mtbf_s is assumed to be {DEFAULT_MTBF_S / 3600:.0f} h: {failures} failure seen, "
+                                f"fewer than the {MIN_FAILURES} needed to measure it; set [advise] mtbf to your "
+                                "cluster's figure")
+        else:
+            inputs.notes.append(f"no failure seen and no [advise] mtbf in the config: mtbf_s is assumed to be "
+                                f"{DEFAULT_MTBF_S / 3600:.0f} h; set [advise] mtbf to your cluster's figure")
 
 
 def upload_tier(u: dict[str, Any]) -> str:
@@ -181,17 +187,38 @@ def upload_tier(u: dict[str, Any]) -> str:
     return str(u.get("tier", BUCKET))
 
 
+# what losing each tier's copies takes: the root's survive a process's crash, the
+# peers' and the bucket's the loss of the node
+PROTECTS = {ROOT: "a process crash"}
+NODE_LOST = "a node lost"
+
+
 def advice(m: dict[str, Any], mtbf: float | None, tiers: tuple[str, ...] = (ROOT,)) -> dict[str, Any]:
     """The advice (``ckptd.advise.Advice`` as a dict) from a run's merged measures: the
-    root's (``tiers[0]``) at the top level, and each tier's own under ``tiers``."""
+    root's (``tiers[0]``) at the top level, and each tier's own under ``tiers``, from
+    its own persist and recovery time."""
     per_tier = {}
     for i, tier in enumerate(tiers):
         inputs, current = summarise(m, mtbf, tier=tier if i else None)
+        if i:
+            _recover_from(tier, inputs)
         per_tier[tier] = recommend(inputs, current).to_dict()
     out = dict(per_tier[tiers[0]])
     out["tiers"] = {t: {k: a[k] for k in ("interval_steps", "interval_seconds", "expected_waste", "dominant")}
-                    | {"persist_s": a["inputs"]["persist_s"]} for t, a in per_tier.items()}
+                    | {k: a["inputs"][k] for k in ("persist_s", "restore_s", "mtbf_s", "assumed")}
+                    | {"protects": PROTECTS.get(t, NODE_LOST)} for t, a in per_tier.items()}
     return out
+
+
+def _recover_from(tier: str, inputs: Inputs) -> None:
+    """A node lost resumes from ``tier``: at least a copy's time back, where the resumes
+    measured (from the root, mostly) were faster."""
+    p, r = inputs.persist_s, inputs.restore_s
+    if p is not None and r is not None and p > r:
+        inputs.restore_s = p
+        if "restore_s" not in inputs.assumed:
+            inputs.assumed.append("restore_s")
+        inputs.notes.append(f"a resume from {tier} is assumed to take as long as a copy there (persist_s)")
 
 
 _restored: dict[str, float] = {}

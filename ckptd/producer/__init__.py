@@ -16,7 +16,7 @@ from .client import CommitHandle, Producer
 
 __all__ = [
     "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "current", "emit", "emit_many",
-    "flush", "latest", "prepare", "save", "should_save", "stats", "wait_complete",
+    "flush", "latest", "preempt", "prepare", "save", "should_save", "stats", "wait_complete",
 ]
 
 _default: Producer | None = None
@@ -95,6 +95,11 @@ def should_save(step: int, *, min_steps: int | None = None, max_steps: int | Non
     """Whether the advised checkpoint interval has passed (``Producer.should_save``)."""
     return _get().should_save(step, min_steps=min_steps, max_steps=max_steps, min_seconds=min_seconds,
                               max_seconds=max_seconds)
+
+
+def preempt() -> None:
+    """A notice that the job ends soon, from the user's own code (``Producer.preempt``)."""
+    _get().preempt()
 
 
 def stats() -> dict[str, Any]:

@@ -22,13 +22,13 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from .. import config as config_mod
-from .. import measures, replicas
+from .. import advise, measures, replicas
 from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, check_json
 from ..names import check_name, check_run, check_step
 from ..sharding import Box, hand_shard, is_dtensor
 from ..state import flatten
-from . import frozen as frozen_mod, sharded, sizing
+from . import frozen as frozen_mod, preempt, sharded, sizing
 from .connection import Connection, identify
 from .copies import Copier, describe
 from .pacing import Pacer, broadcast_from_rank0, check_bounds
@@ -84,6 +84,9 @@ class Producer:
         self._current_step: int | None = None
         self._pacer = Pacer()
         self._agree: Any = None
+        self._any_rank: Any = None
+        self._notices = preempt.Notices(self.options.preempt_signals, self.options.preempt_grace,
+                                        preempt.resume_tier(cfg.remote.url, cfg.peer.enabled))
         ref = weakref.ref(self)
 
         def close_at_exit() -> None:
@@ -92,6 +95,17 @@ class Producer:
                 p._close_at_exit()
         atexit.register(close_at_exit)
         self._connection.start()
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption notice arrived: one of ``[producer] preempt_signals``, or ``preempt()``."""
+        return self._notices.preempted
+
+    def preempt(self) -> None:
+        """A notice that the job ends soon, from the user's own code (a cloud's metadata
+        poll, a file): the next ``should_save`` answers True on every rank, and that save
+        returns once durable where the job resumes from (docs/runbook.md)."""
+        self._notices.preempt()
 
     @property
     def closed(self) -> bool:
@@ -319,6 +333,7 @@ class Producer:
             else:
                 self._book.raise_unseen()
         finally:
+            self._notices.close()
             self._connection.close()
             self._copier.close()
 
@@ -352,15 +367,20 @@ class Producer:
         no advice yet (a run's first save) it answers True at once. Every rank answers
         the same for a step (rank 0 decides, docs/advise.md): call it on every rank, at
         every step, with the same bounds. The first call connects to the daemon, if
-        this producer has not yet."""
+        this producer has not yet, and (in the main thread) hears ``[producer]
+        preempt_signals``: after a notice on any rank, the next call answers True on
+        every rank, whatever the bounds (docs/runbook.md)."""
         check_step(step)
         check_bounds(min_steps, max_steps, min_seconds, max_seconds)
         if self._agree is None:
             with self._emit_lock:
                 self._connection.ensure()
             self._agree = broadcast_from_rank0(self.world_size)
-        advice = self._connection.advice
-        interval = advice.get("interval_seconds") if advice else None
+            self._any_rank = preempt.any_rank(self.world_size)
+        self._notices.install()
+        if self._notices.due(self._any_rank):
+            return True
+        interval = advise.most_frequent(self._connection.advice)
         return self._pacer.should_save(step, interval, self._agree, (min_steps, max_steps, min_seconds, max_seconds))
 
     def advice(self) -> dict[str, Any] | None:
@@ -383,9 +403,15 @@ class Producer:
             return self._current_step
         return check_step(step)
 
-    def _commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
-                handle: CommitHandle | None = None, began: float | None = None,
-                digests: replicas.Pending | None = None) -> CommitHandle:
+    def _commit(self, step: int, *args: Any, **kwargs: Any) -> CommitHandle:
+        if not self._notices.saving:
+            return self._send_commit(step, *args, **kwargs)
+        return self._notices.commit(step, lambda: self._send_commit(step, *args, **kwargs),
+                                    self._connection.need_run(), self.world_size)
+
+    def _send_commit(self, step: int, metadata: Any, meta_json: str | None, state_json: str | None,
+                     handle: CommitHandle | None = None, began: float | None = None,
+                     digests: replicas.Pending | None = None) -> CommitHandle:
         if meta_json is None:
             meta_json = _metadata_json(metadata)
         handle = handle or CommitHandle(step)
