@@ -19,8 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import format as formats, layout, manifestcache, replicas
-from . import failpoints, reuse
+from .. import failpoints, format as formats, layout, manifestcache, replicas
+from . import reuse
 from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
 from ..errors import CheckpointCorrupt
