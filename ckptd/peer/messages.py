@@ -64,6 +64,16 @@ KINDS: dict[str, Callable[[Any], bool]] = {
     "runs": _runs,
 }
 
+SAID = {
+    "int": "an integer from 0 to 2**63 - 1",
+    "str": f"a string of at most {MAX_NAME} characters",
+    "sizes": f"a map of at most {MAX_FILES_OFFERED} file names to sizes",
+    "shares": f"a list of at most {MAX_SHARES_ASKED} [run, step, rank]",
+    "ranks": f"a list of at most {MAX_RANKS_ASKED} integers",
+    "steps": f"a list of at most {MAX_STEPS_DROPPED} integers",
+    "runs": f"a map of run names to lists of steps, at most {MAX_STEPS_DROPPED} steps in all",
+}
+
 # op -> {field: kind}, kinds as in ``KINDS`` ("?": optional). What each answers:
 # ping {node, listen}; offer {xfer} (room reserved); part {}; done {} once the share
 # verified; holds {held: [bool]}; drop {dropped}; steps {steps: [{step, shares: [{rank,
@@ -111,7 +121,7 @@ def decode_request(frames: list[Any]) -> Request:
             raise ProtocolError(f"unknown peer request {wire.short(op)}")
         schema = REQUESTS[op]
         fields = {k: header[k] for k in schema if k in header}
-        wire.check_fields(op, fields, schema, KINDS)
+        wire.check_fields(op, fields, schema, KINDS, SAID)
     except ProtocolError as exc:
         exc.rid = rid  # type: ignore[attr-defined]
         raise

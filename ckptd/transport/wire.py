@@ -228,9 +228,10 @@ KINDS: dict[str, Callable[[Any], bool]] = {
 
 
 def check_fields(op: str, header: dict[str, Any], schema: dict[str, str],
-                 kinds: dict[str, Callable[[Any], bool]] = KINDS) -> None:
+                 kinds: dict[str, Callable[[Any], bool]] = KINDS, said: dict[str, str] | None = None) -> None:
     """Each of ``schema``'s fields of ``header`` checked to be of its kind (``kinds``:
-    name -> test); an optional one (``kind?``) absent or None is set to None."""
+    name -> test; ``said``: name -> what it must be, for the error); an optional one
+    (``kind?``) absent or None is set to None."""
     for key, kind in schema.items():
         optional = kind.endswith("?")
         kind = kind.rstrip("?")
@@ -240,7 +241,8 @@ def check_fields(op: str, header: dict[str, Any], schema: dict[str, str],
                 continue
             raise ProtocolError(f"{op!r} message lacks field {key!r}")
         if not kinds[kind](header[key]):
-            raise ProtocolError(f"{op!r} message field {key!r} has a bad value {short(header[key])}")
+            must = f": it must be {said[kind]}" if said and kind in said else ""
+            raise ProtocolError(f"{op!r} message field {key!r} has a bad value {short(header[key])}{must}")
 
 
 _REPR = reprlib.Repr()
