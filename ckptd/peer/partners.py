@@ -8,7 +8,7 @@
 - ``ring`` (``[peer] placement = "ring"``, the default): every node (``peers`` and this
   daemon's ``listen``) sorted by address, the same list on every node; a node's shares
   go to the nodes ``domain``, 2·``domain``, … places after it, so that with ``domain``
-  the nodes of one failure domain (rack, switch: consecutive addresses) each replica
+  the nodes of one failure domain (rack, switch: consecutive addresses) each copy
   lies in another domain, as NVIDIA's resiliency extension places its replicas
   (``replication_jump``). Two nodes lost at once lose a step only when one is the
   other's partner: 8 times less often than rendezvous at 8 ranks a node, and never

@@ -298,7 +298,7 @@ class PeerServer:
     def _steps(self, run: str, limit: int, only: int | None) -> dict[str, Any]:
         """The newest ``limit`` steps of ``run`` of which this daemon can serve a share
         (``only``: that step alone), newest first: for each, the shares' rank, attempt,
-        world size and where (memory: a replica; disk: this node's own root), memory
+        world size and where (memory: a copy; disk: this node's own root), memory
         first. At most ``MAX_SHARES_ANSWERED`` shares; ``more``: steps were left out."""
         held: dict[int, dict[int, dict[str, Any]]] = {}
         for r in self.holder.shares(run):

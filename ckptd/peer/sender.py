@@ -1,11 +1,11 @@
 """One partner's transfers, on its own ``ckptd-peer-send-N`` thread: the shares the
-``Replicator`` gives it, one after the other, each an ``offer``, the files in
+``Copier`` gives it, one after the other, each an ``offer``, the files in
 ``frame``-sized parts with ``window`` of them in flight, and ``done``.
 
 A partner that is not connected, or does not answer the offer within ``[peer]
 timeout``, or takes no part for ``stall`` seconds, holds up only its own thread: the
 transfers to the other partners go on meanwhile on theirs. Its failure hands the
-share, and every share still queued for it, back to the ``Replicator``, which sends
+share, and every share still queued for it, back to the ``Copier``, which sends
 them to the next peers of their order and skips this one for a while (``backoff``).
 
 All partners' threads share one ``Pacer``: ``[peer] rate`` caps the node's total.
@@ -43,7 +43,7 @@ YIELD_AFTER_S = 0.2  # the daemon idle this long after a step's messages: replic
 @dataclass(frozen=True)
 class Job:
     """A share to send to one partner: its manifest as committed here, read once by the
-    ``Replicator``, and its run's retention (the partner holds no more steps than that)."""
+    ``Copier``, and its run's retention (the partner holds no more steps than that)."""
 
     key: Key
     manifest: Manifest
@@ -97,7 +97,7 @@ class PartnerSender(supervise.Queued[Job]):
         self._forget()
         with self._cv:
             left, self._jobs = list(self._jobs), deque()
-        for job in left:  # closing: the Replicator forgets what was still to send
+        for job in left:  # closing: the Copier forgets what was still to send
             self.on_done(self.peer, job, DROPPED, 0, 0.0)
 
     def _run(self) -> None:

@@ -1,29 +1,9 @@
-"""The ``ckptd-peer-send`` thread: each share this daemon commits goes to the memory
-of ``replicas`` partner daemons (``partners.of``: ``[peer] placement``), after the local
-commit and off the training loop's path.
-
-This thread decides who gets what; the bytes move on one ``ckptd-peer-send-N`` thread per
-partner (``sender.PartnerSender``), so that a partner that is slow, hung or dead holds up
-only its own transfers. A partner that does not answer is skipped with back-off
-(``backoff``: ``heartbeat``, then twice, four times as long … up to 12 heartbeats; pinged
-at the heartbeat after its skip runs out, and tried again at once after any answer) and the next peer of the order takes the share; one that
-refuses (full) is skipped for that share until the next retry round. Only the newest
-share of each (run, rank) is worth a replica, the one committed last (after a resume
-from an older step, the new attempt's): one still queued when another commits is
-superseded. ``[peer] rate`` caps the bytes/s all partners' threads send together. A share
-no partner took stays under-replicated and is tried again every ``heartbeat`` seconds
-while it is the newest, sent only to partners that do not hold it yet.
-
-A replica can also be lost after it was taken: its holder dies, restarts (its memory
-empty) or evicts it. Every ``heartbeat`` seconds the partners holding this node's
-newest shares are asked, all at once and within one ``timeout``, which of them they
-still hold (``holds``); a share one no longer holds, or a partner that does not answer,
-counts as a replica lost, and the share goes to the next peer of its order.
-
-Retention's deletions reach the partners batched: each ``heartbeat`` one ``drop`` per
-partner carrying every step of every run deleted since (at most
-``messages.MAX_STEPS_DROPPED`` steps a message), sent only to the partners this node sent
-replicas of that run to, all at once and within one ``timeout``.
+"""The ``ckptd-peer-send`` thread: each share this daemon commits is copied to the memory
+of ``replicas`` partners (``partners.of``), after the local commit, one
+``sender.PartnerSender`` thread per partner. It decides who gets what: partners that
+fail are backed off (``backoff``), the newest share of each (run, rank) is the one worth
+a copy, each heartbeat asks the partners which copies they still hold (``holds``) and
+sends retention's deletions (``drop``). Start reading at ``Copier.enqueue``.
 """
 
 from __future__ import annotations
@@ -50,7 +30,7 @@ log = logging.getLogger("ckptd.peer")
 Key = tuple[str, int, int]
 
 
-class Replicator(supervise.Supervised):
+class Copier(supervise.Supervised):
     def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
                  keep_last: Callable[[str], int], node_id: str, *, direct_io: bool = False) -> None:
         if config.rate and config.frame / config.rate > config.stall / 2:
@@ -87,6 +67,7 @@ class Replicator(supervise.Supervised):
         # peer tier's persist time for the interval advice (ckptd.daemon.measuring)
         self.on_replicated: Callable[[str, int, int, float], None] | None = None
         self._committed_at: dict[Key, float] = {}  # shares not yet fully replicated -> commit time
+        self._versions: dict[str, Any] = {}  # peers of another protocol version -> theirs
 
     # -- from other threads ----------------------------------------------------------------
     def close(self) -> None:
@@ -125,13 +106,14 @@ class Replicator(supervise.Supervised):
             return dict(self.figures_, thread_restarts=sum(supervise.restarts().values()),
                         rate=self.cfg.rate, under_replicated=len(self._under_replicated()), peers=list(self.peers),
                         holding=holding, sending=sum(len(p) for p in self._sending.values()),
+                        peer_versions=dict(self._versions), protocol_version=messages.VERSION,
                         **self._backoff.figures())
 
     def _under_replicated(self) -> list[Key]:
         return [k for k, peers in self._holders.items() if len(peers) < self.cfg.replicas]
 
     def _forget_share(self, key: Key) -> None:
-        """No replica of ``key`` is wanted any more (superseded, deleted); the lock held."""
+        """No copy of ``key`` is wanted any more (superseded, deleted); the lock held."""
         self._holders.pop(key, None)
         self._committed_at.pop(key, None)
         self._tried.pop(key, None)
@@ -240,7 +222,7 @@ class Replicator(supervise.Supervised):
                 if not sending:
                     del self._sending[key]
             if outcome in (HELD, REFUSED, DOWN):
-                self._sent_to.setdefault(key[0], set()).add(peer)  # it may hold a replica: its drops go there
+                self._sent_to.setdefault(key[0], set()).add(peer)  # it may hold a copy: its drops go there
                 self.figures_["send_seconds"] += seconds
             if outcome == HELD:
                 self._backoff.answered(peer)
@@ -288,12 +270,29 @@ class Replicator(supervise.Supervised):
             except messages.PeerRefused as exc:  # no key for it
                 answers[peer] = exc
         answers.update(ask_all(links, {p: r for p, r in requests.items() if p in links}, timeout))
+        for peer, asked in links.items():
+            self._note_version(peer, asked.version, answers.get(peer))
         for peer, answer in answers.items():
             if isinstance(answer, Exception):
                 link = self._links.pop(peer, None)
                 if link is not None:
                     link.close()
         return answers
+
+    def _note_version(self, peer: str, version: int | None, answer: Any) -> None:
+        """Name a peer of another protocol version in the log and ``status`` (``peer_versions``)."""
+        if isinstance(answer, messages.PeerVersion):
+            seen: Any = f"newer than {messages.VERSION}"
+        elif version is not None and version != messages.VERSION:
+            seen = version
+        else:
+            self._versions.pop(peer, None)
+            return
+        if self._versions.get(peer) != seen:
+            log.warning("peer %s speaks peer protocol version %s, this node %d (docs/runbook.md: upgrading a "
+                        "cluster)%s", peer, seen, messages.VERSION, f": {answer}" if isinstance(answer, Exception)
+                        else "")
+        self._versions[peer] = seen
 
     def _check_holders(self) -> None:
         """Ask the partners holding this node's newest shares, all at once, which they
@@ -319,6 +318,8 @@ class Replicator(supervise.Supervised):
                 why = "no longer holds them (restarted, or evicted them for newer steps)"
                 with self._cv:
                     self._backoff.answered(peer)
+            except messages.PeerVersion:
+                continue  # named in the log and status: what it holds is unknown, not nothing
             except (messages.PeerDown, messages.PeerRefused, ProtocolError) as exc:
                 with self._cv:
                     skip = self._backoff.failed(peer)
@@ -383,7 +384,7 @@ class Replicator(supervise.Supervised):
         """Say at start which peers cannot be reached, and drop any that is this daemon."""
         if self.cfg.listen in self.cfg.peers:
             log.warning("[peer] peers names this daemon's own listen endpoint %s; it is ignored (a share "
-                        "needs a replica on another node)", self.cfg.listen)
+                        "needs a copy on another node)", self.cfg.listen)
         if not self.peers:
             log.warning("[peer] peers names no other daemon: nothing is replicated; list the other nodes' "
                         "[peer] listen endpoints")
