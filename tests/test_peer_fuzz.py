@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from ckptd.layout import manifest_name, step_dir
 from ckptd.peer.keys import key_name
 from ckptd.transport import curve
 from conftest import Daemon, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import peer_fuzz  # noqa: E402  (benchmarks/peer_fuzz.py: the peer port's fuzz at scale)
 from test_peer import _held, _save, _status, _wait
 
 FUZZ_MESSAGES = 600
@@ -380,3 +384,9 @@ def test_parts_after_done_are_refused(tmp_path) -> None:
     finally:
         ctx.destroy(linger=0)
         node.cleanup()
+
+
+@pytest.mark.slow
+def test_the_peer_fuzz_at_small_scale_keeps_every_bound(capsys) -> None:
+    """benchmarks/peer_fuzz.py, short: no restart, the probes bounded, a lost node recovered."""
+    assert peer_fuzz.main(["--messages", "3000", "--identities", "8"]) == 0, capsys.readouterr().out

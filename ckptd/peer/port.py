@@ -45,7 +45,8 @@ TRACKED_BYTES = 65536  # answers from this size on are counted until libzmq lets
 
 
 class Backlog:
-    """Bytes of large answers libzmq still holds, per asker and in all: an asker over
+    """Bytes of large answers made for an asker (read from disk, or packed) that libzmq
+    still holds, per asker and in all: an asker over
     its share, or any asker while the total is over, has its reads and manifests
     refused until they are taken."""
 
@@ -179,7 +180,7 @@ class PeerServer:
         nbytes = len(head) + (len(payload) if payload is not None else 0)
         frames_out = [ident, head] + ([payload] if payload is not None else [])
         self._count(op, nbytes)
-        track = nbytes >= TRACKED_BYTES
+        track = nbytes >= TRACKED_BYTES and not isinstance(payload, memoryview)  # a view: memory held anyway
         try:
             sent = self.sock.send_multipart(frames_out, copy=payload is None and not track, track=track,
                                             flags=zmq.NOBLOCK)
