@@ -38,8 +38,8 @@ class Copier(supervise.Supervised):
                               f"{config.frame / config.rate:.1f} s, and a partner gives a transfer up after "
                               f"{config.stall:g} s ([peer] stall) without a part: raise rate, or lower frame to at most "
                               f"{int(config.rate * config.stall / 2)} bytes")
-        self.node_id = node_id  # this daemon's (PeerServer's): a peer that answers with it is this daemon
-        self.direct_io = direct_io  # [daemon] direct_io: shares are read back with O_DIRECT (sender.ShareFiles)
+        self.node_id = node_id
+        self.direct_io = direct_io
         self.ctx = ctx
         self.root = root
         self.cfg = config
@@ -47,27 +47,27 @@ class Copier(supervise.Supervised):
         self.keep_last = keep_last
         self.peers = tuple(p for p in config.peers if p != config.listen)
         super().__init__("ckptd-peer-send")
-        self._queue: deque[Key] = deque()  # shares to (re)assign to partners
-        self._drops: dict[str, set[int]] = {}  # run -> steps retention deleted here, not yet sent
+        self._queue: deque[Key] = deque()
+        self._drops: dict[str, set[int]] = {}
         # the newest share of each (run, rank) committed here -> the partners holding it
         self._holders: dict[Key, set[str]] = {}
-        self._sending: dict[Key, set[str]] = {}  # share -> partners it is queued for or being sent to
-        self._tried: dict[Key, set[str]] = {}  # share -> partners that failed it since the last retry round
-        self._sent_to: dict[str, set[str]] = {}  # run -> partners that were sent replicas of it (its drops)
-        self._newest: dict[tuple[str, int], int] = {}  # (run, rank) -> newest step committed
-        self._checked = time.monotonic()  # when the holders were last asked
+        self._sending: dict[Key, set[str]] = {}
+        self._tried: dict[Key, set[str]] = {}
+        self._sent_to: dict[str, set[str]] = {}
+        self._newest: dict[tuple[str, int], int] = {}
+        self._checked = time.monotonic()
         self._backoff = Backoff(config.heartbeat, config.heartbeat * CAP_HEARTBEATS)
-        self._links: dict[str, messages.Link] = {}  # this thread's own, for holds, drop and ping
-        self._senders: dict[str, PartnerSender] = {}  # one per partner, made as it is first sent a share
+        self._links: dict[str, messages.Link] = {}
+        self._senders: dict[str, PartnerSender] = {}
         self._pacer = Pacer(config.rate)
         self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0,
                          "replicas_lost": 0, "drop_messages": 0, "dropped_steps": 0}
-        self.busy: Callable[[], bool] = lambda: False  # the daemon is receiving or committing a step
+        self.busy: Callable[[], bool] = lambda: False
         # (run, step, rank, seconds from local commit to held by `replicas` partners): the
         # peer tier's persist time for the interval advice (ckptd.daemon.measuring)
         self.on_replicated: Callable[[str, int, int, float], None] | None = None
-        self._committed_at: dict[Key, float] = {}  # shares not yet fully replicated -> commit time
-        self._versions: dict[str, Any] = {}  # peers of another protocol version -> theirs
+        self._committed_at: dict[Key, float] = {}
+        self._versions: dict[str, Any] = {}
 
     # -- from other threads ----------------------------------------------------------------
     def close(self) -> None:
@@ -82,7 +82,7 @@ class Copier(supervise.Supervised):
             # resume from an older step (a new attempt) the new attempt's shares are what a recovery wants
             self._newest[(run, rank)] = step
             for k in [k for k in self._holders if k[0] == run and k[2] == rank and k[1] != step]:
-                self._forget_share(k)  # superseded
+                self._forget_share(k)
             self._holders[(run, step, rank)] = set()
             self._committed_at[(run, step, rank)] = time.time()
             self._queue.append((run, step, rank))
@@ -141,7 +141,7 @@ class Copier(supervise.Supervised):
                     self._send_drops()
                     self._probe()
                     self._check_holders()
-            except Exception:  # a bug: reported, and the next share is still replicated
+            except Exception:  # a bug: reported, and the next share is still copied
                 log.exception("replicating %s failed", key or "(the heartbeat's checks)")
 
     def _check_due(self) -> bool:
@@ -152,7 +152,7 @@ class Copier(supervise.Supervised):
         neither holding it, nor sending it, nor failed it this round, nor backed off."""
         run, step, rank = key
         with self._cv:
-            if key not in self._holders:  # superseded or deleted meanwhile
+            if key not in self._holders:
                 return
             have, sending = self._holders[key], self._sending.get(key, set())
             want = self.cfg.replicas - len(have) - len(sending)
@@ -168,7 +168,7 @@ class Copier(supervise.Supervised):
                             "(under-replicated; retried every %g s)", run, step, rank, held, self.cfg.replicas,
                             self.cfg.heartbeat)
             return
-        failpoints.hit("peer.replicate")  # a node that dies between its commit and its replication (tests)
+        failpoints.hit("peer.replicate")
         job = self._job(key)
         with self._cv:
             if job is None:
@@ -190,7 +190,7 @@ class Copier(supervise.Supervised):
         except (CheckpointCorrupt, OSError) as exc:
             log.warning("cannot replicate run %r step %d rank %d: %s", run, step, rank, exc)
             return None
-        if m is None:  # deleted meanwhile
+        if m is None:
             return None
         if any(t.offset is None for t in m.tensors.values()):
             log.warning("run %r step %d rank %d is not replicated: it has chunked (compressed) HDF5 datasets, "
@@ -222,7 +222,7 @@ class Copier(supervise.Supervised):
                 if not sending:
                     del self._sending[key]
             if outcome in (HELD, REFUSED, DOWN):
-                self._sent_to.setdefault(key[0], set()).add(peer)  # it may hold a copy: its drops go there
+                self._sent_to.setdefault(key[0], set()).add(peer)
                 self.figures_["send_seconds"] += seconds
             if outcome == HELD:
                 self._backoff.answered(peer)
@@ -244,7 +244,7 @@ class Copier(supervise.Supervised):
                 if outcome == DOWN:
                     self._backoff.failed(peer)
                 if key in self._holders and not self._stop:
-                    self._queue.append(key)  # to the next peers of its order
+                    self._queue.append(key)
                     self._cv.notify()
             elif outcome == GONE:
                 self._forget_share(key)
@@ -267,7 +267,7 @@ class Copier(supervise.Supervised):
         for peer in requests:
             try:
                 links[peer] = self._control(peer)
-            except messages.PeerRefused as exc:  # no key for it
+            except messages.PeerRefused as exc:
                 answers[peer] = exc
         answers.update(ask_all(links, {p: r for p, r in requests.items() if p in links}, timeout))
         for peer, asked in links.items():
@@ -303,7 +303,7 @@ class Copier(supervise.Supervised):
             for key, peers in self._holders.items():
                 for p in peers:
                     by_peer.setdefault(p, []).append(key)
-            self._tried.clear()  # a new round: every partner may be tried again
+            self._tried.clear()
         requests = {p: {"op": "holds", "shares": [list(k) for k in keys[:messages.MAX_SHARES_ASKED]]}
                     for p, keys in by_peer.items()}
         for peer, answer in self._ask(requests, self.cfg.timeout).items():
@@ -319,7 +319,7 @@ class Copier(supervise.Supervised):
                 with self._cv:
                     self._backoff.answered(peer)
             except messages.PeerVersion:
-                continue  # named in the log and status: what it holds is unknown, not nothing
+                continue
             except (messages.PeerDown, messages.PeerRefused, ProtocolError) as exc:
                 with self._cv:
                     skip = self._backoff.failed(peer)

@@ -20,27 +20,27 @@ from typing import Any
 
 from .. import dtypes, layout
 from ..errors import CheckpointCorrupt
-from ..errors import PeerMemoryFull as Full  # re-exported: its home was here
+from ..errors import PeerMemoryFull as Full
 from ..errors import PeerNotOwner as NotYours
 from ..manifest import Manifest, checksum
 
 log = logging.getLogger("ckptd.peer")
 
-Key = tuple[str, int, int]  # run, step, rank
+Key = tuple[str, int, int]
 
 
 @dataclass(eq=False)
 class Copy:
     manifest: Manifest
     manifest_json: bytes
-    files: dict[str, Any]  # file -> its bytes (``_memory``)
-    received: dict[str, int] = field(default_factory=dict)  # file -> bytes arrived (parts never overlap)
+    files: dict[str, Any]
+    received: dict[str, int] = field(default_factory=dict)
     touched: float = field(default_factory=time.monotonic)
     arrival: int = 0
-    owner: str | None = None  # the sender's public key (Z85); None in plaintext
-    keep_last: int = 0  # the sender's retention: steps of its (run, rank) worth holding (0: no limit)
-    dropped: bool = False  # its owner's retention deleted its step; kept while a recovery may need it
-    writing: int = 0  # parts being copied in, outside the lock
+    owner: str | None = None
+    keep_last: int = 0
+    dropped: bool = False
+    writing: int = 0
 
     @property
     def key(self) -> Key:
@@ -59,12 +59,12 @@ class Holder:
         self._written = threading.Condition(self._lock)
         self._held: dict[Key, Copy] = {}
         self._incoming: dict[int, Copy] = {}
-        self._verifying: dict[int, Copy] = {}  # received whole, being checksummed (``done``): room still taken
+        self._verifying: dict[int, Copy] = {}
         self._xfers = itertools.count(1)
         self._arrivals = itertools.count()
         self.evicted = 0
-        self.rejected = 0  # shares whose bytes did not match their checksums
-        self.drop_requests = 0  # ``drop`` messages received
+        self.rejected = 0
+        self.drop_requests = 0
 
     # -- receiving -------------------------------------------------------------------------
     def offer(self, manifest_json: bytes, files: dict[str, int], keep_last: int, owner: str | None = None) -> int:
@@ -134,13 +134,13 @@ class Holder:
             if short:
                 raise CheckpointCorrupt(f"{', '.join(short)}: not every byte arrived")
             try:
-                verify(r.manifest, r.files, "a copy received")  # outside the lock: the other ops go on
+                verify(r.manifest, r.files, "a copy received")
             except CheckpointCorrupt:
                 with self._lock:
                     self.rejected += 1
                 raise
             with self._lock:
-                self._check_owner(r.key, r.owner)  # held meanwhile by another owner: theirs stays
+                self._check_owner(r.key, r.owner)
                 r.arrival = next(self._arrivals)
                 del self._verifying[xfer]
                 self._held[r.key] = r

@@ -14,21 +14,21 @@ from typing import Any, Callable
 
 import zmq
 
-from ..errors import ConfigError, PeerDown, PeerRefused, ProtocolError  # PeerDown, PeerRefused: re-exported
+from ..errors import ConfigError, PeerDown, PeerRefused, ProtocolError
 from ..transport import wire
 
-VERSION = 2  # version 1 sent no ``v``; its messages are otherwise these
-OLDEST_VERSION = 1  # the oldest version whose requests this node answers
+VERSION = 2
+OLDEST_VERSION = 1
 MAX_HEADER_BYTES = 64 * 2**20  # a ``manifests`` answer carries manifests
-MAX_MANIFEST_BYTES = 48 * 2**20  # manifests in one ``manifests`` answer (one larger one is answered alone)
-MAX_STEPS_ANSWERED = 64  # steps in one ``steps`` answer
-MAX_SHARES_ANSWERED = 4096  # shares in one ``steps`` answer
-MAX_RANKS_ASKED = 4096  # ranks in one ``manifests`` request
-MAX_SHARES_ASKED = 100_000  # shares in one ``holds``
-MAX_STEPS_DROPPED = 100_000  # steps in one ``drop``, over all its runs
-MAX_FILES_OFFERED = 100_000  # files in one ``offer``
-MAX_NAME = 1024  # characters of a run or file name
-MAX_CONTAINERS = 2 * MAX_SHARES_ASKED + 64  # maps and arrays in one request: a full ``holds``
+MAX_MANIFEST_BYTES = 48 * 2**20
+MAX_STEPS_ANSWERED = 64
+MAX_SHARES_ANSWERED = 4096
+MAX_RANKS_ASKED = 4096
+MAX_SHARES_ASKED = 100_000
+MAX_STEPS_DROPPED = 100_000
+MAX_FILES_OFFERED = 100_000
+MAX_NAME = 1024
+MAX_CONTAINERS = 2 * MAX_SHARES_ASKED + 64
 
 
 def _uint(v: Any) -> bool:
@@ -90,15 +90,15 @@ REQUESTS: dict[str, dict[str, str]] = {
     "manifests": {"run": "str", "step": "int", "ranks": "ranks"},
     "read": {"run": "str", "step": "int", "rank": "int", "file": "str", "offset": "int", "length": "int"},
 }
-TOO_NEW = "version"  # the error code of a request of a version newer than this node's
+TOO_NEW = "version"
 
 
 @dataclass(frozen=True)
 class Request:
     op: str
-    fields: dict[str, Any]  # exactly the op's schema fields, checked
-    payload: Any  # the second frame, or None
-    rid: int | None  # echoed in the answer
+    fields: dict[str, Any]
+    payload: Any
+    rid: int | None
     version: int
 
 
@@ -182,8 +182,8 @@ class Link:
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message + 65536)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a peer not (yet) connected
-        if hasattr(keys, "for_endpoint"):  # one key pair per node: this peer's public key
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        if hasattr(keys, "for_endpoint"):
             try:
                 keys = keys.for_endpoint(endpoint)
             except ConfigError as exc:
@@ -235,7 +235,7 @@ class Link:
                     if isinstance(header.get("id"), int) and header["id"] > rid:
                         raise ProtocolError(f"{self.endpoint}: answers out of order")
                     continue
-            self._answered(header)  # raises for an error answer
+            self._answered(header)
             n = self.sock.recv_into(dst) if self.sock.getsockopt(zmq.RCVMORE) else -1
             if n != len(dst) or self.sock.getsockopt(zmq.RCVMORE):
                 self._discard_rest()

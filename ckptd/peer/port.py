@@ -27,7 +27,7 @@ from .messages import Request
 
 log = logging.getLogger("ckptd.peer")
 
-Answer = tuple[dict[str, Any], Any]  # header fields, and the bytes frame or None
+Answer = tuple[dict[str, Any], Any]
 Make = Callable[[], Answer]
 
 
@@ -38,10 +38,10 @@ class Later:
         self.make = make
 
 
-Reply = Union[Answer, Later, None]  # None: this request is not answered
-UNREAD_FRAMES = 12  # answers of a frame's size an asker may leave unread
-UNREAD_TOTAL_FRAMES = 64  # ... all askers together
-TRACKED_BYTES = 65536  # answers from this size on are counted until libzmq lets them go
+Reply = Union[Answer, Later, None]
+UNREAD_FRAMES = 12
+UNREAD_TOTAL_FRAMES = 64
+TRACKED_BYTES = 65536
 
 
 class Backlog:
@@ -81,7 +81,7 @@ class Backlog:
 class PeerServer:
     def __init__(self, ctx: zmq.Context, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int,
                  node_id: str) -> None:
-        self.node_id = node_id  # this daemon, as ``ping`` answers it
+        self.node_id = node_id
         self.root = root
         self.holder = holder
         self.listen = listen
@@ -100,10 +100,10 @@ class PeerServer:
         self.curve = curve
         self.max_read = max_frame
         self.backlog = Backlog(UNREAD_FRAMES * max_frame, UNREAD_TOTAL_FRAMES * max_frame)
-        self._logged: dict[str, float] = {}  # unexpected failures -> when last logged
-        self._muted: set[int] = set()  # transfers a failpoint stopped answering (tests)
-        self.served: dict[str, list[int]] = {}  # op -> [requests answered, bytes sent]
-        self._disk: dict[Path, tuple[tuple[int, int, int], Manifest | None]] = {}  # own shares, by manifest file
+        self._logged: dict[str, float] = {}
+        self._muted: set[int] = set()
+        self.served: dict[str, list[int]] = {}
+        self._disk: dict[Path, tuple[tuple[int, int, int], Manifest | None]] = {}
         self._stop = threading.Event()
         self._expired = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-serve", daemon=True)
@@ -139,7 +139,7 @@ class PeerServer:
                     self._wake[0].recv()
                 while self._verified:
                     self._send(*self._verified.popleft(), None)
-            if time.monotonic() - self._expired > 1.0:  # transfers whose parts stopped coming
+            if time.monotonic() - self._expired > 1.0:
                 self._expired = time.monotonic()
                 self.holder.expire()
             if self.sock in ready:
@@ -157,7 +157,7 @@ class PeerServer:
             rid = getattr(exc, "rid", None)
             reply: Reply = _refusal(exc), None
             log.debug("peer request refused: %s", exc)
-        except Exception as exc:  # memory exhausted decoding: this request fails, the thread serves on
+        except Exception as exc:
             reply = _refusal(exc, f"{type(exc).__name__} decoding the request"), None
         else:
             user = _user(frames[1])
@@ -180,11 +180,11 @@ class PeerServer:
         nbytes = len(head) + (len(payload) if payload is not None else 0)
         frames_out = [ident, head] + ([payload] if payload is not None else [])
         self._count(op, nbytes)
-        track = nbytes >= TRACKED_BYTES and not isinstance(payload, memoryview)  # a view: memory held anyway
+        track = nbytes >= TRACKED_BYTES and not isinstance(payload, memoryview)
         try:
             sent = self.sock.send_multipart(frames_out, copy=payload is None and not track, track=track,
                                             flags=zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError) as exc:  # the asker is gone, or has a backlog
+        except (zmq.Again, zmq.ZMQError) as exc:
             log.debug("cannot answer a peer: %s", exc)
             return
         if track and sent is not None:
@@ -199,7 +199,7 @@ class PeerServer:
             error = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
             log.debug("peer request %s refused: %s", request.op, error)
             return _refusal(exc, str(error)), None
-        except Exception as exc:  # a bug, or memory exhausted: this request fails, the thread serves on
+        except Exception as exc:
             if self._log_now(type(exc).__name__):
                 log.exception("peer request %s failed", request.op)
             return _refusal(exc, f"{type(exc).__name__}: {exc}"), None
@@ -245,7 +245,7 @@ class PeerServer:
             return None
         try:
             failpoints.hit("peer.receive")
-        except failpoints.Failpoint:  # a partner that hangs in mid-transfer
+        except failpoints.Failpoint:
             log.warning("failpoint peer.receive: transfer %d is no longer answered", xfer)
             self._muted.add(xfer)
             return None
@@ -369,7 +369,7 @@ class PeerServer:
             pass
         if m is not None and (m.run, m.step) != (run, step):
             m = None
-        if len(self._disk) >= 4096:  # a bounded cache: the steps a reader asks are the newest
+        if len(self._disk) >= 4096:
             self._disk.clear()
         self._disk[name] = (ident, m)
         return m
@@ -383,7 +383,7 @@ class PeerServer:
         copy = self.holder.get(key)
         if copy is not None:
             return self._read_memory(key, copy.files.get(file), file, offset, length)
-        if length > self.max_read:  # read from disk into memory of its own: at most a frame
+        if length > self.max_read:
             raise ProtocolError(f"read: {length} bytes at once from disk; ask at most {self.max_read} ([peer] frame) "
                                 "a request")
         step_path = layout.step_dir(self.root, run, key[1])
@@ -408,14 +408,14 @@ class PeerServer:
         data: Any = memoryview(buf)[offset:offset + length]
         try:
             failpoints.hit("peer.serve")
-        except failpoints.Failpoint:  # a copy damaged in this holder's memory
+        except failpoints.Failpoint:
             data = bytearray(data)
             if data:
                 data[len(data) // 2] ^= 0xFF
         return data
 
 
-_OP = "\x00op"  # the op an answer is to, for the counts; taken out before it is sent
+_OP = "\x00op"
 
 
 def _refusal(exc: Exception, error: str | None = None) -> dict[str, Any]:
@@ -437,7 +437,7 @@ def _answer(fields: dict[str, Any], request: Request | None, rid: Any = None) ->
     return answer
 
 
-Deferred = tuple[bytes, Request, Make]  # (asker, request, make)
+Deferred = tuple[bytes, Request, Make]
 
 
 class _Verifier(supervise.Queued[Deferred]):
@@ -454,7 +454,7 @@ class _Verifier(supervise.Queued[Deferred]):
             reply = self.server._guard(request, make)
             assert isinstance(reply, tuple)
             self.server._verified.append((ident, _answer(reply[0], request)))
-            self.server._wake[1].send(b"", zmq.NOBLOCK)  # this thread alone sends on this end
+            self.server._wake[1].send(b"", zmq.NOBLOCK)
 
 
 def _within(file: str, offset: int, length: int, size: int) -> None:
