@@ -390,3 +390,43 @@ def test_parts_after_done_are_refused(tmp_path) -> None:
 def test_the_peer_fuzz_at_small_scale_keeps_every_bound(capsys) -> None:
     """benchmarks/peer_fuzz.py, short: no restart, the probes bounded, a lost node recovered."""
     assert peer_fuzz.main(["--messages", "3000", "--identities", "8"]) == 0, capsys.readouterr().out
+
+
+def test_versions_on_the_wire(tmp_path) -> None:
+    """Answers carry the peer protocol version; a request of a newer one is refused by
+    name; a peer answering as version 1 did (no ``v``) is named in the log and status."""
+    import threading
+
+    old_ = f"tcp://127.0.0.1:{free_port()}"
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    node = Daemon(tmp_path / "n", tables={"peer": {"listen": listen, "peers": [old_], "heartbeat": "1s"}})
+    ctx = zmq.Context()
+    old = ctx.socket(zmq.ROUTER)
+    old.bind(old_)
+    stop = threading.Event()
+
+    def answer_as_version_1() -> None:
+        while not stop.is_set():
+            if old.poll(100):
+                ident, frame = old.recv_multipart()[:2]
+                request = msgpack.unpackb(frame, raw=False)
+                answer = {"ok": True, "id": request.get("id"), "node": "old", "listen": old_}
+                if request.get("op") == "holds":
+                    answer["held"] = [True] * len(request["shares"])
+                old.send_multipart([ident, msgpack.packb(answer)])
+
+    thread = threading.Thread(target=answer_as_version_1, daemon=True)
+    thread.start()
+    try:
+        node.start()
+        sock = _client(ctx, listen, None, None)
+        assert _ask(sock, [msgpack.packb({"op": "ping", "id": 1})])["v"] == 2  # a version 1 request
+        answer = _ask(sock, [msgpack.packb({"op": "ping", "id": 2, "v": 99})])
+        assert answer["ok"] is False and answer["code"] == "version" and "version 99" in answer["error"], answer
+        _wait(lambda: _status(node)["peer"]["peer_versions"] == {old_: 1}, "the old peer named in status")
+        assert f"peer {old_} speaks peer protocol version 1, this node 2" in node.log_text()
+    finally:
+        stop.set()
+        thread.join()
+        ctx.destroy(linger=0)
+        node.cleanup()
