@@ -176,7 +176,7 @@ BASE = ("torch", "torch._inductor.config")
 # What ``python -m ckptd serve`` imports (and not torch): the daemon under test is forked
 # from a server that imported its modules, so they must read nothing of the process
 # (its environment, an id) at import: ckptd reads such things as the daemon starts.
-DAEMON = ["ckptd.cli", "ckptd.daemon.server", "ckptd.tiers.peer", "ckptd.peer.port", "ckptd.peer.replicator"]
+DAEMON = ["ckptd.cli", "ckptd.daemon.server", "ckptd.tiers.peer", "ckptd.peer.port", "ckptd.peer.copier"]
 
 
 def preload_for(argv: list[str], env: dict[str, str]) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from ckptd.layout import manifest_name, step_dir
 from ckptd.peer.keys import key_name
 from ckptd.transport import curve
 from conftest import Daemon, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import peer_fuzz  # noqa: E402  (benchmarks/peer_fuzz.py: the peer port's fuzz at scale)
 from test_peer import _held, _save, _status, _wait
 
 FUZZ_MESSAGES = 600
@@ -121,7 +125,7 @@ def test_no_message_stops_the_peer_port_and_a_lost_node_then_recovers_through_it
             answer = _ask(sock, [msgpack.packb(dict(read, **fields))])
             assert answer["ok"] is False and answer["id"] == 1, answer
         answer = _ask(sock, [msgpack.packb({"op": "drop", "id": 2, "run": "job", "steps": [1]})])
-        assert answer == {"ok": True, "id": 2, "dropped": 0}, answer  # not the spy's to drop
+        assert answer == {"ok": True, "id": 2, "v": 2, "dropped": 0}, answer  # not the spy's to drop
         files = {data_file: os.path.getsize(step_dir(a.root, "job", 1) / data_file)}
         offer = {"op": "offer", "id": 3, "manifest": manifest, "files": files, "keep_last": 1}
         answer = _ask(sock, [msgpack.packb(offer, use_bin_type=True)])
@@ -218,3 +222,211 @@ def test_a_network_listen_without_keys_is_refused_unless_plaintext_is_allowed(tm
         assert "runs in plaintext ([peer] allow_plaintext = true)" in allowed.log_text()
     finally:
         allowed.cleanup()
+
+
+# -- a hostile member, one item at a time: each leaves the thread serving and memory bounded --
+def _memory(node: Daemon) -> tuple[int, int]:
+    """The daemon's resident and peak resident memory, in bytes."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{node.pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def _plain_node(tmp_path: Path, **peer: object) -> tuple[Daemon, str]:
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    node = Daemon(tmp_path / "n", tables={"peer": {"listen": listen, "peers": [f"tcp://127.0.0.1:{free_port()}"],
+                                                   **peer}})
+    return node, listen
+
+
+def test_a_deeply_nested_field_is_refused_without_restarting_the_thread(tmp_path) -> None:
+    node, listen = _plain_node(tmp_path)
+    ctx = zmq.Context()
+    try:
+        node.start()
+        sock = _client(ctx, listen, None, None)
+        deep: object = "ping"
+        for _ in range(1000):
+            deep = [deep]
+        for i, header in enumerate(({"op": deep, "id": 1}, {"op": "read", "id": 2, "run": deep},
+                                    {"op": "holds", "id": 3, "shares": [deep]}, {"op": "ping", "id": 4, "x": deep})):
+            answer = _ask(sock, [msgpack.packb(header)])
+            if header["op"] == "ping":
+                assert answer["ok"] is True, answer  # a field the op does not know is left unread
+            else:
+                assert answer["ok"] is False and "RecursionError" not in answer["error"], answer
+        assert _status(node)["peer"]["thread_restarts"] == 0
+        assert "failed (restart" not in node.log_text()
+    finally:
+        ctx.destroy(linger=0)
+        node.cleanup()
+
+
+def test_a_header_of_empty_maps_is_refused_within_bounded_memory(tmp_path) -> None:
+    node, listen = _plain_node(tmp_path)
+    ctx = zmq.Context()
+    try:
+        node.start()
+        sock = _client(ctx, listen, None, None)
+        assert _ask(sock, [msgpack.packb({"op": "ping", "id": 0})])["ok"] is True
+        before, _ = _memory(node)
+        header = msgpack.packb({"op": "holds", "id": 1, "shares": [{}] * (4 * 2**20 - 64)})
+        answer = _ask(sock, [header], timeout=60)
+        assert answer["ok"] is False, answer
+        assert _memory(node)[1] - before <= 64 * 2**20
+    finally:
+        ctx.destroy(linger=0)
+        node.cleanup()
+
+
+def test_unread_answers_are_capped(tmp_path) -> None:
+    """48 reads of 4 MiB from the daemon's own root, their answers never read."""
+    node, listen = _plain_node(tmp_path)
+    ctx = zmq.Context()
+    try:
+        node.start()
+        _save(node, range(1, 2), nbytes=5 * 2**20)
+        folder = step_dir(node.root, "job", 1)
+        data_file = next(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.connect(listen)
+        sock.send_multipart([msgpack.packb({"op": "ping", "id": 0})])
+        assert sock.poll(10000)
+        sock.recv_multipart()
+        before, _ = _memory(node)
+        read = {"op": "read", "run": "job", "step": 1, "rank": 0, "file": data_file, "offset": 0, "length": 4 * 2**20}
+        for i in range(48):
+            sock.send_multipart([msgpack.packb(dict(read, id=i + 1))])
+        time.sleep(3)
+        assert _memory(node)[1] - before <= 64 * 2**20
+        other = _client(ctx, listen, None, None)
+        assert _ask(other, [msgpack.packb({"op": "ping", "id": 1})])["ok"] is True
+    finally:
+        ctx.destroy(linger=0)
+        node.cleanup()
+
+
+def _big_share(tmp_path: Path, nbytes: int) -> tuple[bytes, dict[str, int], dict[str, bytes]]:
+    """A real committed share of run "big" (its manifest, its files' sizes and bytes)."""
+    node = Daemon(tmp_path / "maker")
+    try:
+        node.start()
+        with node.producer("big", rank=0, world_size=1) as p:
+            p.save({"w": torch.arange(nbytes // 4, dtype=torch.float32)}, 1).wait(30)
+        folder = step_dir(node.root, "big", 1)
+        data = {n: (folder / n).read_bytes() for n in os.listdir(folder) if n.endswith(".safetensors")}
+        return (folder / manifest_name(0)).read_bytes(), {n: len(b) for n, b in data.items()}, data
+    finally:
+        node.cleanup()
+
+
+def test_an_offer_reserves_room_and_evicts_nothing_until_its_share_is_verified(tmp_path) -> None:
+    a_, b_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    a = Daemon(tmp_path / "a", tables={"peer": {"listen": a_, "peers": [b_]}, "retention": {"keep_last": 3}})
+    b = Daemon(tmp_path / "b", tables={"peer": {"listen": b_, "peers": [a_], "memory": "4MiB", "stall": "2s"}})
+    manifest, files, _ = _big_share(tmp_path, 3 * 2**20)
+    ctx = zmq.Context()
+    try:
+        a.start()
+        b.start()
+        for step in range(1, 4):
+            _save(a, range(step, step + 1))
+            _wait(lambda: _status(b)["peer"]["held_shares"] == step, f"{step} of A's steps held by B")
+        sock = _client(ctx, b_, None, None)
+        offer = {"op": "offer", "id": 1, "manifest": manifest, "files": files, "keep_last": 1}
+        answer = _ask(sock, [msgpack.packb(offer, use_bin_type=True)])
+        assert answer["ok"] is True, answer
+        status = _status(b)["peer"]
+        assert status["held_shares"] == 3 and status["evicted"] == 0, status
+        # no part comes: the reservation is given up after [peer] stall, and held copies stay
+        _wait(lambda: _status(b)["peer"]["receiving_bytes"] == 0, "the reservation given up", timeout=20)
+        assert _status(b)["peer"]["held_shares"] == 3
+        # an offer that fits only by evicting the newest copy of a rank is refused
+        big, big_files, _ = _big_share(tmp_path / "bigger", 4 * 2**20 - 64 * 1024)
+        answer = _ask(sock, [msgpack.packb(dict(offer, id=2, manifest=big, files=big_files), use_bin_type=True)])
+        assert answer["ok"] is False and "room" in answer["error"], answer
+        assert _status(b)["peer"]["held_shares"] == 3
+    finally:
+        ctx.destroy(linger=0)
+        for n in (a, b):
+            n.cleanup()
+
+
+def test_parts_after_done_are_refused(tmp_path) -> None:
+    node, listen = _plain_node(tmp_path, memory="64MiB")
+    manifest, files, data = _big_share(tmp_path, 8 * 2**20)
+    ctx = zmq.Context()
+    try:
+        node.start()
+        sock = _client(ctx, listen, None, None)
+        answer = _ask(sock, [msgpack.packb({"op": "offer", "id": 1, "manifest": manifest, "files": files,
+                                            "keep_last": 1}, use_bin_type=True)])
+        xfer = answer["xfer"]
+        for i, (name, blob) in enumerate(data.items()):
+            for off in range(0, len(blob), 2**20):
+                part = {"op": "part", "id": 10, "xfer": xfer, "file": name, "offset": off}
+                assert _ask(sock, [msgpack.packb(part), blob[off:off + 2**20]])["ok"] is True
+        name, blob = next(iter(data.items()))
+        # done, then parts racing it: each part is refused, and the share verifies as sent
+        sock.send_multipart([msgpack.packb({"op": "done", "id": 20, "xfer": xfer})])
+        for i in range(5):
+            sock.send_multipart([msgpack.packb({"op": "part", "id": 21 + i, "xfer": xfer, "file": name,
+                                                "offset": 0}), bytes(2**20)])
+        answers = {}
+        while len(answers) < 6:
+            assert sock.poll(30000)
+            a = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+            answers[a["id"]] = a
+        assert answers[20]["ok"] is True, answers[20]
+        assert all(answers[21 + i]["ok"] is False for i in range(5)), answers
+    finally:
+        ctx.destroy(linger=0)
+        node.cleanup()
+
+
+@pytest.mark.slow
+def test_the_peer_fuzz_at_small_scale_keeps_every_bound(capsys) -> None:
+    """benchmarks/peer_fuzz.py, short: no restart, the probes bounded, a lost node recovered."""
+    assert peer_fuzz.main(["--messages", "3000", "--identities", "8"]) == 0, capsys.readouterr().out
+
+
+def test_versions_on_the_wire(tmp_path) -> None:
+    """Answers carry the peer protocol version; a request of a newer one is refused by
+    name; a peer answering as version 1 did (no ``v``) is named in the log and status."""
+    import threading
+
+    old_ = f"tcp://127.0.0.1:{free_port()}"
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    node = Daemon(tmp_path / "n", tables={"peer": {"listen": listen, "peers": [old_], "heartbeat": "1s"}})
+    ctx = zmq.Context()
+    old = ctx.socket(zmq.ROUTER)
+    old.bind(old_)
+    stop = threading.Event()
+
+    def answer_as_version_1() -> None:
+        while not stop.is_set():
+            if old.poll(100):
+                ident, frame = old.recv_multipart()[:2]
+                request = msgpack.unpackb(frame, raw=False)
+                answer = {"ok": True, "id": request.get("id"), "node": "old", "listen": old_}
+                if request.get("op") == "holds":
+                    answer["held"] = [True] * len(request["shares"])
+                old.send_multipart([ident, msgpack.packb(answer)])
+
+    thread = threading.Thread(target=answer_as_version_1, daemon=True)
+    thread.start()
+    try:
+        node.start()
+        sock = _client(ctx, listen, None, None)
+        assert _ask(sock, [msgpack.packb({"op": "ping", "id": 1})])["v"] == 2  # a version 1 request
+        answer = _ask(sock, [msgpack.packb({"op": "ping", "id": 2, "v": 99})])
+        assert answer["ok"] is False and answer["code"] == "version" and "version 99" in answer["error"], answer
+        _wait(lambda: _status(node)["peer"]["peer_versions"] == {old_: 1}, "the old peer named in status")
+        assert f"peer {old_} speaks peer protocol version 1, this node 2" in node.log_text()
+    finally:
+        stop.set()
+        thread.join()
+        ctx.destroy(linger=0)
+        node.cleanup()

@@ -416,7 +416,7 @@ def test_the_port_answers_others_while_a_received_share_is_verified(tmp_path, mo
         assert not sender.poll(100), "done answered before its share was verified"
         release.set()
         assert sender.poll(10000), "done never answered"
-        assert msgpack.unpackb(sender.recv_multipart()[0], raw=False) == {"ok": True, "id": 3}
+        assert msgpack.unpackb(sender.recv_multipart()[0], raw=False) == {"ok": True, "id": 3, "v": 2}
         listed = ask(asker, {"op": "steps", "id": 6, "run": "job", "limit": 4})["steps"]
         assert [(s["step"], [h["where"] for h in s["shares"]]) for s in listed] == [(1, ["memory"])], listed
         figures = holder.figures()

@@ -187,7 +187,7 @@ def test_replication_reads_the_files_with_o_direct_and_leaves_the_page_cache_alo
 
 def test_a_drop_message_carries_at_most_the_bound_of_steps_over_all_its_runs() -> None:
     from ckptd.peer import messages
-    from ckptd.peer.replicator import _add_steps
+    from ckptd.peer.copier import _add_steps
 
     bound = messages.MAX_STEPS_DROPPED
     batches: list[dict[str, list[int]]] = [{}]

@@ -24,7 +24,7 @@ def ask_all(links: dict[str, messages.Link], requests: dict[str, dict[str, Any]]
     rids: dict[str, int] = {}
     unsent = dict(requests)
     poller = zmq.Poller()
-    for peer in unsent:  # with IMMEDIATE, a DEALER is writable only once its peer is connected
+    for peer in unsent:
         poller.register(links[peer].sock, zmq.POLLOUT)
     while unsent or rids.keys() - out.keys():
         left = deadline - time.monotonic()
@@ -34,14 +34,14 @@ def ask_all(links: dict[str, messages.Link], requests: dict[str, dict[str, Any]]
         for peer in [p for p in unsent if events.get(links[p].sock, 0) & zmq.POLLOUT]:
             try:
                 rids[peer] = links[peer].send(unsent.pop(peer), timeout=0)
-            except PeerDown as exc:  # writable a moment ago: gone meanwhile
+            except PeerDown as exc:
                 out[peer] = exc
             poller.modify(links[peer].sock, zmq.POLLIN)
         for peer in [p for p in rids if p not in out and events.get(links[p].sock, 0) & zmq.POLLIN]:
             try:
                 out[peer] = links[peer].recv(rids[peer], timeout=0.001)[0]
             except PeerDown:
-                continue  # an older answer was read: still waiting for this one
+                continue
             except (PeerRefused, ProtocolError) as exc:
                 out[peer] = exc
     for peer in requests:

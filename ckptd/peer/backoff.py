@@ -12,15 +12,15 @@ import threading
 import time
 from typing import Any
 
-CAP_HEARTBEATS = 12  # the sender's longest skip: 12 heartbeats (1 minute at the default 5 s)
+CAP_HEARTBEATS = 12
 
 
 class Backoff:
     def __init__(self, first: float, cap: float) -> None:
         self.first, self.cap = first, cap
-        self._lock = threading.Lock()  # readers' threads share the process's one
-        self._failed: dict[str, int] = {}  # peer -> failures in a row
-        self._until: dict[str, float] = {}  # peer -> monotonic time until which it is skipped
+        self._lock = threading.Lock()
+        self._failed: dict[str, int] = {}
+        self._until: dict[str, float] = {}
 
     def failed(self, peer: str) -> float:
         """``peer`` did not answer: skip it; the seconds it is skipped for."""

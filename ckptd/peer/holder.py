@@ -1,20 +1,10 @@
-"""The replicas this daemon holds for its peers, in memory, within a byte budget.
+"""The copies of other nodes' shares this daemon holds, in memory, within a byte budget.
 
-A share is received into a reservation (``offer``, ``part``) and admitted only
-once every byte arrived and every tensor matched its checksum (``done``): nothing
-half-received is ever listed or served, and nothing held is evicted for a share not
-yet verified. A replica belongs to the key that sent it (its ``owner``: the sending
-daemon's CurveZMQ public key; None in plaintext): only that key may replace or drop
-it, or add parts to its transfer.
-
-What stays (``_protected``): for each run, the newest replica held here of each rank,
-and every share of the newest step whose ranks are all held here. Neither the budget,
-nor ``keep_last``, nor a ``drop`` removes those: a step complete across ranks survives
-a node lost between its commit and its replication. Beyond them, a replica goes when
-its owner's retention deleted its step (``drop``), beyond ``max(keep_last, 2)`` steps
-of its rank, and when room is needed (dropped ones first, then the oldest). A share
-that does not fit otherwise is refused (``full``) and goes to the next peer. A
-reservation that no part reaches for ``stall`` seconds is given up.
+A share is received into room reserved at ``offer`` (``part``), closed by ``done`` and
+admitted once every tensor matched its checksum (``admit``): only then may held copies
+be evicted for it, and only as ``_protected`` allows (never the newest copy of a rank,
+nor the newest step complete here). A copy belongs to the key that sent it (``owner``);
+only that key may replace or drop it. Start reading at ``Holder.offer``.
 """
 
 from __future__ import annotations
@@ -30,26 +20,27 @@ from typing import Any
 
 from .. import dtypes, layout
 from ..errors import CheckpointCorrupt
-from ..errors import PeerMemoryFull as Full  # re-exported: its home was here
+from ..errors import PeerMemoryFull as Full
 from ..errors import PeerNotOwner as NotYours
 from ..manifest import Manifest, checksum
 
 log = logging.getLogger("ckptd.peer")
 
-Key = tuple[str, int, int]  # run, step, rank
+Key = tuple[str, int, int]
 
 
 @dataclass(eq=False)
-class Replica:
+class Copy:
     manifest: Manifest
     manifest_json: bytes
-    files: dict[str, Any]  # file -> its bytes (``_memory``)
-    received: dict[str, int] = field(default_factory=dict)  # file -> bytes arrived (parts never overlap)
+    files: dict[str, Any]
+    received: dict[str, int] = field(default_factory=dict)
     touched: float = field(default_factory=time.monotonic)
     arrival: int = 0
-    owner: str | None = None  # the sender's public key (Z85); None in plaintext
-    keep_last: int = 0  # the sender's retention: steps of its (run, rank) worth holding (0: no limit)
-    dropped: bool = False  # its owner's retention deleted its step; kept while a recovery may need it
+    owner: str | None = None
+    keep_last: int = 0
+    dropped: bool = False
+    writing: int = 0
 
     @property
     def key(self) -> Key:
@@ -65,20 +56,21 @@ class Holder:
         self.budget = budget
         self.stall = stall
         self._lock = threading.Lock()
-        self._held: dict[Key, Replica] = {}
-        self._incoming: dict[int, Replica] = {}
-        self._verifying: dict[int, Replica] = {}  # received whole, being checksummed (``done``): room still taken
+        self._written = threading.Condition(self._lock)
+        self._held: dict[Key, Copy] = {}
+        self._incoming: dict[int, Copy] = {}
+        self._verifying: dict[int, Copy] = {}
         self._xfers = itertools.count(1)
         self._arrivals = itertools.count()
         self.evicted = 0
-        self.rejected = 0  # shares whose bytes did not match their checksums
-        self.drop_requests = 0  # ``drop`` messages received
+        self.rejected = 0
+        self.drop_requests = 0
 
     # -- receiving -------------------------------------------------------------------------
     def offer(self, manifest_json: bytes, files: dict[str, int], keep_last: int, owner: str | None = None) -> int:
         """Reserve room for a share sent by ``owner``; its transfer id. CheckpointCorrupt
         for a bad manifest or file list, NotYours for a share held from another owner,
-        Full when the budget cannot take it without evicting a newest replica."""
+        Full when the budget cannot take it without evicting a protected copy."""
         m = Manifest.from_json(manifest_json, "a manifest offered by a peer")
         names = set(m.files) | {t.file for t in m.tensors.values()}
         if set(files) != names or not all(layout.is_data_file(f) for f in files):
@@ -93,58 +85,76 @@ class Holder:
         with self._lock:
             self._check_owner((m.run, m.step, m.rank), owner)
             self._expire()
-            self._make_room(need)
+            self._reserve(need)
             xfer = next(self._xfers)
-            self._incoming[xfer] = Replica(m, manifest_json, {f: _memory(n) for f, n in files.items()},
-                                           {f: 0 for f in files}, owner=owner, keep_last=keep_last)
+            self._incoming[xfer] = Copy(m, manifest_json, {f: _memory(n) for f, n in files.items()},
+                                        {f: 0 for f in files}, owner=owner, keep_last=keep_last)
             return xfer
 
     def part(self, xfer: int, file: str, offset: int, data: Any, owner: str | None = None) -> None:
         with self._lock:
             r = self._incoming.get(xfer)
             if r is None:
-                raise KeyError(f"transfer {xfer} is unknown (given up after {self.stall:g} s without a part?)")
+                raise KeyError(f"transfer {xfer} is unknown, done, or given up after {self.stall:g} s without a part")
             if r.owner != owner:
                 raise NotYours(f"transfer {xfer} is another peer's")
             buf = r.files.get(file)
             if buf is None or offset + len(data) > len(buf):
                 raise ValueError(f"a part of {len(data)} bytes at {offset} does not fit {file!r}")
             r.touched = time.monotonic()
-        buf[offset:offset + len(data)] = data  # outside the lock: a few MiB of copying
-        with self._lock:
-            r.received[file] += len(data)
+            r.writing += 1
+        try:
+            buf[offset:offset + len(data)] = data  # outside the lock: a few MiB of copying
+        finally:
+            with self._lock:
+                r.received[file] += len(data)
+                r.writing -= 1
+                self._written.notify_all()
 
-    def done(self, xfer: int, owner: str | None = None) -> Key:
-        """Admit a fully received share once its bytes verify; CheckpointCorrupt (the
-        reservation is dropped) if they do not. The older steps of its (run, rank)
-        become superseded; those beyond ``max(keep_last, 2)`` go."""
+    def close(self, xfer: int, owner: str | None = None) -> None:
+        """``done``: no part reaches transfer ``xfer`` from now on; its room stays taken
+        until ``admit``."""
         with self._lock:
             r = self._incoming.get(xfer)
-            if r is not None and r.owner != owner:
+            if r is None:
+                raise KeyError(f"transfer {xfer} is unknown")
+            if r.owner != owner:
                 raise NotYours(f"transfer {xfer} is another peer's")
-            if r is not None:
-                self._verifying[xfer] = self._incoming.pop(xfer)
-        if r is None:
-            raise KeyError(f"transfer {xfer} is unknown")
+            self._verifying[xfer] = self._incoming.pop(xfer)
+
+    def admit(self, xfer: int) -> Key:
+        """Hold the share of closed transfer ``xfer`` once its bytes verify, evicting for
+        it what may go; CheckpointCorrupt (its room freed) if they do not."""
+        with self._lock:
+            r = self._verifying[xfer]
+            while r.writing:
+                self._written.wait()
         try:
             short = [f for f, b in r.files.items() if r.received[f] != len(b)]
             if short:
                 raise CheckpointCorrupt(f"{', '.join(short)}: not every byte arrived")
             try:
-                verify(r.manifest, r.files, "a replica received")  # outside the lock: the other ops go on
+                verify(r.manifest, r.files, "a copy received")
             except CheckpointCorrupt:
                 with self._lock:
                     self.rejected += 1
                 raise
             with self._lock:
-                self._check_owner(r.key, owner)  # held meanwhile by another owner: theirs stays
+                self._check_owner(r.key, r.owner)
                 r.arrival = next(self._arrivals)
+                del self._verifying[xfer]
                 self._held[r.key] = r
                 self._tidy(r.key[0])
+                self._evict_over_budget()
             return r.key
         finally:
             with self._lock:
-                del self._verifying[xfer]
+                self._verifying.pop(xfer, None)
+
+    def done(self, xfer: int, owner: str | None = None) -> Key:
+        """``close`` and ``admit`` in one call."""
+        self.close(xfer, owner)
+        return self.admit(xfer)
 
     def _check_owner(self, key: Key, owner: str | None) -> None:
         held = self._held.get(key)
@@ -154,13 +164,13 @@ class Holder:
 
     # -- forgetting ------------------------------------------------------------------------
     def drop_many(self, runs: dict[str, list[int]], owner: str | None = None) -> int:
-        """One ``drop`` message: ``drop`` for each run; replicas forgotten."""
+        """One ``drop`` message: ``drop`` for each run; the number of copies forgotten."""
         with self._lock:
             self.drop_requests += 1
         return sum(self.drop(run, steps, owner) for run, steps in runs.items())
 
     def drop(self, run: str, steps: list[int], owner: str | None = None) -> int:
-        """Forget ``owner``'s replicas of ``steps`` of ``run`` (its retention deleted them),
+        """Forget ``owner``'s copies of ``steps`` of ``run`` (its retention deleted them),
         but for those a recovery may still need (``_protected``): those go once they are not."""
         wanted = set(steps)
         with self._lock:
@@ -172,10 +182,10 @@ class Holder:
             return before - len(self._held)
 
     def _protected(self, run: str) -> set[Key]:
-        """The replicas of ``run`` a recovery may need: the newest held of each rank, and
+        """The copies of ``run`` a recovery may need: the newest held of each rank, and
         every share of the newest step whose ranks are all held here."""
         mine = [r for k, r in self._held.items() if k[0] == run]
-        newest: dict[int, Replica] = {}
+        newest: dict[int, Copy] = {}
         for r in mine:
             if r.manifest.rank not in newest or r.arrival > newest[r.manifest.rank].arrival:
                 newest[r.manifest.rank] = r
@@ -191,46 +201,50 @@ class Holder:
 
     def _tidy(self, run: str) -> None:
         """Forget what ``run``'s owners dropped and what is beyond their ``keep_last``
-        (at least 2 steps of each rank), but never a protected replica."""
+        (at least 2 steps of each rank), but never a protected copy."""
         keep = self._protected(run)
-        by_rank: dict[int, list[Replica]] = {}
+        by_rank: dict[int, list[Copy]] = {}
         for k, r in self._held.items():
             if k[0] == run:
                 by_rank.setdefault(k[2], []).append(r)
-        for replicas in by_rank.values():
-            replicas.sort(key=lambda r: r.arrival, reverse=True)
-            limit = max(replicas[0].keep_last, 2) if replicas[0].keep_last else len(replicas)
-            for i, r in enumerate(replicas):
+        for copies in by_rank.values():
+            copies.sort(key=lambda r: r.arrival, reverse=True)
+            limit = max(copies[0].keep_last, 2) if copies[0].keep_last else len(copies)
+            for i, r in enumerate(copies):
                 if r.key not in keep and (r.dropped or i >= limit):
                     del self._held[r.key]
                     self.evicted += not r.dropped
 
-    def _evictable(self) -> list[Replica]:
-        """Replicas a recovery does not need first, for room: dropped by their owner
+    def _evictable(self) -> list[Copy]:
+        """Copies that may go for room, in the order they go: dropped by their owner
         first, then the oldest; never a protected one."""
         keep = set().union(*(self._protected(run) for run in {k[0] for k in self._held}))
         return sorted((r for k, r in self._held.items() if k not in keep), key=lambda r: (not r.dropped, r.arrival))
 
-    def _make_room(self, need: int) -> None:
+    def _reserve(self, need: int) -> None:
+        """Full unless ``need`` bytes fit beside the transfers under way and the copies
+        no eviction may take; nothing is evicted here."""
         if need > self.budget:
             raise Full(f"a share of {need} bytes is larger than the whole [peer] memory budget ({self.budget})")
         used = self._used()
         if used + need <= self.budget:
             return
-        freed = 0
-        chosen = []
-        for r in self._evictable():
-            if used - freed + need <= self.budget:
-                break
-            chosen.append(r)
-            freed += r.nbytes
-        if used - freed + need > self.budget:
-            raise Full(f"no room for a share of {need} bytes: {used} of {self.budget} bytes hold the newest "
-                       "replica of each rank held here or transfers under way (a newest replica stays until a "
+        reclaimable = sum(r.nbytes for r in self._evictable())
+        if used - reclaimable + need > self.budget:
+            raise Full(f"no room for a share of {need} bytes: {used - reclaimable} of {self.budget} bytes hold the "
+                       "newest copy of each rank held here or transfers under way (a newest copy stays until a "
                        "newer one of its rank arrives: give [peer] memory room for two steps)")
-        for r in chosen:
+
+    def _evict_over_budget(self) -> None:
+        """Evict what may go, dropped copies first, then the oldest, until the held
+        copies and transfers under way fit the budget."""
+        over = self._used() - self.budget
+        for r in self._evictable():
+            if over <= 0:
+                break
             del self._held[r.key]
             self.evicted += 1
+            over -= r.nbytes
 
     def _used(self) -> int:
         return sum(r.nbytes for d in (self._held, self._incoming, self._verifying) for r in d.values())
@@ -246,11 +260,11 @@ class Holder:
             self._expire()
 
     # -- serving ---------------------------------------------------------------------------
-    def shares(self, run: str) -> list[Replica]:
+    def shares(self, run: str) -> list[Copy]:
         with self._lock:
             return [r for k, r in self._held.items() if k[0] == run]
 
-    def get(self, key: Key) -> Replica | None:
+    def get(self, key: Key) -> Copy | None:
         with self._lock:
             return self._held.get(key)
 
@@ -280,7 +294,7 @@ def verify(m: Manifest, files: dict[str, Any], where: str) -> None:
     for name, t in m.tensors.items():
         if t.offset is None:
             raise CheckpointCorrupt(f"{where}: tensor {name!r} is a chunked (compressed) HDF5 dataset, "
-                                    "whose bytes the peer tier cannot check: it is not replicated")
+                                    "whose bytes the peer tier cannot check: no copy of it is made")
         view = memoryview(files[t.file])[t.offset:t.offset + t.nbytes]
         if checksum([view] if t.nbytes else []) != t.checksum:
             raise CheckpointCorrupt(f"{where}: run {m.run!r} step {m.step} rank {m.rank}: tensor {name!r} "

@@ -1,19 +1,9 @@
-"""The CurveZMQ keys a daemon's peer tier serves and dials with, and who may do what
-on the peer port (docs/tiers.md, "Keys").
-
-Two set-ups:
-
-- **One key pair per node** (``[peer] curve_peers``): each daemon has its own key pair
-  (``[daemon] curve_secret_key``), and ``curve_peers`` is a folder of every node's
-  public key, each named for its ``[peer] listen`` (``HOST-PORT.key``, ``key_name``).
-  The peer port admits only those keys (never a producer's), and a daemon dials a peer
-  expecting the key named for that peer's endpoint.
-- **One key pair shared by every node** (no ``curve_peers``; the set-up before it):
-  the port admits the keys in ``[daemon] curve_clients``, but only the shared daemon
-  key may write (``offer``, ``part``, ``done``, ``drop``); a producer's key may read.
-
-Without keys, a ``listen`` on loopback runs in plaintext; on any other address the
-daemon refuses to start unless ``[peer] allow_plaintext = true`` (then a warning).
+"""The CurveZMQ keys a daemon's peer tier serves and dials with, and who may do what on
+the peer port (docs/security.md). With ``[peer] curve_peers`` each node has its own key
+pair and the port admits only the nodes' keys, each named for its ``listen``
+(``key_name``); without it, one key pair shared by every node, of which only the daemon
+key may write (``offer``, ``part``, ``done``, ``drop``). Without keys, a ``listen`` off
+loopback is refused unless ``[peer] allow_plaintext = true``. Start at ``PeerKeys``.
 """
 
 from __future__ import annotations

@@ -1,82 +1,156 @@
 """Messages between peers: a msgpack header frame (a map with ``op``), and for
-``part`` requests and ``read`` answers a second frame of raw bytes. Nothing is
-pickled; every field a receiver uses is checked (``field``).
-
-Requests (DEALER -> the holder's ROUTER), each with an ``id`` echoed in its answer:
-
-- ``ping`` -> ``{node}``: the answering daemon's id (a daemon told to replicate
-  to itself finds out so).
-- ``offer`` ``{run, step, rank, manifest, files: {name: size}, keep_last}`` ->
-  ``{xfer}`` or an error (``full``): room is reserved for the share's files.
-- ``part`` ``{xfer, file, offset}`` + bytes -> ``{}``: bytes of one file.
-- ``done`` ``{xfer}`` -> ``{}`` once every byte arrived and every tensor matched
-  its checksum; only then does the holder serve the share.
-- ``holds`` ``{shares: [[run, step, rank], ...]}`` -> ``{held: [bool, ...]}``: which of
-  these shares this daemon holds in memory (a sender's liveness check of its partners).
-- ``drop`` ``{runs: {run: [step, ...]}}`` (or one run: ``{run, steps}``) -> ``{dropped}``:
-  the sender's retention deleted these steps (a sender batches them: one message per
-  heartbeat, at most ``MAX_STEPS_DROPPED`` steps in all).
-- ``steps`` ``{run, limit, step?}`` -> ``{steps: [{step, shares: [{rank, attempt,
-  world_size, where}]}], more}``: the newest ``limit`` (at most ``MAX_STEPS_ANSWERED``)
-  steps of a run of which this daemon can serve a share, newest first (``step``: that
-  step alone), each share ``where`` it is: ``memory`` (a replica) or ``disk`` (its own
-  root), one entry a rank, memory first; at most ``MAX_SHARES_ANSWERED`` shares in all;
-  ``more``: older steps were left out. No manifest: a reader learns which step is
-  complete across the peers from these, then asks for the manifests it lacks.
-- ``manifests`` ``{run, step, ranks}`` -> ``{manifests: [{rank, where, manifest}],
-  left}``: the manifests of those of ``ranks`` (at most ``MAX_RANKS_ASKED``) whose
-  shares of ``step`` this daemon can serve, memory before disk; ranks it does not hold
-  are left out; ``left``: ranks it holds but left out to keep the manifests of one
-  answer under ``MAX_MANIFEST_BYTES`` (ask again for them).
-- ``read`` ``{run, step, rank, file, offset, length}`` -> ``{}`` + the bytes: of a
-  share held in memory, any range within the file (a view of that memory, sent without
-  a copy: a plaintext reader asks for a tensor of up to 64 MiB in one message, which
-  becomes the tensor's memory on its side); of a share on disk, at most ``frame`` bytes
-  (+ 64 KiB).
-
-An answer is ``{id, ok: true, ...}`` or ``{id, ok: false, error}``. Every field is
-bounded before use: counts by the ``MAX_*`` limits below, offsets and lengths by the
-file's size (and, read from disk, the frame size); a request that breaks a bound, or any other request
-the holder cannot handle, is answered with an error (never a dead thread).
+``part`` requests and ``read`` answers a second frame of raw bytes. ``REQUESTS`` is
+the schema of every request (what each op asks and answers: docs/tiers.md), checked
+by ``ckptd.transport.wire``'s decoder before anything reads a field; ``Link`` is the
+asking end. Every request and answer carries ``v``, the peer protocol version.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-import msgpack
 import zmq
 
-from ..errors import ConfigError, PeerDown, PeerRefused, ProtocolError  # PeerDown, PeerRefused: re-exported
+from ..errors import ConfigError, PeerDown, PeerRefused, ProtocolError
+from ..transport import wire
 
+VERSION = 2
+OLDEST_VERSION = 1
 MAX_HEADER_BYTES = 64 * 2**20  # a ``manifests`` answer carries manifests
-MAX_MANIFEST_BYTES = 48 * 2**20  # manifests in one ``manifests`` answer (one larger one is answered alone)
-MAX_STEPS_ANSWERED = 64  # steps in one ``steps`` answer
-MAX_SHARES_ANSWERED = 4096  # shares in one ``steps`` answer
-MAX_RANKS_ASKED = 4096  # ranks in one ``manifests`` request
-MAX_SHARES_ASKED = 100_000  # shares in one ``holds``
-MAX_STEPS_DROPPED = 100_000  # steps in one ``drop``, over all its runs
-MAX_FILES_OFFERED = 100_000  # files in one ``offer``
+MAX_MANIFEST_BYTES = 48 * 2**20
+MAX_STEPS_ANSWERED = 64
+MAX_SHARES_ANSWERED = 4096
+MAX_RANKS_ASKED = 4096
+MAX_SHARES_ASKED = 100_000
+MAX_STEPS_DROPPED = 100_000
+MAX_FILES_OFFERED = 100_000
+MAX_NAME = 1024
+MAX_CONTAINERS = 2 * MAX_SHARES_ASKED + 64
+
+
+def _uint(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _name(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_NAME
+
+
+def _uints(limit: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and len(v) <= limit and all(_uint(i) for i in v)
+
+
+def _share(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 3 and _name(v[0]) and _uint(v[1]) and _uint(v[2])
+
+
+def _runs(v: Any) -> bool:
+    return (isinstance(v, dict) and all(_name(k) and _uints(MAX_STEPS_DROPPED)(s) for k, s in v.items())
+            and sum(len(s) for s in v.values()) <= MAX_STEPS_DROPPED)
+
+
+KINDS: dict[str, Callable[[Any], bool]] = {
+    **wire.KINDS,
+    "int": _uint,
+    "str": _name,
+    "sizes": lambda v: (isinstance(v, dict) and len(v) <= MAX_FILES_OFFERED
+                        and all(_name(k) and _uint(n) for k, n in v.items())),
+    "shares": lambda v: isinstance(v, list) and len(v) <= MAX_SHARES_ASKED and all(_share(s) for s in v),
+    "ranks": _uints(MAX_RANKS_ASKED),
+    "steps": _uints(MAX_STEPS_DROPPED),
+    "runs": _runs,
+}
+
+SAID = {
+    "int": "an integer from 0 to 2**63 - 1",
+    "str": f"a string of at most {MAX_NAME} characters",
+    "sizes": f"a map of at most {MAX_FILES_OFFERED} file names to sizes",
+    "shares": f"a list of at most {MAX_SHARES_ASKED} [run, step, rank]",
+    "ranks": f"a list of at most {MAX_RANKS_ASKED} integers",
+    "steps": f"a list of at most {MAX_STEPS_DROPPED} integers",
+    "runs": f"a map of run names to lists of steps, at most {MAX_STEPS_DROPPED} steps in all",
+}
+
+# op -> {field: kind}, kinds as in ``KINDS`` ("?": optional). What each answers:
+# ping {node, listen}; offer {xfer} (room reserved); part {}; done {} once the share
+# verified; holds {held: [bool]}; drop {dropped}; steps {steps: [{step, shares: [{rank,
+# attempt, world_size, where}]}], more}; manifests {manifests: [{rank, where, manifest}],
+# left}; read {} + the bytes. An error is {ok: false, error, code?}.
+REQUESTS: dict[str, dict[str, str]] = {
+    "ping": {},
+    "offer": {"manifest": "bin", "files": "sizes", "keep_last": "int"},
+    "part": {"xfer": "int", "file": "str", "offset": "int"},
+    "done": {"xfer": "int"},
+    "holds": {"shares": "shares"},
+    "drop": {"runs": "runs?", "run": "str?", "steps": "steps?"},
+    "steps": {"run": "str", "limit": "int", "step": "int?"},
+    "manifests": {"run": "str", "step": "int", "ranks": "ranks"},
+    "read": {"run": "str", "step": "int", "rank": "int", "file": "str", "offset": "int", "length": "int"},
+}
+TOO_NEW = "version"
+
+
+@dataclass(frozen=True)
+class Request:
+    op: str
+    fields: dict[str, Any]
+    payload: Any
+    rid: int | None
+    version: int
+
+
+def decode_request(frames: list[Any]) -> Request:
+    """A request's frames (after the asker's identity) checked against ``REQUESTS``:
+    bounded in bytes, containers, names and counts; fields the op does not know are
+    left out unread. ProtocolError naming what is wrong (``rid`` on it when known)."""
+    if not frames or len(frames) > 2:
+        raise ProtocolError(f"a peer request of {len(frames)} frames, not 1 or 2")
+    header = wire.unpack_map(_buffer(frames[0]), "a peer header", max_bytes=MAX_HEADER_BYTES,
+                             max_containers=MAX_CONTAINERS)
+    rid = header.get("id")
+    rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+    op, version = header.get("op"), header.get("v", OLDEST_VERSION)
+    try:
+        if not _uint(version) or version > VERSION:
+            raise Refused(f"a request of peer protocol version {wire.short(version)}; this node speaks "
+                          f"{OLDEST_VERSION} to {VERSION}: upgrade it (docs/runbook.md)", TOO_NEW)
+        if not isinstance(op, str) or op not in REQUESTS:
+            raise ProtocolError(f"unknown peer request {wire.short(op)}")
+        schema = REQUESTS[op]
+        fields = {k: header[k] for k in schema if k in header}
+        wire.check_fields(op, fields, schema, KINDS, SAID)
+    except ProtocolError as exc:
+        exc.rid = rid  # type: ignore[attr-defined]
+        raise
+    return Request(op, fields, frames[1] if len(frames) > 1 else None, rid, version)
+
+
+class Refused(ProtocolError):
+    """A request refused with an error ``code`` the asker acts on."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerVersion(PeerRefused):
+    """A peer that speaks a newer protocol version than this node's."""
+
+
+def _buffer(frame: Any) -> Any:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
 def pack(header: dict[str, Any]) -> bytes:
-    return msgpack.packb(header, use_bin_type=True)
+    return wire.pack(header)
 
 
 def unpack(frame: Any) -> dict[str, Any]:
-    raw = frame.buffer if hasattr(frame, "buffer") else frame
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"a peer header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=MAX_HEADER_BYTES,
-                                 max_bin_len=MAX_HEADER_BYTES)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise ProtocolError(f"a peer header is not msgpack: {exc}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError("a peer header is not a map")
-    return header
+    return wire.unpack_map(_buffer(frame), "a peer header", max_bytes=MAX_HEADER_BYTES,
+                           max_containers=MAX_CONTAINERS)
 
 
 def field(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
@@ -84,14 +158,16 @@ def field(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> An
     value = header.get(key)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool \
             or isinstance(value, int) and not isinstance(value, bool) and value < 0:
-        raise ProtocolError(f"peer message {header.get('op')!r}: field {key!r} is {value!r}, not a {kind}")
+        raise ProtocolError(f"peer message {wire.short(header.get('op'))}: field {key!r} is {wire.short(value)}, "
+                            f"not a {kind}")
     return value
 
 
 class Link:
     """One DEALER to one peer's ``listen`` endpoint: requests sent without blocking,
     answers matched by id. Used from one thread; ``close`` it after a stall (a new
-    link starts clean, with no stale answers queued)."""
+    link starts clean, with no stale answers queued). ``version``: the peer protocol
+    version of the peer's last answer (an answer without ``v`` is version 1's)."""
 
     _ids = itertools.count(1)
 
@@ -106,8 +182,8 @@ class Link:
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message + 65536)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a peer not (yet) connected
-        if hasattr(keys, "for_endpoint"):  # one key pair per node: this peer's public key
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        if hasattr(keys, "for_endpoint"):
             try:
                 keys = keys.for_endpoint(endpoint)
             except ConfigError as exc:
@@ -115,11 +191,12 @@ class Link:
                 raise PeerRefused(f"{endpoint}: {exc}") from None
         self._handshake = secure_client(self.sock, keys)
         self.sock.connect(endpoint)
+        self.version: int | None = None
 
     def send(self, header: dict[str, Any], payload: Any = None, *, timeout: float) -> int:
         """Send a request; its id. PeerDown when it cannot leave within ``timeout``."""
         rid = next(self._ids)
-        frames = [pack(dict(header, id=rid))] + ([payload] if payload is not None else [])
+        frames = [pack(dict(header, id=rid, v=VERSION))] + ([payload] if payload is not None else [])
         if not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
             raise PeerDown(f"{self.endpoint}: not connected or not taking requests after {timeout:g} s")
         self.sock.send_multipart(frames, copy=payload is None or len(payload) < 65536, flags=zmq.NOBLOCK)
@@ -139,8 +216,7 @@ class Link:
                 if isinstance(header.get("id"), int) and header["id"] > rid:
                     raise ProtocolError(f"{self.endpoint}: answers out of order")
                 continue
-            if not header.get("ok"):
-                raise PeerRefused(f"{self.endpoint}: {header.get('error', 'refused')}")
+            self._answered(header)
             return header, frames[1] if len(frames) > 1 else None
 
     def recv_into(self, rid: int, dst: memoryview, *, timeout: float) -> dict[str, Any]:
@@ -159,7 +235,7 @@ class Link:
                     if isinstance(header.get("id"), int) and header["id"] > rid:
                         raise ProtocolError(f"{self.endpoint}: answers out of order")
                     continue
-                raise PeerRefused(f"{self.endpoint}: {header.get('error', 'refused')}")
+            self._answered(header)
             n = self.sock.recv_into(dst) if self.sock.getsockopt(zmq.RCVMORE) else -1
             if n != len(dst) or self.sock.getsockopt(zmq.RCVMORE):
                 self._discard_rest()
@@ -174,6 +250,19 @@ class Link:
         if frame is None or len(frame) != n:
             raise ProtocolError(f"{self.endpoint}: an answer of {0 if frame is None else len(frame)} bytes, not {n}")
         return frame.buffer
+
+    def _answered(self, header: dict[str, Any]) -> None:
+        """Note the answer's version; PeerVersion or PeerRefused for an error answer."""
+        v = header.get("v", OLDEST_VERSION)
+        self.version = v if _uint(v) else None
+        if header.get("ok") is True:
+            return
+        error = header.get("error")
+        error = error[:4096] if isinstance(error, str) else "refused"
+        if header.get("code") == TOO_NEW:
+            raise PeerVersion(f"{self.endpoint} speaks peer protocol version {wire.short(v)}, this node "
+                              f"{VERSION}: {error}")
+        raise PeerRefused(f"{self.endpoint}: {error}")
 
     def _discard_rest(self) -> None:
         while self.sock.getsockopt(zmq.RCVMORE):

@@ -1,12 +1,7 @@
-"""Memory for bytes arriving from a peer, its pages faulted in ahead of them.
-
-A fresh buffer's pages are faulted in by the first write to each, one trap per 4 KiB
-page: on a virtual machine that costs as much as moving the bytes over loopback (a
-recovery into fresh tensors measured half the throughput of a transfer into memory
-already touched, docs/tiers.md). ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) faults a
-whole range in the kernel in one call, about twice as fast, and ``Prefault`` does it on
-a thread of its own, ahead of the receive, so that the two overlap. Where the call is
-not there, pages fault as they are written, as before: nothing depends on it.
+"""Memory for bytes arriving from a peer, its pages faulted in ahead of them: a fresh
+buffer's first write to each page traps, which on a virtual machine costs as much as the
+transfer itself; ``Prefault`` calls ``madvise(MADV_POPULATE_WRITE)`` on a thread of its
+own, ahead of the receive. Where the call is missing, pages fault as they are written.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Which peers hold a share: the placement of replicas (docs/tiers.md, "Placement").
-
-- ``order`` (``[peer] placement = "rendezvous"``): rendezvous hashing of (run, rank)
-  over the peers list. Every daemon computes the same order from the same list, with no
-  coordination; a node's ranks land on different peers, so that its recovery fans in
-  from several; when one peer leaves the list only the shares it held move. Peers on
-  this daemon's own host come last when other hosts are listed.
-- ``ring`` (``[peer] placement = "ring"``, the default): every node (``peers`` and this
-  daemon's ``listen``) sorted by address, the same list on every node; a node's shares
-  go to the nodes ``domain``, 2·``domain``, … places after it, so that with ``domain``
-  the nodes of one failure domain (rack, switch: consecutive addresses) each replica
-  lies in another domain, as NVIDIA's resiliency extension places its replicas
-  (``replication_jump``). Two nodes lost at once lose a step only when one is the
-  other's partner: 8 times less often than rendezvous at 8 ranks a node, and never
-  when they share a domain (benchmarks/peer_sim.py, docs/tiers.md).
-
-The first ``replicas`` peers of either order are a share's partners, the rest its
-fallbacks.
+"""Which peers hold copies of a share (docs/tiers.md, "Placement"): ``ring`` (the
+default) sorts every node by address and sends a node's shares ``domain``, 2·``domain``,
+… places on, so that each copy lies in another failure domain; ``order``
+(``"rendezvous"``) hashes (run, rank) over the peers list. Every daemon computes the
+same order from the same list; the first ``replicas`` peers are a share's partners, the
+rest its fallbacks.
 """
 
 from __future__ import annotations

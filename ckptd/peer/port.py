@@ -1,22 +1,18 @@
-"""The ``ckptd-peer-serve`` thread: a ROUTER on ``[peer] listen`` that receives
-replicas into the holder and serves shares to readers, from memory (replicas) or
-from this daemon's own root (its committed shares: a node recovering finds the
-surviving nodes' shares there).
-
-A ``done`` is answered from the ``ckptd-peer-verify`` thread: it checksums a whole
-share (about a second for 10 GB), and meanwhile the serve thread answers the others,
-whose readers would otherwise wait, time out and back this node off."""
+"""The ``ckptd-peer-serve`` thread: a ROUTER on ``[peer] listen`` that takes copies of
+other nodes' shares into the holder and serves shares to readers, from memory (copies)
+or from this daemon's own root. Each request is decoded against ``messages.REQUESTS``
+and handled by ``PeerServer.on_<op>``; a ``done`` is answered from the
+``ckptd-peer-verify`` thread, which checksums the share while this one serves on."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import zmq
 
@@ -27,14 +23,65 @@ from ..manifest import Manifest
 from ..names import check_run
 from . import messages, supervise
 from .holder import Full, Holder, NotYours
+from .messages import Request
 
 log = logging.getLogger("ckptd.peer")
+
+Answer = tuple[dict[str, Any], Any]
+Make = Callable[[], Answer]
+
+
+class Later:
+    """A handler's answer made on the verify thread, by ``make``."""
+
+    def __init__(self, make: Make) -> None:
+        self.make = make
+
+
+Reply = Union[Answer, Later, None]
+UNREAD_FRAMES = 12
+UNREAD_TOTAL_FRAMES = 64
+TRACKED_BYTES = 65536
+
+
+class Backlog:
+    """Bytes of large answers made for an asker (read from disk, or packed) that libzmq
+    still holds, per asker and in all: an asker over
+    its share, or any asker while the total is over, has its reads and manifests
+    refused until they are taken."""
+
+    def __init__(self, per_asker: int, total: int) -> None:
+        self.per_asker, self.total = per_asker, total
+        self._sent: dict[bytes, deque[tuple[zmq.MessageTracker, int]]] = {}
+        self._bytes: dict[bytes, int] = {}
+
+    def add(self, ident: bytes, tracker: zmq.MessageTracker, nbytes: int) -> None:
+        self._sent.setdefault(ident, deque()).append((tracker, nbytes))
+        self._bytes[ident] = self._bytes.get(ident, 0) + nbytes
+
+    def check(self, ident: bytes) -> None:
+        for who in list(self._sent):
+            self._settle(who)
+        mine, everyone = self._bytes.get(ident, 0), sum(self._bytes.values())
+        if mine > self.per_asker or everyone > self.total:
+            raise ProtocolError(f"{mine} bytes of answers to this asker ({everyone} to all) are not yet taken "
+                                f"(at most {self.per_asker}, {self.total} in all): read them before asking more")
+
+    def _settle(self, ident: bytes) -> None:
+        sent = self._sent[ident]
+        while sent and sent[0][0].done:
+            self._bytes[ident] -= sent.popleft()[1]
+        if not sent:
+            del self._sent[ident], self._bytes[ident]
+
+    def figures(self) -> int:
+        return sum(self._bytes.values())
 
 
 class PeerServer:
     def __init__(self, ctx: zmq.Context, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int,
                  node_id: str) -> None:
-        self.node_id = node_id  # this daemon, as ``ping`` answers it
+        self.node_id = node_id
         self.root = root
         self.holder = holder
         self.listen = listen
@@ -52,11 +99,13 @@ class PeerServer:
             raise ProtocolError(f"[peer] listen {listen!r}: cannot listen there: {exc}") from None
         self.curve = curve
         self.max_read = max_frame
-        self._logged: dict[str, float] = {}  # unexpected failures -> when last logged
-        self._muted: set[int] = set()  # transfers a failpoint stopped answering (tests)
-        self.served: dict[str, list[int]] = {}  # op -> [requests answered, bytes sent]
-        self._disk: dict[Path, tuple[tuple[int, int, int], Manifest | None]] = {}  # own shares, by manifest file
+        self.backlog = Backlog(UNREAD_FRAMES * max_frame, UNREAD_TOTAL_FRAMES * max_frame)
+        self._logged: dict[str, float] = {}
+        self._muted: set[int] = set()
+        self.served: dict[str, list[int]] = {}
+        self._disk: dict[Path, tuple[tuple[int, int, int], Manifest | None]] = {}
         self._stop = threading.Event()
+        self._expired = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-serve", daemon=True)
         # the verify thread's answers, and a socket that wakes the serve thread for each
         self._verified: deque[tuple[bytes, dict[str, Any]]] = deque()
@@ -90,71 +139,83 @@ class PeerServer:
                     self._wake[0].recv()
                 while self._verified:
                     self._send(*self._verified.popleft(), None)
-            if self.sock not in ready:
+            if time.monotonic() - self._expired > 1.0:
+                self._expired = time.monotonic()
                 self.holder.expire()
-                continue
-            frames = self.sock.recv_multipart(copy=False)
-            failpoints.hit("peer.serve_loop")  # a failure outside any handler: the thread restarts
-            ident, rest = frames[0].bytes, frames[1:]
-            header: dict[str, Any] = {}
-            try:
-                answer, payload = self._guard(header, lambda: self._parse(header, rest))
-            except _NoAnswer:
-                continue
-            except _Later as later:
-                self._verifier.put((ident, header, later.make))
-                continue
-            self._send(ident, answer, payload)
+            if self.sock in ready:
+                self._take(self.sock.recv_multipart(copy=False))
+
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        """Answer one message: ``frames[0]`` the asker, the rest its request."""
+        failpoints.hit("peer.serve_loop")  # a failure outside any handler: the thread restarts
+        ident = frames[0].bytes
+        request: Request | None = None
+        rid = None
+        try:
+            request = messages.decode_request(frames[1:])
+        except ProtocolError as exc:
+            rid = getattr(exc, "rid", None)
+            reply: Reply = _refusal(exc), None
+            log.debug("peer request refused: %s", exc)
+        except Exception as exc:
+            reply = _refusal(exc, f"{type(exc).__name__} decoding the request"), None
+        else:
+            user = _user(frames[1])
+            reply = self._guard(request, lambda: self._dispatch(ident, request, user))
+        if isinstance(reply, Later):
+            assert request is not None
+            self._verifier.put((ident, request, reply.make))
+        elif reply is not None:
+            self._send(ident, _answer(reply[0], request, rid), reply[1])
+
+    def _dispatch(self, ident: bytes, request: Request, user: str | None) -> Reply:
+        if request.op in ("read", "manifests"):
+            self.backlog.check(ident)
+        handler: Callable[[Request, str | None], Reply] = getattr(self, f"on_{request.op}")
+        return handler(request, user)
 
     def _send(self, ident: bytes, answer: dict[str, Any], payload: Any) -> None:
         op = answer.pop(_OP, None)
-        frames_out = [ident, messages.pack(answer)] + ([payload] if payload is not None else [])
-        self._count(op, sum(len(f) for f in frames_out[1:]))
+        head = messages.pack(answer)
+        nbytes = len(head) + (len(payload) if payload is not None else 0)
+        frames_out = [ident, head] + ([payload] if payload is not None else [])
+        self._count(op, nbytes)
+        track = nbytes >= TRACKED_BYTES and not isinstance(payload, memoryview)
         try:
-            self.sock.send_multipart(frames_out, copy=payload is None, flags=zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError) as exc:  # the asker is gone, or has a backlog
+            sent = self.sock.send_multipart(frames_out, copy=payload is None and not track, track=track,
+                                            flags=zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as exc:
             log.debug("cannot answer a peer: %s", exc)
+            return
+        if track and sent is not None:
+            self.backlog.add(ident, sent, nbytes)
 
-    def _parse(self, header: dict[str, Any], rest: list[Any]) -> tuple[dict[str, Any], Any]:
-        """Handle one request (the frames after the asker's identity), its header read into ``header``."""
-        if not rest:
-            raise ProtocolError("an empty peer request")
-        header.update(messages.unpack(rest[0]))
-        return self._handle(header, rest[1] if len(rest) > 1 else None, _user(rest[0]))
-
-    def _guard(self, header: dict[str, Any],
-               make: Callable[[], tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
-        """The answer ``make`` gives to the request ``header``: any failure, expected or
-        not, is an error answer, never an exception out of the loop (but ``_NoAnswer``
-        and ``_Later``, which say what to do instead)."""
+    def _guard(self, request: Request, make: Callable[[], Reply]) -> Reply:
+        """``make``'s reply to ``request``: any failure, expected or not, is an error
+        answer, never an exception out of the loop."""
         try:
-            answer, payload = make()
-        except (_NoAnswer, _Later):
-            raise
+            return make()
         except (ProtocolError, CheckpointCorrupt, Full, NotYours, KeyError, ValueError, OSError) as exc:
-            answer, payload = {"ok": False, "error": str(exc) if not isinstance(exc, KeyError) else exc.args[0]}, None
-            log.debug("peer request %r refused: %s", header.get("op"), answer["error"])
-        except Exception as exc:  # a bug, or memory exhausted: this request fails, the thread serves on
-            answer, payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, None
+            error = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            log.debug("peer request %s refused: %s", request.op, error)
+            return _refusal(exc, str(error)), None
+        except Exception as exc:
             if self._log_now(type(exc).__name__):
-                log.exception("peer request %r failed", header.get("op"))
-        answer.setdefault("ok", True)
-        answer[_OP] = header.get("op")
-        rid = header.get("id")
-        answer["id"] = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
-        return answer, payload
+                log.exception("peer request %s failed", request.op)
+            return _refusal(exc, f"{type(exc).__name__}: {exc}"), None
 
     def _count(self, op: Any, nbytes: int) -> None:
         """Requests answered and bytes sent, by op (``served`` in ``ckptd status --json``):
         what readers and senders cost this node."""
-        op = op if isinstance(op, str) and op in _COUNTED else "other"
+        op = op if isinstance(op, str) and op in messages.REQUESTS else "other"
         counts = self.served.setdefault(op, [0, 0])
         counts[0] += 1
         counts[1] += nbytes
 
     def figures(self) -> dict[str, Any]:
         served = {op: {"requests": n, "bytes": b} for op, (n, b) in list(self.served.items())}
-        return {"served": served, "served_bytes": sum(v["bytes"] for v in served.values())}
+        return {"served": served, "served_bytes": sum(v["bytes"] for v in served.values()),
+                "unread_bytes": self.backlog.figures()}
 
     def _log_now(self, what: str) -> bool:
         now = time.monotonic()
@@ -166,91 +227,79 @@ class PeerServer:
     def _writer(self, user: str | None, op: str) -> str | None:
         """The asker of a writing op, checked to be a peer daemon (never a producer)."""
         if self.curve is not None and not self.curve.may_write(user):
-            raise NotYours(f"{op}: only a peer daemon's key may write replicas here, not {user or 'an unknown key'}")
+            raise NotYours(f"{op}: only a peer daemon's key may write copies here, not {user or 'an unknown key'}")
         return user
 
-    def _handle(self, h: dict[str, Any], payload: Any, user: str | None) -> tuple[dict[str, Any], Any]:
-        op = h.get("op")
-        if op == "ping":
-            return {"node": self.node_id, "listen": self.listen}, None
-        if op == "offer":
-            files = messages.field(h, "files", dict)
-            if len(files) > messages.MAX_FILES_OFFERED:
-                raise ProtocolError(f"offer: {len(files)} files at once")
-            if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in files.items()):
-                raise ProtocolError("offer: files must map names to sizes")
-            xfer = self.holder.offer(messages.field(h, "manifest", bytes), files, messages.field(h, "keep_last", int),
-                                     owner=self._writer(user, "offer"))
-            return {"xfer": xfer}, None
-        if op == "part":
-            xfer = messages.field(h, "xfer", int)
-            if xfer in self._muted:
-                raise _NoAnswer
-            try:
-                failpoints.hit("peer.receive")
-            except failpoints.Failpoint:  # a partner that hangs in mid-transfer
-                log.warning("failpoint peer.receive: transfer %d is no longer answered", xfer)
-                self._muted.add(xfer)
-                raise _NoAnswer from None
-            if payload is None:
-                raise ProtocolError("part: no bytes")
-            self.holder.part(xfer, messages.field(h, "file", str), messages.field(h, "offset", int), payload.buffer,
-                             owner=self._writer(user, "part"))
-            return {}, None
-        if op == "done":
-            xfer = messages.field(h, "xfer", int)
-            if xfer in self._muted:
-                raise _NoAnswer
-            raise _Later(functools.partial(self._done, xfer, self._writer(user, "done")))
-        if op == "holds":
-            shares = messages.field(h, "shares", list)
-            if len(shares) > messages.MAX_SHARES_ASKED:
-                raise ProtocolError(f"holds: {len(shares)} shares asked at once")
-            return {"held": [self._holds(s) for s in shares]}, None
-        if op == "drop":  # {runs: {run: [step, ...]}} (batched), or {run, steps}
-            runs: dict[Any, Any] = (messages.field(h, "runs", dict) if "runs" in h
-                                    else {messages.field(h, "run", str): messages.field(h, "steps", list)})
-            if not all(isinstance(r, str) and isinstance(s, list) for r, s in runs.items()):
-                raise ProtocolError("drop: runs must map run names to lists of steps")
-            n = sum(len(s) for s in runs.values())
-            if n > messages.MAX_STEPS_DROPPED:
-                raise ProtocolError(f"drop: {n} steps at once, more than {messages.MAX_STEPS_DROPPED}")
-            wanted = {check_run(r): [s for s in steps if isinstance(s, int)] for r, steps in runs.items()}
-            return {"dropped": self.holder.drop_many(wanted, owner=self._writer(user, "drop"))}, None
-        if op == "steps":
-            limit = messages.field(h, "limit", int)
-            if not 1 <= limit <= messages.MAX_STEPS_ANSWERED:
-                raise ProtocolError(f"steps: limit {limit} is not within 1 to {messages.MAX_STEPS_ANSWERED}")
-            only = h.get("step")
-            if only is not None:
-                only = messages.field(h, "step", int)
-            return self._steps(check_run(messages.field(h, "run", str)), limit, only), None
-        if op == "manifests":
-            ranks = messages.field(h, "ranks", list)
-            if len(ranks) > messages.MAX_RANKS_ASKED or not all(isinstance(r, int) and not isinstance(r, bool)
-                                                              for r in ranks):
-                raise ProtocolError(f"manifests: ranks must be at most {messages.MAX_RANKS_ASKED} integers")
-            return self._manifests(check_run(messages.field(h, "run", str)), messages.field(h, "step", int), ranks), None
-        if op == "read":
-            return {}, self._read(h)
-        raise ProtocolError(f"unknown peer request {str(op)[:64]!r}")
+    # -- the requests, one method each (``messages.REQUESTS`` gives their fields) ------------
+    def on_ping(self, r: Request, user: str | None) -> Reply:
+        return {"node": self.node_id, "listen": self.listen}, None
 
-    def _done(self, xfer: int, owner: str | None) -> tuple[dict[str, Any], Any]:
-        key = self.holder.done(xfer, owner=owner)  # on the verify thread: it checksums the share
-        log.info("holding run %r step %d rank %d for a peer", *key)
+    def on_offer(self, r: Request, user: str | None) -> Reply:
+        f = r.fields
+        xfer = self.holder.offer(f["manifest"], f["files"], f["keep_last"], owner=self._writer(user, "offer"))
+        return {"xfer": xfer}, None
+
+    def on_part(self, r: Request, user: str | None) -> Reply:
+        xfer = r.fields["xfer"]
+        if xfer in self._muted:
+            return None
+        try:
+            failpoints.hit("peer.receive")
+        except failpoints.Failpoint:
+            log.warning("failpoint peer.receive: transfer %d is no longer answered", xfer)
+            self._muted.add(xfer)
+            return None
+        if r.payload is None:
+            raise ProtocolError("part: no bytes")
+        self.holder.part(xfer, r.fields["file"], r.fields["offset"], r.payload.buffer,
+                         owner=self._writer(user, "part"))
         return {}, None
 
-    def _holds(self, share: Any) -> bool:
-        """Whether ``share`` ([run, step, rank]) is held here in memory."""
-        if not (isinstance(share, list) and len(share) == 3 and isinstance(share[0], str)
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in share[1:])):
-            raise ProtocolError(f"holds: {share!r} is not [run, step, rank]")
-        return self.holder.get((share[0], share[1], share[2])) is not None
+    def on_done(self, r: Request, user: str | None) -> Reply:
+        xfer = r.fields["xfer"]
+        if xfer in self._muted:
+            return None
+        owner = self._writer(user, "done")
+        self.holder.close(xfer, owner=owner)  # here, so that no later part reaches it
+
+        def verify() -> Answer:
+            key = self.holder.admit(xfer)
+            log.info("holding a copy of run %r step %d rank %d for a peer", *key)
+            return {}, None
+        return Later(verify)
+
+    def on_holds(self, r: Request, user: str | None) -> Reply:
+        return {"held": [self.holder.get((run, step, rank)) is not None for run, step, rank in r.fields["shares"]]}, None
+
+    def on_drop(self, r: Request, user: str | None) -> Reply:
+        """``{runs: {run: [step, ...]}}`` (batched), or ``{run, steps}``."""
+        f = r.fields
+        if f["runs"] is not None:
+            runs = f["runs"]
+        elif f["run"] is not None and f["steps"] is not None:
+            runs = {f["run"]: f["steps"]}
+        else:
+            raise ProtocolError("drop: give runs, or run and steps")
+        wanted = {check_run(run): steps for run, steps in runs.items()}
+        return {"dropped": self.holder.drop_many(wanted, owner=self._writer(user, "drop"))}, None
+
+    def on_steps(self, r: Request, user: str | None) -> Reply:
+        limit = r.fields["limit"]
+        if not 1 <= limit <= messages.MAX_STEPS_ANSWERED:
+            raise ProtocolError(f"steps: limit {limit} is not within 1 to {messages.MAX_STEPS_ANSWERED}")
+        return self._steps(check_run(r.fields["run"]), limit, r.fields["step"]), None
+
+    def on_manifests(self, r: Request, user: str | None) -> Reply:
+        f = r.fields
+        return self._manifests(check_run(f["run"]), f["step"], f["ranks"]), None
+
+    def on_read(self, r: Request, user: str | None) -> Reply:
+        return {}, self._read(r.fields)
 
     def _steps(self, run: str, limit: int, only: int | None) -> dict[str, Any]:
         """The newest ``limit`` steps of ``run`` of which this daemon can serve a share
         (``only``: that step alone), newest first: for each, the shares' rank, attempt,
-        world size and where (memory: a replica; disk: this node's own root), memory
+        world size and where (memory: a copy; disk: this node's own root), memory
         first. At most ``MAX_SHARES_ANSWERED`` shares; ``more``: steps were left out."""
         held: dict[int, dict[int, dict[str, Any]]] = {}
         for r in self.holder.shares(run):
@@ -288,9 +337,9 @@ class PeerServer:
         total = 0
         path = layout.step_dir(self.root, run, step)
         for rank in dict.fromkeys(ranks):
-            replica = self.holder.get((run, step, rank))
-            if replica is not None:
-                data, where = replica.manifest_json, "memory"
+            copy = self.holder.get((run, step, rank))
+            if copy is not None:
+                data, where = copy.manifest_json, "memory"
             elif self._disk_share(path, run, step, rank) is not None:
                 data, where = layout.read_small(path / layout.manifest_name(rank), messages.MAX_HEADER_BYTES - 2**20), "disk"
             else:
@@ -320,33 +369,21 @@ class PeerServer:
             pass
         if m is not None and (m.run, m.step) != (run, step):
             m = None
-        if len(self._disk) >= 4096:  # a bounded cache: the steps a reader asks are the newest
+        if len(self._disk) >= 4096:
             self._disk.clear()
         self._disk[name] = (ident, m)
         return m
 
-    def _read(self, h: dict[str, Any]) -> Any:
-        run = check_run(messages.field(h, "run", str))
-        key = (run, messages.field(h, "step", int), messages.field(h, "rank", int))
-        file, offset, length = messages.field(h, "file", str), messages.field(h, "offset", int), messages.field(h, "length", int)
+    def _read(self, f: dict[str, Any]) -> Any:
+        run = check_run(f["run"])
+        key = (run, f["step"], f["rank"])
+        file, offset, length = f["file"], f["offset"], f["length"]
         if not layout.is_data_file(file):
             raise ProtocolError(f"read: {file!r} is not a data file")
-        replica = self.holder.get(key)
-        if replica is not None:
-            buf = replica.files.get(file)
-            if buf is None:
-                raise KeyError(f"run {run!r} step {key[1]} rank {key[2]} has no file {file!r}")
-            _within(file, offset, length, len(buf))
-            # any length within the file: a view of memory held anyway, sent without a copy
-            data: Any = memoryview(buf)[offset:offset + length]
-            try:
-                failpoints.hit("peer.serve")
-            except failpoints.Failpoint:  # a replica damaged in this holder's memory
-                data = bytearray(data)
-                if data:
-                    data[len(data) // 2] ^= 0xFF
-            return data
-        if length > self.max_read:  # read from disk into memory of its own: at most a frame
+        copy = self.holder.get(key)
+        if copy is not None:
+            return self._read_memory(key, copy.files.get(file), file, offset, length)
+        if length > self.max_read:
             raise ProtocolError(f"read: {length} bytes at once from disk; ask at most {self.max_read} ([peer] frame) "
                                 "a request")
         step_path = layout.step_dir(self.root, run, key[1])
@@ -363,28 +400,48 @@ class PeerServer:
         finally:
             os.close(fd)
 
-
-_OP = "\x00op"  # the op an answer is to, for the counts; taken out before it is sent
-_COUNTED = frozenset({"ping", "offer", "part", "done", "holds", "drop", "steps", "manifests", "read"})
-
-
-class _NoAnswer(Exception):
-    pass
-
-
-class _Later(Exception):
-    """From ``_handle``: this answer is made on the verify thread, by ``make``."""
-
-    def __init__(self, make: Callable[[], tuple[dict[str, Any], Any]]) -> None:
-        super().__init__()
-        self.make = make
+    def _read_memory(self, key: tuple[str, int, int], buf: Any, file: str, offset: int, length: int) -> Any:
+        """Any range of a file of a copy held here: a view of memory held anyway, sent without a copy."""
+        if buf is None:
+            raise KeyError(f"run {key[0]!r} step {key[1]} rank {key[2]} has no file {file!r}")
+        _within(file, offset, length, len(buf))
+        data: Any = memoryview(buf)[offset:offset + length]
+        try:
+            failpoints.hit("peer.serve")
+        except failpoints.Failpoint:
+            data = bytearray(data)
+            if data:
+                data[len(data) // 2] ^= 0xFF
+        return data
 
 
-Deferred = tuple[bytes, dict[str, Any], Callable[[], tuple[dict[str, Any], Any]]]  # (asker, header, make)
+_OP = "\x00op"
+
+
+def _refusal(exc: Exception, error: str | None = None) -> dict[str, Any]:
+    answer = {"ok": False, "error": str(exc) if error is None else error}
+    code = getattr(exc, "code", None)
+    if isinstance(code, str):
+        answer["code"] = code
+    return answer
+
+
+def _answer(fields: dict[str, Any], request: Request | None, rid: Any = None) -> dict[str, Any]:
+    """The answer header: ``fields``, ``ok`` unless they say otherwise, the request's id
+    and this node's protocol version."""
+    answer = dict(fields)
+    answer.setdefault("ok", True)
+    answer["id"] = request.rid if request is not None else rid
+    answer["v"] = messages.VERSION
+    answer[_OP] = request.op if request is not None else None
+    return answer
+
+
+Deferred = tuple[bytes, Request, Make]
 
 
 class _Verifier(supervise.Queued[Deferred]):
-    """The ``ckptd-peer-verify`` thread: makes the answers ``_Later`` defers, in turn,
+    """The ``ckptd-peer-verify`` thread: makes the answers a ``Later`` defers, in turn,
     and hands each to the serve thread (which alone sends on the port)."""
 
     def __init__(self, server: PeerServer) -> None:
@@ -393,10 +450,11 @@ class _Verifier(supervise.Queued[Deferred]):
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
-            ident, header, make = job
-            answer, _ = self.server._guard(header, make)
-            self.server._verified.append((ident, answer))
-            self.server._wake[1].send(b"", zmq.NOBLOCK)  # this thread alone sends on this end
+            ident, request, make = job
+            reply = self.server._guard(request, make)
+            assert isinstance(reply, tuple)
+            self.server._verified.append((ident, _answer(reply[0], request)))
+            self.server._wake[1].send(b"", zmq.NOBLOCK)
 
 
 def _within(file: str, offset: int, length: int, size: int) -> None:

@@ -1,14 +1,8 @@
-"""One partner's transfers, on its own ``ckptd-peer-send-N`` thread: the shares the
-``Replicator`` gives it, one after the other, each an ``offer``, the files in
-``frame``-sized parts with ``window`` of them in flight, and ``done``.
-
-A partner that is not connected, or does not answer the offer within ``[peer]
-timeout``, or takes no part for ``stall`` seconds, holds up only its own thread: the
-transfers to the other partners go on meanwhile on theirs. Its failure hands the
-share, and every share still queued for it, back to the ``Replicator``, which sends
-them to the next peers of their order and skips this one for a while (``backoff``).
-
-All partners' threads share one ``Pacer``: ``[peer] rate`` caps the node's total.
+"""One partner's transfers, on its own ``ckptd-peer-send-N`` thread: each share the
+``Copier`` gives it is an ``offer``, the files in ``frame``-sized parts with ``window``
+in flight, and ``done``. A partner that does not answer holds up only its own thread;
+its failure hands its shares back to the ``Copier`` for the next peers. All partners'
+threads share one ``Pacer``: ``[peer] rate`` caps the node's total.
 """
 
 from __future__ import annotations
@@ -37,13 +31,13 @@ from . import messages, supervise
 log = logging.getLogger("ckptd.peer")
 
 Key = tuple[str, int, int]
-YIELD_AFTER_S = 0.2  # the daemon idle this long after a step's messages: replication goes on
+YIELD_AFTER_S = 0.2
 
 
 @dataclass(frozen=True)
 class Job:
     """A share to send to one partner: its manifest as committed here, read once by the
-    ``Replicator``, and its run's retention (the partner holds no more steps than that)."""
+    ``Copier``, and its run's retention (the partner holds no more steps than that)."""
 
     key: Key
     manifest: Manifest
@@ -83,11 +77,11 @@ class PartnerSender(supervise.Queued[Job]):
                  pacer: Pacer, busy: Callable[[], bool], wanted: Callable[[Key], bool],
                  on_done: Callable[[str, Job, str, int, float], None], *, direct_io: bool = False) -> None:
         self.peer = peer
-        self.direct_io = direct_io  # the share files were written with O_DIRECT: read them so (ShareFiles)
+        self.direct_io = direct_io
         self.ctx, self.keys, self.cfg, self.root = ctx, keys, cfg, root
         self.pacer = pacer
-        self.busy = busy  # the daemon is receiving or committing a step: parts wait
-        self.wanted = wanted  # whether a job is still worth sending (not superseded meanwhile)
+        self.busy = busy
+        self.wanted = wanted
         self.on_done = on_done
         self._link: messages.Link | None = None
         self._busy_seen = 0.0
@@ -97,11 +91,11 @@ class PartnerSender(supervise.Queued[Job]):
         self._forget()
         with self._cv:
             left, self._jobs = list(self._jobs), deque()
-        for job in left:  # closing: the Replicator forgets what was still to send
+        for job in left:
             self.on_done(self.peer, job, DROPPED, 0, 0.0)
 
     def _run(self) -> None:
-        try:  # this thread alone (Linux: a thread's own nice value); the daemon's others keep theirs
+        try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (OSError, AttributeError) as exc:
             log.debug("%s keeps the daemon's priority: %s", self.thread.name, exc)
@@ -122,26 +116,26 @@ class PartnerSender(supervise.Queued[Job]):
         except OSError as exc:
             log.warning("cannot replicate run %r step %d rank %d: %s", *job.key, exc)
             share = None
-        if share is None:  # retention deleted it meanwhile
+        if share is None:
             self.on_done(self.peer, job, GONE, 0, 0.0)
             return
         t0 = time.monotonic()
         try:
             self._send(job, share)
-        except CheckpointCorrupt as exc:  # this node's own file changed under the transfer
+        except CheckpointCorrupt as exc:
             self._forget()
             log.warning("run %r step %d rank %d is not replicated: %s", *job.key, exc)
             self.on_done(self.peer, job, GONE, 0, time.monotonic() - t0)
             return
         except (PeerDown, PeerRefused, ProtocolError) as exc:
-            self._forget()  # a new link starts clean, with no stale answers queued
+            self._forget()
             run, step, rank = job.key
             log.warning("peer %s did not take run %r step %d rank %d (%s); trying the next peer",
                         self.peer, run, step, rank, exc)
-            if isinstance(exc, PeerRefused):  # it answered (full, or refused the share)
+            if isinstance(exc, PeerRefused):
                 self.on_done(self.peer, job, REFUSED, 0, time.monotonic() - t0)
                 return
-            with self._cv:  # slow or dead: what is queued for it goes to the next peers too
+            with self._cv:
                 left, self._jobs = list(self._jobs), deque()
             self.on_done(self.peer, job, DOWN, 0, time.monotonic() - t0)
             for other in left:
@@ -211,7 +205,7 @@ class ShareFiles:
         self.path = path
         self.fds = fds
         self.sizes = {f: os.fstat(fd).st_size for f, fd in fds.items()}
-        self.direct = direct  # the files read with O_DIRECT
+        self.direct = direct
         self._slots: list[mmap.mmap] = []
         self._frame, self._nslots, self._next = frame, slots, 0
 
@@ -247,7 +241,7 @@ class ShareFiles:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self.direct.discard(file)  # refused after all: through the page cache from now on
+                self.direct.discard(file)
                 _clear_direct(self.fds[file])
                 data = os.pread(self.fds[file], length, offset)
         else:
@@ -261,7 +255,7 @@ class ShareFiles:
             self._slots.append(mmap.mmap(-1, self._frame))  # page-aligned, as O_DIRECT needs
         slot = self._slots[self._next % len(self._slots)]
         self._next += 1
-        n = os.preadv(self.fds[file], [slot], offset)  # a whole aligned frame; short at the file's end
+        n = os.preadv(self.fds[file], [slot], offset)
         return memoryview(slot)[:min(n, want)]
 
     def close(self) -> None:

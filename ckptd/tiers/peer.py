@@ -39,7 +39,7 @@ class PeerTarget:
 
         from ..peer.holder import Holder
         from ..peer.keys import daemon_curve
-        from ..peer.replicator import Replicator
+        from ..peer.copier import Copier
         from ..peer.port import PeerServer
 
         cfg = config.peer
@@ -57,7 +57,7 @@ class PeerTarget:
             self.ctx.term()
             raise
         self._curve = server_curve
-        self.replicator = Replicator(self.ctx, config.root, cfg, self.keys, keep_last, node_id,
+        self.replicator = Copier(self.ctx, config.root, cfg, self.keys, keep_last, node_id,
                                      direct_io=config.daemon.direct_io)
         self.cfg = cfg
 

@@ -13,7 +13,8 @@ compared against the bytes that actually arrived.
 
 from __future__ import annotations
 
-from typing import Any
+import reprlib
+from typing import Any, Callable
 
 import msgpack
 
@@ -77,7 +78,11 @@ STOPPING = "stopping"  # the daemon is draining before it exits: no new producer
 
 def encode(op: str, **fields: Any) -> bytes:
     """Pack one header. Callers pass exactly the schema's fields."""
-    return msgpack.packb({"op": op, **fields}, use_bin_type=True)
+    return pack({"op": op, **fields})
+
+
+def pack(header: dict[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
 
 
 def pack_fields(**fields: Any) -> tuple[bytes, int]:
@@ -143,25 +148,12 @@ def decode(frames: list[Any]) -> tuple[dict[str, Any], Any]:
     """
     if not frames:
         raise ProtocolError("empty message")
-    raw = _buffer(frames[0])
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=MAX_HEADER_BYTES, max_bin_len=MAX_HEADER_BYTES,
-            max_array_len=_MAX_CONTAINER, max_map_len=_MAX_CONTAINER, max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(f"header is a {type(header).__name__}, not a map")
+    header = unpack_map(_buffer(frames[0]), "header", max_bytes=MAX_HEADER_BYTES)
     op = header.get("op")
     schema = SCHEMAS.get(op) if isinstance(op, str) else None
     if schema is None:
-        raise ProtocolError(f"unknown op {op!r}")
-    for key, kind in schema.items():
-        _check_field(op, header, key, kind)
+        raise ProtocolError(f"unknown op {short(op)}")
+    check_fields(op, header, schema)
     # a tensor's bytes come in a second frame, or are named in shared memory
     want = 2 if op == "tensor" and header["offset"] is None else 1
     if len(frames) != want:
@@ -170,8 +162,43 @@ def decode(frames: list[Any]) -> tuple[dict[str, Any], Any]:
         raise ProtocolError("'tensor' message has only one of 'offset' and 'length'")
     extra = set(header) - set(schema) - {"op"}
     if extra:
-        raise ProtocolError(f"{op!r} message has unknown fields {sorted(extra)}")
+        raise ProtocolError(f"{op!r} message has unknown fields {short(sorted(extra))}")
     return header, (frames[1] if want == 2 else None)
+
+
+class _TooMany(Exception):
+    pass
+
+
+def unpack_map(raw: Any, what: str, *, max_bytes: int, max_containers: int | None = None) -> dict[str, Any]:
+    """One msgpack map of at most ``max_bytes``, its container sizes bounded by the
+    bytes that arrived; ``max_containers``: at most that many maps and arrays in all,
+    so that a frame of empty containers cannot grow into many times its size."""
+    if len(raw) > max_bytes:
+        raise ProtocolError(f"{what} of {len(raw)} bytes exceeds {max_bytes}")
+    hooks: dict[str, Any] = {}
+    if max_containers is not None:
+        left = [max_containers]
+
+        def count(obj: Any) -> Any:
+            left[0] -= 1
+            if left[0] < 0:
+                raise _TooMany
+            return obj
+        hooks = {"object_hook": count, "list_hook": count}
+    size = max(len(raw), 1)
+    try:
+        header = msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, use_list=True, max_str_len=size, max_bin_len=size,
+            max_array_len=min(size, _MAX_CONTAINER), max_map_len=min(size // 2 + 1, _MAX_CONTAINER), max_ext_len=0,
+            **hooks)
+    except _TooMany:
+        raise ProtocolError(f"{what} holds more than {max_containers} maps and arrays") from None
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"{what} is not valid msgpack: {type(exc).__name__}: {short(str(exc))}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"{what} is a {type(header).__name__}, not a map")
+    return header
 
 
 def _buffer(frame: Any) -> Any:
@@ -182,31 +209,50 @@ def _buffer(frame: Any) -> Any:
         raise ProtocolError(f"frame of type {type(frame).__name__} is not bytes") from None
 
 
-def _check_field(op: str, header: dict[str, Any], key: str, kind: str) -> None:
-    optional = kind.endswith("?")
-    kind = kind.rstrip("?")
-    if key not in header or (optional and header[key] is None):
-        if optional:
-            header.setdefault(key, None)
-            return
-        raise ProtocolError(f"{op!r} message lacks field {key!r}")
-    value = header[key]
-    ok = {
-        "int": _is_uint,
-        "batch": _is_batch,
-        "same": _is_same,
-        "str": lambda v: isinstance(v, str),
-        "bin": lambda v: isinstance(v, bytes),
-        "bool": lambda v: isinstance(v, bool),
-        "json": lambda v: isinstance(v, str),
-        "map": lambda v: isinstance(v, dict),
-        "maps": lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v),
-        "shape": _is_shape,
-    }[kind](value)
-    if not ok:
-        raise ProtocolError(f"{op!r} message field {key!r} has a bad value {_short(value)}")
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
+KINDS: dict[str, Callable[[Any], bool]] = {
+    "int": _is_uint,
+    "batch": _is_batch,
+    "same": _is_same,
+    "str": _is_str,
+    "bin": lambda v: isinstance(v, bytes),
+    "bool": lambda v: isinstance(v, bool),
+    "json": _is_str,
+    "map": lambda v: isinstance(v, dict),
+    "maps": lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v),
+    "shape": _is_shape,
+}
+
+
+def check_fields(op: str, header: dict[str, Any], schema: dict[str, str],
+                 kinds: dict[str, Callable[[Any], bool]] = KINDS, said: dict[str, str] | None = None) -> None:
+    """Each of ``schema``'s fields of ``header`` checked to be of its kind (``kinds``:
+    name -> test; ``said``: name -> what it must be, for the error); an optional one
+    (``kind?``) absent or None is set to None."""
+    for key, kind in schema.items():
+        optional = kind.endswith("?")
+        kind = kind.rstrip("?")
+        if key not in header or (optional and header[key] is None):
+            if optional:
+                header[key] = None
+                continue
+            raise ProtocolError(f"{op!r} message lacks field {key!r}")
+        if not kinds[kind](header[key]):
+            must = f": it must be {said[kind]}" if said and kind in said else ""
+            raise ProtocolError(f"{op!r} message field {key!r} has a bad value {short(header[key])}{must}")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+
+
+def short(value: Any) -> str:
+    """``value`` for a message, at most about 80 characters and 3 levels deep whatever it holds."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a value whose repr fails still names its type
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."

@@ -1,29 +1,9 @@
-"""The ``ckptd-peer-send`` thread: each share this daemon commits goes to the memory
-of ``replicas`` partner daemons (``partners.of``: ``[peer] placement``), after the local
-commit and off the training loop's path.
-
-This thread decides who gets what; the bytes move on one ``ckptd-peer-send-N`` thread per
-partner (``sender.PartnerSender``), so that a partner that is slow, hung or dead holds up
-only its own transfers. A partner that does not answer is skipped with back-off
-(``backoff``: ``heartbeat``, then twice, four times as long … up to 12 heartbeats; pinged
-at the heartbeat after its skip runs out, and tried again at once after any answer) and the next peer of the order takes the share; one that
-refuses (full) is skipped for that share until the next retry round. Only the newest
-share of each (run, rank) is worth a replica, the one committed last (after a resume
-from an older step, the new attempt's): one still queued when another commits is
-superseded. ``[peer] rate`` caps the bytes/s all partners' threads send together. A share
-no partner took stays under-replicated and is tried again every ``heartbeat`` seconds
-while it is the newest, sent only to partners that do not hold it yet.
-
-A replica can also be lost after it was taken: its holder dies, restarts (its memory
-empty) or evicts it. Every ``heartbeat`` seconds the partners holding this node's
-newest shares are asked, all at once and within one ``timeout``, which of them they
-still hold (``holds``); a share one no longer holds, or a partner that does not answer,
-counts as a replica lost, and the share goes to the next peer of its order.
-
-Retention's deletions reach the partners batched: each ``heartbeat`` one ``drop`` per
-partner carrying every step of every run deleted since (at most
-``messages.MAX_STEPS_DROPPED`` steps a message), sent only to the partners this node sent
-replicas of that run to, all at once and within one ``timeout``.
+"""The ``ckptd-peer-send`` thread: each share this daemon commits is copied to the memory
+of ``replicas`` partners (``partners.of``), after the local commit, one
+``sender.PartnerSender`` thread per partner. It decides who gets what: partners that
+fail are backed off (``backoff``), the newest share of each (run, rank) is the one worth
+a copy, each heartbeat asks the partners which copies they still hold (``holds``) and
+sends retention's deletions (``drop``). Start reading at ``Copier.enqueue``.
 """
 
 from __future__ import annotations
@@ -50,7 +30,7 @@ log = logging.getLogger("ckptd.peer")
 Key = tuple[str, int, int]
 
 
-class Replicator(supervise.Supervised):
+class Copier(supervise.Supervised):
     def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
                  keep_last: Callable[[str], int], node_id: str, *, direct_io: bool = False) -> None:
         if config.rate and config.frame / config.rate > config.stall / 2:
@@ -58,8 +38,8 @@ class Replicator(supervise.Supervised):
                               f"{config.frame / config.rate:.1f} s, and a partner gives a transfer up after "
                               f"{config.stall:g} s ([peer] stall) without a part: raise rate, or lower frame to at most "
                               f"{int(config.rate * config.stall / 2)} bytes")
-        self.node_id = node_id  # this daemon's (PeerServer's): a peer that answers with it is this daemon
-        self.direct_io = direct_io  # [daemon] direct_io: shares are read back with O_DIRECT (sender.ShareFiles)
+        self.node_id = node_id
+        self.direct_io = direct_io
         self.ctx = ctx
         self.root = root
         self.cfg = config
@@ -67,26 +47,27 @@ class Replicator(supervise.Supervised):
         self.keep_last = keep_last
         self.peers = tuple(p for p in config.peers if p != config.listen)
         super().__init__("ckptd-peer-send")
-        self._queue: deque[Key] = deque()  # shares to (re)assign to partners
-        self._drops: dict[str, set[int]] = {}  # run -> steps retention deleted here, not yet sent
+        self._queue: deque[Key] = deque()
+        self._drops: dict[str, set[int]] = {}
         # the newest share of each (run, rank) committed here -> the partners holding it
         self._holders: dict[Key, set[str]] = {}
-        self._sending: dict[Key, set[str]] = {}  # share -> partners it is queued for or being sent to
-        self._tried: dict[Key, set[str]] = {}  # share -> partners that failed it since the last retry round
-        self._sent_to: dict[str, set[str]] = {}  # run -> partners that were sent replicas of it (its drops)
-        self._newest: dict[tuple[str, int], int] = {}  # (run, rank) -> newest step committed
-        self._checked = time.monotonic()  # when the holders were last asked
+        self._sending: dict[Key, set[str]] = {}
+        self._tried: dict[Key, set[str]] = {}
+        self._sent_to: dict[str, set[str]] = {}
+        self._newest: dict[tuple[str, int], int] = {}
+        self._checked = time.monotonic()
         self._backoff = Backoff(config.heartbeat, config.heartbeat * CAP_HEARTBEATS)
-        self._links: dict[str, messages.Link] = {}  # this thread's own, for holds, drop and ping
-        self._senders: dict[str, PartnerSender] = {}  # one per partner, made as it is first sent a share
+        self._links: dict[str, messages.Link] = {}
+        self._senders: dict[str, PartnerSender] = {}
         self._pacer = Pacer(config.rate)
         self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0,
                          "replicas_lost": 0, "drop_messages": 0, "dropped_steps": 0}
-        self.busy: Callable[[], bool] = lambda: False  # the daemon is receiving or committing a step
+        self.busy: Callable[[], bool] = lambda: False
         # (run, step, rank, seconds from local commit to held by `replicas` partners): the
         # peer tier's persist time for the interval advice (ckptd.daemon.measuring)
         self.on_replicated: Callable[[str, int, int, float], None] | None = None
-        self._committed_at: dict[Key, float] = {}  # shares not yet fully replicated -> commit time
+        self._committed_at: dict[Key, float] = {}
+        self._versions: dict[str, Any] = {}
 
     # -- from other threads ----------------------------------------------------------------
     def close(self) -> None:
@@ -101,7 +82,7 @@ class Replicator(supervise.Supervised):
             # resume from an older step (a new attempt) the new attempt's shares are what a recovery wants
             self._newest[(run, rank)] = step
             for k in [k for k in self._holders if k[0] == run and k[2] == rank and k[1] != step]:
-                self._forget_share(k)  # superseded
+                self._forget_share(k)
             self._holders[(run, step, rank)] = set()
             self._committed_at[(run, step, rank)] = time.time()
             self._queue.append((run, step, rank))
@@ -125,13 +106,14 @@ class Replicator(supervise.Supervised):
             return dict(self.figures_, thread_restarts=sum(supervise.restarts().values()),
                         rate=self.cfg.rate, under_replicated=len(self._under_replicated()), peers=list(self.peers),
                         holding=holding, sending=sum(len(p) for p in self._sending.values()),
+                        peer_versions=dict(self._versions), protocol_version=messages.VERSION,
                         **self._backoff.figures())
 
     def _under_replicated(self) -> list[Key]:
         return [k for k, peers in self._holders.items() if len(peers) < self.cfg.replicas]
 
     def _forget_share(self, key: Key) -> None:
-        """No replica of ``key`` is wanted any more (superseded, deleted); the lock held."""
+        """No copy of ``key`` is wanted any more (superseded, deleted); the lock held."""
         self._holders.pop(key, None)
         self._committed_at.pop(key, None)
         self._tried.pop(key, None)
@@ -159,7 +141,7 @@ class Replicator(supervise.Supervised):
                     self._send_drops()
                     self._probe()
                     self._check_holders()
-            except Exception:  # a bug: reported, and the next share is still replicated
+            except Exception:  # a bug: reported, and the next share is still copied
                 log.exception("replicating %s failed", key or "(the heartbeat's checks)")
 
     def _check_due(self) -> bool:
@@ -170,7 +152,7 @@ class Replicator(supervise.Supervised):
         neither holding it, nor sending it, nor failed it this round, nor backed off."""
         run, step, rank = key
         with self._cv:
-            if key not in self._holders:  # superseded or deleted meanwhile
+            if key not in self._holders:
                 return
             have, sending = self._holders[key], self._sending.get(key, set())
             want = self.cfg.replicas - len(have) - len(sending)
@@ -186,7 +168,7 @@ class Replicator(supervise.Supervised):
                             "(under-replicated; retried every %g s)", run, step, rank, held, self.cfg.replicas,
                             self.cfg.heartbeat)
             return
-        failpoints.hit("peer.replicate")  # a node that dies between its commit and its replication (tests)
+        failpoints.hit("peer.replicate")
         job = self._job(key)
         with self._cv:
             if job is None:
@@ -208,7 +190,7 @@ class Replicator(supervise.Supervised):
         except (CheckpointCorrupt, OSError) as exc:
             log.warning("cannot replicate run %r step %d rank %d: %s", run, step, rank, exc)
             return None
-        if m is None:  # deleted meanwhile
+        if m is None:
             return None
         if any(t.offset is None for t in m.tensors.values()):
             log.warning("run %r step %d rank %d is not replicated: it has chunked (compressed) HDF5 datasets, "
@@ -240,7 +222,7 @@ class Replicator(supervise.Supervised):
                 if not sending:
                     del self._sending[key]
             if outcome in (HELD, REFUSED, DOWN):
-                self._sent_to.setdefault(key[0], set()).add(peer)  # it may hold a replica: its drops go there
+                self._sent_to.setdefault(key[0], set()).add(peer)
                 self.figures_["send_seconds"] += seconds
             if outcome == HELD:
                 self._backoff.answered(peer)
@@ -262,7 +244,7 @@ class Replicator(supervise.Supervised):
                 if outcome == DOWN:
                     self._backoff.failed(peer)
                 if key in self._holders and not self._stop:
-                    self._queue.append(key)  # to the next peers of its order
+                    self._queue.append(key)
                     self._cv.notify()
             elif outcome == GONE:
                 self._forget_share(key)
@@ -285,15 +267,32 @@ class Replicator(supervise.Supervised):
         for peer in requests:
             try:
                 links[peer] = self._control(peer)
-            except messages.PeerRefused as exc:  # no key for it
+            except messages.PeerRefused as exc:
                 answers[peer] = exc
         answers.update(ask_all(links, {p: r for p, r in requests.items() if p in links}, timeout))
+        for peer, asked in links.items():
+            self._note_version(peer, asked.version, answers.get(peer))
         for peer, answer in answers.items():
             if isinstance(answer, Exception):
                 link = self._links.pop(peer, None)
                 if link is not None:
                     link.close()
         return answers
+
+    def _note_version(self, peer: str, version: int | None, answer: Any) -> None:
+        """Name a peer of another protocol version in the log and ``status`` (``peer_versions``)."""
+        if isinstance(answer, messages.PeerVersion):
+            seen: Any = f"newer than {messages.VERSION}"
+        elif version is not None and version != messages.VERSION:
+            seen = version
+        else:
+            self._versions.pop(peer, None)
+            return
+        if self._versions.get(peer) != seen:
+            log.warning("peer %s speaks peer protocol version %s, this node %d (docs/runbook.md: upgrading a "
+                        "cluster)%s", peer, seen, messages.VERSION, f": {answer}" if isinstance(answer, Exception)
+                        else "")
+        self._versions[peer] = seen
 
     def _check_holders(self) -> None:
         """Ask the partners holding this node's newest shares, all at once, which they
@@ -304,7 +303,7 @@ class Replicator(supervise.Supervised):
             for key, peers in self._holders.items():
                 for p in peers:
                     by_peer.setdefault(p, []).append(key)
-            self._tried.clear()  # a new round: every partner may be tried again
+            self._tried.clear()
         requests = {p: {"op": "holds", "shares": [list(k) for k in keys[:messages.MAX_SHARES_ASKED]]}
                     for p, keys in by_peer.items()}
         for peer, answer in self._ask(requests, self.cfg.timeout).items():
@@ -319,6 +318,8 @@ class Replicator(supervise.Supervised):
                 why = "no longer holds them (restarted, or evicted them for newer steps)"
                 with self._cv:
                     self._backoff.answered(peer)
+            except messages.PeerVersion:
+                continue
             except (messages.PeerDown, messages.PeerRefused, ProtocolError) as exc:
                 with self._cv:
                     skip = self._backoff.failed(peer)
@@ -383,7 +384,7 @@ class Replicator(supervise.Supervised):
         """Say at start which peers cannot be reached, and drop any that is this daemon."""
         if self.cfg.listen in self.cfg.peers:
             log.warning("[peer] peers names this daemon's own listen endpoint %s; it is ignored (a share "
-                        "needs a replica on another node)", self.cfg.listen)
+                        "needs a copy on another node)", self.cfg.listen)
         if not self.peers:
             log.warning("[peer] peers names no other daemon: nothing is replicated; list the other nodes' "
                         "[peer] listen endpoints")
