@@ -1,7 +1,7 @@
 """``producer.wait_complete``: until every rank's share of a step is durable in a tier
 (by default the last durable one of the chain: the bucket where there is one, else the
 shared root), seen through the storage itself, not through other ranks: no
-coordinator, no collective (docs/many-nodes.md)."""
+coordinator, no collective (docs/runbook.md)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@
     ConfigError (ValueError)         a bad config key or value, naming key and file
 
 Bad arguments are plain ``ValueError``; values ckptd cannot store are ``TypeError``
-(docs/errors.md). Errors from libraries are translated where the library is called.
+(docs/reliability.md). Errors from libraries are translated where the library is called.
 
 The rest are signals between ckptd's own parts, caught inside the daemon and turned
 into one of the errors above (or a reply naming what to do) before a user sees them.

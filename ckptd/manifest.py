@@ -193,7 +193,7 @@ class Manifest:
     attempt: str | None = None
     # replicated tensors this rank's state refers to but another rank wrote: name -> that rank
     replicas: dict[str, int] = field(default_factory=dict)
-    # replica comparison (ckptd.replicas, docs/replicas.md), optional: older readers skip them.
+    # replica comparison (ckptd.replicas, docs/training.md), optional: older readers skip them.
     # piece key -> "<function>:<hex>" of this rank's copy of each replicated piece it holds
     replica_digests: dict[str, str] = field(default_factory=dict)
     host: str | None = None  # the host the rank ran on, to name it when its copy differs
@@ -472,7 +472,7 @@ class CheckpointInfo:
     rank: int | None = None  # None: the whole step; an int: only that rank's share
     # where the step is complete: "local" (this root), "remote" (the [remote] tier), or both
     tiers: tuple[str, ...] = ("local",)
-    # replica comparison (docs/replicas.md): None where no replicas were compared (a share
+    # replica comparison (docs/training.md): None where no replicas were compared (a share
     # alone, "off", nothing replicated); else {tensor: [ranks whose copy differs from the
     # majority]}, {} when every copy agrees
     diverged: dict[str, list[int]] | None = None

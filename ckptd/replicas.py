@@ -1,6 +1,6 @@
 """Replica comparison: every rank that holds a copy of a replicated piece digests it,
 and where a step's shares meet the digests of one piece are compared across ranks
-(docs/replicas.md).
+(docs/training.md).
 
 Data-parallel state (DDP's model and optimizer under ``save(replicated=True)``,
 HSDP's replicate dimension, a TP model's ``Replicate()`` norms) is bit-identical on
@@ -146,7 +146,7 @@ def _host_bytes(value: Any) -> Any:
     if hasattr(value, "detach"):  # torch
         t = value.detach()
         if t.device.type != "cpu":
-            t = t.cpu()  # xxh3 on a device tensor: a run on gloo with a GPU tensor (docs/replicas.md)
+            t = t.cpu()  # xxh3 on a device tensor: a run on gloo with a GPU tensor (docs/training.md)
         t = t.contiguous().reshape(-1)
         import torch
 

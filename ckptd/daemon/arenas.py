@@ -3,7 +3,7 @@
 A producer on the daemon's host passes its staging arena's descriptor over a unix
 socket beside the ZeroMQ one (``ckptd.transport.handoff``); its hello names it by token, and
 the daemon maps it read-only, so tensors arrive as offsets into it, not as bytes on
-the socket (docs/protocol.md). ``Arenas`` owns that socket's connections and which
+the socket (docs/format.md). ``Arenas`` owns that socket's connections and which
 commits are still being written out of which arena.
 """
 

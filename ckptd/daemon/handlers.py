@@ -4,7 +4,7 @@ and to what the I/O threads report (a commit durable or failed, bytes written).
 ``Handlers.dispatch`` decodes a message and calls ``on_<op>`` (as gunicorn's arbiter
 calls ``handle_<signal>``), from a fixed set: a peer cannot reach any other method
 by naming it, and a message no producer sends (``welcome``, ``ack``, ...) gets an
-error reply naming it. The messages and their fields: docs/protocol.md.
+error reply naming it. The messages and their fields: docs/format.md.
 
 Handlers validate what a message says and hand the work on: tensors to the open
 step's assembly (``assembly.OpenStep``), commits to the writer. What outlives one
@@ -198,7 +198,7 @@ class Handlers:
 
     def on_list(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
         """Every complete checkpoint of a run, from the index, each with whether it is
-        pinned: what ``ckptd list --json`` prints (docs/cli.md)."""
+        pinned: what ``ckptd list --json`` prints (docs/service.md)."""
         try:
             run = check_run(h["run"])
         except ValueError as exc:
@@ -251,7 +251,7 @@ class Handlers:
                 st.flush()
 
     def on_tensors(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
-        """A batch of small tensors in one region of shared memory (docs/protocol.md)."""
+        """A batch of small tensors in one region of shared memory (docs/format.md)."""
         seq = sess.received = h["seq"]
         open_step = self.open_step(sess, h["step"], seq)
         if open_step.share.error is not None:
@@ -316,7 +316,7 @@ class Handlers:
 
     def on_drain(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         """The producer waits for staging: hand every chunk still gathered in its arena to
-        the writer, so that it waits only for bytes being written (docs/protocol.md)."""
+        the writer, so that it waits only for bytes being written (docs/format.md)."""
         for open_step in sess.steps.values():
             open_step.flush()
 

@@ -28,7 +28,7 @@ MAX_RUNS = 1000  # runs whose records stay in memory (and in `ckptd status`, the
 
 
 def parse_timing(value: Any) -> tuple[float | None, float | None]:
-    """A commit's ``timing`` map (docs/protocol.md): (stall seconds, restore seconds); a
+    """A commit's ``timing`` map (docs/format.md): (stall seconds, restore seconds); a
     missing or bad value is None (the timing informs the advice, it never fails a commit)."""
     if not isinstance(value, dict):
         return None, None

@@ -123,7 +123,7 @@ class _Collector:
                                   "not written again: they refer to an earlier step's stored copy.",
                                   value=snap["bytes_reused"])
         yield CounterMetricFamily("ckptd_replica_mismatch", "Replicated tensors whose copies on different "
-                                  "ranks disagreed, in the steps this daemon completed (docs/replicas.md).",
+                                  "ranks disagreed, in the steps this daemon completed (docs/training.md).",
                                   value=snap["replica_mismatches"])
         lat = snap["latency"]
         buckets = [(_le(b), c) for b, c in zip(lat["buckets"], lat["cumulative"])]

@@ -71,7 +71,7 @@ class Share:
     def at(self, name: str) -> str:
         """A path to ``name`` in the step folder that resolves through the folder's open
         descriptor, not its name: a run or step folder swapped for a symlink after it was
-        checked redirects nothing (docs/guarantees.md). h5py and ``atomic_write`` take it too."""
+        checked redirects nothing (docs/reliability.md). h5py and ``atomic_write`` take it too."""
         if self.dir_fd >= 0 and _PROC_FD:
             return f"{_PROC_FD}/{self.dir_fd}/{name}"
         return str(self.dir / name)

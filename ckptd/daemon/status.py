@@ -1,5 +1,5 @@
 """What the daemon says about itself: systemd's ``STATUS=`` line, the ``status``
-message's report (what ``ckptd status`` prints, docs/protocol.md), and the live
+message's report (what ``ckptd status`` prints, docs/format.md), and the live
 figures the metrics thread reads (docs/service.md).
 
 Each is read from the running ``Daemon``; none changes it.

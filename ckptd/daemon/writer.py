@@ -27,7 +27,7 @@ sees several writes in flight), and the syncer still commits only after every
 one of its share's futures is done.
 A share goes to the writer thread its format names. HDF5 has its own thread, which does
 nothing else, so that a slow file (gzip) never delays chunk files, and h5py's
-global lock is only ever taken there (docs/hdf5.md says why a thread, not a
+global lock is only ever taken there (docs/format.md says why a thread, not a
 process). Nothing here touches sockets; results go back through ``notify``.
 """
 
@@ -538,7 +538,7 @@ class Writer:
 
     def _remove_files(self, share: Share) -> None:
         # Relative to the run and step folders, each opened without following a symlink:
-        # one planted in the root is never removed through (docs/guarantees.md).
+        # one planted in the root is never removed through (docs/reliability.md).
         try:
             run_fd = layout.open_real_dir(share.dir.parent)
         except OSError:  # never made, or not a real folder: nothing of ours is in it

@@ -24,7 +24,7 @@ writers), ``reader``, ``metadata`` (DCP's ``Metadata`` as JSON, or synthesized),
   by ``producer.save``/``emit``, synthesizes it from the manifests' records
   (``synthesize_metadata``); ``read_data`` reads only the byte ranges each read
   item needs into the planner's tensors (``ckptd.load_into``'s reader), converting
-  them to each target's dtype as DCP's own reader does (docs/dcp.md), and
+  them to each target's dtype as DCP's own reader does (docs/training.md), and
   hands BYTE_IO items the saved plain value, re-serialized here with ``torch.save``
   (DCP's load planner unpickles it; it only ever sees bytes ckptd made from JSON).
 

@@ -6,7 +6,7 @@
 
 Lightning keeps deciding *when* to save, *which* file name a checkpoint has and
 which ones to remove (``ModelCheckpoint``); this plugin decides where the bytes
-go. Paths map to ckptd checkpoints like this (docs/integrations.md):
+go. Paths map to ckptd checkpoints like this (docs/training.md):
 
 - ``save_checkpoint(checkpoint, path)`` saves the dict as step
   ``checkpoint["global_step"]`` (Fabric: the dict's ``"global_step"`` or

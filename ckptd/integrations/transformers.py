@@ -3,7 +3,7 @@
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[CkptdCallback(run="exp1")])
     trainer.train(resume_from_checkpoint=True)   # ckptd's newest complete checkpoint
 
-How it hooks in (docs/integrations.md): when the Trainer that holds it is built
+How it hooks in (docs/training.md): when the Trainer that holds it is built
 (``on_init_end``), the callback attaches itself to that Trainer, the same way as
 ``callback.attach(trainer)`` does for a callback added later:
 

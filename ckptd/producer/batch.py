@@ -5,7 +5,7 @@ wake-up, and the sender thread a send, for each tensor: 33 µs a tensor for
 10,000 small ones, 28x a memcpy of the same bytes (benchmarks/limits.py). A batch
 takes one region of the arena, copies each small tensor into it when it is
 emitted (the snapshot is taken at once, as for any tensor), and goes out as one
-``tensors`` message (docs/protocol.md) when it is full, when the step changes,
+``tensors`` message (docs/format.md) when it is full, when the step changes,
 when a tensor that is not batched comes (regions must go out in the order they
 were taken, for the arena's ring), and before a commit, an abort, a flush or a
 close. Only in shared memory: inline, every tensor is a frame anyway.

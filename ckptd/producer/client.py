@@ -1,4 +1,4 @@
-"""``Producer``: the API a training loop calls (docs/usage.md).
+"""``Producer``: the API a training loop calls (docs/training.md).
 
 ``emit`` validates a tensor, copies it into the staging arena (a snapshot: the
 caller may overwrite the tensor as soon as ``emit`` returns) and queues it for
@@ -48,7 +48,7 @@ log = logging.getLogger("ckptd.producer")
 
 
 class Producer:
-    """One process's checkpoints of one run (docs/usage.md); ``ckptd.producer``'s
+    """One process's checkpoints of one run (docs/training.md); ``ckptd.producer``'s
     functions forward to a default one. Close it (or use it as a context manager)
     to learn of every failed commit; at exit it is closed for you. ``prepare=state``:
     ``self.prepare(state)`` once made (staging for the first checkpoint made ahead)."""
@@ -417,7 +417,7 @@ class Producer:
             self._book.finish(step, handle, error=str(exc))
             handle.observed = True  # raised here, to the caller: flush() and close() do not raise it again
             raise
-        ours = digests.result() if digests is not None else None  # (replica comparison, docs/replicas.md)
+        ours = digests.result() if digests is not None else None  # (replica comparison, docs/training.md)
         # what this save cost the training loop, and the loads before it (docs/advise.md)
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
                   "restore_s": measures.take_restored(self.run) if self.run is not None else None}

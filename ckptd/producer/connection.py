@@ -2,7 +2,7 @@
 
 ``ensure()`` says hello on first use and again after the daemon was lost (a
 restarted daemon is met with a new transport, the staging arena offered anew and
-reset, docs/protocol.md), and raises ``CheckpointError`` with what to do when no
+reset, docs/format.md), and raises ``CheckpointError`` with what to do when no
 daemon answers or it refuses the producer; ``start()`` does it at the producer's
 start, in the background with a warning unless ``[producer] on_no_daemon = "raise"``.
 Every message gets its ``seq`` here. The transport's sender thread hands each
@@ -371,7 +371,7 @@ class Connection:
         (``drain``), so that the wait is only ever for bytes being written. The daemon
         gives staging back only once it has written it, and it would otherwise hold
         the small tensors of an open chunk until the commit, which cannot come while
-        this emit waits (docs/protocol.md, Flow control). Under the emit lock, so no
+        this emit waits (docs/format.md, Flow control). Under the emit lock, so no
         other region is taken before the wait."""
         if self.transport is None or self.transport.lost is not None:
             return

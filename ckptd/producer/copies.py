@@ -1,4 +1,4 @@
-"""Copies into staging: the snapshot ``emit`` and ``save`` take (docs/usage.md).
+"""Copies into staging: the snapshot ``emit`` and ``save`` take (docs/training.md).
 
 ``describe`` checks a tensor or array and says how to stage it (an ``Item``).
 ``Copier`` owns the staging arena (allocated and pre-faulted in the background,
@@ -398,7 +398,7 @@ class Copier:
         dst.copy_(flat[start:start + n])
         return None
 
-    # -- CUDA: pinned staging, side stream, events (docs/usage.md, CUDA tensors) ---------------------------------
+    # -- CUDA: pinned staging, side stream, events (docs/training.md, CUDA tensors) ---------------------------------
     def _copy_from_cuda(self, dst: Any, src: Any) -> Any:
         """Start an async device-to-host copy into pinned staging; return its event.
 

@@ -79,7 +79,7 @@ def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
         return newest_in(run_dir)
     for _, path in index.step_dirs(run_dir):
         info = index.step_info(path, warn=True)
-        if info is None or info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
+        if info is None or info.refused:  # replicas that disagree under "refuse" (docs/training.md)
             continue
         try:
             manifests = index.read_manifests(path)

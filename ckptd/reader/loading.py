@@ -144,7 +144,7 @@ def _refuse_pieces_by_default(run: str, step: int | None, root: str | os.PathLik
     ``model.load_state_dict`` cannot take, and PyTorch's own error (a size mismatch)
     says nothing of what to do. ``load_into`` fills the model's own sharded state in
     place, the message shows how for this step's structure; ``rank=`` asks for the
-    pieces knowingly (docs/sharded.md)."""
+    pieces knowingly (docs/training.md)."""
     sharded = [n for n, rec in records.items() if rec.shard is not None and rec.shape != rec.shard.global_shape]
     if not sharded:
         return
@@ -156,7 +156,7 @@ def _refuse_pieces_by_default(run: str, step: int | None, root: str | os.PathLik
         f"plain tensors ({sharded[0]!r}: a {rec.shape} piece of "
         f"{rec.shard.global_shape}), which model.load_state_dict cannot take. Fill your model's "
         "(and optimizer's) own sharded state in place instead, with `model` the model and `opt` its "
-        "optimizer (docs/sharded.md):\n"
+        "optimizer (docs/training.md):\n"
         + "".join(f"    {line}\n" for line in _recipe(run, step, root, manifest, sharded))
         + f"or pass rank= (0 to {manifest.world_size - 1}) to get that rank's pieces as plain tensors")
 

@@ -60,4 +60,4 @@ def check_has_state(target: dict, saved: dict, where: str, step: int) -> None:
             f"fill. Create it first, as get_state_dict does, and load into what it returns: {INIT_CALL}; "
             "then ckptd.load_into({'model': model_sd, 'optim': optim_sd}, run) and "
             "torch.distributed.checkpoint.state_dict.set_state_dict(model, opt, model_state_dict=model_sd, "
-            "optim_state_dict=optim_sd) (docs/sharded.md)")
+            "optim_state_dict=optim_sd) (docs/training.md)")

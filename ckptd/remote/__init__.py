@@ -1,5 +1,5 @@
 """The remote tier: an object store (S3 and the like) that every node's daemon uploads
-its committed shares to, and that a fresh node resumes from (docs/remote.md).
+its committed shares to, and that a fresh node resumes from (docs/tiers.md).
 
 ``store`` is the only module that imports the object-store client; ``catalog`` says
 what the bucket holds; ``uploader`` is the daemon's upload thread; ``fetch`` reads a

@@ -4,7 +4,7 @@
     <url>/<run>/step-<12 digits>/r<rank>-<seq>.safetensors, r<rank>.h5
     <url>/<run>/step-<12 digits>/pinned                   uploaded with a pinned step
 
-A step is complete in the bucket under the local rule (docs/format.md, docs/many-nodes.md): every rank's
+A step is complete in the bucket under the local rule (docs/format.md, docs/runbook.md): every rank's
 manifest is there, and every file each names is there at least as long as the
 manifest says. An object store has no rename, so that order of uploads (data
 first, manifest last) is the commit protocol. Manifests are untrusted input, parsed
@@ -110,7 +110,7 @@ def latest(store: Store, run: str) -> CheckpointInfo | None:
     """The newest step complete in the bucket (manifests read newest first, until one is)."""
     for step, objects in sorted(run_objects(store, run).items(), reverse=True):
         info = step_info(store, run, step, objects, warn=True)
-        if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
+        if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/training.md)
             return info
     return None
 

@@ -1,4 +1,4 @@
-"""The bucket (``[remote]``, docs/remote.md): an object store every node's daemon uploads
+"""The bucket (``[remote]``, docs/tiers.md): an object store every node's daemon uploads
 its committed shares to, and that a fresh node resumes from. Its internals stay in
 ``ckptd.remote``: ``store`` (the client), ``catalog`` (what the bucket holds), ``fetch``
 (reading shares back), ``uploader`` (the ``ckptd-uploader`` thread), ``retention``.

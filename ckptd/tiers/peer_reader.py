@@ -337,7 +337,7 @@ class PeerTier:
             path = layout.step_dir(base, run, step)
             held = self.resolve(run, step, path, seen.get(step, {}))
             info = self.step_info(run, step, path, held)
-            if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/replicas.md)
+            if info is not None and not info.refused:  # replicas that disagree under "refuse" (docs/training.md)
                 now = time.monotonic()
                 for key in [k for k, (until, _) in _learnt.items() if until <= now]:  # a latest no find followed
                     del _learnt[key]
