@@ -1,5 +1,5 @@
 """The CurveZMQ keys a daemon's peer tier serves and dials with, and who may do what
-on the peer port (docs/tiers.md, "Keys").
+on the peer port (docs/security.md, "The peer port").
 
 Two set-ups:
 
@@ -109,10 +109,10 @@ def daemon_curve(config: Config) -> tuple[PeerCurveServer | None, ClientKeys | P
     clients = config.resolve_path(d.curve_clients) if d.curve_clients else None
     if clients is None:
         raise ConfigError("[peer] with [daemon] curve_secret_key needs [peer] curve_peers: a folder of every node's "
-                          "public key named HOST-PORT.key for its [peer] listen (docs/tiers.md, \"Keys\")")
+                          "public key named HOST-PORT.key for its [peer] listen (docs/security.md, \"The peer port\")")
     log.warning("[peer] curve_peers is not set: the nodes share one key pair and the peer port admits the keys in "
                 "[daemon] curve_clients (producers may read, only the shared key may write); give each node its "
-                "own key pair and set [peer] curve_peers (docs/tiers.md, \"Keys\")")
+                "own key pair and set [peer] curve_peers (docs/security.md, \"The peer port\")")
     return PeerCurveServer(p.listen, public, secret, clients, shared=True), ClientKeys(public, public, secret, path)
 
 
@@ -126,7 +126,7 @@ def _plaintext(config: Config) -> None:
             f"[peer] listen {p.listen!r}{where} is not a loopback address and no CurveZMQ keys are set: anyone "
             "who reaches that port could read every share and write replicas. Set [daemon] curve_secret_key "
             "(this node's NAME.key_secret from `ckptd keygen`) and [peer] curve_peers (a folder of every node's "
-            "public key named HOST-PORT.key), docs/tiers.md \"Keys\"; or, on a network you trust, "
+            "public key named HOST-PORT.key), docs/security.md \"The peer port\"; or, on a network you trust, "
             "[peer] allow_plaintext = true")
     log.warning("[peer] listen %s runs in plaintext ([peer] allow_plaintext = true): anyone who reaches it can read "
                 "every share this node holds or wrote, and write replicas; set CurveZMQ keys (docs/tiers.md)",
