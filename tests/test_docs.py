@@ -346,3 +346,29 @@ def test_the_command_reader_finds_ckptd_wherever_it_stands() -> None:
                            "ckptd keygen a --dir b   # a comment\n"
                            "python -m ckptd status --json | head -1\n")
     assert found == [["install-systemd"], ["keygen", "a", "--dir", "b"], ["status", "--json"]], found
+
+
+# A section cited by name beside its page: docs/tiers.md, "Placement" (or \"...\" inside a string).
+SECTION = re.compile(r"(?:docs/)?([a-z][a-z0-9-]*\.md)`?,? \(?\\?\"([^\"\\]{3,80})\\?\"")
+
+
+def sections(page: Path) -> set[str]:
+    """A page's headings and bold paragraph labels (**Label.**), as a citation names them."""
+    found = set()
+    for _, line in prose(page):
+        heading = HEADING.match(line)
+        if heading:
+            found.add(heading.group(1).replace("`", "").strip().lower())
+        found.update(label.rstrip(".:").lower() for label in re.findall(r"\*\*([^*]+?)\*\*", line))
+    return found
+
+
+def test_every_section_cited_exists() -> None:
+    missing = []
+    for source in SOURCES:
+        for n, line in enumerate(source.read_text().split("\n"), 1):
+            for name, title in SECTION.findall(line):
+                page = REPO / "docs" / name
+                if page.is_file() and title.lower() not in sections(page):
+                    missing.append(f"{source.relative_to(REPO)}:{n}: {name}, \"{title}\"")
+    assert not missing, "sections cited that their page does not have:\n" + "\n".join(missing)
