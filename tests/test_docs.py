@@ -372,3 +372,13 @@ def test_every_section_cited_exists() -> None:
                 if page.is_file() and title.lower() not in sections(page):
                     missing.append(f"{source.relative_to(REPO)}:{n}: {name}, \"{title}\"")
     assert not missing, "sections cited that their page does not have:\n" + "\n".join(missing)
+
+
+def test_the_readme_headline_figures_are_the_performance_page_s() -> None:
+    """Every figure the README's "Why ckptd" quotes stands on docs/performance.md."""
+    readme = (REPO / "README.md").read_text()
+    why = readme[readme.index("## Why ckptd"):readme.index("\n## ", readme.index("## Why ckptd") + 1)]
+    quoted = set(re.findall(r"\d+\.\d+", why))
+    measured = set(re.findall(r"\d+\.\d+", (REPO / "docs" / "performance.md").read_text()))
+    assert len(quoted) >= 5, f"the README's headline quotes {sorted(quoted)}: few figures for a headline"
+    assert quoted <= measured, f"figures in the README that docs/performance.md does not have: {sorted(quoted - measured)}"
