@@ -27,7 +27,7 @@ sees several writes in flight), and the syncer still commits only after every
 one of its share's futures is done.
 A share goes to the writer thread its format names. HDF5 has its own thread, which does
 nothing else, so that a slow file (gzip) never delays chunk files, and h5py's
-global lock is only ever taken there (docs/format.md says why a thread, not a
+global lock is only ever taken there (docs/design.md says why a thread, not a
 process). Nothing here touches sockets; results go back through ``notify``.
 """
 

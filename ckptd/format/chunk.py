@@ -6,7 +6,7 @@ with spaces so the data starts page-aligned, then every tensor's bytes in order,
 with no holes between them, as safetensors requires. A tensor too large to batch is
 streamed into a chunk file of its own: its header first, then its bytes as they
 arrive. An unchanged tensor of an earlier step is placed at the commit, once the
-step's every unchanged tensor is known (``place``; docs/format.md says why):
+step's every unchanged tensor is known (``place``; docs/design.md says why):
 a base file whose every tensor is unchanged is linked whole, the unchanged tensors of
 the others are copied into new chunk files of the step.
 
