@@ -4,7 +4,7 @@
 (the training thread writes it, the sender thread brings the daemon's replies):
 each open step's names and staging room, the commits awaiting a reply (by wire
 seq), and the failed commits no caller was told of yet, which ``flush()`` and
-``close()`` raise (docs/training.md: a failure always reaches the caller). A
+``close()`` raise (docs/design.md: a failure always reaches the caller). A
 ``Step``'s ``opened`` flag alone is set outside the lock, by the copy that opens
 the step (``copies.Copier.stage``, under the emit lock): only emits read it.
 """

@@ -1,7 +1,7 @@
 """The object store behind the remote tier: the only module that imports its client.
 
 The client is ``obstore`` (Rust's ``object_store``), chosen by measurement against
-``boto3`` and ``s3fs`` on the same bytes to the same server (docs/tiers.md): it was
+``boto3`` and ``s3fs`` on the same bytes to the same server (docs/performance.md): it was
 the fastest of the three, it releases the GIL for the whole transfer (the daemon's
 main loop and writers keep their CPU), and it takes the same URLs as fsspec
 (``s3://``, ``gs://``, ``az://``, ``file:///``). Credentials and endpoint come from

@@ -44,7 +44,7 @@ QUIET_S = 0.25
 # ...and a part never waits longer than this, so that uploads progress whatever comes.
 MAX_HOLD_S = 5.0
 # Called with a run and its steps complete in the bucket, after an upload completed one:
-# the daemon's local retention may then count them (docs/tiers.md).
+# the daemon's local retention may then count them (docs/service.md).
 OnRemoteComplete = Callable[[str, list[CheckpointInfo]], None]
 
 
