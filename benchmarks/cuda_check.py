@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The CUDA path (docs/usage.md), checked and measured on a machine with a GPU.
+"""The CUDA path (docs/training.md), checked and measured on a machine with a GPU.
 
     python benchmarks/cuda_check.py [--size 4GiB] [--tensors 64] [--repeat 3]
 

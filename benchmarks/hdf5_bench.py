@@ -17,7 +17,7 @@ Each repeat runs, interleaved (see benchmarks/README.md for why):
 * ``raw write + fsync``: the disk's floor (bench.py's).
 
 ``--compression gzip|lzf`` applies to both ckptd (``[hdf5]``, chunk_shape "auto")
-and the naive writer. Goals (docs/hdf5.md): ckptd's HDF5 commit throughput >= the
+and the naive writer. Goals (docs/performance.md): ckptd's HDF5 commit throughput >= the
 naive approach's; its blocking time no worse than with chunk files.
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does writing HDF5 stall a Python loop in the same process? The measurement behind
-the choice of a writer thread for HDF5 (docs/hdf5.md).
+the choice of a writer thread for HDF5 (docs/design.md).
 
     python benchmarks/hdf5_stall.py [--size 256MiB] [--tensors 16]
 

@@ -10,7 +10,7 @@
      clock starts (preallocated); the same with CurveZMQ on both sockets;
    - ckptd: ``ckptd.load(run, step, rank=0)`` of the lost node's share from the
      partner's memory (fresh memory), and ``load(..., out=preallocated)``, each with
-     plaintext and with CurveZMQ under one key pair per node (docs/tiers.md, "Keys"),
+     plaintext and with CurveZMQ under one key pair per node (docs/security.md, "The peer port"),
      every tensor compared bit-exact after the clock stops;
    and the CPU time both ends spend (this process's, and the sender's or the
    partner daemon's), from which CurveZMQ's cost per GB follows;
@@ -259,7 +259,7 @@ def measure_stall(work: Path, state: dict, repeats: int, rate: int) -> dict[str,
 
 
 def _node_keys(folder: Path, endpoints: list[str]) -> tuple[dict[str, Path], Path]:
-    """One key pair per node, as docs/tiers.md "Keys" sets them up: each endpoint's
+    """One key pair per node, as docs/security.md "The peer port" sets them up: each endpoint's
     secret key file, and the folder of every node's public key (``[peer] curve_peers``)."""
     from ckptd.peer.keys import key_name
     from ckptd.transport.curve import keygen

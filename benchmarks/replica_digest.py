@@ -1,4 +1,4 @@
-"""What replica comparison costs (docs/replicas.md): the digest functions per GB against a
+"""What replica comparison costs (docs/performance.md): the digest functions per GB against a
 memcpy of the same bytes measured in the same run, and the stall of a DDP save
 (``save(replicated=True)``, every rank holding the whole state) with
 ``compare_replicas = "off"`` against ``"warn"``, alternating, against one real daemon.

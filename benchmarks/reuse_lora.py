@@ -12,7 +12,7 @@ no declaration). For each, the daemon's own figures (``ckptd status``:
 ``bytes_written``, ``bytes_reused``), the bytes the daemon process sent to storage
 (``/proc/PID/io`` ``write_bytes``, after ``sync``), the disk the run's folders take
 (each inode counted once) and whether every chunk file of every step folder holds
-only that step's tensors (docs/performance.md, "A checkpoint that costs what changed").
+only that step's tensors (docs/training.md, "A checkpoint costs what changed").
 """
 
 from __future__ import annotations

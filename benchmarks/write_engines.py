@@ -1,7 +1,7 @@
 """How to issue a checkpoint's writes: threads or io_uring, against the O_DIRECT floor.
 
 The daemon writes a step as chunk files (64 MiB by default), each with O_DIRECT and
-fsynced on its own (docs/performance.md, "The write path"). This measures, on the same bytes in
+fsynced on its own (docs/performance.md, "Where the time goes"). This measures, on the same bytes in
 one run, ways to do that with several writes in flight:
 
 - ``floor``: one file, O_DIRECT writes of ``--file-size`` each, one fsync at the end

@@ -388,7 +388,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _replica_mark(info: CheckpointInfo) -> str:
-    """``ckptd list``'s mark of a step whose replicated tensors differ across ranks (docs/replicas.md)."""
+    """``ckptd list``'s mark of a step whose replicated tensors differ across ranks (docs/training.md)."""
     if not info.diverged:
         return ""
     what = "; ".join(f"{name} on ranks {','.join(map(str, ranks))}" for name, ranks in info.diverged.items())

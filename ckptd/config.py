@@ -143,7 +143,7 @@ class ProducerConfig:
     curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: this producer's NAME.key_secret file
     attempt: str = _opt("", _attempt)  # this job's attempt (ckptd.attempt); "": torchrun's, or this process's
     # replicated tensors' copies digested on every rank that holds one and compared across
-    # ranks (ckptd.replicas, docs/replicas.md): "refuse" keeps a step whose copies disagree
+    # ranks (ckptd.replicas, docs/training.md): "refuse" keeps a step whose copies disagree
     # from being the latest
     compare_replicas: str = _opt("warn", _choice("off", "warn", "refuse"))
     # a scheduler's notice that the job ends soon (ckptd.producer.preempt): should_save
@@ -261,7 +261,7 @@ def _level(value: object) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class Hdf5Config:
-    """How ``format = "hdf5"`` files are written (docs/hdf5.md). The defaults favour
+    """How ``format = "hdf5"`` files are written (docs/format.md). The defaults favour
     speed: contiguous, unfiltered datasets, whose bytes go straight to their place
     in the file and which readers load with one ``preadv``."""
 
@@ -298,7 +298,7 @@ def _url(value: object) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RemoteConfig:
-    """The remote tier (docs/remote.md): every committed share is uploaded to ``url``
+    """The remote tier (docs/tiers.md): every committed share is uploaded to ``url``
     in the background; ``retention`` ([remote.retention]) is the bucket's own policy."""
 
     url: str = _opt("", _url)  # "" = no remote tier

@@ -74,7 +74,7 @@ def group_world_size() -> int:
 
 @dataclass(frozen=True)
 class Elastic:
-    """torchelastic's identity of this attempt of a job (docs/sharded.md, restarts)."""
+    """torchelastic's identity of this attempt of a job (docs/training.md, restarts)."""
 
     restart_count: str
     run_id: str

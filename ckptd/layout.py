@@ -1,5 +1,5 @@
 """Where things live under the checkpoint root (docs/format.md), and how to reach them
-without ever following a symlink planted below the root (docs/guarantees.md).
+without ever following a symlink planted below the root (docs/reliability.md).
 
 The root itself may be a symlink (``/ckpt -> /mnt/nvme``): the configuration
 names it. Below it, run folders, step folders and every file ckptd reads or
@@ -80,7 +80,7 @@ def is_ckptd_file(name: str) -> bool:
 
 def ensure_real_dir(path: Path, root: Path) -> None:
     """Create ``path`` (and parents up to ``root``) refusing to pass through a symlink,
-    so that nothing is ever written outside the root (docs/guarantees.md)."""
+    so that nothing is ever written outside the root (docs/reliability.md)."""
     rel = path.relative_to(root)
     current = root
     for part in rel.parts:
@@ -174,7 +174,7 @@ def _not_real(path: str | os.PathLike[str], dir_fd: int | None, exc: OSError, wh
             mode = None
         if mode is not None and stat.S_ISLNK(mode):
             return OSError(errno.ELOOP, f"{path} is a symlink; ckptd never follows symlinks below "
-                                        "the checkpoint root (docs/guarantees.md)")
+                                        "the checkpoint root (docs/reliability.md)")
         if mode is not None:
             return OSError(exc.errno, f"{path} is {_kind(mode)}, not a {what}")
     return OSError(exc.errno, f"{path}: {exc.strerror}")

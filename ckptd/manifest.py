@@ -342,7 +342,7 @@ class CheckpointInfo:
 
     ``tiers``: where the step is complete: "local" (this root), "remote" (the [remote] tier), or
         both
-    ``diverged``: replica comparison (docs/replicas.md): None where no replicas were compared (a
+    ``diverged``: replica comparison (docs/training.md): None where no replicas were compared (a
         share alone, "off", nothing replicated); else {tensor: [ranks whose copy differs from the
         majority]}, {} when every copy agrees"""
 

@@ -128,7 +128,7 @@ def _host_bytes(value: Any) -> Any:
     if hasattr(value, "detach"):
         t = value.detach()
         if t.device.type != "cpu":
-            t = t.cpu()  # xxh3 on a device tensor: a run on gloo with a GPU tensor (docs/replicas.md)
+            t = t.cpu()  # xxh3 on a device tensor: a run on gloo with a GPU tensor (docs/training.md)
         t = t.contiguous().reshape(-1)
         import torch
 

@@ -52,7 +52,7 @@ def plan(infos: list[CheckpointInfo], policy: RetentionConfig, *, pinned: set[in
     ``protect``: steps kept whatever the rules say, as pins are (a share still to
     upload to the remote tier)."""
     by_step = {i.step: i for i in infos}
-    # a step whose replicas disagree under compare_replicas = "refuse" (docs/replicas.md) is
+    # a step whose replicas disagree under compare_replicas = "refuse" (docs/training.md) is
     # kept for inspection and counts for no rule: it must not push out the good steps before it
     refused = [Decision(i.step, True, ["refused: its replicated tensors differ across ranks; kept for "
                                        "inspection, counted by no rule"], i.nbytes) for i in infos if i.refused]
@@ -158,7 +158,7 @@ def merge(base: RetentionConfig, overrides: Any, where: str) -> RetentionConfig:
 
 def save_run_policy(run_dir: Path, overrides: dict[str, Any]) -> None:
     """Store a run's overrides in ``<run>/retention.json``; an ``OSError`` if the run's
-    folder is a symlink (nothing is written through one, docs/guarantees.md)."""
+    folder is a symlink (nothing is written through one, docs/reliability.md)."""
     layout.ensure_real_dir(run_dir, run_dir.parent)
     path = run_dir / POLICY_FILE
     data = json.dumps(overrides, sort_keys=True).encode()

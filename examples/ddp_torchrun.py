@@ -5,7 +5,7 @@
     # kill it (kill -9, a preempted node, Ctrl-C), then run the same torchrun line: it
     # resumes from the newest step that every rank made durable
 
-What each rank does (docs/sharded.md, "Multi-GPU: torchrun on one node"):
+What each rank does (docs/training.md, "torchrun and multi-process jobs"):
 
 - connects to the node's daemon: the producer reads ``$RANK`` and ``$WORLD_SIZE`` from
   torchrun, so a step is complete once every rank has committed its share;

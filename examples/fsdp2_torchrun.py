@@ -5,7 +5,7 @@
     # kill it, then resume on the same or another number of ranks:
     .venv/bin/torchrun --nproc-per-node 4 examples/fsdp2_torchrun.py --run-name fsdp-demo
 
-What each rank does (docs/sharded.md):
+What each rank does (docs/training.md):
 
 - shards the model with ``fully_shard`` (each rank holds a piece of every parameter
   and of Adam's state, uneven where a dimension does not divide by the ranks);

@@ -108,7 +108,7 @@ def main(endpoint: str, root: str, out: Path) -> None:
     dcp.async_save(state, storage_writer=ckptd.dcp.StorageWriter(run=RUN, step=2, **options)).result()
     dcp.async_save(state, storage_writer=ckptd.dcp.AsyncStorageWriter(run=RUN, step=3, **options)).result()
     # the process executor's helper process has a producer of its own for its run and rank:
-    # saves from the training process go to another run (docs/sharded.md, DCP users)
+    # saves from the training process go to another run (docs/training.md, DCP users)
     dcp.async_save(state, storage_writer=ckptd.dcp.StorageWriter(run=PROCESS_RUN, step=1, **options),
                    async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
     with Producer(endpoint, "ps", staging_size="16MiB", timeout=20) as p:

@@ -1,6 +1,6 @@
 """A 2-rank FSDP2 job (torchrun, gloo on CPU) for tests/test_staging.py: a 20-layer model
 with its Adam state saved through 4 MiB of staging, where every DTensor piece sent the
-open batch of small tensors and the saves hung (docs/performance.md, "The stall").
+open batch of small tensors and the saves hung (docs/design.md, "The producer").
 
   run "dcp"   step 1  dcp.save through ckptd.dcp.StorageWriter
   run "adcp"  step 1  dcp.async_save through ckptd.dcp.AsyncStorageWriter

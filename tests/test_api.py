@@ -1,4 +1,4 @@
-"""The public names (docs/usage.md) exist, with the documented shapes."""
+"""The public names (docs/training.md) exist, with the documented shapes."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_public_surface_is_pinned() -> None:
     assert [f for f in ckptd.CheckpointInfo.__dataclass_fields__] == [
         "run", "step", "path", "time", "nbytes", "ntensors", "format", "metadata", "world_size", "rank",
         "tiers",  # which tiers ("local", "remote") hold the step
-        "diverged", "refused"]  # replicated tensors whose copies differ across ranks (docs/replicas.md)
+        "diverged", "refused"]  # replicated tensors whose copies differ across ranks (docs/training.md)
 
 
 def test_python_dash_m_is_the_cli() -> None:

@@ -1,4 +1,4 @@
-"""kill -9 of the daemon or of a producer at awkward moments (docs/guarantees.md)."""
+"""kill -9 of the daemon or of a producer at awkward moments (docs/reliability.md)."""
 
 from __future__ import annotations
 

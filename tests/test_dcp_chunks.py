@@ -3,7 +3,7 @@ several chunks, or pieces emitted by hand), stored and loaded across plans: DCP'
 ``test_load_with_different_shard_plan`` ported to ckptd.dcp under torchrun (2 ranks,
 gloo, CPU; tests/dcp_chunks_job.py), then the same steps read in this process by
 ``ckptd.load``, ``ckptd.load_into`` and ``dcp.load``; and single-process cases through
-``Producer.emit`` (docs/format.md, "Several pieces of a tensor on one rank")."""
+``Producer.emit`` (docs/format.md, "Sharded, replicated and multi-attempt steps")."""
 
 from __future__ import annotations
 

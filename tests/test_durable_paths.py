@@ -1,5 +1,5 @@
 """Every file a manifest vouches for, and every file ckptd installs, reaches the disk
-before it is renamed into place (docs/guarantees.md): fsync the file, rename, fsync the
+before it is renamed into place (docs/reliability.md): fsync the file, rename, fsync the
 folder. A kill -9 cannot tell a missing fsync from a present one (the page cache
 survives it), so these tests watch the real system calls as they happen."""
 

@@ -1,5 +1,5 @@
 """Checkpoint files crafted to attack the reader, torn files, and symlinks planted in
-the root (docs/format.md, docs/guarantees.md). Every checkpoint here was written by a real
+the root (docs/format.md, docs/reliability.md). Every checkpoint here was written by a real
 daemon; the tests then damage copies of it, as a person or a crash could."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Hostile run ids and tensor names, through the real daemon and the read APIs
-(docs/format.md: run ids become folder names, tensor names never become paths; docs/guarantees.md:
+(docs/format.md: run ids become folder names, tensor names never become paths; docs/reliability.md:
 nothing is written outside the root)."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ they meet. Here hypothesis's stateful testing drives them together:
 - steps are whole ``save``\\s (with ``frozen=``, ``replicated=``) and ``emit`` blocks;
   and replicated saves of the state by two ranks of a run of its own, the second's
   copy with one bit flipped or not: the step's ``diverged`` names exactly the tensors
-  whose bytes differ (docs/replicas.md);
+  whose bytes differ (docs/training.md);
   the same layout again (the cached plan's hits, with in-place updates between
   saves, and right after ``save`` returns: the snapshot must not see them) or a new
   one (a miss);

@@ -86,6 +86,33 @@ def test_the_producer_reads_the_config_in_the_current_folder(make_daemon, tmp_pa
     assert r.returncode == 0 and json.loads(r.stdout)["step"] == 1, r.stderr
 
 
+def readme_training_script() -> str:
+    """The README's training loop, as its reader saves it to train.py."""
+    found = [b for b in re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+             if "producer.save" in b]
+    assert len(found) == 1, "the README shows one training loop"
+    return found[0]
+
+
+def test_the_readme_loop_finds_its_daemon_through_ckptd_config_and_resumes(daemon, tmp_path) -> None:
+    """Run as the README says (CKPTD_CONFIG set, `python train.py` in the job's own folder,
+    which has a config.toml of its own): it checkpoints through that daemon, and run again
+    it goes on from the newest complete step."""
+    config = tmp_path / "ckptd.toml"
+    config.write_text(f'[daemon]\nendpoint = "{daemon.endpoint}"\nroot = "{daemon.root}"\n')
+    job = tmp_path / "project"
+    job.mkdir()
+    (job / "config.toml").write_text("[model]\nlayers = 2\n")  # the job's own settings, not ckptd's
+    (job / "train.py").write_text(readme_training_script())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}
+    env["CKPTD_CONFIG"] = str(config)
+    for newest in (300, 600):
+        r = subprocess.run([sys.executable, "train.py"], cwd=job, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert ckptd.latest("demo", root=daemon.root).step == newest
+
+
 def test_serve_without_a_config_says_it_runs_on_defaults(tmp_path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -1,4 +1,4 @@
-"""The sending side of the peer tier (docs/tiers.md, "Replication"): real daemons on
+"""The sending side of the peer tier (docs/tiers.md, "Sending copies"): real daemons on
 127.0.0.1 stand for nodes. A hung partner and a dead one never hold up the share's
 way to a healthy one, and are backed off; retention's drops reach only the partners
 that were sent replicas, batched."""

@@ -1,4 +1,4 @@
-"""Replica comparison (ckptd.replicas, docs/replicas.md): every holder of a replicated
+"""Replica comparison (ckptd.replicas, docs/training.md): every holder of a replicated
 piece digests its copy, and the step names the ranks whose copy differs.
 
 These run three producers of one run in this process against a real daemon; the
@@ -148,7 +148,7 @@ def test_off_compares_nothing(daemon) -> None:
 
 
 def test_words64_is_the_documented_formula_on_cpu() -> None:
-    """The GPU digest's kernel, run on CPU tensors: the formula docs/replicas.md gives,
+    """The GPU digest's kernel, run on CPU tensors: the formula docs/training.md gives,
     computed independently with Python integers, for sizes that are and are not a
     multiple of 8 bytes, and across the kernel's blocks."""
     def reference(t: torch.Tensor) -> str:

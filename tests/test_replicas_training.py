@@ -2,7 +2,7 @@
 2 x 2 mesh) and tensor parallel with Replicate() norms, each with one bit of one rank's
 copy of a parameter flipped before a save (tests/replicas_job.py). The step names the
 tensor and the rank, ``ckptd verify`` fails naming them, a clean step reports ``{}``, and
-under "refuse" a restarted job resumes from the step before (docs/replicas.md)."""
+under "refuse" a restarted job resumes from the step before (docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The data path (docs/usage.md): shared-memory staging (``transport = "shm"``), inline frames
+"""The data path (docs/training.md): shared-memory staging (``transport = "shm"``), inline frames
 over ipc:// and tcp://, backpressure, and O_DIRECT chunk files. Real daemons, real
 sockets, real memfds, real files."""
 

@@ -84,7 +84,7 @@ class Upkeep:
     def set_run_policy(self, run: str, overrides: dict[str, Any]) -> None:
         """Validate and store a run's own retention overrides (from its producer's hello)."""
         retention.merge(self.policy, overrides, f"the retention of run {run!r}")  # ConfigError if bad
-        try:  # refuses a symlink or a file in place of the run folder (docs/guarantees.md)
+        try:  # refuses a symlink or a file in place of the run folder (docs/reliability.md)
             retention.save_run_policy(self.root / run, overrides)
         except OSError as exc:  # the producer is told; the daemon serves on
             raise ConfigError(f"cannot store the retention of run {run!r}: {exc.strerror or exc}") from None
@@ -169,7 +169,7 @@ class Upkeep:
         return cluster.apply(s, run_dir, policy, now=time.time(), protect=busy)[1]
 
     def _latest_changed(self, run: str, info: CheckpointInfo | None) -> None:
-        # readers that run no index follow this pointer (docs/retention.md)
+        # readers that run no index follow this pointer (docs/service.md)
         with self._pointer_lock:
             try:
                 write_pointer(self.root / run, info.step if info else None)

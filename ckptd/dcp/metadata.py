@@ -23,7 +23,7 @@ _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last"
 
 
 def encode_metadata(metadata: Metadata) -> dict[str, Any]:
-    """A faithful JSON form of DCP's ``Metadata`` (docs/dcp.md): every field, typed."""
+    """A faithful JSON form of DCP's ``Metadata`` (docs/training.md): every field, typed."""
     sdm: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):

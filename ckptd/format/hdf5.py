@@ -365,7 +365,7 @@ def read_into(ds: Any, dtype: Dtype, shape: Sequence[int], out: np.ndarray) -> N
 
 class Hdf5Format:
     """HDF5 files (``r<rank>.h5``): one per share, open across its batches, written on a
-    thread of its own (docs/hdf5.md says why a thread)."""
+    thread of its own (docs/design.md says why a thread)."""
 
     name = "hdf5"
     thread = "ckptd-hdf5"

@@ -131,7 +131,7 @@ class WriteIO(Protocol):
 
     def at(self, name: str) -> str:
         """A path to file ``name`` of the step folder that resolves through the folder's open
-        descriptor (docs/guarantees.md); h5py takes it too."""
+        descriptor (docs/reliability.md); h5py takes it too."""
 
     def next_seq(self) -> int:
         """The share's next data-file sequence number (thread-safe)."""

@@ -41,7 +41,7 @@ log = logging.getLogger("ckptd.producer")
 
 
 class Producer:
-    """One process's checkpoints of one run (docs/usage.md); ``ckptd.producer``'s
+    """One process's checkpoints of one run (docs/training.md); ``ckptd.producer``'s
     functions forward to a default one. Close it (or use it as a context manager)
     to learn of every failed commit; at exit it is closed for you. ``prepare=state``:
     ``self.prepare(state)`` once made (staging for the first checkpoint made ahead)."""

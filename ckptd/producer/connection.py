@@ -370,7 +370,7 @@ class Connection:
         (``drain``), so that the wait is only ever for bytes being written. The daemon
         gives staging back only once it has written it, and it would otherwise hold
         the small tensors of an open chunk until the commit, which cannot come while
-        this emit waits (docs/protocol.md, Flow control). Under the emit lock, so no
+        this emit waits (docs/format.md, Flow control). Under the emit lock, so no
         other region is taken before the wait."""
         if self.transport is None or self.transport.lost is not None:
             return

@@ -3,7 +3,7 @@
 Every message is one msgpack-encoded header frame; a ``tensor`` message carries
 its bytes in a second frame, unless it names them by ``offset`` and ``length`` in
 the producer's shared staging arena (``ckptd.transport.handoff``). Headers are maps with an ``op`` key. The full
-message list, with field types, is ``SCHEMAS`` below and ``docs/protocol.md``.
+message list, with field types, is ``SCHEMAS`` below and ``docs/format.md``.
 
 Decoding trusts nothing: frame counts, header size, msgpack container sizes,
 every field's type and range are checked, and any violation is a
