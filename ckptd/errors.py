@@ -1,6 +1,6 @@
 """Every exception ckptd raises on purpose, in one place: ``CheckpointError`` and its
-kinds (``CheckpointNotFound``, ``CheckpointCorrupt``, ``ProtocolError``, ``RemoteError``,
-``RemoteAuthError``), and ``ConfigError`` (a ``ValueError``) for a bad config key.
+kinds (``CheckpointNotFound``, ``CheckpointCorrupt``, ``ProtocolError``, ``TierUnavailable``,
+``RemoteError``, ``RemoteAuthError``), and ``ConfigError`` (a ``ValueError``) for a bad config key.
 
 Bad arguments are plain ``ValueError``; values ckptd cannot store are ``TypeError``.
 The rest are signals between ckptd's own parts, turned into one of the above (or a
@@ -25,6 +25,10 @@ class CheckpointCorrupt(CheckpointError):
 
 class ProtocolError(CheckpointError):
     """A wire message that cannot be decoded or breaks the protocol."""
+
+
+class TierUnavailable(CheckpointError):
+    """A tier cannot be reached; each tier maps its own errors to this at its edge."""
 
 
 class RemoteError(CheckpointError):
@@ -64,6 +68,19 @@ class PeerDown(Exception):
 
 class PeerRefused(Exception):
     """A peer answered with an error (peer/messages.py)."""
+
+
+class PeerVersion(PeerRefused):
+    """A peer that speaks a newer protocol version than this node's."""
+
+
+class PeerRequestRefused(ProtocolError):
+    """A peer request refused with an error ``code`` the asker acts on (peer/messages.py,
+    as ``Refused``)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class PeerMemoryFull(Exception):

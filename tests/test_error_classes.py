@@ -53,6 +53,9 @@ def test_the_scan_sees_an_exception_class() -> None:
     ("ckptd.peer.messages", "PeerDown", "PeerDown"),
     ("ckptd.peer.messages", "PeerRefused", "PeerRefused"),
     ("ckptd.peer.holder", "Full", "PeerMemoryFull"),
+    ("ckptd.peer.messages", "Refused", "PeerRequestRefused"),
+    ("ckptd.peer.messages", "PeerVersion", "PeerVersion"),
+    ("ckptd.tiers", "TierUnavailable", "TierUnavailable"),
 ])
 def test_old_import_names_still_work(module: str, name: str, home: str) -> None:
     assert getattr(importlib.import_module(module), name) is getattr(errors, home)

@@ -19,7 +19,8 @@ from ckptd import index, layout
 from ckptd.config import load as load_config
 from ckptd.manifest import CheckpointInfo
 from ckptd.tiers import bucket, landing
-from ckptd.tiers.base import Tier, TierUnavailable
+from ckptd.errors import TierUnavailable
+from ckptd.tiers.base import Tier
 from ckptd.tiers.files import read_tensors
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.peer_reader import PeerTier

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ..errors import ConfigError, PeerDown, PeerRefused, ProtocolError
+from ..errors import ConfigError, PeerDown, PeerRefused, PeerRequestRefused as Refused, PeerVersion, ProtocolError
 from ..transport import wire
 
 VERSION = 2
@@ -126,18 +126,6 @@ def decode_request(frames: list[Any]) -> Request:
         exc.rid = rid  # type: ignore[attr-defined]
         raise
     return Request(op, fields, frames[1] if len(frames) > 1 else None, rid, version)
-
-
-class Refused(ProtocolError):
-    """A request refused with an error ``code`` the asker acts on."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class PeerVersion(PeerRefused):
-    """A peer that speaks a newer protocol version than this node's."""
 
 
 def _buffer(frame: Any) -> Any:

@@ -14,7 +14,8 @@ from .. import env, index, tiers
 from ..config import load as load_config
 from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest
-from ..tiers.base import Holding, TierUnavailable, merge, newest
+from ..errors import TierUnavailable
+from ..tiers.base import Holding, merge, newest
 from ..tiers.local import LocalTier, newest_in, run_dir as _run_dir
 from .checks import check
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config, default_root, load as load_config
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TierUnavailable
 from ..manifest import CheckpointInfo
 from . import bucket, local, peer
-from .base import CopyTarget, Holding, Tier, TierUnavailable
+from .base import CopyTarget, Holding, Tier
 
 _COPIED_TO = (bucket, peer)  # the tiers a daemon may copy shares to, in the order they start
 _PEER_TIERS: dict[tuple[str, str, int], Tier] = {}

@@ -10,12 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 from .. import layout
-from ..errors import CheckpointError
 from ..manifest import CheckpointInfo, Manifest, TensorRecord
-
-
-class TierUnavailable(CheckpointError):
-    """A tier cannot be reached; each tier maps its own errors to this at its edge."""
 
 
 class Holding(Protocol):

@@ -22,7 +22,8 @@ from ..remote.store import Store
 from ..remote.uploader import Uploader
 from ..units import duration, rate, size
 from . import landing
-from .base import TierUnavailable, missing_manifests
+from ..errors import TierUnavailable
+from .base import missing_manifests
 from .files import bytes_of, read_tensors
 
 NAME = catalog.TIER
