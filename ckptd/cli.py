@@ -555,12 +555,12 @@ def _prune(args: argparse.Namespace) -> int:
     run_dir = root / check_run(args.run)
     policy = retention.run_policy(cfg.retention, run_dir)
     if cfg.peer.enabled or cfg.remote.enabled:  # each node may have its own root: the cluster's rule
-        from .tiers import bucket, cluster
+        from .tiers import bucket, completeness
 
-        peers = cluster.open_peers(cfg) if cfg.peer.enabled else None
-        s = cluster.survey(args.run, run_dir, peers, bucket.open_store(None, cfg))
-        decisions, trash = cluster.apply(s, run_dir, policy, now=time.time(), dry_run=args.dry_run)
-        whole = cluster.whole_here(s)  # the steps the pointer may name: complete in this root
+        peers = completeness.open_peers(cfg) if cfg.peer.enabled else None
+        s = completeness.survey(args.run, run_dir, peers, bucket.open_store(None, cfg))
+        decisions, trash = completeness.apply(s, run_dir, policy, now=time.time(), dry_run=args.dry_run)
+        whole = completeness.whole_here(s)  # the steps the pointer may name: complete in this root
     else:
         decisions, trash = retention.apply(run_dir, reader.list_checkpoints(args.run, root=root), policy,
                                            now=time.time(), dry_run=args.dry_run)

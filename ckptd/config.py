@@ -100,6 +100,8 @@ def _opt(default: Any, parse: Callable[[object], Any]) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class DaemonConfig:
+    """``[daemon]``; each key, its unit and default: docs/configuration.md."""
+
     endpoint: str = _opt("ipc://var/run/ckptd.sock", _string)
     root: str = _opt("var/checkpoints", _string)
     format: str = _opt("chunk", _choice(*FORMATS))
@@ -110,28 +112,24 @@ class DaemonConfig:
     fsync: bool = _opt(True, lambda v: _bool(v))
     nice: int = _opt(19, lambda v: _nice(v))
     log_level: str = _opt("info", _choice("debug", "info", "warning", "error"))
-    metrics: str = _opt("", lambda v: _listen_address(v))  # "" = off
+    metrics: str = _opt("", lambda v: _listen_address(v))
     drain_timeout: float = _opt(60.0, parse_duration)
-    direct_io: bool = _opt(True, lambda v: _bool(v))  # O_DIRECT chunk writes where the filesystem allows
-    write_rate: int = _opt(0, parse_size)  # bytes/s cap on data writes; 0 = none
-    writer_threads: int = _opt(0, lambda v: _threads(v))  # chunk files written at once; 0 = a quarter of the cores, 2..4
-    shared_runs: bool = _opt(False, lambda v: _bool(v))  # False: a run is written only by its creator
-    # a tensor unchanged since this rank's previous step (same name, dtype, shape, checksum)
-    # is not written again: the new step links the stored copy (ckptd.daemon.reuse)
+    direct_io: bool = _opt(True, lambda v: _bool(v))
+    write_rate: int = _opt(0, parse_size)
+    writer_threads: int = _opt(0, lambda v: _threads(v))
+    shared_runs: bool = _opt(False, lambda v: _bool(v))
     reuse_unchanged: bool = _opt(True, lambda v: _bool(v))
-    curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's NAME.key_secret file
-    curve_clients: str = _opt("", lambda v: _path(v))  # tcp:// only: folder of admitted producers' NAME.key files
+    curve_secret_key: str = _opt("", lambda v: _path(v))
+    curve_clients: str = _opt("", lambda v: _path(v))
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProducerConfig:
+    """``[producer]``; each key, its unit and default: docs/configuration.md."""
+
     timeout: float = _opt(10.0, _positive(parse_duration))
-    # None ("auto"): start small and grow to fit the largest checkpoint, within
-    # staging_limit (ckptd.producer.sizing); a size: exactly that, allocated at start
     staging_size: int | None = _opt(None, lambda v: _auto(v, _positive(parse_size)))
-    staging_limit: int | None = _opt(None, lambda v: _auto(v, _positive(parse_size)))  # None: from RAM
-    # "auto" staging: a checkpoint's bytes per rank, where known at start; staging is made
-    # at that size in the background at once (sizing.size_for), not grown into. 0: unknown
+    staging_limit: int | None = _opt(None, lambda v: _auto(v, _positive(parse_size)))
     expected_bytes: int = _opt(0, parse_size)
     on_no_daemon: str = _opt("warn", _choice("warn", "raise"))
     on_full: str = _opt("block", _choice("block", "raise"))
@@ -139,15 +137,10 @@ class ProducerConfig:
     heartbeat: float = _opt(2.0, _positive(parse_duration))
     transport: str = _opt("auto", _choice("auto", "shm", "inline"))
     gpu_snapshot: str = _opt("host", _choice("host", "device"))
-    curve_server_key: str = _opt("", lambda v: _path(v))  # tcp:// only: the daemon's public NAME.key file
-    curve_secret_key: str = _opt("", lambda v: _path(v))  # tcp:// only: this producer's NAME.key_secret file
-    attempt: str = _opt("", _attempt)  # this job's attempt (ckptd.attempt); "": torchrun's, or this process's
-    # replicated tensors' copies digested on every rank that holds one and compared across
-    # ranks (ckptd.replicas, docs/training.md): "refuse" keeps a step whose copies disagree
-    # from being the latest
+    curve_server_key: str = _opt("", lambda v: _path(v))
+    curve_secret_key: str = _opt("", lambda v: _path(v))
+    attempt: str = _opt("", _attempt)
     compare_replicas: str = _opt("warn", _choice("off", "warn", "refuse"))
-    # a scheduler's notice that the job ends soon (ckptd.producer.preempt): should_save
-    # answers True at the next step, and that save is made durable before the signal goes on
     preempt_signals: tuple[str, ...] = _opt(("SIGTERM", "SIGUSR1"), lambda v: _signal_names(v))
     preempt_grace: float = _opt(30.0, _positive(parse_duration))
 
@@ -266,7 +259,7 @@ class Hdf5Config:
     in the file and which readers load with one ``preadv``."""
 
     compression: str = _opt("none", _choice("none", "gzip", "lzf"))
-    level: int = _opt(4, _level)  # gzip only
+    level: int = _opt(4, _level)
     chunk_shape: str = _opt("none", _choice("auto", "none"))
     fletcher32: bool = _opt(False, lambda v: _bool(v))
 
@@ -282,6 +275,8 @@ class Hdf5Config:
 
 @dataclass(frozen=True, kw_only=True)
 class IndexConfig:
+    """``[index]``: how the index follows the root (docs/configuration.md)."""
+
     observer: str = _opt("auto", _choice("auto", "inotify", "polling"))
     poll_interval: float = _opt(1.0, _positive(parse_duration))
     rescan_interval: float = _opt(300.0, _positive(parse_duration))
@@ -301,11 +296,11 @@ class RemoteConfig:
     """The remote tier (docs/tiers.md): every committed share is uploaded to ``url``
     in the background; ``retention`` ([remote.retention]) is the bucket's own policy."""
 
-    url: str = _opt("", _url)  # "" = no remote tier
-    part_bytes: int = _opt(16 * 2**20, _positive(parse_size))  # multipart part size; also the ranged-read size
-    concurrency: int = _opt(8, _positive(lambda v: _count(v)))  # parts (or ranges) in flight at once
-    max_retry_s: float = _opt(30.0, _positive(parse_duration))  # backoff cap between upload retries
-    poll_interval: float = _opt(0.5, _positive(parse_duration))  # wait_complete's look at the storage
+    url: str = _opt("", _url)
+    part_bytes: int = _opt(16 * 2**20, _positive(parse_size))
+    concurrency: int = _opt(8, _positive(lambda v: _count(v)))
+    max_retry_s: float = _opt(30.0, _positive(parse_duration))
+    poll_interval: float = _opt(0.5, _positive(parse_duration))
     retention: RetentionConfig = RetentionConfig()
 
     @property
@@ -342,27 +337,20 @@ class PeerConfig:
     """The peer tier (docs/tiers.md): this daemon replicates each share it commits into
     the memory of ``replicas`` of ``peers``, and holds theirs within ``memory`` bytes."""
 
-    listen: str = _opt("", _peer_endpoint)  # "" = no peer tier
+    listen: str = _opt("", _peer_endpoint)
     peers: tuple[str, ...] = _opt((), _peer_list)
     replicas: int = _opt(1, _positive(lambda v: _count(v)))
-    memory: int = _opt(4 * 2**30, _positive(parse_size))  # bytes of replicas held
-    frame: int = _opt(4 * 2**20, _positive(parse_size))  # bytes per message of a transfer
-    window: int = _opt(8, _positive(lambda v: _count(v)))  # messages of a transfer in flight
-    stall: float = _opt(10.0, _positive(parse_duration))  # no answer this long: the peer is slow or dead
-    timeout: float = _opt(1.0, _positive(parse_duration))  # a reader's wait for the peers' answers; a sender's for a partner's
-    # how often partners holding this node's newest shares are asked whether they still do,
-    # and under-replicated shares are tried again (a failed peer is skipped this long)
+    memory: int = _opt(4 * 2**30, _positive(parse_size))
+    frame: int = _opt(4 * 2**20, _positive(parse_size))
+    window: int = _opt(8, _positive(lambda v: _count(v)))
+    stall: float = _opt(10.0, _positive(parse_duration))
+    timeout: float = _opt(1.0, _positive(parse_duration))
     heartbeat: float = _opt(5.0, _positive(parse_duration))
-    # a listen address other than loopback without CurveZMQ keys: refused at start unless this says so
     allow_plaintext: bool = _opt(False, lambda v: _bool(v))
-    # folder of every node's public key, named HOST-PORT.key for its [peer] listen (docs/tiers.md):
-    # each daemon has its own key pair ([daemon] curve_secret_key), and the peer port admits only these
     curve_peers: str = _opt("", lambda v: _path(v))
-    rate: int = _opt(0, parse_size)  # bytes/s cap on replication's sending; 0 = none
-    # where a share's replicas go (docs/tiers.md, "Placement"): "ring" (each replica `domain` nodes on,
-    # in another failure domain) or "rendezvous" (hashing of run and rank: a node's ranks spread)
+    rate: int = _opt(0, parse_size)
     placement: str = _opt("ring", _choice("ring", "rendezvous"))
-    domain: int = _opt(1, _positive(lambda v: _count(v)))  # nodes a failure domain (rack, switch), by address
+    domain: int = _opt(1, _positive(lambda v: _count(v)))
 
     @property
     def enabled(self) -> bool:
@@ -383,8 +371,6 @@ def _mtbf(value: object) -> float | None:
 class AdviseConfig:
     """The checkpoint interval advice (docs/advise.md)."""
 
-    # mean time between failures of the job, used while the run has fewer failures than
-    # the advice needs to measure it; None: a default (which the advice says it assumed)
     mtbf: float | None = _opt(None, _mtbf)
 
 

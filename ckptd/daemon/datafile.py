@@ -19,9 +19,8 @@ from typing import Any, Iterable
 
 import numpy  # noqa: F401  (fileio needs it: imported at start, not in the first commit)
 
-from ..format.fileio import buffer_address
+from ..format.fileio import BLOCK, buffer_address
 
-BLOCK = 4096  # O_DIRECT alignment of addresses, offsets and lengths (the common logical block size)
 BOUNCE = 8 * 2**20
 _DIRECT_MAX = 64 * 2**20
 _IOV_MAX = 1024

@@ -4,7 +4,7 @@ retention, and the removal of deleted checkpoints in the background.
 Retention runs on the syncer thread after a commit completes a step in this root;
 with ``[peer]`` or ``[remote]`` (each node may have its own root) on the
 ``ckptd-prune`` thread instead, counting the steps complete across the cluster
-(``ckptd.tiers.cluster``). ``Upkeep`` also holds the tiers each commit is copied to
+(``ckptd.tiers.completeness``). ``Upkeep`` also holds the tiers each commit is copied to
 (``ckptd.tiers.copy_targets``); retention never removes a step one of them still copies.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from .. import retention, tiers
 from ..tiers.base import Forgets, Pending, Receives, Reports, Yields
-from ..tiers import bucket, cluster
+from ..tiers import bucket, completeness
 from ..config import Config, ConfigError, RetentionConfig
 from ..errors import CheckpointCorrupt
 from .. import index
@@ -41,7 +41,7 @@ class Upkeep:
         self._trash: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
         self._reaper = threading.Thread(target=self._reap, name="ckptd-reaper", daemon=True)
         self.targets = tiers.copy_targets(config, self._keep_last, self._remote_complete)  # docs/tiers.md
-        self._peers = cluster.open_peers(config) if config.peer.enabled else None
+        self._peers = completeness.open_peers(config) if config.peer.enabled else None
         self._store = bucket.open_store(None, config) if config.remote.enabled else None
         self._known: dict[str, dict[int, tuple[str, ...]]] = {}  # run -> steps found complete across the cluster
         across = config.peer.enabled or config.remote.enabled
@@ -163,10 +163,10 @@ class Upkeep:
 
     def _prune_across(self, run: str, run_dir: Path, policy: RetentionConfig, busy: set[int]) -> list[Path]:
         known = self._known.setdefault(run, {})
-        s = cluster.survey(run, run_dir, self._peers, self._store, known)
+        s = completeness.survey(run, run_dir, self._peers, self._store, known)
         known.clear()
         known.update(s.complete)
-        return cluster.apply(s, run_dir, policy, now=time.time(), protect=busy)[1]
+        return completeness.apply(s, run_dir, policy, now=time.time(), protect=busy)[1]
 
     def _latest_changed(self, run: str, info: CheckpointInfo | None) -> None:
         # readers that run no index follow this pointer (docs/service.md)
@@ -253,7 +253,7 @@ class Alone:
             return
         for run in runs:
             steps = index.step_dirs(self.root / run)
-            ranks = cluster.committed_ranks(steps[0][1]) if steps else []
+            ranks = completeness.committed_ranks(steps[0][1]) if steps else []
             try:
                 share = index.read_share(steps[0][1], ranks[0]) if ranks else None
             except (CheckpointCorrupt, OSError):
@@ -266,7 +266,7 @@ class Alone:
         if run in self._decided or world_size <= 1:
             return
         newest = index.step_dirs(self.root / run)[:2 * self.SEEN]
-        held = {s: cluster.committed_ranks(p) for s, p in newest}
+        held = {s: completeness.committed_ranks(p) for s, p in newest}
         if any(len(ranks) >= world_size for ranks in held.values()):
             self._decided.add(run)  # a step completes here: a shared root
             return

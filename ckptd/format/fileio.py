@@ -7,6 +7,7 @@ import os
 from collections import deque
 from typing import Any, Sequence
 
+BLOCK = 4096  # O_DIRECT alignment of addresses, offsets and lengths (the common logical block size)
 _IOV_MAX = 1024
 
 

@@ -23,7 +23,7 @@ import zmq
 
 from .. import layout
 from ..config import PeerConfig
-from ..daemon.datafile import BLOCK
+from ..format.fileio import BLOCK
 from ..errors import CheckpointCorrupt, PeerDown, PeerRefused, ProtocolError
 from ..manifest import Manifest
 from . import messages, supervise
