@@ -50,6 +50,24 @@ def test_no_import_cycle_with_the_imports_inside_functions(figures) -> None:
     assert figures["cycles"] == [] and figures["cycles_module_level"] == []
 
 
+def test_no_cycle_even_through_annotations_and_no_package_cycle(figures) -> None:
+    assert figures["cycles_type_checking"] == [] and figures["package_cycles"] == []
+
+
+def test_no_two_modules_share_a_name(figures) -> None:
+    assert figures["repeated_module_names"] == []
+
+
+def test_the_house_stays_within_its_limits(figures) -> None:
+    """The limits docs/design.md gives the package: a reader that never asks a tier what it
+    can do, a daemon of a few parts, short modules and functions, comments that say why."""
+    assert figures["reader_asks_tiers"] == [] and figures["tier_modules_over_300"] == []
+    assert len(figures["daemon_attributes"]) <= 12, figures["daemon_attributes"]
+    assert figures["reader_load_lines"] <= 40 and figures["functions_over_60"] == []
+    assert figures["comments_per_1000"] <= 25 and figures["median_docstring_lines"] <= 8
+    assert figures["docs"]["pages"] <= 12 and figures["docs"]["kb"] <= 150
+
+
 def test_no_format_module_imports_the_daemon(figures) -> None:
     # annotation-only imports count too: the format protocol takes plain values
     assert figures["format_imports_daemon"] == []
@@ -79,3 +97,10 @@ def test_the_figures_see_what_they_forbid(tmp_path) -> None:
     assert f["cycles"] == [["ckptd.a", "ckptd.b"]] and f["cycles_module_level"] == []
     assert f["format_imports_daemon"] == ["ckptd.format.chunk imports ckptd.daemon.share"]
     assert f["tier_branches"] == ["ckptd.b:4"]  # one line, three branches; none in tiers/
+    assert ["ckptd.daemon.share", "ckptd.format.chunk"] not in f["cycles_type_checking"]
+    (pkg / "daemon" / "share.py").write_text("from ..format import chunk\n")
+    (pkg / "tiers" / "chunk.py").write_text("")
+    f = _figures_module().figures(tmp_path)
+    assert ["ckptd.daemon.share", "ckptd.format.chunk"] in f["cycles_type_checking"]
+    assert f["cycles_module_level"] == [] and ["ckptd.daemon", "ckptd.format"] in f["package_cycles"]
+    assert f["repeated_module_names"] == ["chunk.py: ckptd.format.chunk, ckptd.tiers.chunk"]
