@@ -41,6 +41,7 @@ def test_sigterm_mid_checkpoint_completes_it(make_daemon) -> None:
         assert d.proc.wait(60) == 0
     committing, open_steps = drain_line(d.log_text())
     assert committing + open_steps == 1  # the checkpoint was in flight at SIGTERM
+    assert "drained: every commit received is durable (newest: t step 1)" in d.log_text()
     loaded = ckptd.load("t", 1, root=d.root, verify=True)
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
 

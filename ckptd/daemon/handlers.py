@@ -347,6 +347,7 @@ class Handlers:
         if share.mismatches:
             figures.replica_mismatch(share.mismatches)
         measuring.committed(share.run, share.rank, share.step, share.id.attempt, timing, secs)
+        self.ledger.durable(share.run, share.step)
         self.replies.send(token.identity, "committed", seq=token.seq, step=share.step, info=r.info.to_dict(),
                           advice=measuring.advice(share.run, max_age=1.0))
 

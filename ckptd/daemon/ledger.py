@@ -23,6 +23,7 @@ class Ledger:
         self.measuring = measuring
         self.queued = 0  # bytes received and not yet written
         self._commits: dict[CommitKey, Any] = {}
+        self.newest: dict[str, int] = {}  # run -> the newest step a commit made durable here
 
     def hold(self, nbytes: int) -> None:
         self.queued += nbytes
@@ -41,6 +42,13 @@ class Ledger:
     def end_commit(self, key: CommitKey) -> Any:
         """The commit ``key`` is durable or failed; the timing its producer sent with it."""
         return self._commits.pop(key, None)
+
+    def durable(self, run: str, step: int) -> None:
+        self.newest[run] = max(step, self.newest.get(run, step))
+
+    def finished(self) -> str:
+        """The newest step committed of each run, for the drain's last log line."""
+        return ", ".join(f"{run} step {step}" for run, step in sorted(self.newest.items())) or "no step"
 
     @property
     def commits(self) -> int:

@@ -290,7 +290,9 @@ class Daemon:
         """After the drain: let the producers go, finish what the I/O threads hold. The
         steps left here failed and were reported; any other still gets its error."""
         assert self.sessions is not None and self.handlers is not None and self.writer is not None
-        log.info("drained: every commit received is durable; letting %d producer(s) go", len(self.sessions))
+        assert self.ledger is not None
+        log.info("drained: every commit received is durable (newest: %s); letting %d producer(s) go",
+                 self.ledger.finished(), len(self.sessions))
         self.handlers.answer_settled(time.monotonic(), every=True)
         for sess in self.sessions:
             for step, open_step in sess.steps.items():
