@@ -88,8 +88,9 @@ def init(every: list[Node], out: Path, *, endpoint: str, root: str, bucket: str)
         config.write_text(render_config(node, every, endpoint=endpoint, root=root, bucket=bucket))
         done.append(f"wrote {config}")
     done.append(f"public keys of every node: {public} (each node's {PEER_KEYS} holds a copy)")
-    done.append("next, on each node: copy DIR/NODE/ to /etc/ckptd/, chown -R ckptd:ckptd /etc/ckptd/curve, "
-                "then `ckptd install-systemd` and `systemctl enable --now ckptd` (docs/runbook.md)")
+    done.append("next, on each node: copy DIR/NODE/ to /etc/ckptd/, run `ckptd install-systemd` and "
+                "`systemd-sysusers`, give the group ckptd /etc/ckptd/curve, then `systemctl enable --now ckptd` "
+                "(docs/runbook.md)")
     return done
 
 
