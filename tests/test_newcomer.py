@@ -168,7 +168,9 @@ def test_small_checkpoints_cost_little_memory(daemon) -> None:
     assert out["added"] <= 64 * 2**20  # was 1.36 GB with the old fixed 1 GiB default
 
 
-def test_staging_grows_to_fit_in_the_background(daemon) -> None:
+def test_staging_grows_to_fit_in_the_background(make_daemon) -> None:
+    # a disk slower than the copy: the first save must wait for the daemon to write out
+    daemon = make_daemon(write_rate="64MiB")
     state = {f"t{i}": torch.full((2**20,), float(i)) for i in range(64)}  # 256 MiB in 64 tensors
     with daemon.producer(staging_size="auto") as p:
         assert p.stats()["staging_limit"] >= 320 * 2**20

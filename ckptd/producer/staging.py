@@ -83,7 +83,8 @@ class Arena:
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes cannot fit an arena of {self.capacity}")
         align = PAGE if nbytes >= LARGE else ALIGN
-        deadline = None
+        deadline: float | None = None
+        full_since: float | None = None
         asked = on_wait is None
         with self._cond:
             while True:
@@ -94,7 +95,10 @@ class Arena:
                     region = Region(start, nbytes)
                     self._live.append(region)
                     self._head = start + nbytes
+                    if full_since is not None:  # asking the daemon to write out is part of the wait
+                        self.blocked_s += time.monotonic() - full_since
                     return region
+                full_since = full_since or time.monotonic()
                 if not block:
                     raise CheckpointError(
                         f"staging memory is full ({self.capacity} bytes in flight to the daemon) "
@@ -120,7 +124,6 @@ class Arena:
                         "which); raise [producer] staging_size or emit_timeout"
                     )
                 self._cond.wait(deadline - now)
-                self.blocked_s += time.monotonic() - now
 
     def try_alloc(self, nbytes: int) -> Region | None:
         """Take ``nbytes``, page-aligned, if they are free now; never waits (a cached save
