@@ -1,0 +1,36 @@
+"""The cluster drill at the suite's size (tests/clusterdrill.py; the full one is
+benchmarks/cluster_drill.py): two nodes of two ranks, each a network namespace set up by
+docs/runbook.md's ``cluster`` blocks with ckptd from its wheel, a tiny FSDP2 job of a few
+steps, the last node lost and replaced at its address, in each set-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import clusterdrill
+import netcluster
+
+REASON = netcluster.why_not()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"{REASON}")]
+STEPS, KILL_AT = 8, 4
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return clusterdrill.wheel_venv(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.mark.parametrize("setup", clusterdrill.SETUPS)
+def test_a_cluster_set_up_from_the_runbook_stays_bounded_and_resumes_bit_exact(
+        setup: str, venv: Path, tmp_path: Path) -> None:
+    r = clusterdrill.drill(tmp_path, venv, setup, nodes=2, steps=STEPS, kill_at=KILL_AT, every=1.0)
+    samples = r["samples"]
+    assert {s.node for s in samples} == {1, 2}, "every node is sampled"
+    (case,) = r["cases"]
+    assert case["differ"] == [], f"the resumed run differs from the uninterrupted one: {case['differ']}"
+    assert case["resumed_from"] and min(case["resumed_from"]) >= case["killed_after_step"], case
+    assert len(case["resumed_from"]) == 1, f"every rank resumes from one step: {case}"
+    assert r["violations"] == [], (f"{len(r['violations'])} of {len(samples)} samples past a bound "
+                                   f"(keep_last = 3): " + "; ".join(r["violations"][:8]))
