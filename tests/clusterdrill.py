@@ -38,7 +38,8 @@ SUBSTITUTIONS = [
     " run/ckptd made by hand (the unit's RuntimeDirectory); its `ckptd status` line runs as written",
     "step 5: `--nnodes` is the drill's N; the script gets `--steps S --every 1`; node 1 adds"
     " `--rdzv-conf is_host=1` (its hostname does not resolve to 10.0.0.1, so torchrun does not know"
-    " it hosts the rendezvous); trainers get GLOO_SOCKET_IFNAME and the bucket's AWS_* variables",
+    " it hosts the rendezvous) and every node `--local-addr 10.0.0.<i>` (the namespaces share the"
+    " host's name, which torchrun would hand the workers as the store's address); trainers get GLOO_SOCKET_IFNAME and the bucket's AWS_* variables",
 ]
 
 
@@ -318,7 +319,8 @@ class Drill:
         for i in sorted(self.net.nodes):
             code = local_paths(self.runbook.job, self.node_dir(i), self.venv)
             code = re.sub(r"--nnodes \d+", f"--nnodes {len(self.net.nodes)}", code)
-            code = code.replace("--rdzv-backend", f"--rdzv-conf is_host={int(i == first)} --rdzv-backend")
+            code = code.replace("--rdzv-backend", f"--rdzv-conf is_host={int(i == first)} "
+                                f"--local-addr {NetCluster.address(i)} --rdzv-backend")
             code = re.sub(r"--run-name \S+", f"--run-name {run} --steps {steps} --every 1", code)
             out = open(self.node_dir(i) / f"{run}.log", "ab")
             procs[i] = self.net.popen(i, ["bash", "-euo", "pipefail", "-c", code], cwd=REPO, stdout=out,
@@ -391,20 +393,21 @@ class Drill:
                 for i in self.net.nodes}
 
     def case(self, ref: str, run: str, kill_at: int, address: str) -> dict[str, object]:
-        """``run`` is killed once a step at or past ``kill_at`` is complete, the last node
-        lost and set up again (at its ``address``: "same" or "new"), the job launched again
-        and its last step compared with ``ref``'s."""
+        """``run`` is killed once its step ``kill_at`` is handed to ckptd, the last node lost
+        and set up again (at its ``address``: "same" or "new"), the job launched again and
+        its last step compared with ``ref``'s."""
         first = min(self.net.nodes)
         procs = self.launch(run, self.steps)
-        while (seen := self.latest(first, run)) < kill_at:
+        while f"step {kill_at}: checkpoint handed" not in self.job_log(first, run):
             if any(p.poll() is not None for p in procs.values()):
                 self.stop_job(procs)
                 raise AssertionError(f"the job {run} ended before step {kill_at}:\n{self.job_log(first, run)[-3000:]}")
-            time.sleep(1)
+            time.sleep(0.05)
         victim = max(self.net.nodes)
         self.lose(victim)
         lost = time.monotonic()
         self.stop_job(procs)  # the others' workers fail on the lost peer; the scheduler ends the job
+        seen = self.latest(first, run)  # what the survivors hold: the step the job must resume from
         self.set_up(victim if address == "same" else max(self.members + [victim]) + 1)
         replaced = time.monotonic()
         procs = self.launch(run, self.steps)
@@ -415,7 +418,7 @@ class Drill:
         resumed = time.monotonic()
         self.finish(procs, run)
         steps = sorted({s for v in self.resumed_from(run).values() for s in v})
-        result = {"address": address, "killed_after_step": seen, "resumed_from": steps,
+        result = {"address": address, "newest_when_lost": seen, "resumed_from": steps,
                   "replace_s": round(replaced - lost, 1), "resume_s": round(resumed - replaced, 1),
                   "differ": self.compare(first, ref, run)}
         self.say(f"case {address} address: {result}")
