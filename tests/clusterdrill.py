@@ -36,7 +36,9 @@ SUBSTITUTIONS = [
     "step 4: `ckptd serve -c CONFIG` in the node's namespace with the bucket's AWS_* variables in its"
     " environment, instead of install-systemd, the drop-in, sysusers, chgrp and systemctl;"
     " run/ckptd made by hand (the unit's RuntimeDirectory); its `ckptd status` line runs as written",
-    "step 5: `--nnodes` is the drill's N; the script gets `--steps S --every 1`; node 1 adds"
+    "step 5: `--rdzv-id RUN-LAUNCH` (each launch of a job needs its own: without it a relaunch after"
+    " a node loss is refused by the surviving daemons, 'already committed by this attempt');"
+    " `--nnodes` is the drill's N; the script gets `--steps S --every 1`; node 1 adds"
     " `--rdzv-conf is_host=1` (its hostname does not resolve to 10.0.0.1, so torchrun does not know"
     " it hosts the rendezvous) and every node `--local-addr 10.0.0.<i>` (the namespaces share the"
     " host's name, which torchrun would hand the workers as the store's address); trainers get GLOO_SOCKET_IFNAME and the bucket's AWS_* variables",
@@ -172,6 +174,7 @@ class Drill:
     violations: list[str] = field(default_factory=list)
     step_bytes: dict[tuple[int, str], int] = field(default_factory=dict)  # (node, run) -> largest step folder
     runs: list[str] = field(default_factory=list)
+    launched: list[str] = field(default_factory=list)  # a run's name for each launch of its job
     log: list[str] = field(default_factory=list)
 
     def say(self, text: str) -> None:
@@ -315,11 +318,13 @@ class Drill:
         if run not in self.runs:
             self.runs.append(run)
         first = min(self.net.nodes)
+        launch = sum(r == run for r in self.launched)
+        self.launched.append(run)
         procs = {}
         for i in sorted(self.net.nodes):
             code = local_paths(self.runbook.job, self.node_dir(i), self.venv)
             code = re.sub(r"--nnodes \d+", f"--nnodes {len(self.net.nodes)}", code)
-            code = code.replace("--rdzv-backend", f"--rdzv-conf is_host={int(i == first)} "
+            code = code.replace("--rdzv-backend", f"--rdzv-id {run}-{launch} --rdzv-conf is_host={int(i == first)} "
                                 f"--local-addr {NetCluster.address(i)} --rdzv-backend")
             code = re.sub(r"--run-name \S+", f"--run-name {run} --steps {steps} --every 1", code)
             out = open(self.node_dir(i) / f"{run}.log", "ab")
@@ -408,6 +413,7 @@ class Drill:
         lost = time.monotonic()
         self.stop_job(procs)  # the others' workers fail on the lost peer; the scheduler ends the job
         seen = self.latest(first, run)  # what the survivors hold: the step the job must resume from
+        self.say(f"node {victim} lost after step {kill_at} was handed over; newest complete on node {first}: {seen}")
         self.set_up(victim if address == "same" else max(self.members + [victim]) + 1)
         replaced = time.monotonic()
         procs = self.launch(run, self.steps)
