@@ -38,7 +38,8 @@ SUBSTITUTIONS = [
     " run/ckptd made by hand (the unit's RuntimeDirectory); its `ckptd status` line runs as written",
     "step 5: `--rdzv-id RUN-LAUNCH` (each launch of a job needs its own: without it a relaunch after"
     " a node loss is refused by the surviving daemons, 'already committed by this attempt');"
-    " `--nnodes` is the drill's N; the script gets `--steps S --every 1`; node 1 adds"
+    " `--nnodes` is the drill's N; tests/cluster_job.py runs examples/fsdp2_torchrun.py paced (a step"
+    " takes DRILL_PACE seconds at least, as a real one takes minutes, in which the peers get copies); the script gets `--steps S --every 1`; node 1 adds"
     " `--rdzv-conf is_host=1` (its hostname does not resolve to 10.0.0.1, so torchrun does not know"
     " it hosts the rendezvous) and every node `--local-addr 10.0.0.<i>` (the namespaces share the"
     " host's name, which torchrun would hand the workers as the store's address); trainers get GLOO_SOCKET_IFNAME and the bucket's AWS_* variables",
@@ -167,6 +168,7 @@ class Drill:
     steps: int = 8
     keep_last: int = 3
     replicas: int = 1
+    pace: float = 1.0  # seconds a step of the job takes, at least
     runbook: Runbook = field(default_factory=Runbook.read)
     members: list[int] = field(default_factory=list)
     daemons: dict[int, subprocess.Popen] = field(default_factory=dict)
@@ -327,10 +329,12 @@ class Drill:
             code = code.replace("--rdzv-backend", f"--rdzv-id {run}-{launch} --rdzv-conf is_host={int(i == first)} "
                                 f"--local-addr {NetCluster.address(i)} --rdzv-backend")
             code = re.sub(r"--run-name \S+", f"--run-name {run} --steps {steps} --every 1", code)
+            code = code.replace("examples/fsdp2_torchrun.py", "tests/cluster_job.py")
             out = open(self.node_dir(i) / f"{run}.log", "ab")
             procs[i] = self.net.popen(i, ["bash", "-euo", "pipefail", "-c", code], cwd=REPO, stdout=out,
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                      env=self.env(GLOO_SOCKET_IFNAME="eth0", TORCH_CPP_LOG_LEVEL="ERROR"))
+                                      env=self.env(GLOO_SOCKET_IFNAME="eth0", TORCH_CPP_LOG_LEVEL="ERROR",
+                                                   DRILL_PACE=str(self.pace)))
         return procs
 
     def job_log(self, i: int, run: str) -> str:
@@ -363,6 +367,7 @@ class Drill:
         done = self.net.run(i, [str(self.venv / "bin/ckptd"), "latest", run, "--json", "-c", str(self.config(i))],
                             env=self.env(), timeout=60)
         if done.returncode != 0 or not done.stdout.strip():
+            self.say(f"node {i}: `ckptd latest {run}`: {done.stderr.strip()[-300:]}")
             return 0
         return int(json.loads(done.stdout)["step"])
 
@@ -398,12 +403,12 @@ class Drill:
                 for i in self.net.nodes}
 
     def case(self, ref: str, run: str, kill_at: int, address: str) -> dict[str, object]:
-        """``run`` is killed once its step ``kill_at`` is handed to ckptd, the last node lost
+        """``run`` is killed once its step after ``kill_at`` is handed to ckptd, the last node lost
         and set up again (at its ``address``: "same" or "new"), the job launched again and
         its last step compared with ``ref``'s."""
         first = min(self.net.nodes)
         procs = self.launch(run, self.steps)
-        while f"step {kill_at}: checkpoint handed" not in self.job_log(first, run):
+        while f"step {kill_at + 1}: checkpoint handed" not in self.job_log(first, run):
             if any(p.poll() is not None for p in procs.values()):
                 self.stop_job(procs)
                 raise AssertionError(f"the job {run} ended before step {kill_at}:\n{self.job_log(first, run)[-3000:]}")
@@ -413,7 +418,7 @@ class Drill:
         lost = time.monotonic()
         self.stop_job(procs)  # the others' workers fail on the lost peer; the scheduler ends the job
         seen = self.latest(first, run)  # what the survivors hold: the step the job must resume from
-        self.say(f"node {victim} lost after step {kill_at} was handed over; newest complete on node {first}: {seen}")
+        self.say(f"node {victim} lost after step {kill_at + 1} was handed over; newest complete on node {first}: {seen}")
         self.set_up(victim if address == "same" else max(self.members + [victim]) + 1)
         replaced = time.monotonic()
         procs = self.launch(run, self.steps)
