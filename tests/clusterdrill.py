@@ -423,8 +423,8 @@ class Drill:
         replaced = time.monotonic()
         procs = self.launch(run, self.steps)
         while not all(len(v) == 2 for v in self.resumed_from(run).values()):  # two ranks a node
-            if any(p.poll() not in (None, 0) for p in procs.values()):
-                break
+            if any(p.poll() not in (None, 0) for p in procs.values()) or all(p.poll() == 0 for p in procs.values()):
+                break  # failed, or done without resuming: finish and the comparison say so
             time.sleep(0.5)
         resumed = time.monotonic()
         self.finish(procs, run)
