@@ -372,21 +372,24 @@ class Drill:
         return int(json.loads(done.stdout)["step"])
 
     def compare(self, i: int, ref: str, run: str) -> list[str]:
-        """Node ``i`` loads the newest step of both runs whole: the tensors that differ."""
+        """Node ``i`` loads every rank's share of the newest step of both runs (from any
+        tier, as a rank that resumes does): the tensors that differ."""
         code = ("import json, sys, ckptd, torch\n"
                 "def flat(d, p=''):\n"
                 "    out = {}\n"
                 "    for k, v in d.items():\n"
                 "        out.update(flat(v, f'{p}{k}.') if isinstance(v, dict) else {f'{p}{k}': v})\n"
                 "    return out\n"
-                "a, b = flat(ckptd.load(sys.argv[1])), flat(ckptd.load(sys.argv[2]))\n"
-                "bad = sorted(set(a) ^ set(b)) + [k for k in a if k in b and not (\n"
-                "    torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]\n"
+                "bad = []\n"
+                "for r in range(int(sys.argv[3])):\n"
+                "    a, b = flat(ckptd.load(sys.argv[1], rank=r)), flat(ckptd.load(sys.argv[2], rank=r))\n"
+                "    bad += [f'rank {r}: {k}' for k in sorted(set(a) ^ set(b))] + [f'rank {r}: {k}' for k in a\n"
+                "        if k in b and not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]\n"
                 "print(json.dumps(bad))\n")
-        done = self.net.run(i, [str(self.venv / "bin/python"), "-c", code, ref, run], timeout=300, cwd=self.base,
-                            env=self.env(CKPTD_CONFIG=str(self.config(i))))
+        done = self.net.run(i, [str(self.venv / "bin/python"), "-c", code, ref, run, str(2 * len(self.net.nodes))],
+                            timeout=300, cwd=self.base, env=self.env(CKPTD_CONFIG=str(self.config(i))))
         if done.returncode != 0:
-            return [f"node {i} cannot load both runs: {done.stderr[-3000:]}"]
+            return [f"node {i} cannot load both runs: {done.stderr[-1500:]}"]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     # -- a node lost and replaced ------------------------------------------------------------------
