@@ -154,6 +154,7 @@ class Sample:
     disk: int  # bytes under the node's root
     steps: dict[str, int]  # run -> step folders in the root
     held: int | None  # peer memory: bytes of other nodes' shares held
+    held_steps: int | None  # peer memory: the (run, step)s of which it holds a share
 
 
 @dataclass
@@ -175,6 +176,7 @@ class Drill:
     samples: list[Sample] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     step_bytes: dict[tuple[int, str], int] = field(default_factory=dict)  # (node, run) -> largest step folder
+    data_bytes: int = 0  # the most tensor bytes one node's step folder holds: a node's share of a step
     runs: list[str] = field(default_factory=list)
     launched: list[str] = field(default_factory=list)  # a run's name for each launch of its job
     log: list[str] = field(default_factory=list)
@@ -270,15 +272,17 @@ class Drill:
             steps[run] = len(folders)
             for f in folders:
                 size = sum(p.stat().st_size for p in f.rglob("*") if p.is_file()) if f.exists() else 0
-                key = (i, run)
-                self.step_bytes[key] = max(self.step_bytes.get(key, 0), size)
-        held = None
+                data = sum(p.stat().st_size for p in f.glob("*.safetensors")) if f.exists() else 0
+                self.step_bytes[(i, run)] = max(self.step_bytes.get((i, run), 0), size)
+                self.data_bytes = max(self.data_bytes, data)
+        held = held_steps = None
         if self.setup != "bucket":
             done = self.net.run(i, [str(self.venv / "bin/ckptd"), "status", "--json", "-c", str(self.config(i))],
                                 env=self.env(), timeout=60)
             if done.returncode == 0:
-                held = (json.loads(done.stdout).get("peer") or {}).get("held_bytes")
-        s = Sample(time.monotonic(), i, disk, steps, held)
+                peer = json.loads(done.stdout).get("peer") or {}
+                held, held_steps = peer.get("held_bytes"), peer.get("held_steps")
+        s = Sample(time.monotonic(), i, disk, steps, held, held_steps)
         self.samples.append(s)
         self.check(s)
 
@@ -294,9 +298,11 @@ class Drill:
         spare = 1 << 20  # the index, pointers and logs beside the step folders
         if s.disk > allowed + spare:
             self.violations.append(f"node {s.node}: {s.disk} bytes in its root (at most {allowed + spare})")
-        if s.held is not None:
-            share = max(self.step_bytes.values(), default=0)
-            bound = most * self.replicas * share * max(len(self.runs), 1)
+        if s.held_steps is not None and s.held_steps > most * len(self.runs):
+            self.violations.append(f"node {s.node}: peers' shares of {s.held_steps} steps held "
+                                   f"(at most {most} of each of {len(self.runs)} run(s))")
+        if s.held is not None and self.data_bytes:  # no bound in bytes before a step is on a disk
+            bound = most * self.replicas * self.data_bytes * len(self.runs)
             if s.held > bound:
                 self.violations.append(f"node {s.node}: {s.held} bytes of peers' shares held (at most {bound})")
 
@@ -432,7 +438,7 @@ class Drill:
         resumed = time.monotonic()
         self.finish(procs, run)
         steps = sorted({s for v in self.resumed_from(run).values() for s in v})
-        result = {"address": address, "newest_when_lost": seen, "resumed_from": steps,
+        result = {"address": address, "newest_when_lost": seen, "handed_over_when_lost": kill_at + 1, "resumed_from": steps,
                   "replace_s": round(replaced - lost, 1), "resume_s": round(resumed - replaced, 1),
                   "differ": self.compare(first, ref, run)}
         self.say(f"case {address} address: {result}")

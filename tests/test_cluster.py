@@ -32,9 +32,11 @@ def test_a_cluster_set_up_from_the_runbook_stays_bounded_and_resumes_bit_exact(
     problems = [f"the resumed run differs from the uninterrupted one: {d}" for d in case["differ"]]
     if case["newest_when_lost"] < 1:
         problems.append("`ckptd latest` on the survivor finds no complete step once the node is lost")
-    if case["resumed_from"] != [case["newest_when_lost"]]:
-        problems.append(f"every rank resumes from the survivors' newest step {case['newest_when_lost']}: "
-                        f"resumed from {case['resumed_from'] or 'nothing (started over)'}")
+    # uploads and copies in flight at the loss may complete a newer step before the relaunch
+    newest, handed = case["newest_when_lost"], case["handed_over_when_lost"]
+    if len(case["resumed_from"]) != 1 or not newest <= case["resumed_from"][0] <= handed or not case["resumed_from"][0]:
+        problems.append(f"every rank resumes from one step, at least the survivors' newest ({newest}) and at most "
+                        f"the last handed over ({handed}): resumed from {case['resumed_from'] or 'nothing (started over)'}")
     problems += [f"past a bound (keep_last = 3): {v}" for v in r["violations"][:8]]
     assert problems == [], f"{setup}: {len(r['violations'])} of {len(samples)} samples past a bound\n" \
         + "\n".join(problems)
