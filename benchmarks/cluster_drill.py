@@ -1,4 +1,4 @@
-"""The full cluster drill (issue 38), from one command, as root:
+"""The cluster drill, from one command, as root:
 
     .venv/bin/python benchmarks/cluster_drill.py                 # 4 nodes, 60 steps, all set-ups
     .venv/bin/python benchmarks/cluster_drill.py --setups peers --nodes 2 --steps 8
