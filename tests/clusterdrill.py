@@ -332,6 +332,7 @@ class Drill:
         for i in sorted(self.net.nodes):
             code = local_paths(self.runbook.job, self.node_dir(i), self.venv)
             code = re.sub(r"--nnodes \d+", f"--nnodes {len(self.net.nodes)}", code)
+            code = re.sub(r"--rdzv-id \S+ ", "", code)  # the runbook's own id: each launch here gets its own
             code = code.replace("--rdzv-backend", f"--rdzv-id {run}-{launch} --rdzv-conf is_host={int(i == first)} "
                                 f"--local-addr {NetCluster.address(i)} --rdzv-backend")
             code = re.sub(r"--run-name \S+", f"--run-name {run} --steps {steps} --every 1", code)
