@@ -684,7 +684,11 @@ def test_two_users_own_their_runs_separately_under_the_system_unit(manager: User
     def save(user: str, run: str, step: int) -> str:
         env = {"PATH": os.environ["PATH"], "HOME": "/tmp", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
                "CKPTD_CONFIG": "none"}
-        r = subprocess.run(["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups", sys.executable,
+        # CAP_DAC_READ_SEARCH: the checkout may sit in a folder only root may enter (a CI
+        # clone in a 0700 temp dir); it reads the interpreter's files whatever their mode,
+        # and changes neither the uid the daemon sees nor the right to write the socket
+        r = subprocess.run(["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups",
+                            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", sys.executable,
                             "-c", SAVE_AS, f"ipc://{sock}", run, str(step)],
                            capture_output=True, text=True, env=env, timeout=120, cwd="/")
         assert r.returncode == 0, r.stderr
