@@ -85,9 +85,10 @@ class Pacer:
         return self.anchor + min(max(want, lo), hi)
 
 
-def broadcast_from_rank0(world_size: int) -> Callable[[float], float]:
-    """A function that returns rank 0's value on every rank, by one broadcast, when
-    ``torch.distributed`` is initialised over ``world_size`` ranks; else the value itself."""
+def collective(world_size: int, dtype: str, apply: Callable[[Any, Any], None]) -> Callable[[float], float]:
+    """A function that puts a value through ``apply(dist, tensor)`` (one collective over a
+    one-element tensor of ``dtype``) when ``torch.distributed`` is initialised over
+    ``world_size`` ranks, and returns the result; else it returns the value itself."""
     try:
         import torch
         import torch.distributed as dist
@@ -101,8 +102,13 @@ def broadcast_from_rank0(world_size: int) -> Callable[[float], float]:
         device: Any = "cpu"
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.broadcast(t, src=0)
+        t = torch.tensor([value], dtype=getattr(torch, dtype), device=device)
+        apply(dist, t)
         return float(t.item())
 
     return agree
+
+
+def broadcast_from_rank0(world_size: int) -> Callable[[float], float]:
+    """A function that returns rank 0's value on every rank (one broadcast)."""
+    return collective(world_size, "float64", lambda dist, t: dist.broadcast(t, src=0))

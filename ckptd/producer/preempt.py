@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..completion import wait_complete
+from . import pacing
 from .steps import CommitHandle
 
 log = logging.getLogger("ckptd.producer")
@@ -152,26 +153,9 @@ class Notices:
 
 def any_rank(world_size: int) -> Callable[[bool], bool]:
     """A function that answers, on every rank, whether any rank's value is True (one
-    all-reduce) when ``torch.distributed`` is initialised over ``world_size`` ranks;
-    else the value itself."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:
-        return lambda v: v
-    if world_size <= 1 or not dist.is_available() or not dist.is_initialized() \
-            or dist.get_world_size() != world_size:
-        return lambda v: v
-
-    def agree(value: bool) -> bool:
-        device: Any = "cpu"
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        t = torch.tensor([1 if value else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-    return agree
+    all-reduce)."""
+    agree = pacing.collective(world_size, "int32", lambda dist, t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+    return lambda value: bool(agree(1 if value else 0))
 
 
 def resume_tier(remote_url: str, peers: bool) -> tuple[str | None, str]:
