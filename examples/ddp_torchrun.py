@@ -19,7 +19,8 @@ What each rank does (docs/training.md, "torchrun and multi-process jobs"):
 
 The gloo backend on CPU runs anywhere; on GPUs use nccl and move the model to
 ``cuda:LOCAL_RANK`` (emit copies GPU tensors to staging without blocking the CPU).
-``--kill-at STEP`` (for the test) makes every rank SIGKILL itself once STEP is durable.
+``--kill-at STEP`` (for the test) kills the job with SIGKILL once STEP is durable: rank 0
+first, then each other rank when torchrun stops it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -83,6 +85,9 @@ def main() -> None:
             if step == args.kill_at:
                 handle.wait(60)  # this rank's share is durable ...
                 dist.barrier()   # ... and every other rank's
+                # torchrun signals the ranks left once one fails; it fails itself if none is left
+                while rank != 0 and not producer.preempted():  # its SIGTERM, heard as a notice
+                    time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
     producer.close()  # waits until every checkpoint is durable
     if rank == 0 and args.out:

@@ -16,7 +16,7 @@ from .client import CommitHandle, Producer
 
 __all__ = [
     "CommitHandle", "Producer", "checkpoint", "close", "commit", "configure", "current", "emit", "emit_many",
-    "flush", "latest", "preempt", "prepare", "save", "should_save", "stats", "wait_complete",
+    "flush", "latest", "preempt", "preempted", "prepare", "save", "should_save", "stats", "wait_complete",
 ]
 
 _default: Producer | None = None
@@ -100,6 +100,11 @@ def should_save(step: int, *, min_steps: int | None = None, max_steps: int | Non
 def preempt() -> None:
     """A notice that the job ends soon, from the user's own code (``Producer.preempt``)."""
     _get().preempt()
+
+
+def preempted() -> bool:
+    """Whether a preemption notice arrived (``Producer.preempted``)."""
+    return _get().preempted
 
 
 def stats() -> dict[str, Any]:
