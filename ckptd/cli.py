@@ -343,7 +343,7 @@ def _latest(args: argparse.Namespace) -> int:
         where = f"the daemon at {endpoint}"
     else:
         root = _root(args)
-        info = reader.latest(args.run, root=root, verify=args.verify, remote=_config_remote(args))
+        info = reader.latest(args.run, root=root, verify=args.verify, config=_given_config(args))
         where = str(root) + (" that passes verification" if args.verify else "")
     if info is None:
         raise CheckpointError(f"run {args.run!r} has no complete checkpoint under {where}")
@@ -372,7 +372,7 @@ def _list(args: argparse.Namespace) -> int:
         if listed is not None:
             _, infos, pinned = listed
         else:
-            infos = reader.list_checkpoints(args.run, root=root, remote=_config_remote(args))
+            infos = reader.list_checkpoints(args.run, root=root, config=_given_config(args))
             pinned = retention.pinned_steps(root / args.run, [i.step for i in infos])
     if args.json:
         print(json.dumps([{**i.to_dict(), "pinned": i.step in pinned} for i in infos]))
@@ -436,7 +436,7 @@ def _list_from_daemon(args: argparse.Namespace, endpoint: str | None = None,
         raise CheckpointError(f"the daemon at {endpoint} answered list with {reply['op']!r}, not a listing")
     listed = reply["checkpoints"]
     infos = [CheckpointInfo.from_dict(c) for c in listed]
-    for tier in tiers.chain(root=reply["root"], remote=_config_remote(args))[1:]:  # the root: the daemon's index
+    for tier in tiers.chain(_given_config(args), root=reply["root"])[1:]:  # the root: the daemon's index
         infos = merge(infos, tier.steps(run))
     return reply["root"], infos, {c["step"] for c in listed if c["pinned"]}
 
@@ -465,9 +465,10 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_remote(args: argparse.Namespace) -> str | None:
-    """The remote tier that reading commands also consider: -c's [remote], else the discovered config's."""
-    return config_mod.load(args.config).remote.url if args.config else None
+def _given_config(args: argparse.Namespace) -> config_mod.Config | None:
+    """-c's config, whose tiers (its [peer] and [remote]) reading commands also consider;
+    None: the discovered config's."""
+    return config_mod.load(args.config) if args.config else None
 
 
 def _show(args: argparse.Namespace) -> int:

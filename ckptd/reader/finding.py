@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from .. import env, index, tiers
-from ..config import load as load_config
+from ..config import Config, load as load_config
 from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import CheckpointInfo, Manifest
 from ..errors import TierUnavailable
@@ -23,24 +23,25 @@ log = logging.getLogger("ckptd.reader")
 
 
 def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None,
-                     remote: str | None = None) -> list[CheckpointInfo]:
+                     remote: str | None = None, config: Config | None = None) -> list[CheckpointInfo]:
     """Every complete checkpoint of ``run``, ascending by step, in every tier of the chain
-    (``remote``: a URL, "" for none, None for the config's ``[remote]``); ``tiers`` says
-    which hold each. A step whose manifest is damaged is left out, with a warning."""
+    of ``config`` (None: the discovered one; ``remote``: a URL, "" for none, None for the
+    config's ``[remote]``); ``tiers`` says which hold each. A step whose manifest is
+    damaged is left out, with a warning."""
     infos: list[CheckpointInfo] = []
-    for tier in tiers.chain(root=root, remote=remote):
+    for tier in tiers.chain(config, root=root, remote=remote):
         infos = merge(infos, tier.steps(run))
     return infos
 
 
 def latest(run: str, *, root: str | os.PathLike[str] | None = None,
-           verify: bool = False, remote: str | None = None) -> CheckpointInfo | None:
-    """The newest complete checkpoint of ``run`` in any tier of the chain (``remote`` as
-    for ``list_checkpoints``; ``verify=True`` looks at the local root only), or None
-    when it has none. See ``latest_local``."""
+           verify: bool = False, remote: str | None = None, config: Config | None = None) -> CheckpointInfo | None:
+    """The newest complete checkpoint of ``run`` in any tier of the chain (``remote`` and
+    ``config`` as for ``list_checkpoints``; ``verify=True`` looks at the local root only),
+    or None when it has none. See ``latest_local``."""
     if verify:
         return latest_local(run, root=root, verify=True)
-    return _latest(tiers.chain(root=root, remote=remote), run)
+    return _latest(tiers.chain(config, root=root, remote=remote), run)
 
 
 def _latest(chain: list[tiers.Tier], run: str) -> CheckpointInfo | None:
