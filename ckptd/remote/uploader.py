@@ -1,7 +1,7 @@
 """The daemon's uploads to the bucket, on the ``ckptd-uploader`` thread: ``enqueue``
 (from the syncer, a dict insert) queues a committed share; the thread uploads its data
 files, multipart and read from disk, then its manifest, retrying with backoff forever
-while local retention keeps the share (``pending_steps``). Nothing of the queue is
+while local retention keeps the share (``owed_steps``), newest first. Nothing of the queue is
 stored: ``resume`` compares the root with the bucket at start. Start at ``_loop``.
 """
 
@@ -99,6 +99,28 @@ class Uploader:
                 return {s for s, _ in index.step_dirs(self.root / run)}
             return {s for (r, s, _) in self._pending if r == run}
 
+    def owed_steps(self, run: str) -> set[int]:
+        """The pending steps local retention must keep for the bucket: those the bucket's
+        own policy keeps whatever newer steps come (every step where it sets no rule,
+        ``keep_every``'s). Any other step is owed only while local retention keeps it."""
+        policy = self.config.retention
+        return {s for s in self.pending_steps(run)
+                if policy.keeps_all or policy.keep_every and s % policy.keep_every == 0}
+
+    def forget(self, run: str, steps: list[int]) -> None:
+        """Local retention removed these steps: their shares are no longer uploaded."""
+        gone = set(steps)
+        with self._cond:
+            for key in [k for k in self._pending if k[0] == run and k[1] in gone]:
+                del self._pending[key]
+                log.info("run=%s step=%d rank=%d: removed by local retention before its upload; no longer owed "
+                         "to %s", *key, self.config.url)
+
+    def _next_share(self) -> ShareKey:
+        """The share to upload next: the newest committed (a lagging bucket catches up on
+        the step a recovery would load first)."""
+        return max(self._pending, key=lambda k: self._pending[k][0])
+
     def figures(self) -> dict:
         with self._cond:
             pending = list(self._pending.values())
@@ -131,7 +153,7 @@ class Uploader:
                     self._cond.wait_for(lambda: self._stop or bool(self._pending))
                     if self._stop:
                         return
-                    share = next(iter(self._pending))
+                    share = self._next_share()
                 self._upload(*share)
                 with self._cond:
                     self._pending.pop(share, None)

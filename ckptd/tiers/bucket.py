@@ -168,8 +168,9 @@ def open_target(config: Config, keep_last: Callable[[str], int],
 
 
 class BucketTarget:
-    """The daemon's side: each committed share queued for the ``ckptd-uploader`` thread;
-    local retention keeps a step until every share of it is uploaded."""
+    """The daemon's side: each committed share queued for the ``ckptd-uploader`` thread,
+    newest first; local retention keeps a step until uploaded where the bucket's policy
+    keeps it whatever comes (``Uploader.owed_steps``)."""
 
     name = NAME
 
@@ -188,7 +189,10 @@ class BucketTarget:
         self.uploader.enqueue(run, step, rank, time.time(), nbytes)
 
     def pending(self, run: str) -> set[int]:
-        return self.uploader.pending_steps(run)
+        return self.uploader.owed_steps(run)
+
+    def dropped(self, run: str, steps: list[int]) -> None:
+        self.uploader.forget(run, steps)
 
     def received(self) -> None:
         self.uploader.received()  # uploads hold off while a snapshot is under way
