@@ -4,6 +4,7 @@ the server killed mid-upload, the daemon killed mid-upload; retention in both ti
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import torch
@@ -166,3 +167,35 @@ def test_local_retention_keeps_copies_not_yet_uploaded(s3, make_daemon, monkeypa
         assert time.monotonic() < deadline, (local(), d.log_text()[-2000:])
         time.sleep(0.2)
     assert [i.step for i in catalog.list_checkpoints(store, "l")] == [1, 2, 3]
+
+
+def test_a_step_local_retention_removes_is_no_longer_owed_to_the_bucket(s3, make_daemon, monkeypatch) -> None:
+    """With a rule in [remote.retention], a bucket out of reach fills no disk: local retention
+    removes what it does not keep, which is then not uploaded, but for the steps the bucket's
+    keep_every picks; once the bucket is back, the newest step goes first."""
+    d = _daemon(make_daemon, monkeypatch, retention={"keep_last": 1}, remote_retention={"keep_last": 5, "keep_every": 2})
+    store = Store(URL)
+    local = lambda: [i.step for i in ckptd.list_checkpoints("o", root=d.root, remote="")]  # noqa: E731
+    with d.producer("o") as p:
+        p.save({"w": torch.full((1000,), 1.0)}, 1).wait(30)
+        deadline = time.monotonic() + 30
+        while [i.step for i in catalog.list_checkpoints(store, "o")] != [1] or _status(d)["pending_shares"]:
+            assert time.monotonic() < deadline, d.log_text()[-2000:]
+            time.sleep(0.1)
+        s3.stop()
+        for step in (2, 3, 4, 5):
+            p.save({"w": torch.full((1000,), float(step))}, step).wait(30)
+        deadline = time.monotonic() + 30
+        while local() != [2, 4, 5]:  # keep_last = 1; 2 and 4 owed to the bucket's keep_every
+            assert time.monotonic() < deadline, (local(), d.log_text()[-2000:])
+            time.sleep(0.1)
+        assert _status(d)["pending_shares"] == 3
+        assert "run=o step=3 rank=0: removed by local retention before its upload; no longer owed" in d.log_text()
+        s3.start()
+        deadline = time.monotonic() + 60
+        while local() != [5]:  # once uploaded, local retention removes the owed steps too
+            assert time.monotonic() < deadline, (local(), d.log_text()[-2000:])
+            time.sleep(0.2)
+    assert [i.step for i in catalog.list_checkpoints(Store(URL), "o")] == [1, 2, 4, 5]
+    sent = [int(s) for s in re.findall(r"uploaded run=o step=(\d+)", d.log_text())]
+    assert sent == [1, 5, 4, 2], sent

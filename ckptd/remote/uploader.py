@@ -30,6 +30,7 @@ log = logging.getLogger("ckptd.remote")
 ShareKey = tuple[str, int, int]
 QUIET_S = 0.25  # no new part until producers are quiet this long: the trainer's copy comes first
 MAX_HOLD_S = 5.0  # ... and no part waits longer, so that uploads progress whatever comes
+WATCH_S, WATCH_FOR_S = 0.2, 10.0  # the step sent last, looked at this often and long until complete there
 OnRemoteComplete = Callable[[str, list[CheckpointInfo]], None]
 
 
@@ -45,6 +46,7 @@ class Uploader:
         self._stop = False
         self._resumed = False
         self._last_received = 0.0
+        self._watching: tuple[str, int, float] | None = None  # (run, step, until): ``_watch``
         self._thread = threading.Thread(target=self._loop, name="ckptd-uploader", daemon=True)
         self.shares_uploaded = 0
         self.bytes_uploaded = 0
@@ -150,10 +152,14 @@ class Uploader:
                     with self._cond:
                         self._resumed = True
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stop or bool(self._pending))
+                    self._cond.wait_for(lambda: self._stop or bool(self._pending),
+                                        timeout=WATCH_S if self._watching else None)
                     if self._stop:
                         return
-                    share = self._next_share()
+                    share = self._next_share() if self._pending else None
+                if share is None:
+                    self._watch()
+                    continue
                 self._upload(*share)
                 with self._cond:
                     self._pending.pop(share, None)
@@ -263,7 +269,17 @@ class Uploader:
                  self.last_upload["lag_seconds"], self.config.url)
         if self.on_uploaded is not None:
             self.on_uploaded(run, step, rank, self.last_upload["lag_seconds"])
-        self._after_upload(run, step)
+        complete = self._after_upload(run, step)
+        self._watching = None if complete else (run, step, time.monotonic() + WATCH_FOR_S)
+
+    def _watch(self) -> None:
+        """The step this node sent last, not complete in the bucket then, looked at again
+        while nothing is to upload: once another node's upload completes it, local
+        retention counts it, rather than at this node's next commit."""
+        assert self._watching is not None
+        run, step, until = self._watching
+        if self._after_upload(run, step) or time.monotonic() > until:
+            self._watching = None
 
     def _copy_uploaded(self, same: tuple[int, ...], key: str) -> bool:
         """Copy the object uploaded from the same local file to ``key``, inside the bucket;
@@ -312,19 +328,20 @@ class Uploader:
         log.warning("run=%s step=%d rank=%d: replaced the bucket's copy of an abandoned attempt", run, step, rank)
         return True
 
-    def _after_upload(self, run: str, step: int) -> None:
+    def _after_upload(self, run: str, step: int) -> bool:
         """If the step is now complete in the bucket: apply the bucket's retention, then
-        let the daemon's local retention count the bucket's complete steps."""
+        let the daemon's local retention count the bucket's complete steps; whether it is."""
         objects = self.store.list(catalog.step_prefix(run, step))
         prefix = catalog.step_prefix(run, step)
         mine = {k[len(prefix):]: v for k, v in objects.items()}
         if catalog.step_info(self.store, run, step, mine) is None:
-            return
+            return False
         log.info("run=%s step=%d is complete in %s", run, step, self.config.url)
         infos = remote_retention.prune(self.store, run, self.config.retention,
                                        busy=self.pending_steps(run))
         if self._on_remote_complete is not None:
             self._on_remote_complete(run, infos)
+        return True
 
 
 MAX_REMEMBERED = 65536
