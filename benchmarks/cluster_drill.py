@@ -53,10 +53,12 @@ def main() -> int:
         return 2
     base = args.base or Path(tempfile.mkdtemp(prefix="ckptd-drill-"))
     venv = clusterdrill.wheel_venv(base)
-    failed = False
-    for setup in args.setups.split(","):
+    failed, ref = False, None
+    for setup in args.setups.split(","):  # the uninterrupted run once: the job does not depend on the tiers
         r = clusterdrill.drill(base, venv, setup, nodes=args.nodes, steps=args.steps, kill_at=args.kill_at,
-                               addresses=tuple(args.addresses.split(",")), rate=args.rate, every=args.every)
+                               addresses=tuple(args.addresses.split(",")), rate=args.rate, every=args.every,
+                               ref=ref)
+        ref = r["ref"]
         print(f"\n== {setup}: {r['nodes']} nodes, {r['steps']} steps, {r['seconds']} s in all")
         print("\n".join(timeline(r)))
         print(json.dumps(r["figures"]))

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from netcluster import HUB_ADDRESS, NetCluster
 
@@ -378,26 +379,38 @@ class Drill:
             return 0
         return int(json.loads(done.stdout)["step"])
 
-    def compare(self, i: int, ref: str, run: str) -> list[str]:
-        """Node ``i`` loads every rank's share of the newest step of both runs (from any
-        tier, as a rank that resumes does): the tensors that differ."""
-        code = ("import json, sys, ckptd, torch\n"
+    def digests(self, i: int, run: str) -> dict[str, str]:
+        """Node ``i`` loads every rank's share of the newest step of ``run`` (from any tier,
+        as a rank that resumes does): a digest of each tensor and value, by rank and name."""
+        code = ("import hashlib, json, sys, ckptd, torch\n"
                 "def flat(d, p=''):\n"
                 "    out = {}\n"
                 "    for k, v in d.items():\n"
                 "        out.update(flat(v, f'{p}{k}.') if isinstance(v, dict) else {f'{p}{k}': v})\n"
                 "    return out\n"
-                "bad = []\n"
-                "for r in range(int(sys.argv[3])):\n"
-                "    a, b = flat(ckptd.load(sys.argv[1], rank=r)), flat(ckptd.load(sys.argv[2], rank=r))\n"
-                "    bad += [f'rank {r}: {k}' for k in sorted(set(a) ^ set(b))] + [f'rank {r}: {k}' for k in a\n"
-                "        if k in b and not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]\n"
-                "print(json.dumps(bad))\n")
-        done = self.net.run(i, [str(self.venv / "bin/python"), "-c", code, ref, run, str(2 * len(self.net.nodes))],
+                "def digest(v):\n"
+                "    if not isinstance(v, torch.Tensor):\n"
+                "        return hashlib.sha256(repr(v).encode()).hexdigest()\n"
+                "    data = v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()\n"
+                "    return hashlib.sha256(f'{v.dtype}{tuple(v.shape)}'.encode() + data).hexdigest()\n"
+                "out = {}\n"
+                "for r in range(int(sys.argv[2])):\n"
+                "    out.update({f'rank {r}: {k}': digest(v) for k, v in flat(ckptd.load(sys.argv[1], rank=r)).items()})\n"
+                "print(json.dumps(out))\n")
+        done = self.net.run(i, [str(self.venv / "bin/python"), "-c", code, run, str(2 * len(self.net.nodes))],
                             timeout=300, cwd=self.base, env=self.env(CKPTD_CONFIG=str(self.config(i))))
         if done.returncode != 0:
-            return [f"node {i} cannot load both runs: {done.stderr[-1500:]}"]
+            raise AssertionError(f"node {i} cannot load run {run}: {done.stderr[-1500:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def compare(self, i: int, ref: dict[str, str], run: str) -> list[str]:
+        """The tensors and values of ``run``'s newest step, loaded on node ``i``, that differ
+        from the uninterrupted run's (``ref``: its ``digests``)."""
+        try:
+            got = self.digests(i, run)
+        except AssertionError as exc:
+            return [str(exc)]
+        return sorted(k for k in set(ref) | set(got) if ref.get(k) != got.get(k))
 
     # -- a node lost and replaced ------------------------------------------------------------------
     def lose(self, victim: int) -> None:
@@ -412,10 +425,10 @@ class Drill:
         return {i: [int(m) for m in re.findall(r"resumed from step (\d+)", self.job_log(i, run))]
                 for i in self.net.nodes}
 
-    def case(self, ref: str, run: str, kill_at: int, address: str) -> dict[str, object]:
+    def case(self, ref: dict[str, str], run: str, kill_at: int, address: str) -> dict[str, object]:
         """``run`` is killed once its step after ``kill_at`` is handed to ckptd, the last node lost
         and set up again (at its ``address``: "same" or "new"), the job launched again and
-        its last step compared with ``ref``'s."""
+        its last step compared with the uninterrupted run's (``ref``: its ``digests``)."""
         first = min(self.net.nodes)
         procs = self.launch(run, self.steps)
         while f"step {kill_at + 1}: checkpoint handed" not in self.job_log(first, run):
@@ -457,9 +470,12 @@ class Drill:
 
 
 def drill(base: Path, venv: Path, setup: str, *, nodes: int = 2, steps: int = 8, kill_at: int = 4,
-          addresses: tuple[str, ...] = ("same",), rate: str = "1gbit", every: float = 2.0) -> dict[str, object]:
+          addresses: tuple[str, ...] = ("same",), rate: str = "1gbit", every: float = 2.0,
+          ref: dict[str, str] | None = None) -> dict[str, Any]:
     """One set-up ("peers", "bucket" or "both") from nothing to the last comparison.
-    Returns what was measured; ``violations`` lists every sample past a bound."""
+    ``ref``: the uninterrupted run's ``digests`` (a job of as many nodes and steps in
+    another set-up: the job does not depend on the tiers); None runs it here first.
+    Returns what was measured, ``ref`` among it; ``violations`` lists every sample past a bound."""
     if setup not in SETUPS:
         raise ValueError(f"set-up {setup!r}: one of {', '.join(SETUPS)}")
     with NetCluster(rate) as net:
@@ -472,11 +488,14 @@ def drill(base: Path, venv: Path, setup: str, *, nodes: int = 2, steps: int = 8,
         stop = threading.Event()
         sampler = d.sampling(stop, every)
         try:
-            d.finish(d.launch("ref", steps), "ref")
-            d.say(f"uninterrupted run done, {d.figures()}")
-            cases = [d.case("ref", f"drill-{a}", kill_at, a) for a in addresses]
+            if ref is None:
+                d.finish(d.launch("ref", steps), "ref")
+                ref = d.digests(min(net.nodes), "ref")
+                d.say(f"uninterrupted run done, {d.figures()}")
+            cases = [d.case(ref, f"drill-{a}", kill_at, a) for a in addresses]
         finally:
             stop.set()
             sampler.join(120)
         return {"setup": setup, "nodes": nodes, "steps": steps, "cases": cases, "violations": d.violations,
-                "figures": d.figures(), "seconds": round(time.monotonic() - started, 1), "samples": d.samples}
+                "figures": d.figures(), "seconds": round(time.monotonic() - started, 1), "samples": d.samples,
+                "ref": ref}

@@ -101,6 +101,9 @@ def test_each_root_holds_what_the_policy_keeps_across_the_cluster(setup, tmp_pat
                 _wait(lambda: getattr(ckptd.latest("job"), "step", None) == step, f"step {step} complete")
                 got = ckptd.load("job", rank=r)
                 assert got["step"] == step and torch.equal(got["w"], _tensor(step, r)), (step, r)
+        monkeypatch.delenv("CKPTD_CONFIG")  # `ckptd latest -c` reads that config's tiers, not the discovered one's
+        r = cli("latest", "job", "--json", "-c", str(nodes[1].config))
+        assert r.returncode == 0 and json.loads(r.stdout)["step"] == 12, r.stderr
         for node in nodes:  # the last step is complete everywhere: no step is in flight
             _wait(lambda: len(_on_disk(node)) == KEEP, lambda: f"{node.root}: {_on_disk(node)}",
                   timeout=Passes.EVERY_S + 30)
