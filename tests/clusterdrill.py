@@ -2,7 +2,7 @@
 tests/netcluster.py, each set up only by docs/runbook.md's ``cluster`` blocks, a torchrun
 FSDP2 + Adam job across them with ``keep_last = 3``, every node's disk and peer memory
 sampled and bounded throughout, a node lost and replaced, the job resumed and compared
-bit-exact with an uninterrupted run. Start at ``drill``; tests/test_cluster.py runs it
+bit-exact with an uninterrupted run. Start at ``drill``; benchmarks/cluster_drill.py runs it
 small, benchmarks/cluster_drill.py in full. ``SUBSTITUTIONS`` lists where the runbook
 cannot run as written here.
 """
