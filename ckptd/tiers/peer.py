@@ -87,6 +87,12 @@ class PeerTarget:
         """Replication pauses while ``busy()`` (a step is being received or committed)."""
         self.replicator.busy = busy
 
+    def send_staged(self, find: Callable[[Any], Any], sent: Callable[[Any], None]) -> bool:
+        """Shares go to the partners out of their producer's staging while ``find`` holds
+        them (``ckptd.daemon.stagehold``); whether any partner is configured."""
+        self.replicator.staged, self.replicator.on_sent = find, sent
+        return bool(self.replicator.peers) and self.cfg.replicas > 0
+
     def on_persisted(self, callback: Callable[[str, int, int, float], None]) -> None:
         self.replicator.on_replicated = callback
 
