@@ -311,7 +311,7 @@ class Handlers:
         the writer, so that it waits only for bytes being written, and give back at once
         the staging kept for replication (which then reads those shares' files)."""
         sess.flush()
-        self.writer.holds.drain(sess, self.sessions)
+        self.writer.holds.drain(sess.identity, self.sessions)
 
     def on_bye(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         self.sessions.end(sess, "said bye")

@@ -182,14 +182,14 @@ class Result:
 @dataclass
 class Stream:
     """A tensor too large to batch: it gets a chunk file of its own, written as it arrives;
-    ``pieces``: its bytes in shared staging, in order."""
+    ``pieces``: its bytes in shared staging, in order (None once one was not there)."""
 
     share: Share
     entry: Entry
     file: str
     out: Any = None
     hasher: Checksum | None = None
-    pieces: list[Any] | None = field(default_factory=list)  # None once a piece was not in shared staging
+    pieces: list[Any] | None = field(default_factory=list)
 
     def note(self, piece: Any, *, staged: bool) -> bool:
         """A piece written, in order: kept while every piece is a view of shared staging;

@@ -11,14 +11,21 @@ room (``drain``), leaves, or hands its arena over again: then the senders read t
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from .sessions import Session, Sessions
     from .share import Share
 
 Key = tuple[str, int, int]
 Arena = tuple[int, int]
+
+
+class Sessions(Protocol):
+    """The main loop's ``sessions.Sessions``: whom a hold's staging goes back to."""
+
+    def get(self, identity: bytes | None) -> Any: ...
+
+    def ack(self, sess: Any) -> None: ...
 
 
 class Hold:
@@ -70,7 +77,6 @@ class StagingHolds:
         self._by_key: dict[Key, Hold] = {}
         self._sent: list[Key] = []
 
-    # -- the main loop and the writer threads ---------------------------------------------
     def open(self, share: Share, arena: Arena | None) -> None:
         """On the main loop: ``share`` begins, its producer's staging shared as ``arena``."""
         if self.enabled and arena is not None:
@@ -98,7 +104,6 @@ class StagingHolds:
             else:
                 self._by_key.pop(key, None)
 
-    # -- the peer tier's threads ----------------------------------------------------------
     def find(self, key: Key) -> Hold | None:
         """The hold of the committed share ``key``, if its staging is still held."""
         with self._lock:
@@ -113,7 +118,6 @@ class StagingHolds:
             self._sent.append(key)
         self._wake()
 
-    # -- the main loop ----------------------------------------------------------------------
     def keep(self, share: Share, seqs: list[int]) -> bool:
         """Whether the staging of ``seqs``, written for ``share``, stays with the daemon
         for replication (its acknowledgement kept back) instead of going back now."""
@@ -141,11 +145,11 @@ class StagingHolds:
         if hold is not None:
             self._give_back(hold, sessions)
 
-    def drain(self, sess: Session, sessions: Sessions) -> int:
-        """The producer needs its staging: give back all this daemon holds of it; the
-        number of holds given back."""
+    def drain(self, owner: bytes, sessions: Sessions) -> int:
+        """The producer of session ``owner`` needs its staging: give back all this daemon
+        holds of it; the number of holds given back."""
         with self._lock:
-            holds = [h for h in self._by_share.values() if h.owner == sess.identity]
+            holds = [h for h in self._by_share.values() if h.owner == owner]
         for hold in holds:
             self._give_back(hold, sessions)
         return len(holds)

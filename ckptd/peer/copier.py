@@ -69,7 +69,6 @@ class Copier(supervise.Supervised):
         self.on_replicated: Callable[[str, int, int, float], None] | None = None
         self._committed_at: dict[Key, float] = {}
         self._versions: dict[str, Any] = {}
-        # where a share is still in its producer's staging, and whom to tell once done with it
         self.staged: Callable[[Key], Any] = lambda key: None
         self.on_sent: Callable[[Key], None] = lambda key: None
 
@@ -121,7 +120,8 @@ class Copier(supervise.Supervised):
         self._holders.pop(key, None)
         self._committed_at.pop(key, None)
         self._tried.pop(key, None)
-        self.on_sent(key)
+        if key not in self._sending:  # else once its transfers end (``_done``)
+            self.on_sent(key)
 
     # -- the thread ------------------------------------------------------------------------
     def _closing(self) -> None:
@@ -233,6 +233,8 @@ class Copier(supervise.Supervised):
                 sending.discard(peer)
                 if not sending:
                     del self._sending[key]
+                    if key not in self._holders:
+                        self.on_sent(key)
             if outcome in (HELD, REFUSED, DOWN):
                 self._sent_to.setdefault(key[0], set()).add(peer)
                 self.figures_["send_seconds"] += seconds
