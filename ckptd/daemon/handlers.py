@@ -309,9 +309,11 @@ class Handlers:
     def on_drain(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         """The producer waits for staging: hand every chunk still gathered in its arena to
         the writer, so that it waits only for bytes being written, and give back at once
-        the staging kept for replication (which then reads those shares' files)."""
+        the staging kept for replication up to seq ``through`` (all it sent, if it does
+        not say), whose shares are then sent from their files."""
         sess.flush()
-        self.writer.holds.drain(sess.identity, self.sessions)
+        through = sess.received if h["through"] is None else h["through"]
+        self.writer.holds.drain(sess.identity, through, self.sessions)
 
     def on_bye(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         self.sessions.end(sess, "said bye")
@@ -322,7 +324,7 @@ class Handlers:
         share, holds = r.share, self.writer.holds
         if r.seqs:
             sess = self.sessions.get(share.id.owner)
-            if sess is not None and not (r.kind is ResultKind.FREED and holds.keep(share, r.seqs)):
+            if sess is not None and not (r.kind is ResultKind.FREED and holds.keep(share, r.seqs, self.sessions)):
                 sess.mark_written(r.seqs)
                 self.sessions.ack(sess)
         if r.kind not in (ResultKind.FREED, ResultKind.COMMITTED):

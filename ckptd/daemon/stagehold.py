@@ -76,6 +76,7 @@ class StagingHolds:
         self._by_share: dict[Share, Hold] = {}
         self._by_key: dict[Key, Hold] = {}
         self._sent: list[Key] = []
+        self._drained: dict[bytes, int] = {}  # session -> the newest seq its producer asked back
 
     def open(self, share: Share, arena: Arena | None) -> None:
         """On the main loop: ``share`` begins, its producer's staging shared as ``arena``."""
@@ -118,12 +119,17 @@ class StagingHolds:
             self._sent.append(key)
         self._wake()
 
-    def keep(self, share: Share, seqs: list[int]) -> bool:
+    def keep(self, share: Share, seqs: list[int], sessions: Sessions) -> bool:
         """Whether the staging of ``seqs``, written for ``share``, stays with the daemon
-        for replication (its acknowledgement kept back) instead of going back now."""
+        for replication (its acknowledgement kept back) instead of going back now. Not
+        once the producer asked for it back (``drain``): the share's whole hold goes."""
         with self._lock:
             hold = self._by_share.get(share)
+            asked = self._drained.get(share.id.owner, -1)
         if hold is None or share.error is not None:
+            return False
+        if min(seqs) <= asked:
+            self._give_back(hold, sessions)
             return False
         with hold.lock:
             if hold.live:
@@ -145,14 +151,20 @@ class StagingHolds:
         if hold is not None:
             self._give_back(hold, sessions)
 
-    def drain(self, owner: bytes, sessions: Sessions) -> int:
-        """The producer of session ``owner`` needs its staging: give back all this daemon
-        holds of it; the number of holds given back."""
+    def drain(self, owner: bytes, through: int, sessions: Sessions) -> int:
+        """The producer of session ``owner`` needs its staging up to seq ``through``: give
+        back every hold with a piece there, now or as it is written; how many went back."""
         with self._lock:
-            holds = [h for h in self._by_share.values() if h.owner == owner]
+            self._drained[owner] = max(through, self._drained.get(owner, -1))
+            holds = [h for h in self._by_share.values() if h.owner == owner and h.seqs and min(h.seqs) <= through]
         for hold in holds:
             self._give_back(hold, sessions)
         return len(holds)
+
+    def ended(self, owner: bytes) -> None:
+        """Session ``owner`` ended: its producer asks nothing back any more."""
+        with self._lock:
+            self._drained.pop(owner, None)
 
     def forget(self, arena: Arena) -> None:
         """``arena`` is handed over anew: its producer writes it again from the welcome on,
