@@ -190,6 +190,12 @@ def _held(producer: Any, d: DaemonProcess, step: int) -> None:
         os.environ.pop("CKPTD_CONFIG")
 
 
+def _io(d: DaemonProcess, before: tuple[int, dict[str, int]], replicating: bool) -> dict[str, int]:
+    """What daemon ``d`` read from storage and replicated since ``before`` (``_read_bytes``, ``_sent``)."""
+    sent = {n: v - before[1][n] for n, v in _sent(d).items()} if replicating else {}
+    return {"read_bytes": _read_bytes(d.pid) - before[0], "replicated_bytes": 0, **sent, **_cached(d.root)}
+
+
 def _touch(state: dict[str, torch.Tensor], step: int) -> None:
     """Change every tensor a little, as a training step does: a tensor unchanged since the
     previous step would be linked, not written again, and its file read back from the
@@ -241,17 +247,17 @@ def measure_stall(work: Path, state: dict, repeats: int, rate: int, saves: float
                 figures[k]["blocked"].append(time.perf_counter() - t0)
                 h.wait(600)
                 figures[k]["durable"].append(time.perf_counter() - t0)
+        for k, d in daemons.items():
+            out.setdefault("io", {})[k] = _io(d, before[k], k in replicating)
         for k in replicating:  # the backlog sent; then save -> replica held, alone
             _held(producers[k], daemons[k], step[k])
+            alone = (_read_bytes(daemons[k].pid), _sent(daemons[k]))
             _touch(state, step[k] + 1)
             t0 = time.perf_counter()
             producers[k].save(state, step[k] + 1).wait(600)
             _held(producers[k], daemons[k], step[k] + 1)
             figures[k]["replica"].append(time.perf_counter() - t0)
-        for k, d in daemons.items():
-            read = _read_bytes(d.pid) - before[k][0]
-            sent = {n: v - before[k][1][n] for n, v in _sent(d).items()} if k in replicating else {}
-            out.setdefault("io", {})[k] = {"read_bytes": read, "replicated_bytes": 0, **sent, **_cached(d.root)}
+            out["io"][f"{k} alone"] = _io(daemons[k], alone, True)
         for p in producers.values():
             p.close()
         for k, f in figures.items():
@@ -529,6 +535,12 @@ def report_stall(s: dict[str, Any], repeats: int) -> None:
         if "staged_bytes" in io and io["replicated_bytes"]:
             print(f"  {'':<10} of the bytes replicated: {io['staged_bytes'] / io['replicated_bytes']:.0%} sent from "
                   f"staging, {io['file_bytes_read'] / io['replicated_bytes']:.0%} read back from the files")
+    for k in ("on alone", "capped alone"):
+        io = s["io"].get(k)
+        if io and io["replicated_bytes"]:
+            print(f"  {k}: one save, replicated before the next: read/replicated "
+                  f"{io['read_bytes'] / io['replicated_bytes']:.3f}, "
+                  f"{io.get('staged_bytes', 0) / io['replicated_bytes']:.0%} sent from staging")
     print("  goal: blocked <= 1.05x off; read/replicated: bytes read from storage per byte replicated;\n"
           "  cached: the share files' bytes in the page cache at the end (fincore)")
 
