@@ -85,8 +85,9 @@ class StagingHolds:
                 self._by_share[share] = Hold(share.id.owner, arena)
 
     def add(self, share: Share, file: str, pieces: list[tuple[int, Any]]) -> None:
-        """On a writer thread: data file ``file`` of ``share`` holds these ``(offset,
-        buffer)`` pieces of staging (none yet: a file streamed is added once whole)."""
+        """On a writer thread, before the pieces are reported written: data file ``file``
+        of ``share`` holds these ``(offset, buffer)`` pieces of staging (none yet: a file
+        streamed is named at its first piece, its pieces added once it is whole)."""
         with self._lock:
             hold = self._by_share.get(share)
         if hold is not None:
@@ -132,9 +133,10 @@ class StagingHolds:
             self._give_back(hold, sessions)
             return False
         with hold.lock:
-            if hold.live:
+            kept = hold.live and bool(hold.files)  # a format that wrote no file from staging (HDF5) gains nothing
+            if kept:
                 hold.seqs.extend(seqs)
-            return hold.live
+            return kept
 
     def settle(self, sessions: Sessions) -> None:
         """Give back the staging of the shares the senders are done with."""
