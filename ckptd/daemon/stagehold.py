@@ -5,7 +5,7 @@ that replication sends what the producer staged instead of reading the files bac
 pieces (views of the arena), the main loop keeps back the acknowledgements of the
 pieces' staging, and the peer tier's senders copy out of it (``Hold.fill``). The staging
 goes back to the producer when the share is sent, or at once when the producer needs the
-room (``drain``), leaves, or hands its arena over again: then the senders read the files.
+room (``drain``) or hands its arena over again: then the senders read the files.
 """
 
 from __future__ import annotations
