@@ -172,10 +172,13 @@ def _cached(root: Path) -> dict[str, int]:
     return {"file_bytes": sum(os.path.getsize(f) for f in files), "cached_bytes": sum(map(int, res))}
 
 
-def _replicated_bytes(d: DaemonProcess) -> int:
+def _sent(d: DaemonProcess) -> dict[str, int]:
+    """The daemon's replication counts: bytes replicated, of them sent from staging, and
+    read back from its files (the last two where the daemon counts them)."""
     out = subprocess.run([sys.executable, "-m", "ckptd", "status", "--json", "-c", str(d.config)],
                          capture_output=True, text=True, timeout=120, check=True)
-    return int(json.loads(out.stdout)["peer"]["replicated_bytes"])
+    peer = json.loads(out.stdout)["peer"]
+    return {k: int(peer[k]) for k in ("replicated_bytes", "staged_bytes", "file_bytes_read") if k in peer}
 
 
 def _held(producer: Any, d: DaemonProcess, step: int) -> None:
@@ -187,6 +190,12 @@ def _held(producer: Any, d: DaemonProcess, step: int) -> None:
         os.environ.pop("CKPTD_CONFIG")
 
 
+def _io(d: DaemonProcess, before: tuple[int, dict[str, int]], replicating: bool) -> dict[str, int]:
+    """What daemon ``d`` read from storage and replicated since ``before`` (``_read_bytes``, ``_sent``)."""
+    sent = {n: v - before[1][n] for n, v in _sent(d).items()} if replicating else {}
+    return {"read_bytes": _read_bytes(d.pid) - before[0], "replicated_bytes": 0, **sent, **_cached(d.root)}
+
+
 def _touch(state: dict[str, torch.Tensor], step: int) -> None:
     """Change every tensor a little, as a training step does: a tensor unchanged since the
     previous step would be linked, not written again, and its file read back from the
@@ -195,13 +204,15 @@ def _touch(state: dict[str, torch.Tensor], step: int) -> None:
         t[0] = float(step)
 
 
-def measure_stall(work: Path, state: dict, repeats: int, rate: int) -> dict[str, Any]:
+def measure_stall(work: Path, state: dict, repeats: int, rate: int, saves: float) -> dict[str, Any]:
     """Blocked time in save, save -> durable, and (replicating) save -> replica held,
     with replication off, on without a cap, and on at ``[peer] rate`` = ``rate``; and
-    the bytes each daemon read from storage per byte it replicated (/proc/PID/io)."""
+    the bytes each daemon read from storage per byte it replicated (/proc/PID/io), its
+    replication's own count of them and of the bytes it sent from staging. Staging
+    holds ``saves`` checkpoints."""
     from ckptd import Producer
 
-    out: dict[str, Any] = {"rate": rate}
+    out: dict[str, Any] = {"rate": rate, "staging_saves": saves}
     la, lc, lb = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(3))
     size = sum(t.nbytes for t in state.values())
     holder = _peer_daemon(work, "stall-holder", lb, [la, lc], memory=f"{4 * size + 2**28}")
@@ -211,13 +222,12 @@ def measure_stall(work: Path, state: dict, repeats: int, rate: int) -> dict[str,
     daemons["off"].start()
     replicating = ("on", "capped")
     try:
-        producers = {k: Producer(d.endpoint, f"stall-{k}", staging_size=size + 2**26) for k, d in daemons.items()}
+        producers = {k: Producer(d.endpoint, f"stall-{k}", staging_size=int(saves * size) + 2**26) for k, d in daemons.items()}
         for p in producers.values():
             p.save(state, 0).wait(600)  # warm the arenas
         for k in replicating:
             _held(producers[k], daemons[k], 0)
-        before = {k: (_read_bytes(d.pid), _replicated_bytes(d) if k in replicating else 0)
-                  for k, d in daemons.items()}
+        before = {k: (_read_bytes(d.pid), _sent(d) if k in replicating else {}) for k, d in daemons.items()}
         figures: dict[str, dict[str, list[float]]] = {k: {"blocked": [], "durable": [], "replica": []}
                                                        for k in daemons}
         step = {k: 0 for k in daemons}
@@ -237,17 +247,17 @@ def measure_stall(work: Path, state: dict, repeats: int, rate: int) -> dict[str,
                 figures[k]["blocked"].append(time.perf_counter() - t0)
                 h.wait(600)
                 figures[k]["durable"].append(time.perf_counter() - t0)
+        for k, d in daemons.items():
+            out.setdefault("io", {})[k] = _io(d, before[k], k in replicating)
         for k in replicating:  # the backlog sent; then save -> replica held, alone
             _held(producers[k], daemons[k], step[k])
+            alone = (_read_bytes(daemons[k].pid), _sent(daemons[k]))
             _touch(state, step[k] + 1)
             t0 = time.perf_counter()
             producers[k].save(state, step[k] + 1).wait(600)
             _held(producers[k], daemons[k], step[k] + 1)
             figures[k]["replica"].append(time.perf_counter() - t0)
-        for k, d in daemons.items():
-            read = _read_bytes(d.pid) - before[k][0]
-            sent = (_replicated_bytes(d) - before[k][1]) if k in replicating else 0
-            out.setdefault("io", {})[k] = {"read_bytes": read, "replicated_bytes": sent, **_cached(d.root)}
+            out["io"][f"{k} alone"] = _io(daemons[k], alone, True)
         for p in producers.values():
             p.close()
         for k, f in figures.items():
@@ -411,6 +421,8 @@ def main() -> int:
     ap.add_argument("--link", default="10gbit", help="the link's rate cap, as tc writes it (10gbit, 1gbit)")
     ap.add_argument("--json")
     ap.add_argument("--only", choices=("recovery", "stall"), help="measure only these figures")
+    ap.add_argument("--staging-saves", type=float, default=2.0,
+                    help="staging holds this many checkpoints in the stall part (default 2)")
     ap.add_argument("--rate", default="200MB", help="[peer] rate of the stall's capped replication (default 200MB)")
     ap.add_argument("--in-netns", help=argparse.SUPPRESS)  # the link's tag: this is the run inside namespace b
     args = ap.parse_args()
@@ -431,7 +443,7 @@ def main() -> int:
         if args.only != "recovery":
             from ckptd.config import parse_size
 
-            r["stall"] = measure_stall(work, state, args.repeats, parse_size(args.rate))
+            r["stall"] = measure_stall(work, state, args.repeats, parse_size(args.rate), args.staging_saves)
     finally:
         server.cleanup()
         shutil.rmtree(work, ignore_errors=True)
@@ -507,7 +519,8 @@ def report_recovery(r: dict[str, Any]) -> None:
 
 def report_stall(s: dict[str, Any], repeats: int) -> None:
     print(f"stall: {2 * repeats} saves back to back each, replication off, on, and on at [peer] rate = "
-          f"{s['rate'] / 1e6:.0f} MB/s (capped), in blocks off, on, capped, capped, on, off")
+          f"{s['rate'] / 1e6:.0f} MB/s (capped), in blocks off, on, capped, capped, on, off; staging holds "
+          f"{s.get('staging_saves', 1):g} checkpoint(s)")
     off = s["off"]
     print(f"  {'':<10} {'blocked ms':>11} {'x off':>6} {'durable s':>10} {'x off':>6} {'replica held s':>15} "
           f"{'read/replicated':>16} {'cached':>9}")
@@ -519,6 +532,15 @@ def report_stall(s: dict[str, Any], repeats: int) -> None:
         cached = f"{io['cached_bytes'] / io['file_bytes']:.0%}" if io.get("file_bytes") else "-"
         print(f"  {k:<10} {f['blocked'] * 1e3:>11.0f} {f['blocked'] / off['blocked']:>6.2f} {f['durable']:>10.2f} "
               f"{f['durable'] / off['durable']:>6.2f} {held:>15} {ratio:>16} {cached:>9}")
+        if "staged_bytes" in io and io["replicated_bytes"]:
+            print(f"  {'':<10} of the bytes replicated: {io['staged_bytes'] / io['replicated_bytes']:.0%} sent from "
+                  f"staging, {io['file_bytes_read'] / io['replicated_bytes']:.0%} read back from the files")
+    for k in ("on alone", "capped alone"):
+        io = s["io"].get(k)
+        if io and io["replicated_bytes"]:
+            print(f"  {k}: one save, replicated before the next: read/replicated "
+                  f"{io['read_bytes'] / io['replicated_bytes']:.3f}, "
+                  f"{io.get('staged_bytes', 0) / io['replicated_bytes']:.0%} sent from staging")
     print("  goal: blocked <= 1.05x off; read/replicated: bytes read from storage per byte replicated;\n"
           "  cached: the share files' bytes in the page cache at the end (fincore)")
 

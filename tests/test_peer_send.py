@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from ckptd.config import load as load_config
@@ -154,10 +155,11 @@ def _direct_io_works(folder: Path) -> bool:
     return True
 
 
-def test_replication_reads_the_files_with_o_direct_and_leaves_the_page_cache_alone(tmp_path: Path) -> None:
-    """With [daemon] direct_io (the default) a share's files are written past the page
-    cache; replication reads them back the same way, in frame-sized aligned parts: the
-    replica is held bit-exact and the files are still not in the page cache."""
+def test_a_share_is_replicated_from_its_producer_s_staging_not_read_back(tmp_path: Path) -> None:
+    """A share whose producer keeps its staging free goes to the partner out of that
+    staging: of the bytes replicated, at most 5 % are read from the files (the chunk
+    files' headers), the replica is held bit-exact, and with [daemon] direct_io (the
+    default) the files, written past the page cache, are still not in it."""
     listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     sender = Daemon(tmp_path / "sender", tables={"peer": {"listen": listens[0], "peers": [listens[1]],
                                                           "frame": "1MiB", "window": 2}})
@@ -180,7 +182,60 @@ def test_replication_reads_the_files_with_o_direct_and_leaves_the_page_cache_alo
         assert where == "memory"
         got = tier.transfer.read_files(endpoint, m)
         assert all(bytes(got[f.name]) == f.read_bytes() for f in files)  # the holder's copy, byte for byte
+        peer = _status(sender)["peer"]
+        assert peer["replicated_bytes"] == size, peer
+        assert peer["file_bytes_read"] <= 0.05 * size and peer["staged_bytes"] >= 0.95 * size, peer
+        assert peer["staged_bytes"] + peer["file_bytes_read"] >= size, peer
     finally:
+        for n in (sender, holder):
+            n.cleanup()
+
+
+def test_staging_goes_back_when_the_producer_needs_it_and_the_share_is_sent_from_its_files(
+        tmp_path: Path) -> None:
+    """The partner is stopped, so step 1 waits, under-replicated, in the producer's staging;
+    step 2 needs that room: the daemon gives it back at once (the emit does not wait out
+    its 10 s emit_timeout), and once the partner is back step 1 goes to it from its files,
+    read with O_DIRECT (they stay out of the page cache), held bit-exact."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    sender = Daemon(tmp_path / "sender", tables={"peer": {
+        "listen": listens[0], "peers": [listens[1]], "frame": "1MiB", "window": 2, "timeout": "0.5s",
+        "heartbeat": "0.5s"}})
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
+    try:
+        holder.start()
+        sender.start()
+        _wait(lambda: f"peer {listens[1]} answers" in sender.log_text(), "the partner connected")
+        assert holder.pid is not None
+        os.kill(holder.pid, signal.SIGSTOP)
+        state = {"w": torch.randn(3 * 2**19 + 77), "b": torch.randn(1000), "c": torch.arange(300)}
+        with sender.producer("job", staging_size="8MiB", emit_timeout="10s") as p:
+            p.save(state, 1).wait(30)
+            _wait(lambda: _status(sender)["peer"]["failures"] >= 1, "the stopped partner tried")
+            try:
+                with p.checkpoint(2):
+                    p.emit("w", torch.randn(3 * 2**19))  # 6 MiB of the 8: only with step 1's room
+                    raise KeyboardInterrupt  # aborted: step 1 stays the newest, to send
+            except KeyboardInterrupt:
+                pass
+            os.kill(holder.pid, signal.SIGCONT)
+            _wait(lambda: _held(holder).get((1, 0)) == "memory", "step 1 held", timeout=60)
+        files = [f for f in (sender.root / "job" / "step-000000000001").iterdir() if f.suffix == ".safetensors"]
+        size = sum(f.stat().st_size for f in files)
+        peer = _status(sender)["peer"]
+        assert peer["staged_bytes"] == 0 and peer["file_bytes_read"] >= size, peer
+        if _direct_io_works(sender.root):
+            assert sum(_resident(f) for f in files) < size // 8, [(f.name, _resident(f)) for f in files]
+        tier = PeerTier(load_config(holder.config))
+        tier.discovery.endpoints = [tier.cfg.listen]
+        endpoint, _, m = tier.discovery.holdings("job")[(1, 0)][0]
+        got = tier.transfer.read_files(endpoint, m)
+        assert all(bytes(got[f.name]) == f.read_bytes() for f in files)
+        held = {k: v for f in files for k, v in safetensors.torch.load(bytes(got[f.name])).items()}
+        assert held.keys() == state.keys() and all(torch.equal(held[k], v) for k, v in state.items())
+    finally:
+        if holder.alive() and holder.pid is not None:
+            os.kill(holder.pid, signal.SIGCONT)
         for n in (sender, holder):
             n.cleanup()
 

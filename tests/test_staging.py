@@ -33,6 +33,27 @@ def test_ring_wraps_and_frees_in_order() -> None:
     a.close()
 
 
+def test_a_wait_for_staging_asks_back_only_the_oldest_regions_it_needs() -> None:
+    """Before it waits, ``alloc`` tells the daemon the newest seq it needs given back
+    (regions come back oldest first): the fewest, and none that was never sent."""
+    a = Arena(4 * PAGE)
+    regions = [a.alloc(PAGE, timeout=1, block=False, what=f"r{i}") for i in range(4)]
+    for seq, r in zip((5, 6, 9), regions):
+        r.seq = seq  # the fourth is not sent yet
+    asked: list[int | None] = []
+
+    def on_wait(through: int | None) -> None:
+        asked.append(through)
+        a.release_through(through if through is not None else -1)
+
+    assert a.alloc(2 * PAGE, timeout=1, block=True, what="x", on_wait=on_wait).start == 0
+    assert asked == [6]
+    with pytest.raises(CheckpointError, match="waited 0.1 s for staging memory"):
+        a.alloc(2 * PAGE, timeout=0.1, block=True, what="y", on_wait=on_wait)  # behind the unsent one
+    assert asked == [6, 9]
+    a.close()
+
+
 def test_large_regions_start_on_a_page_and_the_arena_is_a_sealed_memfd() -> None:
     import fcntl
     import os

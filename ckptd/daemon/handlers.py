@@ -172,6 +172,7 @@ class Handlers:
         if mapped is not None:
             sess.shm, sess.arena = mapped
             self.arenas.reused(sess.arena)
+            self.writer.holds.forget(sess.arena)
             # At most a quarter of the arena per chunk: writing one never waits for it to fill.
             sess.chunk_size = max(1, min(self.cfg.chunk_size, len(sess.shm) // 4))
 
@@ -307,8 +308,12 @@ class Handlers:
 
     def on_drain(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         """The producer waits for staging: hand every chunk still gathered in its arena to
-        the writer, so that it waits only for bytes being written."""
+        the writer, so that it waits only for bytes being written, and give back at once
+        the staging kept for replication up to seq ``through`` (all it sent, if it does
+        not say), whose shares are then sent from their files."""
         sess.flush()
+        through = sess.received if h["through"] is None else h["through"]
+        self.writer.holds.drain(sess.identity, through, self.sessions)
 
     def on_bye(self, sess: Session, h: dict[str, Any], payload: zmq.Frame | None) -> None:
         self.sessions.end(sess, "said bye")
@@ -316,12 +321,14 @@ class Handlers:
     def on_result(self, r: Result) -> None:
         """Account for bytes written; answer a commit, or report a failed write at once."""
         self.ledger.free(r.nbytes)
-        share = r.share
+        share, holds = r.share, self.writer.holds
         if r.seqs:
             sess = self.sessions.get(share.id.owner)
-            if sess is not None:
+            if sess is not None and not (r.kind is ResultKind.FREED and holds.keep(share, r.seqs, self.sessions)):
                 sess.mark_written(r.seqs)
                 self.sessions.ack(sess)
+        if r.kind not in (ResultKind.FREED, ResultKind.COMMITTED):
+            holds.release(share, self.sessions)
         if r.kind is ResultKind.FAILED:
             self._report_failure(share, r.message)
         elif r.kind in (ResultKind.COMMITTED, ResultKind.COMMIT_FAILED):
@@ -388,6 +395,8 @@ class Handlers:
             self.sessions.fail_step(sess, open_step, verdict.error, seq, discard=False)
         elif verdict.replace:
             self.writer.replace_earlier(open_step.share)
+        if open_step.share.error is None:
+            self.writer.holds.open(open_step.share, sess.arena)
         return open_step
 
 

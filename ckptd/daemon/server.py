@@ -38,6 +38,7 @@ from .recovery import remove_orphans
 from .replies import Replies
 from .sessions import Sessions
 from .share import Result
+from .stagehold import StagingHolds
 from .upkeep import Upkeep
 from .writer import Writer
 
@@ -93,11 +94,13 @@ class Daemon:
         ledger = self.ledger = Ledger(cfg.memory_budget, Figures(), measuring)
         upkeep.on_persisted(measuring.uploaded)
         upkeep.yield_to(ledger.busy)
+        holds = StagingHolds(wake=self.inbox.pipe.wake)
+        holds.enabled = upkeep.send_staged(holds.find, holds.sent)
         upkeep.start()
         writer = self.writer = Writer(self.inbox.post, fsync=cfg.fsync, after_commit=upkeep.after_commit,
                                       hdf5=config.hdf5, direct_io=cfg.direct_io, write_rate=cfg.write_rate,
                                       threads=writer_threads(cfg.writer_threads),
-                                      reuse_unchanged=cfg.reuse_unchanged)
+                                      reuse_unchanged=cfg.reuse_unchanged, holds=holds)
         self.replies.bind(self.arenas)
         sessions = self.sessions = Sessions(Liveness(cfg.session_timeout), Owners(root), ledger, self.replies,
                                             writer)
@@ -197,6 +200,8 @@ class Daemon:
         for result in self.inbox.take():
             if self.handlers is not None:
                 self.handlers.on_result(result)
+        if self.writer is not None and self.sessions is not None:
+            self.writer.holds.settle(self.sessions)
         if self.handlers is not None:
             self.handlers.answer_settled(time.monotonic())
 

@@ -174,6 +174,7 @@ class Sessions:
             self._ledger.measuring.ended(sess.run, sess.attempt, why)
         for step in list(sess.steps):
             self.drop_step(sess, step)
+        self._writer.holds.ended(sess.identity)
         self._by_id.pop(sess.identity, None)
         self.liveness.forget(sess.identity)
         if self._holder.get((sess.run, sess.rank)) == sess.identity:

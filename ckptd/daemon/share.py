@@ -181,10 +181,22 @@ class Result:
 
 @dataclass
 class Stream:
-    """A tensor too large to batch: it gets a chunk file of its own, written as it arrives."""
+    """A tensor too large to batch: it gets a chunk file of its own, written as it arrives;
+    ``pieces``: its bytes in shared staging, in order (None once one was not there)."""
 
     share: Share
     entry: Entry
     file: str
     out: Any = None
     hasher: Checksum | None = None
+    pieces: list[Any] | None = field(default_factory=list)
+
+    def note(self, piece: Any, *, staged: bool) -> bool:
+        """A piece written, in order: kept while every piece is a view of shared staging;
+        whether it was kept."""
+        if self.pieces is not None:
+            if staged:
+                self.pieces.append(piece)
+                return True
+            self.pieces = None
+        return False

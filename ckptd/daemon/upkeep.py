@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import retention, tiers
-from ..tiers.base import Forgets, Pending, Receives, Reports, Yields
+from ..tiers.base import Forgets, Pending, Receives, Reports, SendsStaged, Yields
 from ..tiers import bucket, completeness
 from ..config import Config, ConfigError, RetentionConfig
 from ..errors import CheckpointCorrupt
@@ -114,6 +114,12 @@ class Upkeep:
         for t in self.targets:
             if isinstance(t, Yields):
                 t.yield_to(busy)
+
+    def send_staged(self, find: Callable[[Any], Any], sent: Callable[[Any], None]) -> bool:
+        """Tiers that send shares take them out of staging where ``find`` holds them;
+        whether any tier sends shares (``SendsStaged``)."""
+        sends = [t.send_staged(find, sent) for t in self.targets if isinstance(t, SendsStaged)]
+        return any(sends)
 
     def on_persisted(self, callback: Callable[[str, int, int, float, str], None]) -> None:
         """``callback(run, step, rank, lag_s, tier)`` once a share is in a tier."""

@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .. import failpoints, format as formats, layout, manifestcache, replicas
 from . import reuse
@@ -30,6 +30,7 @@ from ..manifest import Checksum, CheckpointInfo, Manifest, TensorRecord, checksu
 from .attempts import read_manifest
 from .datafile import Bounce, DataFile, Throttle
 from .share import CommitToken, Result, ResultKind, Share, Stream
+from .stagehold import StagingHolds
 
 log = logging.getLogger("ckptd.writer")
 HOST = socket.gethostname()
@@ -39,8 +40,9 @@ class Writer:
     def __init__(self, notify: Callable[[Result], None], *, fsync: bool = True,
                  after_commit: Callable[[Share, bool], None] = lambda share, complete: None,
                  hdf5: Hdf5Config = Hdf5Config(), direct_io: bool = True, write_rate: int = 0,
-                 threads: int = 1, reuse_unchanged: bool = True) -> None:
+                 threads: int = 1, reuse_unchanged: bool = True, holds: StagingHolds | None = None) -> None:
         self._notify = notify
+        self.holds = holds or StagingHolds()
         self._reuse = reuse_unchanged
         self._committing: dict[tuple[str, int], Share] = {}
         self._committing_lock = threading.Lock()
@@ -216,7 +218,7 @@ class Writer:
                 return
         try:
             if share.error is None:
-                fd = self._write_batch(share, name, entries, ahead=ahead)
+                fd = self._write_batch(share, name, entries, ahead=ahead, staged=_staged(held, seqs))
                 if fd is not None:
                     self.sync(share, name, fd)
         finally:
@@ -231,7 +233,7 @@ class Writer:
         fd = None
         try:
             if share.error is None:
-                fd = self._write_batch(share, name, entries, listed=True, ahead=ahead)
+                fd = self._write_batch(share, name, entries, listed=True, ahead=ahead, staged=_staged(held, seqs))
         except Exception as exc:
             _internal_error(share, exc)
             raise
@@ -254,17 +256,21 @@ class Writer:
             share.written.inflight.remove(future)
 
     def _write_batch(self, share: Share, name: str, entries: list[Entry], *, listed: bool = False,
-                     ahead: Future | None = None) -> int | None:
+                     ahead: Future | None = None, staged: bool = False) -> int | None:
         """Have the share's format write ``entries`` into file ``name``; a descriptor to
         fsync and close, or None. ``listed``: the file is in ``share.written.files`` already (the
         pool's case); ``ahead``: the entries' checksums, being computed on ckptd-hash (a
-        share that had failed when its batch came has none, and is not written)."""
+        share that had failed when its batch came has none, and is not written); ``staged``:
+        every buffer is a view of the producer's shared staging, which replication may send."""
         assert ahead is not None
         digests = ahead.result()
         fmt = self._format(share)
         failpoints.hit(f"writer.{fmt.name}")
         written = fmt.write_batch(self._io(share), name, entries, digests, listed=listed)
         self._apply(share, name, written, digests)
+        if staged and written.fd is not None:
+            self.holds.add(share, name, [(at, b) for e, _, offset in written.placed if offset is not None
+                                         for at, b in _at(offset, e.buffers)])
         return written.fd
 
     @staticmethod
@@ -380,8 +386,12 @@ class Writer:
                 assert stream.hasher is not None
                 stream.hasher.update(piece)
                 where = fmt.stream_piece(self._io(share), stream.out, piece, last)
+                if stream.note(piece, staged=_staged(held, seqs)):
+                    self.holds.add(share, stream.file, [])
                 if where is not None:
                     stream.out = None
+                    if where[1] is not None and stream.pieces is not None:
+                        self.holds.add(share, stream.file, list(_at(where[1], stream.pieces)))
                     e = stream.entry
                     share.written.records[e.name] = TensorRecord(
                         dtype=e.dtype.name, shape=e.shape, file=stream.file, key=where[0], offset=where[1],
@@ -464,6 +474,7 @@ class Writer:
         info = CheckpointInfo.from_manifests(str(share.dir), complete or [manifest])
         if info.diverged and complete and manifest.time >= info.time:
             share.mismatches = replicas.report(complete, info)
+        self.holds.committed(share)  # before the tiers hear of it: replication finds its staging
         # Only now, with the manifest durable: the index and the latest pointer, then
         # retention, which may delete older checkpoints.
         try:
@@ -603,6 +614,18 @@ class ShareIO:
 
 
 SETTLE_TIMEOUT_S = 60.0  # the longest a share's first write waits for the step before to commit
+
+
+def _staged(held: int, seqs: list[int]) -> bool:
+    """Whether a write's buffers are all views of shared staging (none the daemon's own)."""
+    return held == 0 and bool(seqs)
+
+
+def _at(offset: int, buffers: list[Any]) -> Iterator[tuple[int, Any]]:
+    """Each of ``buffers``, written one after another from ``offset``, with its offset."""
+    for b in buffers:
+        yield offset, b
+        offset += memoryview(b).nbytes
 
 
 def _checksums(entries: list[Entry]) -> dict[str, str]:

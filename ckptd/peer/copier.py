@@ -61,13 +61,16 @@ class Copier(supervise.Supervised):
         self._senders: dict[str, PartnerSender] = {}
         self._pacer = Pacer(config.rate)
         self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0,
-                         "replicas_lost": 0, "drop_messages": 0, "dropped_steps": 0}
+                         "replicas_lost": 0, "drop_messages": 0, "dropped_steps": 0, "staged_bytes": 0,
+                         "file_bytes_read": 0}
         self.busy: Callable[[], bool] = lambda: False
         # (run, step, rank, seconds from local commit to held by `replicas` partners): the
         # peer tier's persist time for the interval advice (ckptd.daemon.measuring)
         self.on_replicated: Callable[[str, int, int, float], None] | None = None
         self._committed_at: dict[Key, float] = {}
         self._versions: dict[str, Any] = {}
+        self.staged: Callable[[Key], Any] = lambda key: None
+        self.on_sent: Callable[[Key], None] = lambda key: None
 
     # -- from other threads ----------------------------------------------------------------
     def close(self) -> None:
@@ -117,6 +120,8 @@ class Copier(supervise.Supervised):
         self._holders.pop(key, None)
         self._committed_at.pop(key, None)
         self._tried.pop(key, None)
+        if key not in self._sending:  # else once its transfers end (``_done``)
+            self.on_sent(key)
 
     # -- the thread ------------------------------------------------------------------------
     def _closing(self) -> None:
@@ -203,9 +208,16 @@ class Copier(supervise.Supervised):
         if sender is None:
             sender = self._senders[peer] = PartnerSender(
                 len(self._senders) + 1, peer, self.ctx, self.keys, self.cfg, self.root, self._pacer,
-                lambda: self.busy(), self._wanted, self._done, direct_io=self.direct_io)
+                lambda: self.busy(), self._wanted, self._done, direct_io=self.direct_io,
+                staged=lambda key: self.staged(key), count=self._count)
             sender.start()
         return sender
+
+    def _count(self, staged: int, read: int) -> None:
+        """A transfer's bytes: sent from staging, and read from the files."""
+        with self._cv:
+            self.figures_["staged_bytes"] += staged
+            self.figures_["file_bytes_read"] += read
 
     def _wanted(self, key: Key) -> bool:
         with self._cv:
@@ -221,6 +233,8 @@ class Copier(supervise.Supervised):
                 sending.discard(peer)
                 if not sending:
                     del self._sending[key]
+                    if key not in self._holders:
+                        self.on_sent(key)
             if outcome in (HELD, REFUSED, DOWN):
                 self._sent_to.setdefault(key[0], set()).add(peer)
                 self.figures_["send_seconds"] += seconds
@@ -232,6 +246,7 @@ class Copier(supervise.Supervised):
                     self._holders[key].add(peer)
                     if len(self._holders[key]) >= self.cfg.replicas:
                         replicated = self._committed_at.pop(key, None)
+                        self.on_sent(key)
                 elif not layout.step_dir(self.root, key[0], key[1]).exists():
                     # retention deleted the step while it was being sent (its drop may have gone
                     # before the partner held it): the partner drops it at the next heartbeat

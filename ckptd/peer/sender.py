@@ -75,8 +75,11 @@ class Pacer:
 class PartnerSender(supervise.Queued[Job]):
     def __init__(self, index: int, peer: str, ctx: zmq.Context, keys: Any, cfg: PeerConfig, root: Path,
                  pacer: Pacer, busy: Callable[[], bool], wanted: Callable[[Key], bool],
-                 on_done: Callable[[str, Job, str, int, float], None], *, direct_io: bool = False) -> None:
+                 on_done: Callable[[str, Job, str, int, float], None], *, direct_io: bool = False,
+                 staged: Callable[[Key], Any] = lambda key: None,
+                 count: Callable[[int, int], None] = lambda staged, read: None) -> None:
         self.peer = peer
+        self.staged, self.count = staged, count
         self.direct_io = direct_io
         self.ctx, self.keys, self.cfg, self.root = ctx, keys, cfg, root
         self.pacer = pacer
@@ -119,6 +122,7 @@ class PartnerSender(supervise.Queued[Job]):
         if share is None:
             self.on_done(self.peer, job, GONE, 0, 0.0)
             return
+        share.staged = self.staged(job.key)
         t0 = time.monotonic()
         try:
             self._send(job, share)
@@ -143,6 +147,7 @@ class PartnerSender(supervise.Queued[Job]):
             return
         finally:
             share.close()
+            self.count(share.staged_bytes, share.file_bytes)
         self.on_done(self.peer, job, HELD, sum(share.sizes.values()), time.monotonic() - t0)
 
     def _send(self, job: Job, share: "ShareFiles") -> None:
@@ -190,7 +195,9 @@ class PartnerSender(supervise.Queued[Job]):
 
 class ShareFiles:
     """A committed share's data files, open for reading parts; the holder checks every
-    byte against the manifest.
+    byte against the manifest. Where ``staged`` (a ``ckptd.daemon.stagehold.Hold``) still
+    holds them in the producer's staging, their bytes are copied from there into the
+    slots instead, and only what it lacks (a file's header) is read from the file.
 
     With ``direct`` (``[daemon] direct_io``: the files were written with O_DIRECT, so their
     bytes are not in the page cache) each part is read with O_DIRECT into one of
@@ -208,6 +215,8 @@ class ShareFiles:
         self.direct = direct
         self._slots: list[mmap.mmap] = []
         self._frame, self._nslots, self._next = frame, slots, 0
+        self.staged: Any = None
+        self.staged_bytes = self.file_bytes = 0
 
     @classmethod
     def open(cls, path: Path, m: Manifest, *, direct: bool = False, frame: int = 0,
@@ -235,6 +244,15 @@ class ShareFiles:
         """``length`` bytes of ``file`` at ``offset`` (fewer at its end): bytes, or a
         view of a slot that stays valid for the next ``slots - 1`` reads."""
         want = min(length, self.sizes[file] - offset)
+        if self.staged is not None and 0 < want <= self._frame:
+            out = memoryview(self._slot())[:want]
+            gaps = self.staged.fill(file, offset, out)
+            if gaps is not None:
+                self.staged_bytes += want - sum(b - a for a, b in gaps)
+                for a, b in gaps:
+                    self._read_range(file, offset + a, out[a:b])
+                return out
+            self.staged = None  # the producer took its staging back: the files from here on
         if file in self.direct and length == self._frame and offset % BLOCK == 0:
             try:
                 data: Any = self._read_direct(file, offset, want)
@@ -246,17 +264,46 @@ class ShareFiles:
                 data = os.pread(self.fds[file], length, offset)
         else:
             data = os.pread(self.fds[file], length, offset)
+        self.file_bytes += len(data)
         if len(data) != want:
             raise CheckpointCorrupt(f"{self.path / file} shrank while being replicated")
         return data
 
-    def _read_direct(self, file: str, offset: int, want: int) -> memoryview:
+    def _slot(self) -> mmap.mmap:
         if len(self._slots) < self._nslots:
             self._slots.append(mmap.mmap(-1, self._frame))  # page-aligned, as O_DIRECT needs
         slot = self._slots[self._next % len(self._slots)]
         self._next += 1
-        n = os.preadv(self.fds[file], [slot], offset)
+        return slot
+
+    def _read_direct(self, file: str, offset: int, want: int) -> memoryview:
+        n = os.preadv(self.fds[file], [slot := self._slot()], offset)
         return memoryview(slot)[:min(n, want)]
+
+    def _read_range(self, file: str, offset: int, out: memoryview) -> None:
+        """Exactly ``len(out)`` bytes of ``file`` at ``offset`` into ``out``: with O_DIRECT,
+        the whole blocks around them, through a page-aligned buffer."""
+        fd, first = self.fds[file], offset - offset % BLOCK
+        if file in self.direct:
+            buf = mmap.mmap(-1, -(-(offset + len(out) - first) // BLOCK) * BLOCK)
+            try:
+                n = os.preadv(fd, [buf], first)
+                self.file_bytes += n
+                if n < offset - first + len(out):
+                    raise CheckpointCorrupt(f"{self.path / file} shrank while being replicated")
+                out[:] = memoryview(buf)[offset - first:offset - first + len(out)]
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct.discard(file)  # refused here: through the page cache from now on
+                _clear_direct(fd)
+            finally:
+                buf.close()
+        n = os.preadv(fd, [out], offset)
+        self.file_bytes += n
+        if n != len(out):
+            raise CheckpointCorrupt(f"{self.path / file} shrank while being replicated")
 
     def close(self) -> None:
         for fd in self.fds.values():

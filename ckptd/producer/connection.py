@@ -364,10 +364,11 @@ class Connection:
         if self.batcher is not None:
             self.batcher.flush()
 
-    def drain(self) -> None:
+    def drain(self, through: int | None = None) -> None:
         """Before waiting for staging: ship what was queued without waking the sender,
         and ask the daemon to write out every chunk it still gathers for this producer
-        (``drain``), so that the wait is only ever for bytes being written. The daemon
+        (``drain``), so that the wait is only ever for bytes being written, and to give
+        back the staging up to seq ``through`` it keeps to replicate from. The daemon
         gives staging back only once it has written it, and it would otherwise hold
         the small tensors of an open chunk until the commit, which cannot come while
         this emit waits (docs/format.md, Flow control). Under the emit lock, so no
@@ -375,7 +376,7 @@ class Connection:
         if self.transport is None or self.transport.lost is not None:
             return
         if self.shm:
-            self.send("drain")
+            self.send("drain", through=through)
         else:
             self.transport.kick()
 

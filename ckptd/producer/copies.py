@@ -114,7 +114,7 @@ class Outlet(Protocol):
     shm: bool
     max_frame: int
 
-    def drain(self) -> None: ...
+    def drain(self, through: int | None = None) -> None: ...
 
     def send_tensor(self, header: dict[str, Any], start: int, region: Region | None, event: Any,
                     wake: bool = True) -> None: ...
@@ -352,9 +352,9 @@ class Copier:
             conn.send_tensor(header, start, region, event, wake)
             wake = False
 
-    def alloc(self, nbytes: int, name: str, on_wait: Callable[[], None]) -> Region | None:
+    def alloc(self, nbytes: int, name: str, on_wait: Callable[[int | None], None]) -> Region | None:
         """A region of ``nbytes`` for tensor ``name``, waiting (``on_full = "block"``) up
-        to ``emit_timeout``; ``on_wait()`` runs before any wait. None for no bytes."""
+        to ``emit_timeout``; ``on_wait`` runs before any wait (``Arena.alloc``). None for no bytes."""
         if nbytes == 0:
             return None
         assert self.arena is not None

@@ -75,11 +75,12 @@ class Arena:
         return memoryview(self._mm)[region.start:region.start + region.nbytes]
 
     def alloc(self, nbytes: int, *, timeout: float, block: bool, what: str,
-              on_wait: Callable[[], None] | None = None) -> Region:
+              on_wait: Callable[[int | None], None] | None = None) -> Region:
         """Take ``nbytes`` (at most ``capacity``), waiting up to ``timeout`` s for space.
-        ``on_wait`` runs once before the first wait, outside the arena's lock: space
-        comes back only when the daemon has written what was sent, so it asks the
-        daemon to write out everything it holds (a chunk it is still filling, too)."""
+        ``on_wait(through)`` runs once before the first wait, outside the arena's lock:
+        space comes back only when the daemon has written what was sent, so it asks the
+        daemon to write out everything it holds (a chunk it is still filling, too) and
+        to give back at once the staging up to seq ``through`` that it keeps to send."""
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes cannot fit an arena of {self.capacity}")
         align = PAGE if nbytes >= LARGE else ALIGN
@@ -107,9 +108,10 @@ class Arena:
                 if not asked:
                     asked = True
                     assert on_wait is not None
+                    through = self._through(nbytes, align)
                     self._cond.release()  # on_wait sends a message: never under the arena's lock
                     try:
-                        on_wait()
+                        on_wait(through)
                     finally:
                         self._cond.acquire()
                     continue
@@ -139,10 +141,22 @@ class Arena:
             self._head = start + nbytes
             return region
 
-    def _fit(self, need: int, align: int) -> int | None:
-        if not self._live:
+    def _through(self, need: int, align: int) -> int | None:
+        """The newest seq whose region must come back for ``need`` bytes to fit (regions
+        come back oldest first), or None if none was sent."""
+        live, through = deque(self._live), None
+        while live:
+            region = live.popleft()
+            through = region.seq if region.seq >= 0 else through
+            if self._fit(need, align, live) is not None:
+                break
+        return through
+
+    def _fit(self, need: int, align: int, live: deque[Region] | None = None) -> int | None:
+        live = self._live if live is None else live
+        if not live:
             return 0
-        tail = self._live[0].start
+        tail = live[0].start
         head = -(-self._head // align) * align
         if self._head > tail:
             if head + need <= self.capacity:

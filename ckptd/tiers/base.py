@@ -96,6 +96,15 @@ class Yields(Protocol):
 
 
 @runtime_checkable
+class SendsStaged(Protocol):
+    def send_staged(self, find: Callable[[tuple[str, int, int]], Any],
+                    sent: Callable[[tuple[str, int, int]], None]) -> bool:
+        """Send a share out of its producer's staging where ``find((run, step, rank))``
+        gives it (a ``ckptd.daemon.stagehold.Hold``), else from its files; ``sent(key)``
+        once done with it. Whether this tier sends shares at all."""
+
+
+@runtime_checkable
 class Reports(Protocol):
     def on_persisted(self, callback: Callable[[str, int, int, float], None]) -> None:
         """``callback(run, step, rank, lag_s)`` once a share is in this tier."""

@@ -87,6 +87,12 @@ class PeerTarget:
         """Replication pauses while ``busy()`` (a step is being received or committed)."""
         self.replicator.busy = busy
 
+    def send_staged(self, find: Callable[[Any], Any], sent: Callable[[Any], None]) -> bool:
+        """Shares go to the partners out of their producer's staging while ``find`` holds
+        them (``ckptd.daemon.stagehold``); whether any partner is configured."""
+        self.replicator.staged, self.replicator.on_sent = find, sent
+        return bool(self.replicator.peers) and self.cfg.replicas > 0
+
     def on_persisted(self, callback: Callable[[str, int, int, float], None]) -> None:
         self.replicator.on_replicated = callback
 
@@ -100,7 +106,8 @@ def status_lines(p: dict[str, Any]) -> list[str]:
     out = [f"peer:         {p['listen']}: holding {p['held_shares']} replica(s) of peers' shares "
            f"({size(p['held_bytes'])} of {size(p['memory'])}), {p['evicted']} evicted, {p['rejected']} rejected",
            f"              {p['under_replicated']} share(s) of this node under-replicated (of {p['replicas']} "
-           f"replica(s) each); {p['replicated_shares']} sent ({size(p['replicated_bytes'])}), "
+           f"replica(s) each); {p['replicated_shares']} sent ({size(p['replicated_bytes'])}, "
+           f"{size(p.get('staged_bytes', 0))} of it from staging), "
            f"{p['failures']} failed, {p.get('replicas_lost', 0)} lost with their holder"]
     down = set(p.get("down", ()))
     backoff = p.get("backoff", {})

@@ -52,7 +52,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
                "timing": "map?"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
     # the producer waits for staging: write out every chunk still gathered for it
-    "drain": {"seq": "int"},
+    "drain": {"seq": "int", "through": "int?"},
     "ping": {"seq": "int"},
     "latest": {"seq": "int", "run": "str"},
     "list": {"seq": "int", "run": "str"},  # from `ckptd list --endpoint`, without a session
