@@ -62,12 +62,19 @@ def _replicated(node: Daemon) -> None:
         time.sleep(0.02)
 
 
+def _wait_gone(path: Path) -> None:
+    deadline = time.monotonic() + 30
+    while path.exists():
+        assert time.monotonic() < deadline, f"{path} was not removed"
+        time.sleep(0.05)
+
+
 def test_the_bucket_and_the_peers_take_the_steps_their_intervals_pick(s3, tmp_path, monkeypatch) -> None:
     listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]]}})
     node = Daemon(tmp_path / "node", tables={"peer": {"listen": listens[0], "peers": [listens[1]]},
                                              "remote": {"url": URL}, "advise": {"mtbf": "100s"},
-                                             "retention": {"keep_last": 100}})
+                                             "retention": {"keep_last": 1}})
     _measured(node.root, "job")
     monkeypatch.setenv("CKPTD_CONFIG", str(node.config))  # the notice's save waits for the bucket
     try:
@@ -80,6 +87,12 @@ def test_the_bucket_and_the_peers_take_the_steps_their_intervals_pick(s3, tmp_pa
                     p.save({"w": torch.full((4096,), float(step))}, step).wait(30)
                     saved.append(step)
                     _replicated(node)  # a newer share supersedes one still on its way to a partner
+            # retention keeps one step here, and the step the peers hold: they never hold nothing
+            _wait_gone(node.root / "job" / "step-000000000005")
+            assert (node.root / "job" / "step-000000000006").is_dir()
+            assert _status(node)["peer"]["taken_steps"]["job"] == [2, 4, 6]
+            newest = node.root / "job" / "step-000000000007" / "manifest-r00000.json"
+            assert Manifest.from_json(newest.read_bytes(), str(newest)).due == ("local",)  # due for no copy
             tiers = p.advice()["tiers"]
             assert [tiers[t]["interval_steps"] for t in ("local", "peer", "remote")] == [1, 2, 3]
             p.preempt()
@@ -90,8 +103,6 @@ def test_the_bucket_and_the_peers_take_the_steps_their_intervals_pick(s3, tmp_pa
         assert _took(node.root, "job", "remote", len(want_bucket)) == want_bucket
         assert _took(node.root, "job", "peer", len(want_peers)) == want_peers
         assert sorted(catalog.run_objects(Store(URL), "job")) == want_bucket
-        share = Manifest.from_json((node.root / "job" / "step-000000000003" / "manifest-r00000.json").read_bytes(), "")
-        assert share.due == ("local",)
         status = _status(node)
         assert status["remote"]["taken_steps"]["job"] == want_bucket[-8:]
         assert status["remote"]["skipped_steps"] == len(saved) + 1 - len(want_bucket)
