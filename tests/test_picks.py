@@ -152,6 +152,10 @@ def test_rank_0_picks_for_every_rank() -> None:
     assert [s for s, (a, _) in enumerate(picks, 1) if "peer" in a] == [1, 3, 5, 7]
     assert p0.took(8) == ("local", "peer", "remote") and "remote" not in p0.pick(9, advice0, rank0)
     assert TierPlan().pick(1, None, rank0) is None and TierPlan().pick(1, {"tiers": {}}, rank0) is None
+    # a rank without advice per tier still takes part in the broadcast, and rank 0's pick
+    assert p1.pick(10, None, rank0) is None and p0.pick(10, advice0, lambda v: box[-1]) is None
+    p0.pick(12, advice0, rank0)  # the save at 10 went to every tier: the peers' next is 12
+    assert p1.pick(12, None, lambda v: box[-1]) == ("local", "peer")
 
 
 def test_a_pick_that_is_not_a_list_of_names_is_a_bad_message() -> None:

@@ -18,13 +18,17 @@ class TierPlan:
         self.last: dict[str, int] = {}
 
     def pick(self, step: int, advice: dict[str, Any] | None, agree: Callable[[float], float]) -> tuple[str, ...] | None:
-        """The tiers ``step``'s save is due for, rank 0's on every rank; None without
-        advice per tier (the save goes to every tier)."""
+        """The tiers ``step``'s save is due for, rank 0's on every rank (each rank calls
+        ``agree``, whatever its own advice); None where rank 0 has no advice per tier
+        (the save goes to every tier)."""
         tiers = (advice or {}).get("tiers")
-        if not isinstance(tiers, dict) or not tiers:
-            return None
-        mask = sum(1 << i for i, name in enumerate(TIERS) if self._due(step, name, tiers))
+        mask = -1
+        if isinstance(tiers, dict) and tiers:
+            mask = sum(1 << i for i, name in enumerate(TIERS) if self._due(step, name, tiers))
         mask = int(agree(float(mask)))
+        if mask < 0:
+            self.took(step)
+            return None
         return self.took(step, tuple(name for i, name in enumerate(TIERS) if mask >> i & 1))
 
     def took(self, step: int, due: tuple[str, ...] = TIERS) -> tuple[str, ...]:
