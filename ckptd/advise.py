@@ -188,7 +188,8 @@ def tier_lines(advice: dict[str, Any], indent: str = "  ") -> list[str]:
         every = (f"{t['interval_steps']} steps" if t["interval_steps"] is not None
                  else seconds(t["interval_seconds"]))
         assumed = f"; assumed: {', '.join(t['assumed'])}" if t.get("assumed") else ""
+        took = f"; took steps {', '.join(map(str, t['took']))}" if t.get("took") else ""
         lines.append(f"{indent}tier {tier}: every {every} (against {t.get('protects', 'a failure')}; persist "
                      f"{seconds(t['persist_s'])}, restore {seconds(t.get('restore_s'))}, MTBF "
-                     f"{seconds(t.get('mtbf_s'))}{assumed}), expected loss {t['expected_waste']:.2%}")
+                     f"{seconds(t.get('mtbf_s'))}{assumed}), expected loss {t['expected_waste']:.2%}{took}")
     return lines

@@ -66,7 +66,9 @@ class Manifest:
     ``replica_digests``, ``host``, ``compare_replicas``: replica comparison (ckptd.replicas),
         optional, older readers skip them: piece key -> ``"<function>:<hex>"`` of this rank's
         copy of each replicated piece it holds; the host it ran on, to name it when its copy
-        differs; the producer's ``[producer] compare_replicas``"""
+        differs; the producer's ``[producer] compare_replicas``
+    ``due``: the tiers the producer's pick named this step due for (docs/advise.md),
+        optional; None: every tier"""
 
     run: str
     step: int
@@ -84,6 +86,7 @@ class Manifest:
     replica_digests: dict[str, str] = field(default_factory=dict)
     host: str | None = None
     compare_replicas: str | None = None
+    due: tuple[str, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +115,8 @@ class Manifest:
             d["host"] = self.host
         if self.compare_replicas is not None:
             d["compare_replicas"] = self.compare_replicas
+        if self.due is not None:
+            d["due"] = list(self.due)
         return _dumps_lines(d).encode("utf-8")
 
     @classmethod
@@ -148,6 +153,7 @@ def _dumps_lines(d: dict[str, Any]) -> str:
 
 
 MAX_MANIFEST_BYTES = 1 << 30
+TIERS = ("local", "peer", "remote")  # the names a commit's pick may give (ckptd.tiers' NAME)
 _CHECKSUM = re.compile(rf"{CHECKSUM_ALGORITHM}:[0-9a-f]{{16}}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
@@ -227,7 +233,15 @@ class _Parser:
         return Manifest(run=run, step=step, rank=rank, world_size=world, time=when,
                         tensors=records, state=d.get("state"), metadata=metadata, format=fmt,
                         files=dict(files), format_version=version, written_by=written_by, attempt=attempt,
-                        replica_digests=digests, host=host, compare_replicas=policy)
+                        replica_digests=digests, host=host, compare_replicas=policy, due=self.due(d.get("due")))
+
+    def due(self, value: Any) -> tuple[str, ...] | None:
+        """The optional ``due`` field: tier names, or None (every tier)."""
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(t in TIERS for t in value):
+            raise self.fail(f"due {short_repr(value)} is not a list of tier names ({', '.join(TIERS)})")
+        return tuple(value)
 
     def comparison(self, d: dict[str, Any]) -> tuple[dict[str, str], str | None, str | None]:
         """The optional replica comparison fields (ckptd.replicas): digests, host, policy."""

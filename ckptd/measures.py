@@ -206,8 +206,16 @@ def advice(m: dict[str, Any], mtbf: float | None, tiers: tuple[str, ...] = (ROOT
     out = dict(per_tier[tiers[0]])
     out["tiers"] = {t: {k: a[k] for k in ("interval_steps", "interval_seconds", "expected_waste", "dominant")}
                     | {k: a["inputs"][k] for k in ("persist_s", "restore_s", "mtbf_s", "assumed")}
-                    | {"protects": PROTECTS.get(t, NODE_LOST)} for t, a in per_tier.items()}
+                    | {"protects": PROTECTS.get(t, NODE_LOST), "took": took(m, t, i == 0)}
+                    for i, (t, a) in enumerate(per_tier.items())}
     return out
+
+
+def took(m: dict[str, Any], tier: str, root: bool, n: int = 8) -> list[int]:
+    """The last ``n`` steps a share of reached ``tier`` (the root: every save), ascending."""
+    records = m["saves"] if root else [u for u in m["uploads"] if upload_tier(u) == tier]
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    return sorted(set(steps[-n * 16:]))[-n:]
 
 
 def _recover_from(tier: str, inputs: Inputs) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from .. import dtypes, replicas
 from ..errors import StepError
 from ..format import Entry
-from ..manifest import Shard
+from ..manifest import TIERS, Shard
 from ..names import check_name
 from .share import Declared, Share, Stream
 from .writer import Writer
@@ -184,7 +184,7 @@ class OpenStep:
                 f"but the daemon received {self.complete}"
             )
         digests, compare = _digests(h["digests"] or {}, h["compare"])
-        self.share.declared = Declared(self._written_by(h["replicas"] or {}), digests, compare)
+        self.share.declared = Declared(self._written_by(h["replicas"] or {}), digests, compare, _due(h["tiers"]))
 
     def _written_by(self, written_by: dict[Any, Any]) -> dict[str, int]:
         """The commit's ``replicas`` field: tensors of the state that another rank writes."""
@@ -201,6 +201,16 @@ class OpenStep:
                 raise StepError(f"replicas: tensor {name!r} names writer rank {writer!r}, not another rank "
                                 f"of 0..{share.id.world_size - 1}")
         return dict(written_by)
+
+
+def _due(names: list[str] | None) -> tuple[str, ...] | None:
+    """The commit's ``tiers``: the tier names its step is due for, each one ckptd knows."""
+    if names is None:
+        return None
+    unknown = [n for n in names if n not in TIERS]
+    if unknown:
+        raise StepError(f"tiers: {unknown!r} are not tier names; a commit names some of {', '.join(TIERS)}")
+    return tuple(dict.fromkeys(names))
 
 
 def _digests(digests: dict[Any, Any], policy: Any) -> tuple[dict[str, str], str | None]:

@@ -81,6 +81,7 @@ class Declared:
     written_by: dict[str, int] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
     compare: str | None = None
+    due: tuple[str, ...] | None = None  # the tiers the step is due for (ckptd.picks); None: all
 
 
 class Share:

@@ -95,7 +95,7 @@ class Upkeep:
         if self.targets:
             nbytes = sum(r.nbytes for r in share.records.values())
             for t in self.targets:
-                t.committed(share.run, share.step, share.rank, nbytes)
+                t.committed(share.run, share.step, share.rank, nbytes, share.declared.due)
         if self._passes is not None:  # the peers are asked: off the syncer thread
             self._passes.request(share.run)
         elif complete:  # whoever completes a step applies retention to its run

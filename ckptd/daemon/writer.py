@@ -455,7 +455,7 @@ class Writer:
             format=share.id.format, files={f: os.stat(share.at(f)).st_size for f in sorted(data_files)},
             attempt=share.id.attempt,
             written_by=share.declared.written_by, replica_digests=share.declared.digests, host=share.id.host,
-            compare_replicas=share.declared.compare,
+            compare_replicas=share.declared.compare, due=share.declared.due,
         )
         atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self.fsync)
         manifestcache.remember(share.at(layout.manifest_name(share.rank)), manifest)

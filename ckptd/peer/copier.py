@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import zmq
 
-from .. import index, layout
+from .. import index, layout, picks
 from ..config import ConfigError, PeerConfig
 from .. import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
@@ -71,6 +71,7 @@ class Copier(supervise.Supervised):
         self._versions: dict[str, Any] = {}
         self.staged: Callable[[Key], Any] = lambda key: None
         self.on_sent: Callable[[Key], None] = lambda key: None
+        self.picks = picks.Picks("peer")
 
     # -- from other threads ----------------------------------------------------------------
     def close(self) -> None:
@@ -78,9 +79,12 @@ class Copier(supervise.Supervised):
         for sender in list(self._senders.values()):
             sender.close()
 
-    def enqueue(self, run: str, step: int, rank: int) -> None:
-        """After the local commit of a share (the syncer thread): replicate it."""
+    def enqueue(self, run: str, step: int, rank: int, due: tuple[str, ...] | None = None) -> None:
+        """After the local commit of a share (the syncer thread): replicate it, if its
+        step is due for the peers (``ckptd.picks``; else the partners keep the one before)."""
         with self._cv:
+            if not self.picks.decide(run, step, due, any(k[0] == run and k[2] == rank for k in self._holders)):
+                return
             # the last share committed of a (run, rank) is its newest, whatever its step: after a
             # resume from an older step (a new attempt) the new attempt's shares are what a recovery wants
             self._newest[(run, rank)] = step
@@ -100,6 +104,11 @@ class Copier(supervise.Supervised):
                 self._forget_share(k)
             self._drops.setdefault(run, set()).update(gone)
 
+    def held_steps(self, run: str) -> set[int]:
+        """The steps of ``run`` whose shares the partners hold (or are sent) as their rank's newest."""
+        with self._cv:
+            return {k[1] for k in self._holders if k[0] == run}
+
     def figures(self) -> dict[str, Any]:
         with self._cv:
             holding: dict[str, int] = {p: 0 for p in self.peers}
@@ -110,7 +119,7 @@ class Copier(supervise.Supervised):
                         rate=self.cfg.rate, under_replicated=len(self._under_replicated()), peers=list(self.peers),
                         holding=holding, sending=sum(len(p) for p in self._sending.values()),
                         peer_versions=dict(self._versions), protocol_version=messages.VERSION,
-                        **self._backoff.figures())
+                        **self._backoff.figures(), **self.picks.figures())
 
     def _under_replicated(self) -> list[Key]:
         return [k for k, peers in self._holders.items() if len(peers) < self.cfg.replicas]

@@ -32,6 +32,7 @@ from . import frozen as frozen_mod, preempt, sharded, sizing
 from .connection import Connection, identify
 from .copies import Copier, describe
 from .pacing import Pacer, broadcast_from_rank0, check_bounds
+from .tiering import TierPlan
 from .stager import Stager
 from .steps import CommitHandle, StepBook
 
@@ -83,6 +84,8 @@ class Producer:
         self._stager = Stager(self._copier, self._connection, self._book, self._frozen, self._emit_lock)
         self._current_step: int | None = None
         self._pacer = Pacer()
+        self._tiers = TierPlan()
+        self._picked: tuple[int, tuple[str, ...]] | None = None  # the step should_save chose, its tiers
         self._agree: Any = None
         self._any_rank: Any = None
         self._notices = preempt.Notices(self.options.preempt_signals, self.options.preempt_grace,
@@ -379,9 +382,15 @@ class Producer:
             self._any_rank = preempt.any_rank(self.world_size)
         self._notices.install()
         if self._notices.due(self._any_rank):
+            self._picked = (step, self._tiers.took(step))
             return True
-        interval = advise.most_frequent(self._connection.advice)
-        return self._pacer.should_save(step, interval, self._agree, (min_steps, max_steps, min_seconds, max_seconds))
+        advice = self._connection.advice
+        if not self._pacer.should_save(step, advise.most_frequent(advice), self._agree,
+                                       (min_steps, max_steps, min_seconds, max_seconds)):
+            return False
+        due = self._tiers.pick(step, advice, self._agree)
+        self._picked = (step, due) if due is not None else None
+        return True
 
     def advice(self) -> dict[str, Any] | None:
         """The daemon's latest interval advice for this run, as ``ckptd advise --json``
@@ -434,9 +443,13 @@ class Producer:
         ours = digests.result() if digests is not None else None
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
                   "restore_s": measures.take_restored(self.run) if self.run is not None else None}
+        picked, self._picked = self._picked, None
+        # only a daemon that advises per tier reads the field: an older one refuses it
+        due = {"tiers": list(picked[1])} if picked is not None and picked[0] == step \
+            and isinstance((conn.advice or {}).get("tiers"), dict) else {}
         conn.send("commit", handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",
                   metadata=meta_json, replicas=st.written_by or None, timing=timing,
-                  digests=ours or None, compare=self.options.compare_replicas if ours else None)
+                  digests=ours or None, compare=self.options.compare_replicas if ours else None, **due)
         return handle
 
     def _close_at_exit(self) -> None:

@@ -17,7 +17,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import xxhash
 
-from .. import index, layout
+from .. import index, layout, picks
 from ..config import RemoteConfig
 from ..errors import CheckpointCorrupt
 from ..manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
@@ -60,6 +60,8 @@ class Uploader:
         self.last_upload: dict | None = None
         # (run, step, rank, lag_s) after each share: the persist time for the interval advice
         self.on_uploaded: Callable[[str, int, int, float], None] | None = None
+        self.picks = picks.Picks(catalog.TIER)
+        self._holding: set[str] = set()  # runs with a step complete in the bucket or queued for it
 
     def start(self) -> None:
         self._thread.start()
@@ -71,9 +73,14 @@ class Uploader:
             self._cond.notify_all()
         self._thread.join()
 
-    def enqueue(self, run: str, step: int, rank: int, committed: float, nbytes: int) -> None:
-        """A share committed locally: upload it (called on the syncer thread)."""
+    def enqueue(self, run: str, step: int, rank: int, committed: float, nbytes: int,
+                due: tuple[str, ...] | None = None) -> None:
+        """A share committed locally: upload it if its step is due for the bucket
+        (``ckptd.picks``; called on the syncer thread)."""
         with self._cond:
+            if not self.picks.decide(run, step, due, run in self._holding):
+                return
+            self._holding.add(run)
             self._pending[(run, step, rank)] = (committed, nbytes)
             self._cond.notify_all()
 
@@ -136,6 +143,7 @@ class Uploader:
             "bytes_skipped": self.bytes_skipped, "bytes_copied": self.bytes_copied,
             "upload_seconds": self.upload_seconds,
             "failures": self.failures, "last_error": self.last_error, "last_upload": self.last_upload,
+            **self.picks.figures(),
         }
 
     def _loop(self) -> None:
@@ -180,7 +188,8 @@ class Uploader:
     def _resume(self) -> None:
         """Queue every local share whose manifest the bucket lacks. A step older than the
         newest one complete in the bucket, of which the bucket has nothing, is not sent
-        (remote retention removed it, or it can no longer matter)."""
+        (remote retention removed it, or it can no longer matter), nor one not due for
+        the bucket while it holds a step of the run."""
         queued = 0
         for run_dir in index.run_dirs(self.root):
             run = run_dir.name
@@ -207,6 +216,9 @@ class Uploader:
                             log.warning("not uploading %s: %s", path / name, exc)
                             continue
                         with self._cond:
+                            if not picks.takes(catalog.TIER, manifest.due, newest >= 0 or run in self._holding):
+                                continue
+                            self._holding.add(run)
                             self._pending.setdefault((run, step, rank), (manifest.time, manifest.nbytes))
                         queued += 1
         if queued:

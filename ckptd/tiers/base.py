@@ -65,8 +65,9 @@ class CopyTarget(Protocol):
 
     def close(self) -> None: ...
 
-    def committed(self, run: str, step: int, rank: int, nbytes: int) -> None:
-        """A share is durable in the local root (on the syncer thread: must not wait)."""
+    def committed(self, run: str, step: int, rank: int, nbytes: int, due: tuple[str, ...] | None) -> None:
+        """A share is durable in the local root (on the syncer thread: must not wait);
+        ``due``: the tiers its commit named it due for (None: all; ``picks.takes``)."""
 
     def figures(self) -> dict[str, Any]: ...
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from .. import layout
+from .. import layout, picks
 from ..config import Config, load as load_config
 from ..errors import CheckpointNotFound, RemoteAuthError, RemoteError
 from ..manifest import CheckpointInfo, Manifest, TensorRecord
@@ -185,8 +185,8 @@ class BucketTarget:
     def close(self) -> None:
         self.uploader.close()
 
-    def committed(self, run: str, step: int, rank: int, nbytes: int) -> None:
-        self.uploader.enqueue(run, step, rank, time.time(), nbytes)
+    def committed(self, run: str, step: int, rank: int, nbytes: int, due: tuple[str, ...] | None) -> None:
+        self.uploader.enqueue(run, step, rank, time.time(), nbytes, due)
 
     def pending(self, run: str) -> set[int]:
         return self.uploader.owed_steps(run)
@@ -211,4 +211,4 @@ def status_lines(r: dict[str, Any]) -> list[str]:
     return [f"remote:       {r['url']}: {r['shares_uploaded']} share(s) uploaded ({size(r['bytes_uploaded'])}"
             f"{speed}{copied}); {r['pending_shares']} pending ({size(r['pending_bytes'])}), lag "
             f"{duration(r['lag_seconds'])}; {r['failures']} failure(s)"
-            + (f"; last error: {r['last_error']}" if r["failures"] and r["last_error"] else "")]
+            + (f"; last error: {r['last_error']}" if r["failures"] and r["last_error"] else "")] + picks.status_line(r)

@@ -9,6 +9,7 @@ import logging
 import uuid
 from typing import Any, Callable
 
+from .. import picks
 from ..config import Config, ConfigError
 from ..manifest import CheckpointInfo
 from ..units import size
@@ -76,8 +77,13 @@ class PeerTarget:
             self._curve.close()
         self.ctx.term()
 
-    def committed(self, run: str, step: int, rank: int, nbytes: int) -> None:
-        self.replicator.enqueue(run, step, rank)
+    def committed(self, run: str, step: int, rank: int, nbytes: int, due: tuple[str, ...] | None) -> None:
+        self.replicator.enqueue(run, step, rank, due)
+
+    def pending(self, run: str) -> set[int]:
+        """The steps the partners hold (or are sent) as the newest of a rank: local
+        retention keeps them while steps not due for the peers come after them."""
+        return self.replicator.held_steps(run)
 
     def dropped(self, run: str, steps: list[int]) -> None:
         """Partners drop their replicas of these steps."""
@@ -108,7 +114,7 @@ def status_lines(p: dict[str, Any]) -> list[str]:
            f"              {p['under_replicated']} share(s) of this node under-replicated (of {p['replicas']} "
            f"replica(s) each); {p['replicated_shares']} sent ({size(p['replicated_bytes'])}, "
            f"{size(p.get('staged_bytes', 0))} of it from staging), "
-           f"{p['failures']} failed, {p.get('replicas_lost', 0)} lost with their holder"]
+           f"{p['failures']} failed, {p.get('replicas_lost', 0)} lost with their holder"] + picks.status_line(p)
     down = set(p.get("down", ()))
     backoff = p.get("backoff", {})
     for peer in p.get("peers", ()):

@@ -49,7 +49,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
                # pieces, and the producer's compare_replicas policy
                "digests": "map?", "compare": "str?",
                # what the save cost the training loop: stall_s, and restore_s (the loads before it)
-               "timing": "map?"},
+               "timing": "map?",
+               # the tiers rank 0's pick named this step due for (docs/advise.md); absent: all
+               "tiers": "names?"},
     "abort": {"seq": "int", "step": "int", "reason": "str"},
     # the producer waits for staging: write out every chunk still gathered for it
     "drain": {"seq": "int", "through": "int?"},
@@ -224,6 +226,7 @@ KINDS: dict[str, Callable[[Any], bool]] = {
     "map": lambda v: isinstance(v, dict),
     "maps": lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v),
     "shape": _is_shape,
+    "names": lambda v: isinstance(v, list) and len(v) <= 16 and all(isinstance(n, str) and len(n) <= 64 for n in v),
 }
 
 
