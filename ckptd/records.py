@@ -178,7 +178,8 @@ class Packed:
             raise ValueError(f"codec {short_repr(codec)} is not one this ckptd decodes ({', '.join(CODECS)}); "
                              "upgrade ckptd to read it")
         frames, stored, raw = [], 0, 0
-        for f in d.get("frames") if isinstance(d.get("frames"), list) else [None]:
+        listed = d.get("frames")
+        for f in listed if isinstance(listed, list) else [None]:
             if (not isinstance(f, list) or len(f) != 3 or any(isinstance(x, bool) or not isinstance(x, int) for x in f)
                     or not (0 < f[0] <= MAX_FRAME_BYTES and 0 < f[1] <= MAX_FRAME_BYTES + 1024 and 1 <= f[2] <= 16)):
                 raise ValueError(f"frame {short_repr(f)} is not [raw bytes, stored bytes, element size]")

@@ -177,7 +177,7 @@ class Unpacker:
     """A packed object's stored bytes, fed in pieces of any size (``feed``), decoded
     frame by frame to ``write``; ``close`` checks that all of them came."""
 
-    def __init__(self, packed: Packed, write: Callable[[memoryview], None], where: str) -> None:
+    def __init__(self, packed: Packed, write: Callable[[memoryview], object], where: str) -> None:
         self._frames = deque(packed.frames)
         self._write, self._where = write, where
         self._buf = bytearray()

@@ -207,27 +207,9 @@ class Uploader:
             objects = {k[len(prefix):]: v for k, v in self.store.list(prefix).items()}
             if name in objects and not self._replace_remote_share(run, step, rank, data, objects):
                 return
-            tag = xxhash.xxh3_64_hexdigest(data)
-            sent = skipped = copied = 0
             packed: dict[str, Packed] = {}
-            for file in sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()}):
-                fd = layout.open_regular(file, dir_fd=dir_fd)
-                with os.fdopen(fd, "rb") as fh:
-                    size = os.fstat(fh.fileno()).st_size
-                    compress = self.config.compression != "none" and manifest.files.get(file) == size
-                    if not compress and objects.get(file) == size and self.store.tag_of(prefix + file) == tag:
-                        skipped += size
-                        continue
-                    same = _identity(os.fstat(fh.fileno()))
-                    if self._copy_uploaded(same, prefix + file, packed if compress else None, file):
-                        copied += size
-                        continue
-                    size = self._send(fh, prefix + file, tag, codec.file_frames(manifest.tensors.values(), file, size) if compress else None)
-                    if self._packings.get(same) is not None:
-                        packed[file] = self._packings[same]
-                    self._remember(same, prefix + file)
-                sent += size
-                self.bytes_uploaded += size
+            sent, skipped, copied = self._upload_files(manifest, dir_fd, prefix, objects,
+                                                       xxhash.xxh3_64_hexdigest(data), packed)
             if PIN_FILE in _names(path):
                 self.store.put_bytes(prefix + PIN_FILE, b"pinned\n")
             self.store.put_bytes(prefix + name, replace(manifest, compression=packed).to_json() if packed else data)
@@ -252,6 +234,31 @@ class Uploader:
         if self.on_uploaded is not None:
             self.on_uploaded(run, step, rank, self.last_upload["lag_seconds"])
         self._after_upload(run, step)
+
+    def _upload_files(self, manifest: Manifest, dir_fd: int, prefix: str, objects: dict[str, int], tag: str,
+                      packed: dict[str, Packed]) -> tuple[int, int, int]:
+        """The share's data files uploaded (or skipped: there already; or copied in the
+        bucket); the frames of those compressed go to ``packed``. Bytes sent, skipped, copied."""
+        sent = skipped = copied = 0
+        for file in sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()}):
+            with os.fdopen(layout.open_regular(file, dir_fd=dir_fd), "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                compress = self.config.compression != "none" and manifest.files.get(file) == size
+                if not compress and objects.get(file) == size and self.store.tag_of(prefix + file) == tag:
+                    skipped += size
+                    continue
+                same = _identity(os.fstat(fh.fileno()))
+                if self._copy_uploaded(same, prefix + file, packed if compress else None, file):
+                    copied += size
+                    continue
+                frames = codec.file_frames(manifest.tensors.values(), file, size) if compress else None
+                size = self._send(fh, prefix + file, tag, frames)
+                if frames is not None:
+                    packed[file] = self._packings[same]
+                self._remember(same, prefix + file)
+            sent += size
+            self.bytes_uploaded += size
+        return sent, skipped, copied
 
     def _send(self, fh: BinaryIO, key: str, tag: str, frames: list[tuple[int, int, int]] | None) -> int:
         """Upload a data file, compressed into ``frames`` unless None; the bytes sent.
