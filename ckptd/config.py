@@ -24,6 +24,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from . import env as environment
 from .errors import ConfigError
+from .records import CODECS
 # the storage formats of new checkpoints ([daemon] format, Producer(format=)): format/'s one list
 from .format import FORMATS as FORMATS
 _SIZE_UNITS = {
@@ -291,6 +292,15 @@ def _url(value: object) -> str:
     return value.rstrip("/")
 
 
+def _compression(value: object) -> str:
+    """``[remote] compression``: "none" (or "off") or a codec of ckptd.remote.codec."""
+    if value == "off":
+        return "none"
+    if value != "none" and value not in CODECS:
+        raise ValueError(f"{value!r} is not one of 'none', 'off', {', '.join(map(repr, CODECS))}")
+    return value  # type: ignore[return-value]
+
+
 @dataclass(frozen=True, kw_only=True)
 class RemoteConfig:
     """The remote tier (docs/tiers.md): every committed share is uploaded to ``url``
@@ -301,6 +311,7 @@ class RemoteConfig:
     concurrency: int = _opt(8, _positive(lambda v: _count(v)))
     max_retry_s: float = _opt(30.0, _positive(parse_duration))
     poll_interval: float = _opt(0.5, _positive(parse_duration))
+    compression: str = _opt("none", _compression)
     retention: RetentionConfig = RetentionConfig()
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable
 
 import xxhash
@@ -19,12 +19,13 @@ import xxhash
 from . import dtypes, format as formats, layout, names, replicas
 from .errors import CheckpointCorrupt
 from .format import FORMATS
-from .records import MAX_DIMS, MAX_INT, Shard, TensorRecord, short_repr
+from .records import MAX_DIMS, MAX_INT, Packed, Shard, TensorRecord, short_repr
 
 FORMAT_VERSION = 1
 SHARDED_FORMAT_VERSION = 2
 PIECES_FORMAT_VERSION = 3
-READABLE_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION, PIECES_FORMAT_VERSION)
+COMPRESSED_FORMAT_VERSION = 4
+READABLE_VERSIONS = (FORMAT_VERSION, SHARDED_FORMAT_VERSION, PIECES_FORMAT_VERSION, COMPRESSED_FORMAT_VERSION)
 CHECKSUM_ALGORITHM = "xxh3_64"
 # keys ckptd's own layers write (ckptd.dcp): kept in the manifest, left out of the user's CheckpointInfo.metadata
 LAYER_METADATA_PREFIX = "ckptd."
@@ -68,7 +69,9 @@ class Manifest:
         copy of each replicated piece it holds; the host it ran on, to name it when its copy
         differs; the producer's ``[producer] compare_replicas``
     ``due``: the tiers the producer's pick named this step due for (docs/advise.md),
-        optional; None: every tier"""
+        optional; None: every tier
+    ``compression``: data file -> how the bucket stores it compressed (ckptd.remote.codec);
+        only in the bucket's copy of a manifest, which then has format_version 4"""
 
     run: str
     step: int
@@ -87,16 +90,21 @@ class Manifest:
     host: str | None = None
     compare_replicas: str | None = None
     due: tuple[str, ...] | None = None
+    compression: dict[str, Packed] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def unpacked(self) -> "Manifest":
+        """This share as its uncompressed files hold it (a root's copy of a bucket's manifest)."""
+        return replace(self, compression={}, format_version=FORMAT_VERSION) if self.compression else self
+
     def to_json(self) -> bytes:
         sharded = self.written_by or any(t.shard is not None for t in self.tensors.values())
         pieces = any(t.shard is not None and t.shard.tensor is not None for t in self.tensors.values())
         d = {
-            "format_version": PIECES_FORMAT_VERSION if pieces else SHARDED_FORMAT_VERSION if sharded
+            "format_version": COMPRESSED_FORMAT_VERSION if self.compression else PIECES_FORMAT_VERSION if pieces else SHARDED_FORMAT_VERSION if sharded
             else self.format_version,
             "format": self.format,
             "run": self.run, "step": self.step, "rank": self.rank,
@@ -117,6 +125,8 @@ class Manifest:
             d["compare_replicas"] = self.compare_replicas
         if self.due is not None:
             d["due"] = list(self.due)
+        if self.compression:
+            d["compression"] = {file: p.to_dict() for file, p in self.compression.items()}
         return _dumps_lines(d).encode("utf-8")
 
     @classmethod
@@ -230,7 +240,9 @@ class _Parser:
         self.no_overlaps(records)
         written_by = self.written_by(d.get("replicas") or {}, rank, world, records)
         digests, host, policy = self.comparison(d)
-        return Manifest(run=run, step=step, rank=rank, world_size=world, time=when,
+        packed = self.compression(d.get("compression") or {}, files)
+        return Manifest(compression=packed,
+                        run=run, step=step, rank=rank, world_size=world, time=when,
                         tensors=records, state=d.get("state"), metadata=metadata, format=fmt,
                         files=dict(files), format_version=version, written_by=written_by, attempt=attempt,
                         replica_digests=digests, host=host, compare_replicas=policy, due=self.due(d.get("due")))
@@ -242,6 +254,20 @@ class _Parser:
         if not isinstance(value, list) or not all(t in TIERS for t in value):
             raise self.fail(f"due {short_repr(value)} is not a list of tier names ({', '.join(TIERS)})")
         return tuple(value)
+
+    def compression(self, d: Any, files: dict[str, int]) -> dict[str, Packed]:
+        """The bucket's compressed data files: each one of ``files``, its frames adding up."""
+        if not isinstance(d, dict):
+            raise self.fail(f"compression must be an object, not {type(d).__name__}")
+        out = {}
+        for file, entry in d.items():
+            if file not in files:
+                raise self.fail(f"compression: {short_repr(file)} is not one of the manifest's files")
+            try:
+                out[file] = Packed.parse(entry, files[file])
+            except ValueError as exc:
+                raise self.fail(f"compression: {file}: {exc}") from None
+        return out
 
     def comparison(self, d: dict[str, Any]) -> tuple[dict[str, str], str | None, str | None]:
         """The optional replica comparison fields (ckptd.replicas): digests, host, policy."""

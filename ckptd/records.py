@@ -149,3 +149,51 @@ def short_repr(value: Any, limit: int = 60) -> str:
     """``repr`` of an untrusted value, cut short: an error message must stay one line."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+CODECS = ("shuffle-zstd",)  # what ckptd.remote.codec encodes and decodes
+MAX_FRAME_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Packed:
+    """How a data file is stored compressed in the bucket (manifest ``compression``):
+    ``codec``, the object's ``size``, and its ``frames`` in file order, each
+    ``(raw bytes, stored bytes, element size)``; a frame decodes on its own."""
+
+    codec: str
+    size: int
+    frames: tuple[tuple[int, int, int], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec, "size": self.size, "frames": [list(f) for f in self.frames]}
+
+    @classmethod
+    def parse(cls, d: Any, raw_size: int | None) -> "Packed":
+        """A ``compression`` entry checked; ValueError says what is wrong."""
+        if not isinstance(d, dict):
+            raise ValueError(f"must be an object, not {type(d).__name__}")
+        codec = d.get("codec")
+        if codec not in CODECS:
+            raise ValueError(f"codec {short_repr(codec)} is not one this ckptd decodes ({', '.join(CODECS)}); "
+                             "upgrade ckptd to read it")
+        frames, stored, raw = [], 0, 0
+        listed = d.get("frames")
+        for f in listed if isinstance(listed, list) else [None]:
+            if (not isinstance(f, list) or len(f) != 3 or any(isinstance(x, bool) or not isinstance(x, int) for x in f)
+                    or not (0 < f[0] <= MAX_FRAME_BYTES and 0 < f[1] <= MAX_FRAME_BYTES + 1024 and 1 <= f[2] <= 16)):
+                raise ValueError(f"frame {short_repr(f)} is not [raw bytes, stored bytes, element size]")
+            frames.append((f[0], f[1], f[2]))
+            raw, stored = raw + f[0], stored + f[1]
+        if d.get("size") != stored or (raw_size is not None and raw != raw_size):
+            raise ValueError(f"its frames hold {stored} stored and {raw} raw bytes, not the {short_repr(d.get('size'))} "
+                             f"stored and {raw_size} raw bytes it names")
+        return cls(codec=codec, size=stored, frames=tuple(frames))
+
+    def spans(self) -> list[tuple[int, int, int, int, int]]:
+        """Each frame as (raw start, raw end, stored start, stored end, element size)."""
+        out, raw, stored = [], 0, 0
+        for r, s, e in self.frames:
+            out.append((raw, raw + r, stored, stored + s, e))
+            raw, stored = raw + r, stored + s
+        return out

@@ -71,10 +71,12 @@ def manifests(store: Store, run: str, step: int, objects: dict[str, int], *,
 
 
 def _needed(m: Manifest) -> dict[str, int]:
+    """Each object of the share and the least size it must have (compressed: its own)."""
     need = dict(m.files)
     for t in m.tensors.values():
         if t.offset is not None:
             need[t.file] = max(need.get(t.file, 0), t.offset + t.nbytes)
+    need.update({file: p.size for file, p in m.compression.items()})
     return need
 
 

@@ -1,7 +1,7 @@
 """Reading a rank's share back from the bucket, every tensor checked against its
 checksum: ``read_tensors`` (ranged reads straight into memory), ``check`` (``ckptd
 verify --remote``), ``download_file`` (one data file, for ``ckptd.tiers.bucket``'s
-``fetch_share``, which lands it in a root).
+``fetch_share``, which lands it in a root); compressed files are decoded on the way.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from .. import dtypes
 from ..errors import CheckpointCorrupt
 from ..manifest import Checksum, Manifest, TensorRecord, checksum
-from . import catalog
+from . import catalog, codec
 from .store import RemoteError, Store
 
 
@@ -49,13 +49,14 @@ def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord, ds
     import torch
 
     k = catalog.key(manifest.run, manifest.step, rec.file)
-    if rec.offset is None:  # a chunked HDF5 dataset: no byte range of its own
+    if rec.offset is None and rec.nbytes:  # a chunked HDF5 dataset: no byte range of its own
         raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} is a chunked (compressed) HDF5 dataset; "
                                 "fetch the file with ckptd.tiers.bucket.fetch_share and load it locally")
     buf = torch.empty(rec.nbytes if dst is None else 0, dtype=torch.uint8)
     view = memoryview(buf.numpy()) if dst is None else dst  # type: ignore[arg-type]
     try:
-        store.read_into(k, rec.offset, view)
+        if rec.nbytes:
+            _read_range(store, manifest, rec.file, rec.offset or 0, view)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{store.where(k)}: a file the manifest names is missing; load another "
                                 "step (`ckptd list RUN --remote` lists the bucket's)") from None
@@ -67,6 +68,23 @@ def _read_one(store: Store, manifest: Manifest, name: str, rec: TensorRecord, ds
         raise CheckpointCorrupt(f"{store.where(k)}: tensor {name!r} does not match its checksum; load "
                                 "another step (`ckptd list RUN --remote` lists the bucket's)")
     return view if dst is not None else buf.view(dtypes.torch_dtype(rec.dtype)).reshape(rec.shape)
+
+
+def _read_range(store: Store, manifest: Manifest, file: str, offset: int, out: memoryview) -> None:
+    """Bytes ``offset ..`` of ``file`` as the root holds it, into ``out``: a compressed
+    object's frames that hold them, read and decoded."""
+    k = catalog.key(manifest.run, manifest.step, file)
+    packed = manifest.compression.get(file)
+    if packed is None:
+        store.read_into(k, offset, out)
+        return
+
+    def stored(start: int, end: int) -> memoryview:
+        into = memoryview(bytearray(end - start))
+        store.read_into(k, start, into)
+        return into
+
+    codec.unpack_range(stored, packed, offset, out, store.where(k))
 
 
 def missing_files(manifest: Manifest, folder: Path) -> list[str]:
@@ -81,7 +99,16 @@ def missing_files(manifest: Manifest, folder: Path) -> list[str]:
 
 def download_file(store: Store, manifest: Manifest, file: str, path: Path) -> None:
     """``file`` of ``manifest``'s share downloaded to ``path``, every tensor checked."""
-    store.download(catalog.key(manifest.run, manifest.step, file), path)
+    k = catalog.key(manifest.run, manifest.step, file)
+    packed = manifest.compression.get(file)
+    if packed is None:
+        store.download(k, path)
+    else:
+        with open(path, "xb") as fh:
+            unpacker = codec.Unpacker(packed, fh.write, store.where(k))
+            for piece in store.stream(k):
+                unpacker.feed(piece)
+            unpacker.close()
     _check_file(path, file, manifest)
 
 

@@ -152,11 +152,14 @@ class Store:
 
     def download(self, key: str, path: Path) -> None:
         """Stream an object into a new local file (``path`` must not exist)."""
+        with open(path, "xb") as fh:
+            for chunk in self.stream(key):
+                fh.write(chunk)
+
+    def stream(self, key: str) -> Iterator[Any]:
+        """An object's bytes in pieces of about ``part_bytes``, as they arrive."""
         try:
-            result = self._ob.get(self._store, key)
-            with open(path, "xb") as fh:
-                for chunk in result.stream(min_chunk_size=self.part_bytes):
-                    fh.write(chunk)
+            yield from self._ob.get(self._store, key).stream(min_chunk_size=self.part_bytes)
         except (FileNotFoundError, FileExistsError):
             raise
         except Exception as exc:

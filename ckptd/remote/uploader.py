@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
@@ -21,8 +22,9 @@ from .. import index, layout, picks
 from ..config import RemoteConfig
 from ..errors import CheckpointCorrupt
 from ..manifest import MAX_MANIFEST_BYTES, CheckpointInfo, Manifest
+from ..records import Packed
 from ..retention import PIN_FILE
-from . import catalog, expiry as remote_retention
+from . import catalog, codec, expiry as remote_retention
 from .store import RemoteAuthError, RemoteError, Store
 
 log = logging.getLogger("ckptd.remote")
@@ -54,6 +56,7 @@ class Uploader:
         self.bytes_copied = 0
         # a later step's file of the same inode (hard-linked by daemon.reuse) is copied in the bucket
         self._uploaded: OrderedDict[tuple[int, ...], str] = OrderedDict()
+        self._packings: dict[tuple[int, ...], Packed] = {}  # ... and the frames of those compressed
         self.upload_seconds = 0.0
         self.failures = 0
         self.last_error = ""
@@ -91,14 +94,17 @@ class Uploader:
     def _parts(self, fh: BinaryIO) -> Iterator[bytes]:
         """The file in parts, each read once no snapshot is under way (or MAX_HOLD_S)."""
         while True:
-            held = time.monotonic()
-            while (time.monotonic() - self._last_received < QUIET_S and time.monotonic() - held < MAX_HOLD_S
-                   and not self._stop):
-                time.sleep(0.02)
-            part = fh.read(self.config.part_bytes)
+            part = self._quiet_read(fh, self.config.part_bytes)
             if not part:
                 return
             yield part
+
+    def _quiet_read(self, fh: BinaryIO, n: int) -> bytes:
+        held = time.monotonic()
+        while (time.monotonic() - self._last_received < QUIET_S and time.monotonic() - held < MAX_HOLD_S
+               and not self._stop):
+            time.sleep(0.02)
+        return fh.read(n)
 
     def pending_steps(self, run: str) -> set[int]:
         """Steps of ``run`` with a share not yet uploaded (or, before the first comparison
@@ -241,26 +247,12 @@ class Uploader:
             objects = {k[len(prefix):]: v for k, v in self.store.list(prefix).items()}
             if name in objects and not self._replace_remote_share(run, step, rank, data, objects):
                 return
-            tag = xxhash.xxh3_64_hexdigest(data)
-            sent = skipped = copied = 0
-            for file in sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()}):
-                fd = layout.open_regular(file, dir_fd=dir_fd)
-                with os.fdopen(fd, "rb") as fh:
-                    size = os.fstat(fh.fileno()).st_size
-                    if objects.get(file) == size and self.store.tag_of(prefix + file) == tag:
-                        skipped += size
-                        continue
-                    same = _identity(os.fstat(fh.fileno()))
-                    if self._copy_uploaded(same, prefix + file):
-                        copied += size
-                        continue
-                    self.store.put_file(prefix + file, self._parts(fh), tag)
-                    self._remember(same, prefix + file)
-                sent += size
-                self.bytes_uploaded += size
+            packed: dict[str, Packed] = {}
+            sent, skipped, copied = self._upload_files(manifest, dir_fd, prefix, objects,
+                                                       xxhash.xxh3_64_hexdigest(data), packed)
             if PIN_FILE in _names(path):
                 self.store.put_bytes(prefix + PIN_FILE, b"pinned\n")
-            self.store.put_bytes(prefix + name, data)
+            self.store.put_bytes(prefix + name, replace(manifest, compression=packed).to_json() if packed else data)
         except (OSError, CheckpointCorrupt) as exc:
             if isinstance(exc, FileNotFoundError):
                 log.warning("run=%s step=%d rank=%d lost a file locally before its upload (%s); not uploaded",
@@ -293,11 +285,51 @@ class Uploader:
         if self._after_upload(run, step) or time.monotonic() > until:
             self._watching = None
 
-    def _copy_uploaded(self, same: tuple[int, ...], key: str) -> bool:
+    def _upload_files(self, manifest: Manifest, dir_fd: int, prefix: str, objects: dict[str, int], tag: str,
+                      packed: dict[str, Packed]) -> tuple[int, int, int]:
+        """The share's data files uploaded (or skipped: there already; or copied in the
+        bucket); the frames of those compressed go to ``packed``. Bytes sent, skipped, copied."""
+        sent = skipped = copied = 0
+        for file in sorted(set(manifest.files) | {t.file for t in manifest.tensors.values()}):
+            with os.fdopen(layout.open_regular(file, dir_fd=dir_fd), "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                compress = self.config.compression != "none" and manifest.files.get(file) == size
+                if not compress and objects.get(file) == size and self.store.tag_of(prefix + file) == tag:
+                    skipped += size
+                    continue
+                same = _identity(os.fstat(fh.fileno()))
+                if self._copy_uploaded(same, prefix + file, packed if compress else None, file):
+                    copied += size
+                    continue
+                frames = codec.file_frames(manifest.tensors.values(), file, size) if compress else None
+                size = self._send(fh, prefix + file, tag, frames)
+                if frames is not None:
+                    packed[file] = self._packings[same]
+                self._remember(same, prefix + file)
+            sent += size
+            self.bytes_uploaded += size
+        return sent, skipped, copied
+
+    def _send(self, fh: BinaryIO, key: str, tag: str, frames: list[tuple[int, int, int]] | None) -> int:
+        """Upload a data file, compressed into ``frames`` unless None; the bytes sent.
+        What it was compressed into is kept for the manifest (``_packings``)."""
+        same = _identity(os.fstat(fh.fileno()))
+        if frames is None:
+            self.store.put_file(key, self._parts(fh), tag)
+            self._packings.pop(same, None)
+            return os.fstat(fh.fileno()).st_size
+        packer = codec.Packer(lambda n: self._quiet_read(fh, n), frames, COMPRESS_THREADS)
+        self.store.put_file(key, iter(packer), tag)
+        self._packings[same] = packer.packed()
+        return self._packings[same].size
+
+    def _copy_uploaded(self, same: tuple[int, ...], key: str, packed: dict[str, Packed] | None = None,
+                       file: str = "") -> bool:
         """Copy the object uploaded from the same local file to ``key``, inside the bucket;
-        False if there is none (or it is gone: remote retention): then it is uploaded."""
+        False if there is none (or it is gone: remote retention): then it is uploaded.
+        ``packed``: compression is on; the copy's frames are added to it under ``file``."""
         src = self._uploaded.get(same)
-        if src is None or src == key:
+        if src is None or src == key or (packed is not None) != (self._packings.get(same) is not None):
             return False
         try:
             self.store.copy(src, key)
@@ -306,13 +338,15 @@ class Uploader:
             del self._uploaded[same]
             return False
         self._remember(same, key)
+        if packed is not None:
+            packed[file] = self._packings[same]
         return True
 
     def _remember(self, same: tuple[int, ...], key: str) -> None:
         self._uploaded[same] = key
         self._uploaded.move_to_end(same)
         while len(self._uploaded) > MAX_REMEMBERED:
-            self._uploaded.popitem(last=False)
+            self._packings.pop(self._uploaded.popitem(last=False)[0], None)
 
     def _replace_remote_share(self, run: str, step: int, rank: int, data: bytes, objects: dict[str, int]) -> bool:
         """The bucket already holds a manifest of this rank for this step: True if this share
@@ -321,7 +355,7 @@ class Uploader:
         prefix = catalog.step_prefix(run, step)
         name = layout.manifest_name(rank)
         there = self.store.get(prefix + name, MAX_MANIFEST_BYTES)
-        if there == data:
+        if _same_share(there, data, self.store.where(prefix + name)):
             return False
         if catalog.step_info(self.store, run, step, objects) is not None:
             log.error("run=%s step=%d rank=%d is complete in %s with another copy of this share; "
@@ -357,6 +391,18 @@ class Uploader:
 
 
 MAX_REMEMBERED = 65536
+COMPRESS_THREADS = 2
+
+
+def _same_share(there: bytes, data: bytes, where: str) -> bool:
+    """The bucket's manifest ``there`` is of the local share ``data`` (compressed or not)."""
+    if there == data:
+        return True
+    try:
+        theirs, ours = Manifest.from_json(there, where), Manifest.from_json(data, where)
+    except CheckpointCorrupt:
+        return False
+    return bool(theirs.compression) and theirs.unpacked().to_json() == replace(ours, format_version=1).to_json()
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from .. import layout, picks
 from ..config import Config, load as load_config
 from ..errors import CheckpointNotFound, RemoteAuthError, RemoteError
 from ..manifest import CheckpointInfo, Manifest, TensorRecord
-from ..remote import catalog, fetch
+from ..remote import catalog, codec, fetch
 from ..remote.store import Store
 from ..remote.uploader import Uploader
 from ..units import duration, rate, size
@@ -71,7 +71,7 @@ def fetch_share(store: Store, run: str, step: int, rank: int, root: Path) -> Man
         manifest = catalog.read_manifest(store, run, step, rank)
         for file in fetch.missing_files(manifest, folder):
             landing.write_file(folder / file, functools.partial(fetch.download_file, store, manifest, file))
-        return manifest
+        return manifest.unpacked()
 
     landed = landing.land(root, run, step, rank, files)
     assert landed is not None
@@ -176,6 +176,7 @@ class BucketTarget:
 
     def __init__(self, config: Config, on_complete: Callable[[str, list[CheckpointInfo]], None]) -> None:
         # where each node has its own root, local retention counts the steps complete in the bucket
+        codec.check_available(config.remote.compression)
         self.uploader = Uploader(config.root, config.remote, on_remote_complete=on_complete)
 
     def start(self) -> None:
