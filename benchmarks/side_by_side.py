@@ -142,10 +142,10 @@ class Ckptd:
     """The shipped config: a daemon with defaults (its root and socket only), a producer with
     ``staging_size = "auto"`` and the state's size said ahead."""
 
-    def __init__(self, base: Path, state: State) -> None:
+    def __init__(self, base: Path, state: State, keys: dict[str, Any] | None = None, name: str = "ckptd") -> None:
         import ckptd
 
-        self.daemon = DaemonProcess(base, None, name="ckptd", tables={"retention": {"keep_last": 2}}).start()
+        self.daemon = DaemonProcess(base, None, name=name, keys=keys, tables={"retention": {"keep_last": 2}}).start()
         self.producer = ckptd.Producer(self.daemon.endpoint, RUN, rank=0, world_size=1, timeout=120, prepare=state)
         self.step = 0
 
