@@ -197,13 +197,19 @@ class TorchCheckpointing:
         self.base.mkdir(parents=True)
         self.step = 0
 
-    def save(self, state: State) -> tuple[float, float, float | None]:
+    def start(self, state: State) -> Any:
+        """Save the next step; return once its staging is done (training may not change
+        the tensors before), with the future of its write."""
         self.step += 1
-        t0 = time.perf_counter()
         done = self.manager.save(str(self.folder()), {"model": state})
-        staged = self.manager._staging_future  # until it is done, training may not change the tensors
+        staged = self.manager._staging_future
         if staged is not None:
             staged.result()
+        return done
+
+    def save(self, state: State) -> tuple[float, float, float | None]:
+        t0 = time.perf_counter()
+        done = self.start(state)
         t1 = time.perf_counter()
         done.result()
         t2 = time.perf_counter()

@@ -133,12 +133,8 @@ class Dcp(side_by_side.Dcp):
 
 class TorchCheckpointing(side_by_side.TorchCheckpointing):
     def begin(self, state: dict, durable: Durable) -> None:
-        self.step += 1
         began = time.perf_counter()
-        done = self.manager.save(str(self.folder()), {"model": state})
-        staged = self.manager._staging_future  # until it is done, training may not change the tensors
-        if staged is not None:
-            staged.result()
+        done = self.start(state)
         durable.track(began, done.result, _forget(self.base, self.step))
 
 
