@@ -2,7 +2,7 @@
 config (transformers), trained with AdamW on the CPU, saving its model and optimizer
 state every k steps through each system, beside the same steps without checkpoints.
 
-    .venv/bin/python benchmarks/training_cost.py             # k = 1, 10, 50; 3 repeats (~15 min on 2 cores)
+    .venv/bin/python benchmarks/training_cost.py             # k = 1, 10, 50; 3 repeats (k = 50 runs 100 steps)
     .venv/bin/python benchmarks/training_cost.py --variant nice=0 --variant writer_threads=2
 
 The systems are side_by_side.py's, in the same settings: ckptd as shipped (a daemon
