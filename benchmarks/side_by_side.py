@@ -142,10 +142,10 @@ class Ckptd:
     """The shipped config: a daemon with defaults (its root and socket only), a producer with
     ``staging_size = "auto"`` and the state's size said ahead."""
 
-    def __init__(self, base: Path, state: State) -> None:
+    def __init__(self, base: Path, state: State, keys: dict[str, Any] | None = None, name: str = "ckptd") -> None:
         import ckptd
 
-        self.daemon = DaemonProcess(base, None, name="ckptd", tables={"retention": {"keep_last": 2}}).start()
+        self.daemon = DaemonProcess(base, None, name=name, keys=keys, tables={"retention": {"keep_last": 2}}).start()
         self.producer = ckptd.Producer(self.daemon.endpoint, RUN, rank=0, world_size=1, timeout=120, prepare=state)
         self.step = 0
 
@@ -197,13 +197,19 @@ class TorchCheckpointing:
         self.base.mkdir(parents=True)
         self.step = 0
 
-    def save(self, state: State) -> tuple[float, float, float | None]:
+    def start(self, state: State) -> Any:
+        """Save the next step; return once its staging is done (training may not change
+        the tensors before), with the future of its write."""
         self.step += 1
-        t0 = time.perf_counter()
         done = self.manager.save(str(self.folder()), {"model": state})
-        staged = self.manager._staging_future  # until it is done, training may not change the tensors
+        staged = self.manager._staging_future
         if staged is not None:
             staged.result()
+        return done
+
+    def save(self, state: State) -> tuple[float, float, float | None]:
+        t0 = time.perf_counter()
+        done = self.start(state)
         t1 = time.perf_counter()
         done.result()
         t2 = time.perf_counter()

@@ -16,7 +16,7 @@ import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Container, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Protocol, Sequence
 
 import xxhash
 
@@ -190,18 +190,24 @@ def read_back(raw: dict[str, tuple[Any, int]], function: str) -> dict[str, str]:
 
 
 class Pending:
-    """The digests of a save, being computed: ``result()`` waits for them. ``save`` starts
-    them before it copies into staging and takes them at its commit, before it returns:
-    the bytes digested are the caller's as they were during ``save``, which are the
-    bytes the writing rank copies into staging and writes."""
+    """The digests of a save: ``result()`` waits for them. Digests that ``save`` started
+    before its copies (``future``, ``launched``) are taken at its commit, before it
+    returns; ``later`` ones (``start``) are taken by ``then`` after it returned."""
 
-    def __init__(self, future: Future | None = None, launched: dict[str, tuple[Any, int]] | None = None) -> None:
-        self._future, self._launched = future, launched
+    def __init__(self, future: Future | None = None, launched: dict[str, tuple[Any, int]] | None = None,
+                 later: "tuple[list[Any], list[int], str] | None" = None) -> None:
+        self._future, self._launched, self._later = future, launched, later
+
+    @property
+    def later(self) -> bool:
+        return self._later is not None
 
     def result(self) -> dict[str, str]:
         """The digests; none (the step is then not compared, and a warning says why) if
         they could not be taken: a save is never failed for its comparison."""
         try:
+            if self._later is not None:
+                return _unchanged(*self._later)
             if self._future is not None:
                 return self._future.result()
             return read_back(self._launched or {}, WORDS64)
@@ -210,27 +216,78 @@ class Pending:
                         type(exc).__name__, exc)
             return {}
 
+    def then(self, send: Callable[[dict[str, str]], None]) -> Future:
+        """Take the digests on the digest thread and hand them to ``send`` there; the
+        next optimizer step of this process waits until they have been read
+        (``settle``). The Future is done once ``send`` returned."""
+        global _reading
+        _hook_optimizers()
+        with _idle:
+            _reading += 1
+
+        def job() -> None:
+            global _reading
+            try:
+                found = self.result()
+            finally:
+                with _idle:
+                    _reading -= 1
+                    _idle.notify_all()
+            send(found)
+        return _executor().submit(job)
+
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_idle = threading.Condition()
+_reading = 0
+_hooked = False
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-digest")
+        return _pool
+
+
+def settle() -> None:
+    """Wait until no digest ``then`` took over is still reading a caller's tensors."""
+    with _idle:
+        _idle.wait_for(lambda: _reading == 0)
+
+
+def _hook_optimizers() -> None:
+    """Every torch optimizer's ``step`` first waits for ``settle``: the step changes the
+    parameters and optimizer state in place that a digest may still be reading."""
+    global _hooked
+    with _pool_lock:
+        if _hooked:
+            return
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: settle())
+        _hooked = True
 
 
 def start(shared: "dict[str, tuple[Any, Shard | None]]", policy: str,
           written: Container[str] = ()) -> Pending | None:
-    """Begin the digests ``save`` sends with its commit: of the replicated pieces this
-    rank holds (``producer.sharded.Plan.shared``) and, under words64, also of those it
+    """The digests ``save`` sends with its commit: of the replicated pieces this rank
+    holds (``producer.sharded.Plan.shared``) and, under words64, also of those it
     writes (``written``: their names); None ("off", or nothing to digest).
 
-    Under xxh3 the pieces this rank writes are not digested here: the daemon's checksum
-    of each tensor it writes is the xxh3_64 of exactly the staged bytes, the same
-    function over the same bytes, and ``mismatches`` takes the writer's digest from its
-    record (hashing them here too doubled the writer's stall on a busy host). The
-    others' copies run on a thread of their own (xxh3 releases the GIL), beside
-    whatever the training thread copies into staging meanwhile. words64 is another
-    function than the checksum, so every holder, the writer too, launches it here, on
-    the caller's thread and stream, in order with its work, and reads it back at the
-    commit, after the copies were queued: the device computes it meanwhile."""
-    global _pool
+    Under xxh3 the pieces this rank writes are not digested: the daemon's checksum of
+    each tensor it writes is the xxh3_64 of exactly the staged bytes, the same function
+    over the same bytes, and ``mismatches`` takes the writer's digest from its record.
+    The others' copies are digested after ``save`` returned (``Pending.then``), beside
+    the training steps that follow, never on the training thread; a piece changed in
+    place before it was read (its version counter moved) is left out of the step's
+    comparison. Where a piece has no version counter (a numpy array, an inference
+    tensor) they are digested during ``save`` instead, which waits for them. words64
+    is another function than the checksum, so every holder, the writer too, launches
+    it here, on the caller's thread and stream, in order with its work, and reads it
+    back at the commit, after the copies were queued: the device computes it meanwhile."""
     if policy == "off" or not shared:
         return None
     function = digest_function()
@@ -245,10 +302,35 @@ def start(shared: "dict[str, tuple[Any, Shard | None]]", policy: str,
             log.warning("replica digests not taken, this step's replicas will not be compared: %s: %s",
                         type(exc).__name__, exc)
             return None
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-digest")
-    return Pending(future=_pool.submit(digest_pieces, pieces, function))
+    versions = _versions(pieces)
+    if versions is not None:
+        return Pending(later=(pieces, versions, function))
+    return Pending(future=_executor().submit(digest_pieces, pieces, function))
+
+
+def _versions(pieces: list[Any]) -> list[int] | None:
+    """Each piece's in-place version counter; None where one has none."""
+    try:
+        return [int(value._version) for _, value, _ in pieces]
+    except (AttributeError, RuntimeError):  # numpy arrays; inference tensors track no versions
+        return None
+
+
+def _unchanged(pieces: list[Any], versions: list[int], function: str) -> dict[str, str]:
+    """``digest_pieces`` of the pieces still at ``versions``; one changed in place since
+    its save is left out (its copy is no longer the one saved), and a warning says so."""
+    out, moved = {}, []
+    for (name, value, shard), version in zip(pieces, versions):
+        raw = digest(value, function)
+        if value._version != version:
+            moved.append(name)
+            continue
+        out[piece_key(name, shard)] = finish(function, raw, _nbytes(value))
+    if moved:
+        log.warning("replicated tensors changed in place after save returned, before their digest was taken: "
+                    "%s; not compared this step (change them only in an optimizer's step, which waits for "
+                    "the digests, or once the save's handle is done)", ", ".join(moved[:5]))
+    return out
 
 
 def _nbytes(value: Any) -> int:

@@ -110,6 +110,48 @@ def test_xxh3_digests_are_written_as_checksums_are() -> None:
     assert small  # some digests had a leading zero to pad (1 in 16)
 
 
+def test_an_optimizer_step_right_after_save_waits_for_the_digests(daemon) -> None:
+    """The ranks that do not write a replicated tensor digest it after ``save`` returned;
+    an optimizer's step, which changes it in place, waits until it was read: every
+    rank's digest is of the bytes saved, and the step compares them all."""
+    models = [torch.nn.Linear(256, 256) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=1.0) for m in models]
+    producers = [daemon.producer(rank=r, world_size=3) for r in range(3)]
+    try:
+        handles = []
+        for m, opt, p in zip(models, opts, producers):
+            handles.append(p.save({"model": m.state_dict()}, 1, replicated=True))
+            for q in m.parameters():
+                q.grad = torch.ones_like(q)
+            opt.step()  # at once: the digests of this rank may still be being taken
+        for h in handles:
+            h.wait(30)
+    finally:
+        for p in producers:
+            p.close()
+    assert wait_complete("t", 1, timeout=30, root=daemon.root, remote="").diverged == {}
+    for m in _manifests(daemon, 1, 3):
+        assert sorted(m.replica_digests) == sorted({"model.weight", "model.bias"} - set(m.tensors))
+
+
+def test_a_tensor_changed_in_place_before_its_digest_is_left_out(caplog) -> None:
+    """A copy changed in place after save returned, before the digest thread read it, is
+    no longer the one saved: it is left out of the step's comparison, with a warning,
+    rather than reported as diverged."""
+    kept, moved = torch.ones(8), torch.ones(8)
+    pending = replicas.start({"kept": (kept, None), "moved": (moved, None)}, "warn")
+    assert pending is not None and pending.later
+    moved.add_(1)
+    with caplog.at_level("WARNING", logger="ckptd.replicas"):
+        got = pending.result()
+    assert got == replicas.digest_pieces([("kept", torch.ones(8), None)], replicas.XXH3)
+    assert "moved" in caplog.text and "not compared this step" in caplog.text
+    # where a piece has no version counter (a numpy array) the digests are taken during save
+    assert not replicas.start({"a": (np.ones(8), None)}, "warn").later
+
+
 def test_two_copies_that_differ_name_both_ranks(daemon) -> None:
     good = _state()
     bad = {**good, "model": {**good["model"], "b": _flip(good["model"]["b"])}}

@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 import weakref
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -71,6 +72,7 @@ class Producer:
         self.retention, self.format, self.attempt = who.retention, who.format, who.attempt
 
         self._emit_lock = threading.Lock()  # one emit at a time: regions go out in order
+        self._sending: Future | None = None
         self._frozen = frozen_mod.Frozen()
         self._book = StepBook(on_done=self._frozen.done)
         self._copier = Copier(self.options)
@@ -210,6 +212,8 @@ class Producer:
         same (``ckptd.producer.frozen``)."""
         began = time.monotonic()
         check_step(step)
+        if self._sending is not None:
+            self._sending.result()  # the last save's late commit goes first
         pattern = frozen_mod.globs(frozen)
         meta_json = _metadata_json(metadata)
         with _no_cyclic_gc():
@@ -440,17 +444,32 @@ class Producer:
             self._book.finish(step, handle, error=str(exc))
             handle.observed = True
             raise
-        ours = digests.result() if digests is not None else None
         timing = {"stall_s": time.monotonic() - (st.began if began is None else began),
                   "restore_s": measures.take_restored(self.run) if self.run is not None else None}
         picked, self._picked = self._picked, None
         # only a daemon that advises per tier reads the field: an older one refuses it
         due = {"tiers": list(picked[1])} if picked is not None and picked[0] == step \
             and isinstance((conn.advice or {}).get("tiers"), dict) else {}
-        conn.send("commit", handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",
-                  metadata=meta_json, replicas=st.written_by or None, timing=timing,
-                  digests=ours or None, compare=self.options.compare_replicas if ours else None, **due)
+        fields: dict[str, Any] = dict(handle=handle, step=step, ntensors=len(st.names), state=state_json or "null",
+                                      metadata=meta_json, replicas=st.written_by or None, timing=timing, **due)
+        if digests is not None and digests.later:
+            self._sending = digests.then(lambda ours: self._send_late(fields, ours))
+            return handle
+        ours = digests.result() if digests is not None else None
+        conn.send("commit", digests=ours or None, compare=self.options.compare_replicas if ours else None, **fields)
         return handle
+
+    def _send_late(self, fields: dict[str, Any], ours: dict[str, str]) -> None:
+        """The commit of a save whose replica digests were taken after it returned, from
+        the digest thread; a commit that cannot be sent fails its handle."""
+        handle = fields["handle"]
+        try:
+            if not self._connection.live:
+                raise CheckpointError("the connection to the daemon was lost before the commit was sent")
+            self._connection.send("commit", digests=ours or None,
+                                  compare=self.options.compare_replicas if ours else None, **fields)
+        except Exception as exc:
+            self._book.finish(handle.step, handle, error=f"commit of step {handle.step} not sent: {exc}")
 
     def _close_at_exit(self) -> None:
         try:
