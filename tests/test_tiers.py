@@ -218,4 +218,4 @@ def test_copy_targets_have_the_abilities_they_use_and_no_others() -> None:
 
     abilities = (base.Forgets, base.Pending, base.Receives, base.Yields, base.Reports)
     has = {t: {a.__name__ for a in abilities if issubclass(t, a)} for t in (BucketTarget, PeerTarget)}
-    assert has == {BucketTarget: {"Pending", "Receives", "Reports"}, PeerTarget: {"Forgets", "Pending", "Yields", "Reports"}}
+    assert has == {BucketTarget: {"Forgets", "Pending", "Receives", "Reports"}, PeerTarget: {"Forgets", "Pending", "Yields", "Reports"}}

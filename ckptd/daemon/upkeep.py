@@ -162,7 +162,7 @@ class Upkeep:
         for step, t in zip(steps, trash):
             self.index.refresh_step(run, step)
             self._trash.put(t)
-        if trash:  # the peers drop their copies of these steps
+        if trash:  # the peers drop their copies; the uploader owes them no more
             for target in self.targets:
                 if isinstance(target, Forgets):
                     target.dropped(run, steps)
