@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from .ledger import Ledger
     from .metrics import MetricsServer
+    from .relay import Relay
     from .sessions import Sessions
     from .upkeep import Upkeep
 
@@ -183,6 +184,13 @@ class Reporter:
         self._sessions = sessions
         self._ledger = ledger
         self._upkeep = upkeep
+        self.relay: Relay | None = None  # the peer tier's recoveries for this node's readers
+
+    def _tier_figures(self) -> dict[str, Any]:
+        figures: dict[str, Any] = self._upkeep.tier_figures()
+        if self.relay is not None and isinstance(figures.get("peer"), dict):
+            figures["peer"] = {**figures["peer"], "recovered": self.relay.figures()}
+        return figures
 
     def line(self) -> str:
         """The one line systemd shows (``systemctl status``)."""
@@ -231,6 +239,6 @@ class Reporter:
             "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
             "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
             "runs": snap["runs"],
-            **self._upkeep.tier_figures(),
+            **self._tier_figures(),
             "advice": ledger.measuring.all_advice(),
         }

@@ -35,6 +35,7 @@ from .metrics import Figures, MetricsServer
 from .notify import use_journal_priorities
 from .owners import Owners
 from .recovery import remove_orphans
+from .relay import Relay
 from .replies import Replies
 from .sessions import Sessions
 from .share import Result
@@ -77,6 +78,7 @@ class Daemon:
         self.sessions: Sessions | None = None
         self.reporter: Reporter | None = None
         self.handlers: Handlers | None = None
+        self.relay: Relay | None = None
 
     def start(self) -> None:
         """Lock the root, clean it, bind. After this the daemon is ready to serve."""
@@ -102,9 +104,11 @@ class Daemon:
         sessions = self.sessions = Sessions(Liveness(cfg.session_timeout), Owners(root), ledger, self.replies,
                                             writer)
         reporter = self.reporter = Reporter(config, self.lifecycle, sessions, ledger, upkeep)
+        self.relay = Relay(config, self.replies.send, self.inbox.pipe.wake) if config.peer.enabled else None
+        reporter.relay = self.relay
         self.handlers = Handlers(config, sessions=sessions, ledger=ledger, replies=self.replies,
                                  lifecycle=self.lifecycle, arenas=self.arenas, writer=writer, upkeep=upkeep,
-                                 reporter=reporter)
+                                 reporter=reporter, relay=self.relay)
         if cfg.metrics:
             self.lifecycle.metrics = MetricsServer(cfg.metrics, ledger.figures, reporter.live_figures)
         self.lifecycle.install(self.inbox.pipe.write_fd)
@@ -113,6 +117,9 @@ class Daemon:
         self._notify_status("READY=1")
 
     def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None
