@@ -36,6 +36,9 @@ VALUES = {
     # a ``listing``'s checkpoints: a list of maps
     "maps": st.lists(st.dictionaries(st.text(max_size=4), st.integers(-5, 5) | st.text(max_size=3), max_size=3),
                      max_size=3),
+    # a ``recover``'s ranks, a ``recovered``'s manifests
+    "ints": st.lists(st.integers(0, 2**63 - 1), max_size=4),
+    "bins": st.lists(st.binary(max_size=8), max_size=3),
     # a ``tensors`` batch: [name, dtype, shape, nbytes, numpy, offset] items
     "batch": st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6), st.lists(st.integers(0, 2**63 - 1), max_size=4),
                                 st.integers(0, 2**63 - 1), st.booleans(), st.integers(0, 2**63 - 1)).map(list),
@@ -67,6 +70,10 @@ def conforms(kind: str, v: object) -> bool:
         return type(v) is dict
     if kind == "maps":
         return type(v) is list and all(type(m) is dict for m in v)
+    if kind == "ints":
+        return type(v) is list and all(conforms("int", i) for i in v)
+    if kind == "bins":
+        return type(v) is list and all(type(b) is bytes for b in v)
     if kind == "shape":
         return type(v) is list and len(v) <= 64 and all(type(d) is int and 0 <= d < 2**63 for d in v)
     if kind == "batch":

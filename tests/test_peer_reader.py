@@ -4,7 +4,9 @@ process presents to its peers, with real daemons on 127.0.0.1 standing for nodes
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import random
 import os
 import shutil
 import signal
@@ -22,10 +24,13 @@ import zmq
 
 import ckptd
 from ckptd.config import load as load_config
+from ckptd.errors import CheckpointError
 from ckptd.layout import is_data_file
 from ckptd.peer.backoff import Backoff
 from ckptd.peer import messages
 from ckptd.tiers.peer_reader import PeerTier
+from ckptd.transport import wire
+from ckptd.transport.oneshot import request
 from conftest import Daemon, free_port
 from test_peer import _held, _save, _status, _wait
 from test_peer_fuzz import node_keys
@@ -67,38 +72,126 @@ def test_a_lost_node_recovers_from_its_peer_under_per_node_keys(tmp_path, keys, 
             n.cleanup()
 
 
-READER = textwrap.dedent("""
-    import json, logging, sys
+KEYLESS = textwrap.dedent("""
+    import hashlib, json, logging, sys
     import ckptd
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    first, again = ckptd.latest("job"), ckptd.latest("job")
-    w = ckptd.load("job", first.step)["w"]
-    print(json.dumps({"steps": [first.step, again.step], "tiers": list(first.tiers), "w0": float(w[0])}))
+    readable = []
+    for path in sys.argv[1:]:
+        try:
+            open(path, "rb").close()
+            readable.append(path)
+        except PermissionError:
+            pass
+    info = ckptd.latest("job")
+    w = ckptd.load("job", info.step)["w"]
+    print(json.dumps({"readable": readable, "step": info.step, "tiers": list(info.tiers),
+                      "sha": hashlib.sha256(w.numpy().tobytes()).hexdigest()}))
 """)
 
 
-def test_an_unreadable_daemon_key_leaves_the_peers_out_with_one_warning(tmp_path) -> None:
-    """A training process that cannot read its node's daemon key: ``latest`` answers
-    from the local root, and one WARNING names the file and what to do."""
-    a, b, secrets = _keyed_pair(tmp_path)
+def test_a_trainer_holding_no_key_recovers_from_peer_memory_through_its_daemon(tmp_path) -> None:
+    """A training process that can read no key file at all (root without the capabilities
+    that pass file permissions, every key 0000): its node's daemon, restarted on an empty
+    root, asks the peer with its own key and lands the share in its root; the process
+    reads it there, bit-exact, and no warning is logged."""
+    a, b, _ = _keyed_pair(tmp_path)
     try:
         a.start()
         b.start()
         saved = _save(a, range(1, 3))
         _wait(lambda: _held(b).get((2, 0)) == "memory", "A's newest share held by B")
-        secret = secrets[str(a.config)]
-        os.chmod(secret, 0)  # the daemon read it at start; a reader of another user cannot
-        # root reads any file: drop the capability that lets it, as an ordinary user lacks it
+        a.kill()
+        shutil.rmtree(a.root)
+        a.start()
+        key_files = sorted(str(p) for p in (tmp_path / "nodekeys").rglob("*") if p.is_file())
+        for path in key_files:
+            os.chmod(path, 0)  # the daemons read theirs at start
         prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
-        out = subprocess.run(prefix + [sys.executable, "-c", READER], capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ, CKPTD_CONFIG=str(a.config)))
+        out = subprocess.run(prefix + [sys.executable, "-c", KEYLESS, *key_files], capture_output=True, text=True,
+                             timeout=120, env=dict(os.environ, CKPTD_CONFIG=str(a.config)))
         assert out.returncode == 0, out.stderr
         answer = json.loads(out.stdout)
-        assert answer == {"steps": [2, 2], "tiers": ["local"], "w0": float(saved[2][0])}, answer
-        warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
-        assert len(warnings) == 1, out.stderr
-        assert str(secret) in warnings[0] and "run it as the daemon's user" in warnings[0], warnings
-        assert "chmod 640" in warnings[0] and "docs/security.md" in warnings[0], warnings
+        want = hashlib.sha256(saved[2].numpy().tobytes()).hexdigest()
+        assert answer == {"readable": [], "step": 2, "tiers": ["peer"], "sha": want}, answer
+        assert "WARNING" not in out.stderr, out.stderr
+        assert (a.root / "job" / "step-000000000002" / "manifest-r00000.json").exists()
+        recovered = _status(a)["peer"]["recovered"]
+        assert recovered["fetched_shares"] == 1 and recovered["failed"] == 0, recovered
+    finally:
+        for n in (a, b):
+            n.cleanup()
+
+
+AS_OTHER_USER = textwrap.dedent("""
+    import os, sys
+    from ckptd.transport import wire
+    from ckptd.transport.oneshot import request
+    from ckptd.errors import CheckpointError
+    endpoint, root, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    os.setgroups([0])  # imports first, then become that user (group 0 reaches the socket)
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    try:
+        request(endpoint, wire.encode("recover", seq=1, run="job", step=1, ranks=[0], root=root, memory=None), 30)
+        print("served")
+    except CheckpointError as exc:
+        print("refused:", exc)
+""")
+
+
+def test_recover_refuses_another_users_run_names_what_is_missing_and_survives_hostile_asks(tmp_path) -> None:
+    """``recover`` on a node's daemon: a run another Unix user owns is refused; a step or
+    rank nobody holds is an error naming the peers asked; hostile asks get an error
+    reply each, and the daemon then still recovers a good one."""
+    a_, b_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    a, b = _node(tmp_path, "a", a_, [b_], memory="64MiB"), _node(tmp_path, "b", b_, [a_])
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from hostile import recover
+
+    def ask(**fields: object) -> str:
+        header = dict({"seq": 1, "run": "job", "step": 1, "ranks": None, "root": str(b.root), "memory": None}, **fields)
+        try:
+            while not request(b.endpoint, wire.encode("recover", **header), 30)["done"]:
+                pass  # under way: the daemon answers every few seconds, and is asked again
+        except CheckpointError as exc:
+            return str(exc)
+        return "served"
+
+    try:
+        a.start()
+        b.start()
+        _save(a, range(1, 2))
+        _wait(lambda: _held(b).get((1, 0)) == "memory", "A's share held by B")
+        os.chmod(b.sock_dir, 0o750)
+        (b.root / "job").mkdir()
+        (b.root / "job" / ".owner").write_text("uid:65534\n")
+        out = subprocess.run([sys.executable, "-c", AS_OTHER_USER, b.endpoint, str(b.root), "65533"],
+                             capture_output=True, text=True, timeout=60, cwd="/")
+        assert out.returncode == 0, out.stderr
+        refused = out.stdout.strip()
+        assert refused.startswith("refused:") and "run 'job' belongs to Unix user 65534" in refused, refused
+        assert not (b.root / "job" / "step-000000000001").exists()  # nothing fetched for them
+        missing = ask(step=9, ranks=[0])
+        assert "run 'job' step 9 is complete neither in" in missing and a_ in missing and b_ in missing, missing
+        assert "has 1 ranks: no rank [3]" in ask(ranks=[3])
+        assert "lands the peers' shares in its root" in ask(root=str(tmp_path))
+        rng = random.Random(5)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(b.endpoint)
+        try:
+            for i in range(300):
+                sock.send(recover(rng, i, str(b.root)))
+            replies = []
+            while len(replies) < 300:
+                assert sock.poll(30_000), f"{len(replies)} of 300 hostile asks answered"
+                replies.append(msgpack.unpackb(sock.recv(), raw=False)["op"])
+        finally:
+            sock.close(0)
+        assert set(replies) <= {"error", "recovered"} and "error" in replies, set(replies)
+        assert ask(ranks=[0]) == "served"
+        assert (b.root / "job" / "step-000000000001" / "manifest-r00000.json").exists()
     finally:
         for n in (a, b):
             n.cleanup()

@@ -200,6 +200,8 @@ class Handlers:
         """A reader on this node asks for a step the peers hold (``Relay``), for a run it owns."""
         try:
             check_run(h["run"])
+            if h["step"] is not None:
+                check_step(h["step"])
         except ValueError as exc:
             raise ProtocolError(f"recover: {exc}") from None
         if self.relay is None:
