@@ -1,5 +1,6 @@
-"""The reader's side of the peer tier (docs/tiers.md, "Recovery"): the keys a training
-process presents to its peers, with real daemons on 127.0.0.1 standing for nodes."""
+"""The reader's side of the peer tier (docs/tiers.md, "Recovery"): a training process
+asks its node's daemon, which alone holds a key to the peers; real daemons on
+127.0.0.1 stand for nodes."""
 
 from __future__ import annotations
 
@@ -49,29 +50,6 @@ def _keyed_pair(tmp_path, **producer: object) -> tuple[Daemon, Daemon, dict[str,
     return nodes[0], nodes[1], {str(n.config): secrets[listen] for n, listen in zip(nodes, listens)}
 
 
-def test_a_lost_node_recovers_from_its_peer_under_per_node_keys(tmp_path, keys, monkeypatch) -> None:
-    """With [peer] curve_peers the peer port admits only the nodes' keys: the reader
-    presents its node's daemon key pair, even where the config also names a
-    producer's keys (which that port refuses)."""
-    a, b, _ = _keyed_pair(tmp_path, curve_server_key=str(keys["server"]), curve_secret_key=str(keys["alice"]))
-    try:
-        a.start()
-        b.start()
-        saved = _save(a, range(1, 3))
-        _wait(lambda: _held(b).get((2, 0)) == "memory", "A's newest share held by B")
-        a.kill()
-        shutil.rmtree(a.root)
-        a.start()
-        monkeypatch.setenv("CKPTD_CONFIG", str(a.config))
-        info = ckptd.latest("job")
-        assert info is not None and info.step == 2, info
-        state = ckptd.load("job")
-        assert state["step"] == 2 and torch.equal(state["w"], saved[2])
-    finally:
-        for n in (a, b):
-            n.cleanup()
-
-
 KEYLESS = textwrap.dedent("""
     import hashlib, json, logging, sys
     import ckptd
@@ -90,11 +68,13 @@ KEYLESS = textwrap.dedent("""
 """)
 
 
-def test_a_trainer_holding_no_key_recovers_from_peer_memory_through_its_daemon(tmp_path) -> None:
+def test_a_trainer_holding_no_key_recovers_through_its_daemon_which_refuses_other_users(tmp_path) -> None:
     """A training process that can read no key file at all (root without the capabilities
     that pass file permissions, every key 0000): its node's daemon, restarted on an empty
     root, asks the peer with its own key and lands the share in its root; the process
-    reads it there, bit-exact, and no warning is logged."""
+    reads it there, bit-exact, with no warning. Then ``recover`` on that daemon: a run
+    another Unix user owns is refused; a step or rank nobody holds is an error naming
+    the peers asked; hostile asks get an error reply each, and the daemon serves on."""
     a, b, _ = _keyed_pair(tmp_path)
     try:
         a.start()
@@ -118,9 +98,54 @@ def test_a_trainer_holding_no_key_recovers_from_peer_memory_through_its_daemon(t
         assert (a.root / "job" / "step-000000000002" / "manifest-r00000.json").exists()
         recovered = _status(a)["peer"]["recovered"]
         assert recovered["fetched_shares"] == 1 and recovered["failed"] == 0, recovered
+        _refuses_and_survives(a, [str(load_config(n.config).peer.listen) for n in (a, b)])
     finally:
         for n in (a, b):
             n.cleanup()
+
+
+def _recover(d: Daemon, **fields: object) -> str:
+    """"served", or the error ``recover`` with these fields (the rest: rank 0 of step 1) got."""
+    header = dict({"seq": 1, "run": "job", "step": 1, "ranks": [0], "root": str(d.root), "memory": None}, **fields)
+    try:
+        while not request(d.endpoint, wire.encode("recover", **header), 30)["done"]:
+            pass  # under way: the daemon answers every few seconds, and is asked again
+    except CheckpointError as exc:
+        return str(exc)
+    return "served"
+
+
+def _refuses_and_survives(d: Daemon, listens: list[str]) -> None:
+    os.chmod(d.sock_dir, 0o750)
+    (d.root / "other").mkdir()
+    (d.root / "other" / ".owner").write_text("uid:65534\n")
+    out = subprocess.run([sys.executable, "-c", AS_OTHER_USER, d.endpoint, str(d.root), "65533"],
+                         capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    refused = out.stdout.strip()
+    assert refused.startswith("refused:") and "run 'other' belongs to Unix user 65534" in refused, refused
+    missing = _recover(d, step=9)
+    assert "run 'job' step 9 is complete neither in" in missing and all(e in missing for e in listens), missing
+    assert "has 1 ranks: no rank [3]" in _recover(d, step=2, ranks=[3])
+    assert "lands the peers' shares in its root" in _recover(d, root=str(d.root.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from hostile import recover
+
+    rng = random.Random(5)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        for i in range(150):
+            sock.send(recover(rng, i, str(d.root)))
+        replies = []
+        while len(replies) < 150:
+            assert sock.poll(30_000), f"{len(replies)} of 150 hostile asks answered"
+            replies.append(msgpack.unpackb(sock.recv(), raw=False)["op"])
+    finally:
+        sock.close(0)
+    assert set(replies) <= {"error", "recovered"} and "error" in replies, set(replies)
+    assert _recover(d, step=2) == "served"
 
 
 AS_OTHER_USER = textwrap.dedent("""
@@ -133,68 +158,11 @@ AS_OTHER_USER = textwrap.dedent("""
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
     try:
-        request(endpoint, wire.encode("recover", seq=1, run="job", step=1, ranks=[0], root=root, memory=None), 30)
+        request(endpoint, wire.encode("recover", seq=1, run="other", step=1, ranks=[0], root=root, memory=None), 30)
         print("served")
     except CheckpointError as exc:
         print("refused:", exc)
 """)
-
-
-def test_recover_refuses_another_users_run_names_what_is_missing_and_survives_hostile_asks(tmp_path) -> None:
-    """``recover`` on a node's daemon: a run another Unix user owns is refused; a step or
-    rank nobody holds is an error naming the peers asked; hostile asks get an error
-    reply each, and the daemon then still recovers a good one."""
-    a_, b_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    a, b = _node(tmp_path, "a", a_, [b_], memory="64MiB"), _node(tmp_path, "b", b_, [a_])
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from hostile import recover
-
-    def ask(**fields: object) -> str:
-        header = dict({"seq": 1, "run": "job", "step": 1, "ranks": None, "root": str(b.root), "memory": None}, **fields)
-        try:
-            while not request(b.endpoint, wire.encode("recover", **header), 30)["done"]:
-                pass  # under way: the daemon answers every few seconds, and is asked again
-        except CheckpointError as exc:
-            return str(exc)
-        return "served"
-
-    try:
-        a.start()
-        b.start()
-        _save(a, range(1, 2))
-        _wait(lambda: _held(b).get((1, 0)) == "memory", "A's share held by B")
-        os.chmod(b.sock_dir, 0o750)
-        (b.root / "job").mkdir()
-        (b.root / "job" / ".owner").write_text("uid:65534\n")
-        out = subprocess.run([sys.executable, "-c", AS_OTHER_USER, b.endpoint, str(b.root), "65533"],
-                             capture_output=True, text=True, timeout=60, cwd="/")
-        assert out.returncode == 0, out.stderr
-        refused = out.stdout.strip()
-        assert refused.startswith("refused:") and "run 'job' belongs to Unix user 65534" in refused, refused
-        assert not (b.root / "job" / "step-000000000001").exists()  # nothing fetched for them
-        missing = ask(step=9, ranks=[0])
-        assert "run 'job' step 9 is complete neither in" in missing and a_ in missing and b_ in missing, missing
-        assert "has 1 ranks: no rank [3]" in ask(ranks=[3])
-        assert "lands the peers' shares in its root" in ask(root=str(tmp_path))
-        rng = random.Random(5)
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(b.endpoint)
-        try:
-            for i in range(300):
-                sock.send(recover(rng, i, str(b.root)))
-            replies = []
-            while len(replies) < 300:
-                assert sock.poll(30_000), f"{len(replies)} of 300 hostile asks answered"
-                replies.append(msgpack.unpackb(sock.recv(), raw=False)["op"])
-        finally:
-            sock.close(0)
-        assert set(replies) <= {"error", "recovered"} and "error" in replies, set(replies)
-        assert ask(ranks=[0]) == "served"
-        assert (b.root / "job" / "step-000000000001" / "manifest-r00000.json").exists()
-    finally:
-        for n in (a, b):
-            n.cleanup()
 
 
 # -- bounded answers, and what a load costs each peer ---------------------------------------
@@ -304,8 +272,8 @@ LOADER = textwrap.dedent("""
 
 def test_local_ranks_loading_at_once_fetch_the_share_once_a_node(tmp_path) -> None:
     """Three local rank processes (torchrun, gloo's env) on a node whose root lacks the
-    share: it is read from the peers once (a lock a share in the root), and each
-    process's tensors are bit-exact."""
+    share ask their daemon at once: it reads the share from the peers once (asks for
+    it join one job), and each process's tensors are bit-exact."""
     a_, b_, c_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
     a = _node(tmp_path, "a", a_, [b_], memory="64MiB")
     b = _node(tmp_path, "b", b_, [a_])
@@ -332,6 +300,8 @@ def test_local_ranks_loading_at_once_fetch_the_share_once_a_node(tmp_path) -> No
         read = sum(_diff({}, _served(n), "read")[1] - before[n] for n in (a, b))
         assert share <= read < 2 * share, (read, share)  # once, with its answers' headers
         assert not list((c.root / "job" / "step-000000000001").glob(".fetch-*")), "a lock file was left behind"
+        recovered = _status(c)["peer"]["recovered"]
+        assert recovered["fetched_shares"] == 1 and recovered["failed"] == 0, recovered  # one fetch a node
     finally:
         for n in (a, b, c):
             n.cleanup()
@@ -442,9 +412,9 @@ def test_manifests_beyond_one_answer_are_asked_again(tmp_path, monkeypatch) -> N
         holding.materialize([2])
         assert sorted(p.name for p in (c.root / "job" / "step-000000000001").glob("manifest-*")) == [
             "manifest-r00002.json"]
-        monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
         out = torch.empty(65536)
-        ckptd.load("job", 1, rank=2, out={"w": out})
+        share = holding.manifests[2]
+        holding.read(share, share.tensors, into={"w": out})
         assert torch.equal(out, saved[2][1])
     finally:
         server.close()

@@ -13,16 +13,22 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import Config
 from ..errors import CheckpointError, CheckpointNotFound
 from ..manifest import CheckpointInfo
+from ..transport import wire
+
+if TYPE_CHECKING:
+    from ..tiers.peer_reader import PeerHolding
+    from .replies import Replies
 
 log = logging.getLogger("ckptd.daemon")
 
 WAIT_S = 2.0  # a reader's ask is answered at least this often, done or not
 THREADS = 4
+OPENED_S = 10.0  # a step opened for a reader serves the landing asks that follow this long
 
 Key = tuple[str, int | None, tuple[int, ...] | None, bool]
 
@@ -39,16 +45,17 @@ class Relay:
     """The daemon's ``recover`` jobs, run on ``ckptd-relay`` threads with its own peer
     tier (its key pair); ``answer(now)``, on the main loop, sends what is ready."""
 
-    def __init__(self, config: Config, send: Callable[..., None], wake: Callable[[], None]) -> None:
+    def __init__(self, config: Config, replies: Replies, wake: Callable[[], None]) -> None:
         from ..tiers.peer_reader import PeerTier
 
         self.root = config.root
         self.tier = PeerTier(config, config.root)
-        self._send, self._wake = send, wake
+        self.replies, self._wake = replies, wake
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ckptd-relay")
         self._jobs: dict[Key, _Job] = {}
         self._waiting: list[tuple[bytes, int, _Job, float]] = []
         self._lock = threading.Lock()
+        self._opened: dict[tuple[str, int], tuple[float, PeerHolding]] = {}
         self.counts = {"asks": 0, "joined": 0, "jobs": 0, "failed": 0}
 
     def ask(self, identity: bytes, seq: int, run: str, step: int | None, ranks: list[int] | None,
@@ -80,7 +87,7 @@ class Relay:
             if job.future.done():
                 self._finish(identity, seq, job)
             elif now >= deadline:
-                self._send(identity, "recovered", seq=seq, done=False, info=None, manifests=None,
+                self.replies.send(identity, "recovered", seq=seq, done=False, info=None, manifests=None,
                            progress=f"{_what(job.key)}: asking the peers for {now - job.started:.0f} s")
             else:
                 waiting.append((identity, seq, job, deadline))
@@ -92,11 +99,16 @@ class Relay:
     def _finish(self, identity: bytes, seq: int, job: _Job) -> None:
         exc = job.future.exception()
         if exc is None:
-            self._send(identity, "recovered", seq=seq, done=True, **{"progress": None, **job.future.result()})
-            return
+            header = wire.encode("recovered", seq=seq, done=True, **{"progress": None, **job.future.result()})
+            if len(header) <= wire.MAX_HEADER_BYTES:
+                self.replies.send_encoded(identity, "recovered", header)
+                return
+            exc = CheckpointError(f"the manifests of {_what(job.key)} take {len(header)} bytes, more than a reply "
+                                  f"may ({wire.MAX_HEADER_BYTES}); read it as the daemon's user (ckptd load)")
         if not isinstance(exc, CheckpointError):
             log.error("recover: %s failed: %s: %s", _what(job.key), type(exc).__name__, exc)
-        self._send(identity, "error", seq=seq, step=job.key[1], message=f"recover: {exc}")
+        self.replies.send(identity, "error", seq=seq, step=job.key[1], message=f"recover: {exc}",
+                   code=wire.NOT_FOUND if isinstance(exc, CheckpointNotFound) else None)
 
     def _run(self, key: Key) -> dict[str, Any]:
         """One job: the newest step (``step`` None), a step's manifests (``ranks`` None),
@@ -110,7 +122,7 @@ class Relay:
             if step is None:
                 info = self.tier.latest(run)
                 return {"info": info.to_dict() if info else None, "manifests": None}
-            holding = self.tier.open(run, step)
+            holding = self._open(run, step, again=ranks is None)
             if holding is None:
                 raise CheckpointNotFound(f"run {run!r} step {step} is complete neither in {self.root} nor with "
                                          f"the peers ({', '.join(self.tier.discovery.endpoints)}); "
@@ -128,6 +140,22 @@ class Relay:
             with self._lock:
                 self.counts["failed"] += 1
             raise
+
+    def _open(self, run: str, step: int, *, again: bool) -> PeerHolding | None:
+        """The step as the root and the peers hold it; ``again``: asked of the peers anew,
+        else what a reader's open found a moment ago (its landing asks follow)."""
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, (until, _) in self._opened.items() if until <= now]:
+                del self._opened[key]
+            cached = None if again else self._opened.get((run, step))
+        if cached is not None:
+            return cached[1]
+        holding = self.tier.open(run, step)
+        if holding is not None:
+            with self._lock:
+                self._opened[(run, step)] = (now + OPENED_S, holding)
+        return holding
 
     def figures(self) -> dict[str, Any]:
         """``asks`` received, ``joined`` to a job under way, ``jobs`` run, ``failed``; the

@@ -104,7 +104,7 @@ class Daemon:
         sessions = self.sessions = Sessions(Liveness(cfg.session_timeout), Owners(root), ledger, self.replies,
                                             writer)
         reporter = self.reporter = Reporter(config, self.lifecycle, sessions, ledger, upkeep)
-        self.relay = Relay(config, self.replies.send, self.inbox.pipe.wake) if config.peer.enabled else None
+        self.relay = Relay(config, self.replies, self.inbox.pipe.wake) if config.peer.enabled else None
         reporter.relay = self.relay
         self.handlers = Handlers(config, sessions=sessions, ledger=ledger, replies=self.replies,
                                  lifecycle=self.lifecycle, arenas=self.arenas, writer=writer, upkeep=upkeep,

@@ -81,6 +81,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
 # error codes; an error without a code concerns one message or one step only
 NO_SESSION = "no_session"  # the daemon does not know this producer (it restarted): say hello again
 STOPPING = "stopping"  # the daemon is draining before it exits: no new producers or steps
+NOT_FOUND = "not_found"  # what was asked is not complete anywhere the daemon looked (CheckpointNotFound)
 
 
 def encode(op: str, **fields: Any) -> bytes:
