@@ -96,12 +96,17 @@ def test_a_trainer_holding_no_key_recovers_through_its_daemon_which_refuses_othe
         assert answer == {"readable": [], "step": 2, "tiers": ["peer"], "sha": want}, answer
         assert "WARNING" not in out.stderr, out.stderr
         assert (a.root / "job" / "step-000000000002" / "manifest-r00000.json").exists()
-        recovered = _status(a)["peer"]["recovered"]
+        recovered = _recovered(a)
         assert recovered["fetched_shares"] == 1 and recovered["failed"] == 0, recovered
         _refuses_and_survives(a, [str(load_config(n.config).peer.listen) for n in (a, b)])
     finally:
         for n in (a, b):
             n.cleanup()
+
+
+def _recovered(d: Daemon) -> dict:
+    """What ``d``'s daemon recovered for its readers (status's ``peer.recovered``)."""
+    return request(d.endpoint, wire.encode("status", seq=1), 30)["status"]["peer"]["recovered"]
 
 
 def _recover(d: Daemon, **fields: object) -> str:
@@ -300,7 +305,7 @@ def test_local_ranks_loading_at_once_fetch_the_share_once_a_node(tmp_path) -> No
         read = sum(_diff({}, _served(n), "read")[1] - before[n] for n in (a, b))
         assert share <= read < 2 * share, (read, share)  # once, with its answers' headers
         assert not list((c.root / "job" / "step-000000000001").glob(".fetch-*")), "a lock file was left behind"
-        recovered = _status(c)["peer"]["recovered"]
+        recovered = _recovered(c)
         assert recovered["fetched_shares"] == 1 and recovered["failed"] == 0, recovered  # one fetch a node
     finally:
         for n in (a, b, c):
