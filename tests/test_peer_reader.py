@@ -105,8 +105,8 @@ def test_a_trainer_holding_no_key_recovers_through_its_daemon_which_refuses_othe
 
 
 def _recovered(d: Daemon) -> dict:
-    """What ``d``'s daemon recovered for its readers (status's ``peer.recovered``)."""
-    return request(d.endpoint, wire.encode("status", seq=1), 30)["status"]["peer"]["recovered"]
+    """What ``d``'s daemon recovered for its readers (status's ``recovered``)."""
+    return request(d.endpoint, wire.encode("status", seq=1), 30)["status"]["recovered"]
 
 
 def _recover(d: Daemon, **fields: object) -> str:

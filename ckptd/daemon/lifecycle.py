@@ -186,12 +186,6 @@ class Reporter:
         self._upkeep = upkeep
         self.relay: Relay | None = None  # the peer tier's recoveries for this node's readers
 
-    def _tier_figures(self) -> dict[str, Any]:
-        figures: dict[str, Any] = self._upkeep.tier_figures()
-        if self.relay is not None and isinstance(figures.get("peer"), dict):
-            figures["peer"] = {**figures["peer"], "recovered": self.relay.figures()}
-        return figures
-
     def line(self) -> str:
         """The one line systemd shows (``systemctl status``)."""
         sessions, ledger = self._sessions, self._ledger
@@ -239,6 +233,7 @@ class Reporter:
             "commit_seconds": {"sum": snap["latency"]["sum"], "count": snap["latency"]["count"]},
             "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
             "runs": snap["runs"],
-            **self._tier_figures(),
+            **self._upkeep.tier_figures(),
+            "recovered": self.relay.figures() if self.relay is not None else None,
             "advice": ledger.measuring.all_advice(),
         }

@@ -78,7 +78,6 @@ class Daemon:
         self.sessions: Sessions | None = None
         self.reporter: Reporter | None = None
         self.handlers: Handlers | None = None
-        self.relay: Relay | None = None
 
     def start(self) -> None:
         """Lock the root, clean it, bind. After this the daemon is ready to serve."""
@@ -104,11 +103,10 @@ class Daemon:
         sessions = self.sessions = Sessions(Liveness(cfg.session_timeout), Owners(root), ledger, self.replies,
                                             writer)
         reporter = self.reporter = Reporter(config, self.lifecycle, sessions, ledger, upkeep)
-        self.relay = Relay(config, self.replies, self.inbox.pipe.wake) if config.peer.enabled else None
-        reporter.relay = self.relay
+        relay = reporter.relay = Relay(config, self.replies, self.inbox.pipe.wake) if config.peer.enabled else None
         self.handlers = Handlers(config, sessions=sessions, ledger=ledger, replies=self.replies,
                                  lifecycle=self.lifecycle, arenas=self.arenas, writer=writer, upkeep=upkeep,
-                                 reporter=reporter, relay=self.relay)
+                                 reporter=reporter, relay=relay)
         if cfg.metrics:
             self.lifecycle.metrics = MetricsServer(cfg.metrics, ledger.figures, reporter.live_figures)
         self.lifecycle.install(self.inbox.pipe.write_fd)
@@ -117,9 +115,8 @@ class Daemon:
         self._notify_status("READY=1")
 
     def close(self) -> None:
-        if self.relay is not None:
-            self.relay.close()
-            self.relay = None
+        if self.handlers is not None and self.handlers.relay is not None:
+            self.handlers.relay.close()  # its threads post replies the loop no longer sends
         if self.writer is not None:
             self.writer.close()
             self.writer = None
