@@ -89,7 +89,7 @@ def test_a_trainer_holding_no_key_recovers_through_its_daemon_which_refuses_othe
             os.chmod(path, 0)  # the daemons read theirs at start
         prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
         out = subprocess.run(prefix + [sys.executable, "-c", KEYLESS, *key_files], capture_output=True, text=True,
-                             timeout=120, env=dict(os.environ, CKPTD_CONFIG=str(a.config)))
+                             timeout=300, env=dict(os.environ, CKPTD_CONFIG=str(a.config)))
         assert out.returncode == 0, out.stderr
         answer = json.loads(out.stdout)
         want = hashlib.sha256(saved[2].numpy().tobytes()).hexdigest()
