@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
 from safetensors.torch import load_file
 
 import ckptd
@@ -421,6 +422,16 @@ def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, 
         stranger = Daemon(tmp_path / "mallory", tables={"peer": {"listen": listens[0], "peers": [listens[1]]}},
                           curve_secret_key=str(keys["mallory"]), curve_clients=str(keys["clients"]))
         assert PeerTier(load_config(stranger.config)).discovery.holdings("job") == {}  # valid keys, not admitted
+        from ckptd.peer import messages
+        from ckptd.transport.curve import ClientKeys, load_public, load_secret
+
+        alice = ClientKeys(load_public(keys["server"], "server"), *load_secret(keys["alice"], "alice"), keys["alice"])
+        link = messages.Link(zmq.Context.instance(), listens[1], alice)  # a producer's key: admitted, not served
+        try:
+            with pytest.raises(messages.Refused, match="only a peer daemon's key is served here"):
+                link.request({"op": "steps", "run": "job", "limit": 1}, timeout=30)
+        finally:
+            link.close()
         plain = Daemon(tmp_path / "plain", tables={"peer": {"listen": listens[0], "peers": [listens[1]]}})
         assert PeerTier(load_config(plain.config)).discovery.holdings("job") == {}  # no keys: nothing answers
     finally:
