@@ -428,7 +428,7 @@ def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, 
         alice = ClientKeys(load_public(keys["server"], "server"), *load_secret(keys["alice"], "alice"), keys["alice"])
         link = messages.Link(zmq.Context.instance(), listens[1], alice)  # a producer's key: admitted, not served
         try:
-            with pytest.raises(messages.Refused, match="only a peer daemon's key is served here"):
+            with pytest.raises(messages.PeerRefused, match="only a peer daemon's key is served here"):
                 link.request({"op": "steps", "run": "job", "limit": 1}, timeout=30)
         finally:
             link.close()
