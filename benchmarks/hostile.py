@@ -46,6 +46,20 @@ def pack(op: Any, **fields: Any) -> bytes:
     return msgpack.packb({"op": op, **fields}, use_bin_type=True)
 
 
+def recover(rng: random.Random, seq: int, root: str = "/nonexistent") -> bytes:
+    """A ``recover`` (a reader's ask for a step the peers hold), its fields often hostile:
+    runs that are no run id, steps and ranks beyond anything held, roots not the daemon's."""
+    fields: dict[str, Any] = {
+        "seq": seq, "run": rng.choice(["fzv", "fzv", "../etc", "", ".x", "x" * 200, "a/b"]),
+        "step": rng.choice([None, 0, 1, 7, 10**13, 2**63 - 1]),
+        "ranks": rng.choice([None, [], [0], [0, 0, 1], [2**63 - 1], list(range(rng.randrange(1, 2000)))]),
+        "root": rng.choice([root, root, "/", "", "x" * 300, root + "/../etc"]),
+        "memory": rng.choice([None, False, True])}
+    for key in rng.sample(sorted(fields), rng.randrange(0, 2)):
+        fields[key] = _junk(rng)
+    return pack("recover", **fields)
+
+
 @dataclass(eq=False)
 class Peer:
     sock: zmq.Socket
@@ -238,7 +252,7 @@ class Fuzzer:
     def _any_valid(self, peer: Peer) -> list[bytes]:
         """A well-formed message of a random op (to be damaged by the caller)."""
         rng, step = self.rng, peer.step + 1
-        op = rng.choice(["hello", "tensor", "commit", "abort", "ping", "latest", "status", "bye"])
+        op = rng.choice(["hello", "tensor", "commit", "abort", "ping", "latest", "status", "bye", "recover"])
         if op == "hello":
             return [wire.encode("hello", v=1, run="fzv", rank=0, world_size=1, pid=1, host="h",
                                 retention=None, format=None)]
@@ -251,6 +265,8 @@ class Fuzzer:
             return [pack("abort", seq=peer.next_seq(), step=step, reason="r")]
         if op == "latest":
             return [pack("latest", seq=peer.next_seq(), run="fzv")]
+        if op == "recover":
+            return [recover(rng, peer.next_seq())]
         if op == "bye":
             return [pack("bye")]
         return [pack(op, seq=peer.next_seq())]

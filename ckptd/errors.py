@@ -1,6 +1,6 @@
 """Every exception ckptd raises on purpose, in one place: ``CheckpointError`` and its
 kinds (``CheckpointNotFound``, ``CheckpointCorrupt``, ``ProtocolError``, ``TierUnavailable``,
-``RemoteError``, ``RemoteAuthError``), and ``ConfigError`` (a ``ValueError``) for a bad config key.
+``DaemonUnreachable``, ``RemoteError``, ``RemoteAuthError``), and ``ConfigError`` (a ``ValueError``) for a bad config key.
 
 Bad arguments are plain ``ValueError``; values ckptd cannot store are ``TypeError``.
 The rest are signals between ckptd's own parts, turned into one of the above (or a
@@ -29,6 +29,10 @@ class ProtocolError(CheckpointError):
 
 class TierUnavailable(CheckpointError):
     """A tier cannot be reached; each tier maps its own errors to this at its edge."""
+
+
+class DaemonUnreachable(CheckpointError):
+    """No ckptd daemon answers at the endpoint asked."""
 
 
 class RemoteError(CheckpointError):

@@ -38,6 +38,9 @@ VALUES = {
                      max_size=3),
     # a commit's tiers: at most 16 names of at most 64 characters
     "names": st.lists(st.text(max_size=64), max_size=16),
+    # a ``recover``'s ranks, a ``recovered``'s manifests
+    "ints": st.lists(st.integers(0, 2**63 - 1), max_size=4),
+    "bins": st.lists(st.binary(max_size=8), max_size=3),
     # a ``tensors`` batch: [name, dtype, shape, nbytes, numpy, offset] items
     "batch": st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6), st.lists(st.integers(0, 2**63 - 1), max_size=4),
                                 st.integers(0, 2**63 - 1), st.booleans(), st.integers(0, 2**63 - 1)).map(list),
@@ -71,6 +74,10 @@ def conforms(kind: str, v: object) -> bool:
         return type(v) is list and all(type(m) is dict for m in v)
     if kind == "names":
         return type(v) is list and len(v) <= 16 and all(type(n) is str and len(n) <= 64 for n in v)
+    if kind == "ints":
+        return type(v) is list and all(conforms("int", i) for i in v)
+    if kind == "bins":
+        return type(v) is list and all(type(b) is bytes for b in v)
     if kind == "shape":
         return type(v) is list and len(v) <= 64 and all(type(d) is int and 0 <= d < 2**63 for d in v)
     if kind == "batch":

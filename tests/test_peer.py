@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
 from safetensors.torch import load_file
 
 import ckptd
@@ -207,15 +208,13 @@ def test_a_damaged_replica_is_skipped_for_the_next(tmp_path, monkeypatch, caplog
         shutil.rmtree(nodes[0].root)
         nodes[0].start()
         monkeypatch.setenv("CKPTD_CONFIG", str(nodes[0].config))
-        with caplog.at_level("WARNING", logger="ckptd.peer"):
-            state = ckptd.load("job", 1)
+        state = ckptd.load("job", 1)  # the node's daemon fetches it: the bad copy, then the good one
         assert torch.equal(state["w"], saved[1])
-        assert f"from {listens[1]} (memory) not used" in caplog.text and "does not match its checksum" in caplog.text
+        log = nodes[0].log_text()
+        assert f"from {listens[1]} (memory) not used" in log and "does not match its checksum" in log, log
         out = torch.zeros_like(saved[1])
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="ckptd.peer"):  # load(out=): the bad copy's bytes overwritten
-            assert ckptd.load("job", 1, out={"w": out})["w"].data_ptr() == out.data_ptr()
-        assert torch.equal(out, saved[1]) and "does not match its checksum" in caplog.text
+        assert ckptd.load("job", 1, out={"w": out})["w"].data_ptr() == out.data_ptr()
+        assert torch.equal(out, saved[1])
         assert ckptd.load("job", 1, verify=True)["step"] == 1  # what was written is the good copy
     finally:
         for n in nodes:
@@ -420,8 +419,19 @@ def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, 
         a.start()
         monkeypatch.setenv("CKPTD_CONFIG", str(a.config))  # a reader with admitted keys
         assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
-        stranger = PeerTier(load_config(node(0, "mallory").config))  # valid keys, not admitted
-        assert stranger.discovery.holdings("job") == {}
+        stranger = Daemon(tmp_path / "mallory", tables={"peer": {"listen": listens[0], "peers": [listens[1]]}},
+                          curve_secret_key=str(keys["mallory"]), curve_clients=str(keys["clients"]))
+        assert PeerTier(load_config(stranger.config)).discovery.holdings("job") == {}  # valid keys, not admitted
+        from ckptd.peer import messages
+        from ckptd.transport.curve import ClientKeys, load_public, load_secret
+
+        alice = ClientKeys(load_public(keys["server"], "server"), *load_secret(keys["alice"], "alice"), keys["alice"])
+        link = messages.Link(zmq.Context.instance(), listens[1], alice)  # a producer's key: admitted, not served
+        try:
+            with pytest.raises(messages.PeerRefused, match="only a peer daemon's key is served here"):
+                link.request({"op": "steps", "run": "job", "limit": 1}, timeout=30)
+        finally:
+            link.close()
         plain = Daemon(tmp_path / "plain", tables={"peer": {"listen": listens[0], "peers": [listens[1]]}})
         assert PeerTier(load_config(plain.config)).discovery.holdings("job") == {}  # no keys: nothing answers
     finally:
@@ -444,22 +454,19 @@ def test_a_lost_node_with_several_ranks_fetches_their_shares_from_several_peers(
         shutil.rmtree(nodes[0].root)
         nodes[0].start()
         monkeypatch.setenv("CKPTD_CONFIG", str(nodes[0].config))
-        with caplog.at_level("INFO", logger="ckptd.peer"):
-            for r in range(3):
-                assert torch.equal(ckptd.load("job", 1, rank=r)["w"], saved[r][1])  # from memory, not the root
-            assert not (nodes[0].root / "job").exists()
-            out = torch.empty(65536)
-            got = ckptd.load("job", 1, rank=2, out={"w": out})  # from memory straight into out
-            assert got["w"].data_ptr() == out.data_ptr() and torch.equal(out, saved[2][1])
-            assert not (nodes[0].root / "job").exists()
-            mapped = ckptd.load("job", 1, rank=2, mmap=True)  # maps local files: that share comes in first, alone
-            assert torch.equal(mapped["w"], saved[2][1])
-            step_dir = nodes[0].root / "job" / "step-000000000001"
-            assert sorted(p.name for p in step_dir.glob("manifest-*")) == ["manifest-r00002.json"]
-            whole = ckptd.load("job", 1)  # the whole state reads every share: the other two come in
-            assert torch.equal(whole["w"], saved[0][1])  # a tensor every rank saved: rank 0's
-        sources = {line.split(" from ")[1].split()[0] for line in caplog.text.splitlines() if "fetched from" in line}
-        assert len([1 for line in caplog.text.splitlines() if "fetched from" in line]) == 3, caplog.text
+        step_dir = nodes[0].root / "job" / "step-000000000001"
+        for r in range(3):  # the daemon lands each share as a rank asks for it, and only that one
+            assert torch.equal(ckptd.load("job", 1, rank=r)["w"], saved[r][1])
+            assert sorted(p.name for p in step_dir.glob("manifest-*")) == [f"manifest-r{i:05d}.json"
+                                                                           for i in range(r + 1)]
+        out = torch.empty(65536)
+        got = ckptd.load("job", 1, rank=2, out={"w": out})
+        assert got["w"].data_ptr() == out.data_ptr() and torch.equal(out, saved[2][1])
+        assert torch.equal(ckptd.load("job", 1, rank=2, mmap=True)["w"], saved[2][1])
+        assert torch.equal(ckptd.load("job", 1)["w"], saved[0][1])  # a tensor every rank saved: rank 0's
+        fetched = [line for line in nodes[0].log_text().splitlines() if "fetched from" in line]
+        sources = {line.split(" fetched from ")[1].split()[0] for line in fetched}
+        assert len(fetched) == 3, fetched
         # each rank from its own first partner: fanned in from every peer that the ranks' orders start with
         firsts = {partners.order(listens[1:], "job", r, me=listens[0])[0] for r in range(3)}
         assert sources == firsts, (sources, firsts)

@@ -1,10 +1,13 @@
-"""The reader's side of the peer tier (docs/tiers.md, "Recovery"): the keys a training
-process presents to its peers, with real daemons on 127.0.0.1 standing for nodes."""
+"""The reader's side of the peer tier (docs/tiers.md, "Recovery"): a training process
+asks its node's daemon, which alone holds a key to the peers; real daemons on
+127.0.0.1 stand for nodes."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import random
 import os
 import shutil
 import signal
@@ -22,10 +25,13 @@ import zmq
 
 import ckptd
 from ckptd.config import load as load_config
+from ckptd.errors import CheckpointError
 from ckptd.layout import is_data_file
 from ckptd.peer.backoff import Backoff
 from ckptd.peer import messages
 from ckptd.tiers.peer_reader import PeerTier
+from ckptd.transport import wire
+from ckptd.transport.oneshot import request
 from conftest import Daemon, free_port
 from test_peer import _held, _save, _status, _wait
 from test_peer_fuzz import node_keys
@@ -44,11 +50,32 @@ def _keyed_pair(tmp_path, **producer: object) -> tuple[Daemon, Daemon, dict[str,
     return nodes[0], nodes[1], {str(n.config): secrets[listen] for n, listen in zip(nodes, listens)}
 
 
-def test_a_lost_node_recovers_from_its_peer_under_per_node_keys(tmp_path, keys, monkeypatch) -> None:
-    """With [peer] curve_peers the peer port admits only the nodes' keys: the reader
-    presents its node's daemon key pair, even where the config also names a
-    producer's keys (which that port refuses)."""
-    a, b, _ = _keyed_pair(tmp_path, curve_server_key=str(keys["server"]), curve_secret_key=str(keys["alice"]))
+KEYLESS = textwrap.dedent("""
+    import hashlib, json, logging, sys
+    import ckptd
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    readable = []
+    for path in sys.argv[1:]:
+        try:
+            open(path, "rb").close()
+            readable.append(path)
+        except PermissionError:
+            pass
+    info = ckptd.latest("job")
+    w = ckptd.load("job", info.step)["w"]
+    print(json.dumps({"readable": readable, "step": info.step, "tiers": list(info.tiers),
+                      "sha": hashlib.sha256(w.numpy().tobytes()).hexdigest()}))
+""")
+
+
+def test_a_trainer_holding_no_key_recovers_through_its_daemon_which_refuses_other_users(tmp_path) -> None:
+    """A training process that can read no key file at all (root without the capabilities
+    that pass file permissions, every key 0000): its node's daemon, restarted on an empty
+    root, asks the peer with its own key and lands the share in its root; the process
+    reads it there, bit-exact, with no warning. Then ``recover`` on that daemon: a run
+    another Unix user owns is refused; a step or rank nobody holds is an error naming
+    the peers asked; hostile asks get an error reply each, and the daemon serves on."""
+    a, b, _ = _keyed_pair(tmp_path)
     try:
         a.start()
         b.start()
@@ -57,51 +84,90 @@ def test_a_lost_node_recovers_from_its_peer_under_per_node_keys(tmp_path, keys, 
         a.kill()
         shutil.rmtree(a.root)
         a.start()
-        monkeypatch.setenv("CKPTD_CONFIG", str(a.config))
-        info = ckptd.latest("job")
-        assert info is not None and info.step == 2, info
-        state = ckptd.load("job")
-        assert state["step"] == 2 and torch.equal(state["w"], saved[2])
-    finally:
-        for n in (a, b):
-            n.cleanup()
-
-
-READER = textwrap.dedent("""
-    import json, logging, sys
-    import ckptd
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    first, again = ckptd.latest("job"), ckptd.latest("job")
-    w = ckptd.load("job", first.step)["w"]
-    print(json.dumps({"steps": [first.step, again.step], "tiers": list(first.tiers), "w0": float(w[0])}))
-""")
-
-
-def test_an_unreadable_daemon_key_leaves_the_peers_out_with_one_warning(tmp_path) -> None:
-    """A training process that cannot read its node's daemon key: ``latest`` answers
-    from the local root, and one WARNING names the file and what to do."""
-    a, b, secrets = _keyed_pair(tmp_path)
-    try:
-        a.start()
-        b.start()
-        saved = _save(a, range(1, 3))
-        _wait(lambda: _held(b).get((2, 0)) == "memory", "A's newest share held by B")
-        secret = secrets[str(a.config)]
-        os.chmod(secret, 0)  # the daemon read it at start; a reader of another user cannot
-        # root reads any file: drop the capability that lets it, as an ordinary user lacks it
+        key_files = sorted(str(p) for p in (tmp_path / "nodekeys").rglob("*") if p.is_file())
+        for path in key_files:
+            os.chmod(path, 0)  # the daemons read theirs at start
         prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
-        out = subprocess.run(prefix + [sys.executable, "-c", READER], capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ, CKPTD_CONFIG=str(a.config)))
+        out = subprocess.run(prefix + [sys.executable, "-c", KEYLESS, *key_files], capture_output=True, text=True,
+                             timeout=300, env=dict(os.environ, CKPTD_CONFIG=str(a.config)))
         assert out.returncode == 0, out.stderr
         answer = json.loads(out.stdout)
-        assert answer == {"steps": [2, 2], "tiers": ["local"], "w0": float(saved[2][0])}, answer
-        warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
-        assert len(warnings) == 1, out.stderr
-        assert str(secret) in warnings[0] and "run it as the daemon's user" in warnings[0], warnings
-        assert "chmod 640" in warnings[0] and "docs/security.md" in warnings[0], warnings
+        want = hashlib.sha256(saved[2].numpy().tobytes()).hexdigest()
+        assert answer == {"readable": [], "step": 2, "tiers": ["peer"], "sha": want}, answer
+        assert "WARNING" not in out.stderr, out.stderr
+        assert (a.root / "job" / "step-000000000002" / "manifest-r00000.json").exists()
+        recovered = _recovered(a)
+        assert recovered["fetched_shares"] == 1 and recovered["failed"] == 0, recovered
+        _refuses_and_survives(a, [str(load_config(n.config).peer.listen) for n in (a, b)])
     finally:
         for n in (a, b):
             n.cleanup()
+
+
+def _recovered(d: Daemon) -> dict:
+    """What ``d``'s daemon recovered for its readers (status's ``recovered``)."""
+    return request(d.endpoint, wire.encode("status", seq=1), 30)["status"]["recovered"]
+
+
+def _recover(d: Daemon, **fields: object) -> str:
+    """"served", or the error ``recover`` with these fields (the rest: rank 0 of step 1) got."""
+    header = dict({"seq": 1, "run": "job", "step": 1, "ranks": [0], "root": str(d.root), "memory": None}, **fields)
+    try:
+        while not request(d.endpoint, wire.encode("recover", **header), 30)["done"]:
+            pass  # under way: the daemon answers every few seconds, and is asked again
+    except CheckpointError as exc:
+        return str(exc)
+    return "served"
+
+
+def _refuses_and_survives(d: Daemon, listens: list[str]) -> None:
+    os.chmod(d.sock_dir, 0o750)
+    (d.root / "other").mkdir()
+    (d.root / "other" / ".owner").write_text("uid:65534\n")
+    out = subprocess.run([sys.executable, "-c", AS_OTHER_USER, d.endpoint, str(d.root), "65533"],
+                         capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    refused = out.stdout.strip()
+    assert refused.startswith("refused:") and "run 'other' belongs to Unix user 65534" in refused, refused
+    missing = _recover(d, step=9)
+    assert "run 'job' step 9 is complete neither in" in missing and all(e in missing for e in listens), missing
+    assert "has 1 ranks: no rank [3]" in _recover(d, step=2, ranks=[3])
+    assert "lands the peers' shares in its root" in _recover(d, root=str(d.root.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from hostile import recover
+
+    rng = random.Random(5)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        for i in range(150):
+            sock.send(recover(rng, i, str(d.root)))
+        replies = []
+        while len(replies) < 150:
+            assert sock.poll(30_000), f"{len(replies)} of 150 hostile asks answered"
+            replies.append(msgpack.unpackb(sock.recv(), raw=False)["op"])
+    finally:
+        sock.close(0)
+    assert set(replies) <= {"error", "recovered"} and "error" in replies, set(replies)
+    assert _recover(d, step=2) == "served"
+
+
+AS_OTHER_USER = textwrap.dedent("""
+    import os, sys
+    from ckptd.transport import wire
+    from ckptd.transport.oneshot import request
+    from ckptd.errors import CheckpointError
+    endpoint, root, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    os.setgroups([0])  # imports first, then become that user (group 0 reaches the socket)
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    try:
+        request(endpoint, wire.encode("recover", seq=1, run="other", step=1, ranks=[0], root=root, memory=None), 30)
+        print("served")
+    except CheckpointError as exc:
+        print("refused:", exc)
+""")
 
 
 # -- bounded answers, and what a load costs each peer ---------------------------------------
@@ -211,8 +277,8 @@ LOADER = textwrap.dedent("""
 
 def test_local_ranks_loading_at_once_fetch_the_share_once_a_node(tmp_path) -> None:
     """Three local rank processes (torchrun, gloo's env) on a node whose root lacks the
-    share: it is read from the peers once (a lock a share in the root), and each
-    process's tensors are bit-exact."""
+    share ask their daemon at once: it reads the share from the peers once (asks for
+    it join one job), and each process's tensors are bit-exact."""
     a_, b_, c_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
     a = _node(tmp_path, "a", a_, [b_], memory="64MiB")
     b = _node(tmp_path, "b", b_, [a_])
@@ -239,6 +305,8 @@ def test_local_ranks_loading_at_once_fetch_the_share_once_a_node(tmp_path) -> No
         read = sum(_diff({}, _served(n), "read")[1] - before[n] for n in (a, b))
         assert share <= read < 2 * share, (read, share)  # once, with its answers' headers
         assert not list((c.root / "job" / "step-000000000001").glob(".fetch-*")), "a lock file was left behind"
+        recovered = _recovered(c)
+        assert recovered["fetched_shares"] == 1 and recovered["failed"] == 0, recovered  # one fetch a node
     finally:
         for n in (a, b, c):
             n.cleanup()
@@ -349,9 +417,9 @@ def test_manifests_beyond_one_answer_are_asked_again(tmp_path, monkeypatch) -> N
         holding.materialize([2])
         assert sorted(p.name for p in (c.root / "job" / "step-000000000001").glob("manifest-*")) == [
             "manifest-r00002.json"]
-        monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
         out = torch.empty(65536)
-        ckptd.load("job", 1, rank=2, out={"w": out})
+        share = holding.manifests[2]
+        holding.read(share, share.tensors, into={"w": out})
         assert torch.equal(out, saved[2][1])
     finally:
         server.close()

@@ -21,7 +21,7 @@ from .. import retention, state as state_mod, units
 from ..transport import wire
 from ..attempt import check_attempt
 from ..config import FORMATS, ConfigError
-from ..errors import ProtocolError
+from ..errors import CheckpointError, ProtocolError
 from ..names import check_rank, check_run, check_step
 from .assembly import OpenStep, StepError
 from .attempts import resave
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .arenas import Arenas
     from .ledger import Ledger
     from .lifecycle import Lifecycle, Reporter
+    from .relay import Relay
     from .replies import Replies
     from .upkeep import Upkeep
     from .writer import Writer
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptd.daemon")
 
-SESSIONLESS = frozenset({"hello", "latest", "list", "status"})
+SESSIONLESS = frozenset({"hello", "latest", "list", "status", "recover"})
 IN_SESSION = frozenset({"ping", "tensor", "tensors", "same", "commit", "abort", "drain", "bye"})
 # How long `latest` waits for the commits of its run under way (every byte received,
 # the fsyncs left): a job restarted right after handing over its last save must see
@@ -58,7 +59,7 @@ class Handlers:
 
     def __init__(self, config: Config, *, sessions: Sessions, ledger: Ledger, replies: Replies,
                  lifecycle: Lifecycle, arenas: Arenas, writer: Writer, upkeep: Upkeep,
-                 reporter: Reporter) -> None:
+                 reporter: Reporter, relay: Relay | None = None) -> None:
         self.cfg = config.daemon
         self.root = config.root
         self.sessions = sessions
@@ -69,6 +70,7 @@ class Handlers:
         self.writer = writer
         self.upkeep = upkeep
         self.reporter = reporter
+        self.relay = relay
         self._settling: list[tuple[bytes, int, str, float]] = []
 
     def dispatch(self, frames: list[zmq.Frame]) -> None:
@@ -148,14 +150,19 @@ class Handlers:
             if other.run == h["run"] and other.world_size != h["world_size"] and other.identity != identity:
                 raise ProtocolError(f"run {h['run']!r} already has producers with world_size "
                                     f"{other.world_size}, not {h['world_size']}")
-        if not self.cfg.shared_runs:
-            try:
-                self.sessions.owners.check(h["run"], principal(frame, tcp=not self.replies.local))
-            except NotOwner as exc:
-                raise ProtocolError(str(exc)) from None
-            except OSError as exc:
-                raise ProtocolError(f"cannot tell who owns run {h['run']!r}: {exc}") from None
+        self._check_owner(h["run"], frame)
         return fmt
+
+    def _check_owner(self, run: str, frame: zmq.Frame) -> None:
+        """Refuse (ProtocolError) a sender that may not use ``run`` (docs/security.md)."""
+        if self.cfg.shared_runs:
+            return
+        try:
+            self.sessions.owners.check(run, principal(frame, tcp=not self.replies.local))
+        except NotOwner as exc:
+            raise ProtocolError(str(exc)) from None
+        except OSError as exc:
+            raise ProtocolError(f"cannot tell who owns run {run!r}: {exc}") from None
 
     def _replace_sessions(self, identity: bytes, h: dict[str, Any]) -> None:
         """End this identity's earlier session, and the one of a process that held its rank."""
@@ -190,13 +197,34 @@ class Handlers:
         info = self.upkeep.latest(run)
         self.replies.send(identity, "answer", seq=seq, info=info.to_dict() if info else None)
 
+    def on_recover(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
+        """A reader on this node asks for a step the peers hold (``Relay``), for a run it owns."""
+        try:
+            check_run(h["run"])
+            if h["step"] is not None:
+                check_step(h["step"])
+        except ValueError as exc:
+            raise ProtocolError(f"recover: {exc}") from None
+        if self.relay is None:
+            raise ProtocolError("recover: this daemon has no [peer] table, so no peer holds its shares")
+        self._check_owner(h["run"], frame)
+        try:
+            self.relay.ask(identity, h["seq"], h["run"], h["step"], h["ranks"], h["root"], bool(h["memory"]))
+        except CheckpointError as exc:
+            raise ProtocolError(str(exc)) from None
+
     def settle_deadline(self) -> float | None:
-        """When the first `latest` that waits for commits is answered anyway, if any waits."""
-        return min(q[3] for q in self._settling) if self._settling else None
+        """When the first `latest` that waits for commits, or reader that waits for the
+        peers (``Relay``), is answered anyway, if any waits."""
+        due = [q[3] for q in self._settling]
+        relay = self.relay.deadline() if self.relay is not None else None
+        return min(due + ([relay] if relay is not None else []), default=None)
 
     def answer_settled(self, now: float, *, every: bool = False) -> None:
         """Answer each `latest` whose run has no commit under way any more, or that has
         waited ``SETTLE_S``; ``every``: all of them (stopping)."""
+        if self.relay is not None:
+            self.relay.answer(now)
         waiting = []
         for identity, seq, run, deadline in self._settling:
             if every or not self.ledger.committing(run) or now >= deadline:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from .ledger import Ledger
     from .metrics import MetricsServer
+    from .relay import Relay
     from .sessions import Sessions
     from .upkeep import Upkeep
 
@@ -183,6 +184,7 @@ class Reporter:
         self._sessions = sessions
         self._ledger = ledger
         self._upkeep = upkeep
+        self.relay: Relay | None = None  # the peer tier's recoveries for this node's readers
 
     def line(self) -> str:
         """The one line systemd shows (``systemctl status``)."""
@@ -232,5 +234,6 @@ class Reporter:
             "last_commit": snap["last_commit"], "recent_commits": snap["recent"],
             "runs": snap["runs"],
             **self._upkeep.tier_figures(),
+            "recovered": self.relay.figures() if self.relay is not None else None,
             "advice": ledger.measuring.all_advice(),
         }

@@ -35,6 +35,7 @@ from .metrics import Figures, MetricsServer
 from .notify import use_journal_priorities
 from .owners import Owners
 from .recovery import remove_orphans
+from .relay import Relay
 from .replies import Replies
 from .sessions import Sessions
 from .share import Result
@@ -105,9 +106,10 @@ class Daemon:
         sessions = self.sessions = Sessions(Liveness(cfg.session_timeout), Owners(root), ledger, self.replies,
                                             writer)
         reporter = self.reporter = Reporter(config, self.lifecycle, sessions, ledger, upkeep)
+        relay = reporter.relay = Relay(config, self.replies, self.inbox.pipe.wake) if config.peer.enabled else None
         self.handlers = Handlers(config, sessions=sessions, ledger=ledger, replies=self.replies,
                                  lifecycle=self.lifecycle, arenas=self.arenas, writer=writer, upkeep=upkeep,
-                                 reporter=reporter)
+                                 reporter=reporter, relay=relay)
         if cfg.metrics:
             self.lifecycle.metrics = MetricsServer(cfg.metrics, ledger.figures, reporter.live_figures)
         self.lifecycle.install(self.inbox.pipe.write_fd)
@@ -116,6 +118,8 @@ class Daemon:
         self._notify_status("READY=1")
 
     def close(self) -> None:
+        if self.handlers is not None and self.handlers.relay is not None:
+            self.handlers.relay.close()  # its threads post replies the loop no longer sends
         if self.writer is not None:
             self.writer.close()
             self.writer = None

@@ -2,7 +2,7 @@
 the peer port (docs/security.md). With ``[peer] curve_peers`` each node has its own key
 pair and the port admits only the nodes' keys, each named for its ``listen``
 (``key_name``); without it, one key pair shared by every node, of which only the daemon
-key may write (``offer``, ``part``, ``done``, ``drop``). Without keys, a ``listen`` off
+key is served (a producer's key only pings). Without keys, a ``listen`` off
 loopback is refused unless ``[peer] allow_plaintext = true``. Start at ``PeerKeys``.
 """
 
@@ -53,7 +53,7 @@ class PeerCurveServer(CurveServer):
 
     def may_write(self, user: str | None) -> bool:
         """Whether the sender with CurveZMQ User-Id ``user`` (its Z85 public key) may
-        write replicas: a peer daemon's key, never a producer's."""
+        read and write replicas: a peer daemon's key, never a producer's."""
         if not self.enabled:
             return True  # plaintext: loopback, or allow_plaintext
         if user is None:
@@ -101,7 +101,7 @@ def daemon_curve(config: Config) -> tuple[PeerCurveServer | None, ClientKeys | P
         raise ConfigError("[peer] with [daemon] curve_secret_key needs [peer] curve_peers: a folder of every node's "
                           "public key named HOST-PORT.key for its [peer] listen (docs/tiers.md, \"Keys\")")
     log.warning("[peer] curve_peers is not set: the nodes share one key pair and the peer port admits the keys in "
-                "[daemon] curve_clients (producers may read, only the shared key may write); give each node its "
+                "[daemon] curve_clients (only the shared key is served); give each node its "
                 "own key pair and set [peer] curve_peers (docs/tiers.md, \"Keys\")")
     return PeerCurveServer(p.listen, public, secret, clients, shared=True), ClientKeys(public, public, secret, path)
 

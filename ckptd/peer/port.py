@@ -169,6 +169,9 @@ class PeerServer:
             self._send(ident, _answer(reply[0], request, rid), reply[1])
 
     def _dispatch(self, ident: bytes, request: Request, user: str | None) -> Reply:
+        if request.op != "ping" and self.curve is not None and not self.curve.may_write(user):
+            raise NotYours(f"{request.op}: only a peer daemon's key is served here, not {user or 'an unknown key'}; "
+                           "a training process asks its node's daemon (docs/tiers.md, \"Recovery\")")
         if request.op in ("read", "manifests"):
             self.backlog.check(ident)
         handler: Callable[[Request, str | None], Reply] = getattr(self, f"on_{request.op}")

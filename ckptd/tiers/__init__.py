@@ -1,6 +1,6 @@
 """The tiers: every place a share can be, behind ``base``'s protocols, in one chain
-built from the config: ``local`` (the root), ``peer_reader`` / ``peer`` (the peers'
-memory, the readers' and the daemon's parts), ``bucket`` (the object store). Readers
+built from the config: ``local`` (the root), ``peer_relay`` / ``peer`` (the peers'
+memory, the readers' part through the daemon and the daemon's own), ``bucket`` (the object store). Readers
 loop over ``chain``, the daemon over ``copy_targets``; neither names a tier. A fourth
 tier is one module here, one line in ``chain`` and, if the daemon copies to it, in
 ``_COPIED_TO``.
@@ -41,14 +41,13 @@ def chain(config: Config | None = None, *, root: str | os.PathLike[str] | None =
 
 
 def _peers(config: Config, base: Path) -> Tier:
-    """One peer tier a process per config and root: what it learns of dead peers and of
-    the newest step serves the calls that follow. Its reader (ZeroMQ's) is imported only
-    with ``[peer]``: every `ckptd` command would pay for it otherwise."""
-    from .peer_reader import PeerTier
+    """One peer tier a process per config and root: a reader asks its node's daemon,
+    which alone holds a key to the peers (``peer_relay``)."""
+    from .peer_relay import RelayTier
 
-    key = (repr(config), str(base), os.getpid())  # a forked child asks with its own sockets
+    key = (repr(config), str(base), os.getpid())
     if key not in _PEER_TIERS:
-        _PEER_TIERS[key] = PeerTier(config, base)
+        _PEER_TIERS[key] = RelayTier(config, base)
     return _PEER_TIERS[key]
 
 

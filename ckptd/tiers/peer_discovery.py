@@ -1,4 +1,4 @@
-"""Who holds what of a run among the peers (``PeerDiscovery``, owned by a ``PeerTier``):
+"""Who holds what of a run among the peers (``PeerDiscovery``, owned by the daemon's ``PeerTier``):
 one small ``steps`` summary from every peer at once, then the manifests of only the
 shares the root lacks, one holder a rank. A peer that does not answer is backed off;
 what ``latest`` learnt serves the ``open`` that follows. Start at ``resolve``.
@@ -23,7 +23,6 @@ from ..manifest import Manifest
 from ..peer import messages
 from ..peer.asking import ask_all
 from ..peer.backoff import Backoff
-from ..transport.curve import client_keys
 from .landing import read_share
 
 log = logging.getLogger("ckptd.peer")
@@ -51,25 +50,12 @@ Summary = dict[int, dict[int, list[Seen]]]
 
 
 def reader_keys(config: Config) -> Any:
-    """A reader's CurveZMQ keys for the peers: with ``[peer] curve_peers``, this node's
-    daemon key pair (the peer port admits only the nodes' keys); else the ``[producer]``
-    keys where set, else the shared daemon key pair; None for plain TCP. ConfigError
-    naming the key file this process cannot read, and what to do."""
-    p, d = config.producer, config.daemon
-    if config.peer.curve_peers or not (p.curve_server_key and p.curve_secret_key):
-        if not d.curve_secret_key:
-            return None
-        from ..peer.keys import daemon_curve
+    """The keys the daemon asks its peers with: its own key pair (``daemon_curve``), the
+    only one the peer port admits for reading; None for plain TCP. A reader in a
+    training process holds none: it asks its daemon (``peer_relay``)."""
+    from ..peer.keys import daemon_curve
 
-        try:
-            return daemon_curve(config)[1]
-        except ConfigError as exc:
-            raise ConfigError(
-                f"cannot reach the peer tier with CurveZMQ: {exc}. A reader presents this node's daemon key "
-                f"pair ([daemon] curve_secret_key {config.resolve_path(d.curve_secret_key)}): run it as the "
-                "daemon's user, or make the key readable by the training processes' group (chgrp GROUP FILE; "
-                "chmod 640 FILE; docs/security.md)") from None
-    return client_keys(config.peer.listen, config)
+    return daemon_curve(config)[1]
 
 
 class PeerDiscovery:

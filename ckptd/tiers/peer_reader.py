@@ -1,6 +1,6 @@
-"""The peer tier as readers see it (``PeerTier``; imported only with ``[peer]``: it
-imports ZeroMQ): a step is complete when every rank's share is in the local root or
-with some peer. Who holds what is ``peer_discovery``, the bytes ``peer_transfer``,
+"""The peer tier as the daemon reads it with its key (``PeerTier``, for retention and for
+its node's readers' ``recover``; it imports ZeroMQ): a step is complete when every
+rank's share is in the local root or with some peer. Who holds what is ``peer_discovery``, the bytes ``peer_transfer``,
 their landing in the root ``landing``. Start at ``PeerTier.open``.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -46,6 +47,13 @@ class PeerTier:
         self.base = base or config.root
         self.ctx: zmq.Context = zmq.Context.instance()
         self.discovery = PeerDiscovery(config, self.ctx, silent)
+        self.fetched = {"fetched_shares": 0, "fetched_bytes": 0}  # landed in the root from the peers
+        self._counting = threading.Lock()
+
+    def count_fetched(self, nbytes: int) -> None:
+        with self._counting:
+            self.fetched["fetched_shares"] += 1
+            self.fetched["fetched_bytes"] += nbytes
 
     @functools.cached_property
     def transfer(self) -> PeerTransfer:
@@ -89,7 +97,7 @@ class PeerTier:
         info = step_info(step, nowhere, self.discovery.resolve(run, step, nowhere, memory))
         have = sorted(memory)
         return info, lambda timeout: (
-            f"step {step} of run {run!r} has no replica in a peer's memory for every rank after {timeout:g} s: "
+            f"after {timeout:g} s, step {step} of run {run!r} has no replica in a peer's memory for every rank: "
             f"rank(s) {have or 'none'} have one (see `ckptd status`: peer.under_replicated, peer.down)")
 
 
@@ -148,8 +156,10 @@ class PeerHolding:
             self._land(missing[0])
         lacking = [r for r in missing if landing.read_share(self.path, r) is None]
         if lacking:
+            asked = sorted({e for r in lacking for e, _, _ in self.held.get((self.step, r), [])})
             raise CheckpointNotFound(f"run {self.run!r} step {self.step}: no peer served a good copy of rank(s) "
-                                     f"{lacking} (see the warnings above); load another step (ckptd.latest)")
+                                     f"{lacking} (asked: {', '.join(asked) or 'none holds it now'}; their daemons' "
+                                     "logs say why); load another step (ckptd.latest)")
 
     def _land(self, rank: int) -> None:
         def files(folder: Path) -> Manifest | None:
@@ -162,6 +172,7 @@ class PeerHolding:
                     continue
                 for file, buf in data.items():
                     landing.write_file(folder / file, functools.partial(landing.write_bytes, data=buf))
+                self.tier.count_fetched(sum(len(b) for b in data.values()))
                 log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", self.run, self.step, rank,
                          endpoint, where)
                 return m

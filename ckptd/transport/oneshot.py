@@ -10,23 +10,24 @@ from typing import Any
 
 import zmq
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFound, DaemonUnreachable
 from . import curve, unixsock, wire
 
 
 def request(endpoint: str, header: bytes, timeout: float, curve_keys: curve.ClientKeys | None = None) -> dict[str, Any]:
     """One question to the daemon on a throwaway socket (for the CLI): send a header,
-    return the decoded reply, or raise CheckpointError after ``timeout`` seconds.
+    return the decoded reply; DaemonUnreachable when none answers within ``timeout`` seconds,
+    CheckpointError (CheckpointNotFound for its code) with the message of an ``error`` reply.
     ``curve_keys``: a tcp:// endpoint's (``curve.client_keys``)."""
     if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):  # @: Linux's abstract names
         # a socket file that is missing, or that nobody listens on, cannot answer: say so at once
         path = endpoint[len("ipc://"):]
         if not os.path.exists(path):
-            raise CheckpointError(f"no ckptd daemon at {endpoint}: the socket file {path} does not exist; "
+            raise DaemonUnreachable(f"no ckptd daemon at {endpoint}: the socket file {path} does not exist; "
                                   "start one with `ckptd serve -c CONFIG`, or name a running one's "
                                   "endpoint (--endpoint, -c CONFIG, CKPTD_ENDPOINT)")
         if not unixsock.in_use(path):
-            raise CheckpointError(f"no ckptd daemon at {endpoint}: nothing listens on the socket file {path} "
+            raise DaemonUnreachable(f"no ckptd daemon at {endpoint}: nothing listens on the socket file {path} "
                                   "(a stopped daemon's leftover); start one with `ckptd serve -c CONFIG`")
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -43,12 +44,12 @@ def request(endpoint: str, header: bytes, timeout: float, curve_keys: curve.Clie
             left = deadline - time.monotonic()
             refused = handshake.refusal(endpoint)
             if refused or left <= 0:
-                raise CheckpointError(refused or f"no ckptd daemon answered at {endpoint} within {timeout:g} s")
+                raise DaemonUnreachable(refused or f"no ckptd daemon answered at {endpoint} within {timeout:g} s")
             poller.poll(max(1, int(left * 1000)))
         reply, _ = wire.decode(sock.recv_multipart())
     finally:
         sock.close(0)
         handshake.close()
     if reply["op"] == "error":
-        raise CheckpointError(reply["message"])
+        raise (CheckpointNotFound if reply["code"] == wire.NOT_FOUND else CheckpointError)(reply["message"])
     return reply

@@ -59,6 +59,12 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "latest": {"seq": "int", "run": "str"},
     "list": {"seq": "int", "run": "str"},  # from `ckptd list --endpoint`, without a session
     "status": {"seq": "int"},  # also from `ckptd status`, without a session
+    # a reader asks its node's daemon for a step held by the peers (docs/tiers.md, "Recovery"):
+    # step None: the newest; ranks None: the step's manifests; else those ranks' shares
+    # landed in ``root`` (the daemon's); ``memory``: the step's info if every rank's share is
+    # in a peer's memory (wait_complete), else what lacks as ``progress``. Answered
+    # ``recovered``, ``done`` false while under way.
+    "recover": {"seq": "int", "run": "str", "step": "int?", "ranks": "ints?", "root": "str", "memory": "bool?"},
     "bye": {},
     # daemon -> producer
     # advice: the run's interval advice (docs/advise.md), for producer.should_save
@@ -72,10 +78,12 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # answer to list: each checkpoint's CheckpointInfo map with "pinned", oldest first
     "listing": {"seq": "int", "root": "str", "checkpoints": "maps"},
     "report": {"seq": "int", "status": "map"},  # answer to status
+    "recovered": {"seq": "int", "done": "bool", "info": "map?", "manifests": "bins?", "progress": "str?"},
 }
 # error codes; an error without a code concerns one message or one step only
 NO_SESSION = "no_session"  # the daemon does not know this producer (it restarted): say hello again
 STOPPING = "stopping"  # the daemon is draining before it exits: no new producers or steps
+NOT_FOUND = "not_found"  # what was asked is not complete anywhere the daemon looked (CheckpointNotFound)
 
 
 def encode(op: str, **fields: Any) -> bytes:
@@ -227,6 +235,8 @@ KINDS: dict[str, Callable[[Any], bool]] = {
     "maps": lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v),
     "shape": _is_shape,
     "names": lambda v: isinstance(v, list) and len(v) <= 16 and all(isinstance(n, str) and len(n) <= 64 for n in v),
+    "ints": lambda v: isinstance(v, list) and len(v) <= _MAX_CONTAINER and all(_is_uint(i) for i in v),
+    "bins": lambda v: isinstance(v, list) and all(isinstance(b, bytes) for b in v),
 }
 
 
