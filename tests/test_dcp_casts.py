@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptd
 import ckptd.dcp
+from conftest import module_daemon, shared
 
 PAIRS = [  # (stored, target): narrowing, widening, float <-> int, int <-> int
     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
@@ -23,6 +24,18 @@ PAIRS = [  # (stored, target): narrowing, widening, float <-> int, int <-> int
     (torch.float64, torch.float32), (torch.int64, torch.int32), (torch.int32, torch.int64),
     (torch.int8, torch.float32), (torch.float32, torch.int64), (torch.uint8, torch.int16),
 ]
+
+
+@pytest.fixture(scope="module")
+def _one_daemon(tmp_path_factory):
+    with module_daemon(tmp_path_factory) as d:
+        yield d
+
+
+@pytest.fixture
+def daemon(_one_daemon, request):
+    """One daemon for the module: each test writes runs of its own names."""
+    return shared(request, _one_daemon)
 
 
 def values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -41,17 +54,18 @@ def state_of(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stored,target", PAIRS, ids=lambda d: str(d).removeprefix("torch."))
 def test_dcp_load_casts_to_the_targets_dtype(daemon, stored: torch.dtype, target: torch.dtype) -> None:
     saved = state_of(stored, 1)
-    writer = ckptd.dcp.StorageWriter(run="cast", step=1, endpoint=daemon.endpoint, staging_size="8MiB", timeout=60)
+    run = f"cast-{stored}-{target}".replace("torch.", "")
+    writer = ckptd.dcp.StorageWriter(run=run, step=1, endpoint=daemon.endpoint, staging_size="8MiB", timeout=60)
     dcp.save(saved, storage_writer=writer, no_dist=True)
     want = {k: v.to(target) for k, v in saved.items()}  # what DCP's copy_ gives
     for verify in (False, True):
         into = {k: torch.zeros_like(v) for k, v in want.items()}
-        dcp.load(into, storage_reader=ckptd.dcp.StorageReader("cast", root=daemon.root, verify=verify), no_dist=True)
+        dcp.load(into, storage_reader=ckptd.dcp.StorageReader(run, root=daemon.root, verify=verify), no_dist=True)
         for k, v in want.items():
             assert into[k].dtype == target and torch.equal(into[k], v), (k, verify, into[k].flatten()[:4])
     # a non-contiguous target (read into a stand-in, then copied in)
     t = torch.zeros(33, 64, dtype=target).t()
-    dcp.load({"w": t}, storage_reader=ckptd.dcp.StorageReader("cast", root=daemon.root), no_dist=True)
+    dcp.load({"w": t}, storage_reader=ckptd.dcp.StorageReader(run, root=daemon.root), no_dist=True)
     assert torch.equal(t, want["w"])
 
 
