@@ -231,6 +231,18 @@ def shared(request: pytest.FixtureRequest, d: Daemon) -> Daemon:
     return d
 
 
+@pytest.fixture(scope="module")
+def _module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with module_daemon(tmp_path_factory) as d:
+        yield d
+
+
+@pytest.fixture
+def shared_daemon(_module_daemon: Daemon, request: pytest.FixtureRequest) -> Daemon:
+    """The module's one daemon (``module_daemon`` with the default keys), through ``shared``."""
+    return shared(request, _module_daemon)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Tests never read the developer's own config or environment."""

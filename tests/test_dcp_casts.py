@@ -16,7 +16,6 @@ import torch.distributed.checkpoint as dcp
 
 import ckptd
 import ckptd.dcp
-from conftest import module_daemon, shared
 
 PAIRS = [  # (stored, target): narrowing, widening, float <-> int, int <-> int
     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
@@ -26,16 +25,10 @@ PAIRS = [  # (stored, target): narrowing, widening, float <-> int, int <-> int
 ]
 
 
-@pytest.fixture(scope="module")
-def _one_daemon(tmp_path_factory):
-    with module_daemon(tmp_path_factory) as d:
-        yield d
-
-
 @pytest.fixture
-def daemon(_one_daemon, request):
+def daemon(shared_daemon):
     """One daemon for the module: each test writes runs of its own names."""
-    return shared(request, _one_daemon)
+    return shared_daemon
 
 
 def values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -15,19 +15,12 @@ import zmq
 import ckptd
 from ckptd import CheckpointError, CheckpointNotFound, Producer
 from ckptd.transport import wire
-from conftest import module_daemon, shared
-
-
-@pytest.fixture(scope="module")
-def _one_daemon(tmp_path_factory):
-    with module_daemon(tmp_path_factory) as d:
-        yield d
 
 
 @pytest.fixture
-def daemon(_one_daemon, request):
+def daemon(shared_daemon):
     """One daemon for the module; each test writes the run ``own_run`` names."""
-    return shared(request, _one_daemon)
+    return shared_daemon
 
 
 @pytest.fixture
