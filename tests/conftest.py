@@ -211,6 +211,38 @@ def daemon(make_daemon) -> Daemon:
     return make_daemon()
 
 
+@contextlib.contextmanager
+def module_daemon(factory: pytest.TempPathFactory, **daemon_keys: object) -> Iterator[Daemon]:
+    """A started Daemon for the tests of one module that each write runs of their own names
+    and neither stop, kill nor reconfigure it: one start for the file instead of one per
+    test. A module-scoped fixture yields it through ``shared(request, d)``."""
+    d = Daemon(factory.mktemp("shared") / "d", **daemon_keys).start()
+    try:
+        yield d
+    finally:
+        d.cleanup()
+
+
+def shared(request: pytest.FixtureRequest, d: Daemon) -> Daemon:
+    """``d`` for this test: alive (an earlier test must not have stopped it), and its log in
+    the report should this test fail."""
+    assert d.alive(), f"the module's shared daemon is gone (an earlier test stopped it):\n{d.log_tail(40)}"
+    request.node.stash[DAEMONS] = [d]
+    return d
+
+
+@pytest.fixture(scope="module")
+def _module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with module_daemon(tmp_path_factory) as d:
+        yield d
+
+
+@pytest.fixture
+def shared_daemon(_module_daemon: Daemon, request: pytest.FixtureRequest) -> Daemon:
+    """The module's one daemon (``module_daemon`` with the default keys), through ``shared``."""
+    return shared(request, _module_daemon)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Tests never read the developer's own config or environment."""

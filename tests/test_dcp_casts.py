@@ -25,6 +25,12 @@ PAIRS = [  # (stored, target): narrowing, widening, float <-> int, int <-> int
 ]
 
 
+@pytest.fixture
+def daemon(shared_daemon):
+    """One daemon for the module: each test writes runs of its own names."""
+    return shared_daemon
+
+
 def values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
@@ -41,17 +47,18 @@ def state_of(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stored,target", PAIRS, ids=lambda d: str(d).removeprefix("torch."))
 def test_dcp_load_casts_to_the_targets_dtype(daemon, stored: torch.dtype, target: torch.dtype) -> None:
     saved = state_of(stored, 1)
-    writer = ckptd.dcp.StorageWriter(run="cast", step=1, endpoint=daemon.endpoint, staging_size="8MiB", timeout=60)
+    run = f"cast-{stored}-{target}".replace("torch.", "")
+    writer = ckptd.dcp.StorageWriter(run=run, step=1, endpoint=daemon.endpoint, staging_size="8MiB", timeout=60)
     dcp.save(saved, storage_writer=writer, no_dist=True)
     want = {k: v.to(target) for k, v in saved.items()}  # what DCP's copy_ gives
     for verify in (False, True):
         into = {k: torch.zeros_like(v) for k, v in want.items()}
-        dcp.load(into, storage_reader=ckptd.dcp.StorageReader("cast", root=daemon.root, verify=verify), no_dist=True)
+        dcp.load(into, storage_reader=ckptd.dcp.StorageReader(run, root=daemon.root, verify=verify), no_dist=True)
         for k, v in want.items():
             assert into[k].dtype == target and torch.equal(into[k], v), (k, verify, into[k].flatten()[:4])
     # a non-contiguous target (read into a stand-in, then copied in)
     t = torch.zeros(33, 64, dtype=target).t()
-    dcp.load({"w": t}, storage_reader=ckptd.dcp.StorageReader("cast", root=daemon.root), no_dist=True)
+    dcp.load({"w": t}, storage_reader=ckptd.dcp.StorageReader(run, root=daemon.root), no_dist=True)
     assert torch.equal(t, want["w"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -14,6 +15,18 @@ import zmq
 import ckptd
 from ckptd import CheckpointError, CheckpointNotFound, Producer
 from ckptd.transport import wire
+
+
+@pytest.fixture
+def daemon(shared_daemon):
+    """One daemon for the module; each test writes the run ``own_run`` names."""
+    return shared_daemon
+
+
+@pytest.fixture
+def own_run(request) -> str:
+    """A run of this test's own on the shared daemon."""
+    return "e-" + re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:100]
 
 
 def test_daemon_not_running_times_out_naming_the_endpoint(tmp_path) -> None:
@@ -30,20 +43,20 @@ def test_daemon_not_running_times_out_naming_the_endpoint(tmp_path) -> None:
     p.close()
 
 
-def test_emit_without_a_step(daemon) -> None:
-    with daemon.producer() as p:
+def test_emit_without_a_step(daemon, own_run) -> None:
+    with daemon.producer(own_run) as p:
         with pytest.raises(ValueError, match=r"emit\(\) needs a step"):
             p.emit("w", torch.ones(3))
 
 
-def test_duplicate_name_in_one_step(daemon) -> None:
-    with daemon.producer() as p:
+def test_duplicate_name_in_one_step(daemon, own_run) -> None:
+    with daemon.producer(own_run) as p:
         with p.checkpoint(1) as h:
             p.emit("w", torch.ones(3))
             with pytest.raises(ValueError, match="'w' was already emitted in step 1"):
                 p.emit("w", torch.zeros(3))
         assert h.wait(30).ntensors == 1  # the step itself is fine
-    assert torch.equal(ckptd.load("t", root=daemon.root)["w"], torch.ones(3))
+    assert torch.equal(ckptd.load(own_run, root=daemon.root)["w"], torch.ones(3))
 
 
 @pytest.mark.parametrize("run", ["", "../x", "a/b", ".hidden", "-x", "x" * 129, "nul\0", "é", "a b"])
@@ -59,20 +72,20 @@ def test_invalid_run_id(run) -> None:
     [("", "empty"), ("x" * 1025, "longer than 1024 bytes"), ("a\0b", "control character"),
      ("tab\there", "control character"), ("bell\x07", "control character"), (42, "must be a str")],
 )
-def test_bad_tensor_names(daemon, name, message) -> None:
-    with daemon.producer() as p:
+def test_bad_tensor_names(daemon, own_run, name, message) -> None:
+    with daemon.producer(own_run) as p:
         with pytest.raises(ValueError, match=message):
             p.emit(name, torch.ones(1), step=1)
 
 
-def test_unicode_and_dotted_names_are_fine(daemon) -> None:
+def test_unicode_and_dotted_names_are_fine(daemon, own_run) -> None:
     names = ["layers.0.weight", "päth/with/slashes", "名前", "x" * 1024, "../../etc/passwd"]
-    with daemon.producer() as p:
+    with daemon.producer(own_run) as p:
         with p.checkpoint(1) as h:
             for i, n in enumerate(names):
                 p.emit(n, torch.full((2,), i))
         h.wait(30)
-    out = ckptd.load("t", root=daemon.root)
+    out = ckptd.load(own_run, root=daemon.root)
     assert sorted(out) == sorted(names)
     assert not (daemon.root.parent / "etc").exists()
 
@@ -91,15 +104,15 @@ def test_unicode_and_dotted_names_are_fine(daemon) -> None:
     ],
 )
 @pytest.mark.filterwarnings("ignore::UserWarning")  # quantized and nested tensors are deprecated/prototype
-def test_unsupported_tensors_get_a_type_error_naming_them(daemon, make, message) -> None:
-    with daemon.producer() as p:
+def test_unsupported_tensors_get_a_type_error_naming_them(daemon, own_run, make, message) -> None:
+    with daemon.producer(own_run) as p:
         with pytest.raises(TypeError, match=message) as info:
             p.emit("the_tensor", make(), step=1)
         assert "the_tensor" in str(info.value)
 
 
-def test_unstorable_value_in_state_names_its_path(daemon) -> None:
-    with daemon.producer() as p:
+def test_unstorable_value_in_state_names_its_path(daemon, own_run) -> None:
+    with daemon.producer(own_run) as p:
         with pytest.raises(TypeError, match=r"state\['optim'\]\['param_groups'\]\[0\]\['fn'\] is a builtins.function"):
             p.save({"optim": {"param_groups": [{"fn": lambda: 0}]}}, 1)
         with pytest.raises(TypeError, match="dict keys must be str or int"):
@@ -112,38 +125,38 @@ def test_unstorable_value_in_state_names_its_path(daemon) -> None:
         p.save({"w": torch.ones(1)}, 1).wait(30)
 
 
-def test_load_missing_run_or_step_says_what_exists(daemon) -> None:
+def test_load_missing_run_or_step_says_what_exists(daemon, own_run) -> None:
     with pytest.raises(CheckpointNotFound, match="run 'nope' has no checkpoints under"):
         ckptd.load("nope", root=daemon.root)
-    with daemon.producer() as p:
+    with daemon.producer(own_run) as p:
         for step in (10, 20):
             p.save({"w": torch.ones(1)}, step).wait(30)
     with pytest.raises(CheckpointNotFound, match="no complete checkpoint at step 15; complete steps: 10, 20"):
-        ckptd.load("t", 15, root=daemon.root)
+        ckptd.load(own_run, 15, root=daemon.root)
     with pytest.raises(LookupError):  # CheckpointNotFound is also a LookupError
-        ckptd.load("t", 15, root=daemon.root)
+        ckptd.load(own_run, 15, root=daemon.root)
     with pytest.raises(CheckpointNotFound, match="no tensor named 'nope'"):
-        ckptd.load("t", root=daemon.root, names=["nope"])
+        ckptd.load(own_run, root=daemon.root, names=["nope"])
     assert ckptd.latest("nope", root=daemon.root) is None
     assert ckptd.list_checkpoints("nope", root=daemon.root) == []
 
 
-def test_committed_step_is_never_overwritten(daemon) -> None:
-    with daemon.producer() as p:
+def test_committed_step_is_never_overwritten(daemon, own_run) -> None:
+    with daemon.producer(own_run) as p:
         p.save({"w": torch.ones(2)}, 5).wait(30)
-    with daemon.producer() as p:  # a new producer (a restarted job) tries step 5 again
+    with daemon.producer(own_run) as p:  # a new producer (a restarted job) tries step 5 again
         handle = p.save({"w": torch.zeros(2)}, 5)
-        with pytest.raises(CheckpointError, match="step 5 of run 't' is already committed"):
+        with pytest.raises(CheckpointError, match=f"step 5 of run '{own_run}' is already committed"):
             handle.wait(30)
         p.flush()  # raised by wait() already
         p.save({"w": torch.zeros(2)}, 5)  # nobody waits on this one: flush() tells
-        with pytest.raises(CheckpointError, match="step 5 of run 't' is already committed"):
+        with pytest.raises(CheckpointError, match=f"step 5 of run '{own_run}' is already committed"):
             p.flush()
         p.flush()  # once
-    assert torch.equal(ckptd.load("t", 5, root=daemon.root)["w"], torch.ones(2))
+    assert torch.equal(ckptd.load(own_run, 5, root=daemon.root)["w"], torch.ones(2))
 
 
-def test_garbage_on_the_socket_gets_errors_and_the_daemon_keeps_serving(daemon) -> None:
+def test_garbage_on_the_socket_gets_errors_and_the_daemon_keeps_serving(daemon, own_run) -> None:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.RCVTIMEO, 5000)
@@ -169,18 +182,18 @@ def test_garbage_on_the_socket_gets_errors_and_the_daemon_keeps_serving(daemon) 
     replies = [wire.decode(s.recv_multipart())[0] for _ in range(2)]
     assert any(r["op"] == "error" and "does not fit" in r["message"] for r in replies)
     s.close(0)
-    with daemon.producer() as p:
+    with daemon.producer(own_run) as p:
         assert p.save({"w": torch.ones(4)}, 1).wait(30).step == 1
     assert daemon.proc.poll() is None
 
 
-def test_unknown_producer_option(daemon) -> None:
+def test_unknown_producer_option(daemon, own_run) -> None:
     with pytest.raises(ValueError, match="unknown key 'stagin_size' in Producer options"):
-        daemon.producer(stagin_size="1MiB")
+        daemon.producer(own_run, stagin_size="1MiB")
 
 
-def test_staging_full_with_on_full_raise(daemon) -> None:
-    p = daemon.producer(staging_size="1MiB", on_full="raise", timeout=30)
+def test_staging_full_with_on_full_raise(daemon, own_run) -> None:
+    p = daemon.producer(own_run, staging_size="1MiB", on_full="raise", timeout=30)
     assert p.latest() is None  # connected
     os.kill(daemon.proc.pid, signal.SIGSTOP)  # a daemon that drains nothing
     try:
@@ -193,9 +206,9 @@ def test_staging_full_with_on_full_raise(daemon) -> None:
     p.close()
 
 
-def test_a_piece_that_found_no_staging_may_be_emitted_again(daemon) -> None:
+def test_a_piece_that_found_no_staging_may_be_emitted_again(daemon, own_run) -> None:
     """A failed emit leaves nothing of itself in its step: neither its name nor its piece's place."""
-    p = daemon.producer(staging_size="1MiB", on_full="raise", timeout=30)
+    p = daemon.producer(own_run, staging_size="1MiB", on_full="raise", timeout=30)
     w = torch.arange(64.0)
     assert p.latest() is None  # connected
     os.kill(daemon.proc.pid, signal.SIGSTOP)  # a daemon that drains nothing
@@ -210,11 +223,11 @@ def test_a_piece_that_found_no_staging_may_be_emitted_again(daemon) -> None:
     assert p.emit("w", w[32:], step=2, global_shape=[64], offset=[32]) != "w"  # its second piece
     assert p.commit(2).wait(30).ntensors == 2
     p.close()
-    assert torch.equal(ckptd.load("t", 2, root=daemon.root, verify=True)["w"], w)
+    assert torch.equal(ckptd.load(own_run, 2, root=daemon.root, verify=True)["w"], w)
 
 
-def test_staging_full_with_on_full_block_waits_then_times_out(daemon) -> None:
-    p = daemon.producer(staging_size="1MiB", emit_timeout=0.5, timeout=30)
+def test_staging_full_with_on_full_block_waits_then_times_out(daemon, own_run) -> None:
+    p = daemon.producer(own_run, staging_size="1MiB", emit_timeout=0.5, timeout=30)
     assert p.latest() is None
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:

@@ -16,20 +16,28 @@ from safetensors import safe_open
 
 import ckptd
 from ckptd import dtypes
+from conftest import module_daemon, shared
 
 SHAPES = [(), (0,), (3, 0, 2), (7,), (5, 3), (2, 3, 4)]
 ALL_DTYPES = sorted(dtypes.BY_NAME)
 
 
-@pytest.fixture(params=["chunk", "hdf5"])
+@pytest.fixture(scope="module", params=["chunk", "hdf5"])
 def fmt(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(scope="module")
+def fmt_daemon(tmp_path_factory, fmt: str):
+    with module_daemon(tmp_path_factory, format=fmt) as d:
+        yield d
+
+
 @pytest.fixture
-def daemon(make_daemon, fmt: str):
-    """A daemon whose checkpoints are in ``fmt``."""
-    return make_daemon(format=fmt)
+def daemon(fmt_daemon, request):
+    """A daemon whose checkpoints are in ``fmt``, shared by this module's tests of that
+    format (each writes a run of its own name)."""
+    return shared(request, fmt_daemon)
 
 
 def random_tensor(dtype_name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -67,7 +75,7 @@ def cases() -> dict[str, torch.Tensor]:
 
 def test_every_dtype_and_shape_through_emit(daemon, fmt: str) -> None:
     tensors = cases()
-    with daemon.producer() as p:
+    with daemon.producer("emit") as p:
         with p.checkpoint(1) as handle:
             for name, t in tensors.items():
                 p.emit(name, t)
@@ -75,7 +83,7 @@ def test_every_dtype_and_shape_through_emit(daemon, fmt: str) -> None:
     assert info.format == fmt
     assert info.ntensors == len(tensors)
     assert info.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
-    loaded = ckptd.load("t", root=daemon.root, verify=True)
+    loaded = ckptd.load("emit", root=daemon.root, verify=True)
     assert set(loaded) == set(tensors)
     for name, t in tensors.items():
         assert same_bits(loaded[name], t), name
@@ -85,9 +93,9 @@ def test_every_dtype_and_shape_through_emit(daemon, fmt: str) -> None:
 def test_every_dtype_and_shape_through_save(daemon) -> None:
     tensors = cases()
     state = {"tensors": tensors, "list": [tensors["float32/7"], 3], "nested": {"deep": {"x": tensors["int8/5x3"]}}}
-    with daemon.producer() as p:
+    with daemon.producer("save") as p:
         p.save(state, 2).wait(30)
-    loaded = ckptd.load("t", 2, root=daemon.root, verify=True)
+    loaded = ckptd.load("save", 2, root=daemon.root, verify=True)
     for name, t in tensors.items():
         assert same_bits(loaded["tensors"][name], t), name
     assert same_bits(loaded["list"][0], tensors["float32/7"]) and loaded["list"][1] == 3
@@ -98,12 +106,12 @@ def test_snapshot_survives_overwrite_right_after_emit(daemon) -> None:
     """emit copies: changing the tensor after emit returns must not change the checkpoint."""
     t = torch.arange(1 << 20, dtype=torch.float32)
     expected = t.clone()
-    with daemon.producer() as p:
+    with daemon.producer("snapshot") as p:
         with p.checkpoint(1) as h:
             p.emit("w", t)
             t.fill_(-1)  # an optimizer step, right away
         h.wait(30)
-    assert torch.equal(ckptd.load("t", root=daemon.root)["w"], expected)
+    assert torch.equal(ckptd.load("snapshot", root=daemon.root)["w"], expected)
 
 
 def test_plain_values_and_containers_keep_their_types(daemon) -> None:
@@ -115,9 +123,9 @@ def test_plain_values_and_containers_keep_their_types(daemon) -> None:
         "dtype": torch.bfloat16, "device": torch.device("cuda:1"), "size": torch.Size([2, 3]),
         "np": np.arange(6, dtype=np.int16).reshape(2, 3), "np_f64": np.linspace(0, 1, 5),
     }
-    with daemon.producer() as p:
+    with daemon.producer("plain") as p:
         p.save(state, 3).wait(30)
-    out = ckptd.load("t", 3, root=daemon.root)
+    out = ckptd.load("plain", 3, root=daemon.root)
     assert out["none"] is None and out["true"] is True and out["int"] == -(2**70)
     assert out["float"] == 0.1 and math.isnan(out["nan"]) and out["inf"] == math.inf and out["-inf"] == -math.inf
     assert math.copysign(1, out["negzero"]) == -1
@@ -139,12 +147,12 @@ def test_numpy_arrays_through_emit_load_as_numpy(daemon) -> None:
         "c128": np.array([1 + 2j, -3j]),
         "scalar": np.array(7, dtype=np.uint32),
     }
-    with daemon.producer() as p:
+    with daemon.producer("numpy") as p:
         with p.checkpoint(1) as h:
             for name, a in arrays.items():
                 p.emit(name, a)
         h.wait(30)
-    out = ckptd.load("t", root=daemon.root)
+    out = ckptd.load("numpy", root=daemon.root)
     for name, a in arrays.items():
         assert isinstance(out[name], np.ndarray) and out[name].dtype == a.dtype, name
         assert np.array_equal(out[name], a), name
@@ -195,9 +203,9 @@ def test_large_tensor_streams_in_pieces_smaller_than_staging(make_daemon, fmt: s
 
 
 def test_selective_load_reads_only_named_tensors(daemon) -> None:
-    with daemon.producer() as p:
+    with daemon.producer("selective") as p:
         p.save({"a": torch.ones(3), "b": {"c": torch.zeros(2)}, "n": 1}, 1).wait(30)
-    out = ckptd.load("t", root=daemon.root, names=["b.c"])
+    out = ckptd.load("selective", root=daemon.root, names=["b.c"])
     assert list(out) == ["b.c"] and torch.equal(out["b.c"], torch.zeros(2))
 
 
