@@ -127,8 +127,13 @@ def test_frozen_parameters_are_written_once(daemon, tmp_path: Path, monkeypatch)
         p.requires_grad_(not n.startswith("transformer.h.0."))
     trainer.args.max_steps = 2
     trainer.args.save_steps = 1
+
+    class Durable(TrainerCallback):  # a frozen tensor is linked from a step the daemon acknowledged
+        def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            callback.flush(60)
+
+    trainer.add_callback(Durable())
     trainer.train()
-    callback.flush(60)
     steps = [i.step for i in ckptd.list_checkpoints("frozen", root=daemon.root)]
     assert steps == [1, 2]
     manifests = [json.loads((daemon.root / "frozen" / f"step-{s:012d}" / "manifest-r00000.json").read_text())
