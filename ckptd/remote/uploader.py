@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator, NamedTuple
 
 import xxhash
 
@@ -32,7 +32,21 @@ log = logging.getLogger("ckptd.remote")
 ShareKey = tuple[str, int, int]
 QUIET_S = 0.25  # no new part until producers are quiet this long: the trainer's copy comes first
 MAX_HOLD_S = 5.0  # ... and no part waits longer, so that uploads progress whatever comes
-WATCH_S, WATCH_FOR_S = 0.2, 10.0  # the step sent last, looked at this often and long until complete there
+# each look at the step sent last is a LIST request; other nodes' uploads complete it within seconds
+WATCH_FIRST_S, WATCH_FOR_S = 0.25, 30.0
+
+
+class Watch(NamedTuple):
+    """The step this node sent last, while it is not complete in the bucket: ``_watch``
+    looks at it again at ``due`` (monotonic), waiting twice as long each time until ``until``."""
+
+    run: str
+    step: int
+    due: float
+    every: float
+    until: float
+
+
 OnRemoteComplete = Callable[[str, list[CheckpointInfo]], None]
 
 
@@ -48,7 +62,7 @@ class Uploader:
         self._stop = False
         self._resumed = False
         self._last_received = 0.0
-        self._watching: tuple[str, int, float] | None = None  # (run, step, until): ``_watch``
+        self._watching: Watch | None = None
         self._thread = threading.Thread(target=self._loop, name="ckptd-uploader", daemon=True)
         self.shares_uploaded = 0
         self.bytes_uploaded = 0
@@ -167,7 +181,7 @@ class Uploader:
                         self._resumed = True
                 with self._cond:
                     self._cond.wait_for(lambda: self._stop or bool(self._pending),
-                                        timeout=WATCH_S if self._watching else None)
+                                        timeout=self._watch_wait())
                     if self._stop:
                         return
                     share = self._next_share() if self._pending else None
@@ -274,16 +288,26 @@ class Uploader:
         if self.on_uploaded is not None:
             self.on_uploaded(run, step, rank, self.last_upload["lag_seconds"])
         complete = self._after_upload(run, step)
-        self._watching = None if complete else (run, step, time.monotonic() + WATCH_FOR_S)
+        now = time.monotonic()
+        self._watching = None if complete else Watch(run, step, now + WATCH_FIRST_S, WATCH_FIRST_S, now + WATCH_FOR_S)
+
+    def _watch_wait(self) -> float | None:
+        """How long the loop may sleep before ``_watch`` is due; None if nothing is watched."""
+        return None if self._watching is None else max(0.0, self._watching.due - time.monotonic())
 
     def _watch(self) -> None:
         """The step this node sent last, not complete in the bucket then, looked at again
         while nothing is to upload: once another node's upload completes it, local
         retention counts it, rather than at this node's next commit."""
-        assert self._watching is not None
-        run, step, until = self._watching
-        if self._after_upload(run, step) or time.monotonic() > until:
+        w = self._watching
+        assert w is not None
+        now = time.monotonic()
+        if now < w.due:
+            return
+        if self._after_upload(w.run, w.step) or now > w.until:
             self._watching = None
+        else:
+            self._watching = Watch(w.run, w.step, now + 2 * w.every, 2 * w.every, w.until)
 
     def _upload_files(self, manifest: Manifest, dir_fd: int, prefix: str, objects: dict[str, int], tag: str,
                       packed: dict[str, Packed]) -> tuple[int, int, int]:
