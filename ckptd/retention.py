@@ -23,7 +23,7 @@ import stat
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from . import layout
 from .config import ConfigError, RetentionConfig, build
@@ -36,6 +36,7 @@ _POLICY_LIMIT = 1 << 16  # retention.json: a handful of keys
 PIN_FILE = "pinned"  # inside a step folder: protects it from every rule
 POLICY_FILE = "retention.json"  # inside a run folder: the run's own overrides
 TRASH_PREFIX = ".trash-"
+UPLOADING = "its upload to the remote tier has not finished"
 
 
 @dataclass
@@ -47,27 +48,32 @@ class Decision:
 
 
 def plan(infos: list[CheckpointInfo], policy: RetentionConfig, *, pinned: set[int], now: float,
-         protect: set[int] = frozenset()) -> list[Decision]:
+         protect: Mapping[int, str] | None = None, newest: int | None = None) -> list[Decision]:
     """Decide, for each complete checkpoint of one run, whether to keep it and why.
-    ``protect``: steps kept whatever the rules say, as pins are (a share still to
-    upload to the remote tier)."""
+    ``protect``: step -> why it is kept whatever the rules say, as pins are (a share
+    still to upload, ``UPLOADING``). ``newest``: the step kept as the newest (by
+    default the newest of ``infos``)."""
     by_step = {i.step: i for i in infos}
     # a step whose replicas disagree under compare_replicas = "refuse" (docs/training.md) is
     # kept for inspection and counts for no rule: it must not push out the good steps before it
     refused = [Decision(i.step, True, ["refused: its replicated tensors differ across ranks; kept for "
                                        "inspection, counted by no rule"], i.nbytes) for i in infos if i.refused]
     if refused:
-        rest = plan([i for i in infos if not i.refused], policy, pinned=pinned, now=now, protect=protect)
+        rest = plan([i for i in infos if not i.refused], policy, pinned=pinned, now=now, protect=protect,
+                    newest=newest)
         return sorted(rest + refused, key=lambda d: d.step)
     steps = sorted(by_step)
     if not steps:
         return []
+    newest = steps[-1] if newest is None else newest
     reasons: dict[int, list[str]] = {s: [] for s in steps}
-    reasons[steps[-1]].append("newest")
+    if newest in reasons:
+        reasons[newest].append("newest")
     for s in pinned & reasons.keys():
         reasons[s].append("pinned")
-    for s in protect & reasons.keys():
-        reasons[s].append("its upload to the remote tier has not finished")
+    protect = protect or {}
+    for s in protect.keys() & reasons.keys():
+        reasons[s].append(protect[s])
     if policy.keeps_all:
         for s in steps:
             reasons[s].append("no keep rule is set")
@@ -95,7 +101,7 @@ def plan(infos: list[CheckpointInfo], policy: RetentionConfig, *, pinned: set[in
             if total <= policy.max_bytes:
                 break
             d = decisions[s]
-            if d.keep and s != steps[-1] and s not in pinned and s not in protect:
+            if d.keep and s != newest and s not in pinned and s not in protect:
                 d.keep = False
                 d.reasons = [f"max_bytes={policy.max_bytes}: the run held {total} bytes"]
                 total -= d.nbytes
@@ -229,7 +235,7 @@ def apply(run_dir: Path, infos: list[CheckpointInfo], policy: RetentionConfig, *
     """Plan and (unless ``dry_run``) make the deletions invisible; return the
     decisions and the trash folders the caller should remove."""
     decisions = plan(infos, policy, pinned=pinned_steps(run_dir, [i.step for i in infos]), now=now,
-                     protect=protect)
+                     protect=dict.fromkeys(protect, UPLOADING))
     trash = []
     if not dry_run:
         for d in decisions:

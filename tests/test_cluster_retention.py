@@ -8,16 +8,25 @@ where each step is complete."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import ckptd
 from ckptd import index
 from ckptd.daemon.launcher import toml_text
+from ckptd.config import RetentionConfig, load as load_config
+from ckptd.manifest import Manifest
 from ckptd.daemon.upkeep import Passes
+from ckptd.peer import partners
+from ckptd.tiers import completeness
+from ckptd.tiers.peer_reader import PeerTier
 from conftest import DAEMONS, Daemon, cli, free_port
 
 KEEP = 3
@@ -63,7 +72,7 @@ def _peer(node: Daemon) -> dict | None:
 def _prune(node: Daemon, tables: dict, tmp_path: Path, keep: int, *args: str) -> str:
     """`ckptd prune job ARGS` on ``node``'s root with a config like its own, but keep_last = ``keep``."""
     conf = tmp_path / f"prune-{node.root.parent.name}.toml"
-    conf.write_text(toml_text({**tables, "daemon": {"root": str(node.root)}, "retention": {"keep_last": keep}}))
+    conf.write_text(toml_text({**tables, "daemon": {"root": str(node.root)}, "retention": {**tables["retention"], "keep_last": keep}}))
     r = cli("prune", "job", "-c", str(conf), *args)
     assert r.returncode == 0, r.stderr
     return r.stdout
@@ -71,6 +80,32 @@ def _prune(node: Daemon, tables: dict, tmp_path: Path, keep: int, *args: str) ->
 
 def _lines(out: str) -> dict[int, str]:
     return {int(line.split()[0]): line for line in out.splitlines() if line.strip()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(held=st.sets(st.integers(1, 60), min_size=1, max_size=25), data=st.data(),
+       keep_last=st.integers(1, 4), keep_every=st.sampled_from([0, 5]))
+def test_the_rule_bounds_a_root_whatever_the_cluster_completes(held, data, keep_last, keep_every, tmp_path_factory):
+    """The decisions alone: at most keep_last steps, the newest complete one and the one in
+    flight kept beside keep_every's; the newest complete step and the step in flight always
+    kept; nothing not complete removed while no step is known complete."""
+    complete = data.draw(st.sets(st.sampled_from(sorted(held))), "complete")
+    run_dir = tmp_path_factory.getbasetemp() / "no-root" / "job"  # only its pins are looked for: none
+    s = completeness.Survey("job", {st_: [Manifest("job", st_, 0, 2, 0.0, {})] for st_ in held})
+    s.complete = {st_: ("peer",) for st_ in complete}
+    s.ranks = {st_: ({0}, 2) for st_ in held - complete}
+    policy = RetentionConfig(keep_last=keep_last, keep_every=keep_every)
+    d = {x.step: x for x in completeness.decide(s, run_dir, policy, now=0.0, protect=set())}
+    kept = {st_ for st_, x in d.items() if x.keep}
+    assert sorted(d) == sorted(held) and all(x.reasons for x in d.values())
+    flight = max(held)
+    assert flight in kept
+    if not complete:
+        assert kept == held
+        return
+    every = {st_ for st_ in held if keep_every and st_ % keep_every == 0}
+    assert kept == {*sorted(held)[-keep_last:], max(complete), *every}, d
+    assert len(kept - every) <= keep_last + 1
 
 
 @pytest.mark.slow
@@ -157,10 +192,11 @@ def test_a_root_per_node_without_peers_or_bucket_is_named_at_commit_and_at_start
 
 
 @pytest.mark.slow
-def test_a_node_down_never_costs_a_step_a_rule_keeps(tmp_path, request) -> None:
-    """With a peer down, its shares are out of reach: no step is complete as far as this
-    node can tell, and nothing is removed (keep_every's steps, the ones rank 0 keeps
-    saving alone) until the cluster can tell again."""
+def test_a_node_down_never_costs_the_newest_complete_step_nor_keep_every(tmp_path, request) -> None:
+    """With a peer down, its shares are out of reach: no later step completes, yet the
+    rules count those steps as if complete: keep_last's newest steps stay, with the
+    newest complete step (10) and keep_every's, and the root stays bounded (before,
+    every step saved while the peer was down stayed)."""
     tables = _tables("peers", 2)
     for t in tables:
         t["retention"] = {"keep_last": 2, "keep_every": 4}
@@ -174,17 +210,137 @@ def test_a_node_down_never_costs_a_step_a_rule_keeps(tmp_path, request) -> None:
             for h in [p.save({"w": _tensor(step, r)}, step) for r, p in enumerate(producers)]:
                 h.wait(30)
         _wait(lambda: _on_disk(nodes[0]) == [4, 8, 9, 10], lambda: f"{_on_disk(nodes[0])}")
+        # node 0 can tell step 10 complete without node 1 (its share in node 0's memory); a
+        # share only node 1's root held would leave step 10 not complete, so counted as any step
+        _wait(lambda: (10, 1) in _held(nodes[0]), "node 1's step 10 held by node 0")
         producers[1].close()
         nodes[1].kill()
         for step in range(11, 14):
             producers[0].save({"w": _tensor(step, 0)}, step).wait(30)
-        time.sleep(2)  # the passes after those commits ran
-        assert _on_disk(nodes[0]) == [4, 8, 9, 10, 11, 12, 13]
+        _wait(lambda: _on_disk(nodes[0]) == [4, 8, 10, 12, 13], lambda: f"{_on_disk(nodes[0])}")
         out = _lines(_prune(nodes[0], tables[0], tmp_path, 2, "--dry-run"))
-        assert sorted(out) == [4, 8, 9, 10, 11, 12, 13] and all(" keep " in line for line in out.values()), out
-        for step in (11, 12, 13):
+        assert sorted(out) == [4, 8, 10, 12, 13] and all(" keep " in line for line in out.values()), out
+        assert "newest" in out[10] and "keep_every=4" in out[4] and "keep_every=4" in out[8], out
+        for step in (12, 13):
             assert "not complete across the cluster: rank(s) [0] of 2" in out[step], out
         producers[0].close()
+    finally:
+        for node in nodes:
+            node.cleanup()
+
+
+def _sampled(node: Daemon, every: float = 0.01) -> tuple[list[int], threading.Event, threading.Thread]:
+    """How many step folders ``node``'s root holds, sampled every ``every`` s until the event is set."""
+    counts: list[int] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            counts.append(len(_on_disk(node)))
+            stop.wait(every)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return counts, stop, t
+
+
+@pytest.mark.slow
+def test_a_stopped_partner_never_lets_a_root_grow_past_the_bound(tmp_path, request, monkeypatch) -> None:
+    """Node B (rank 1, A's partner) is stopped (SIGSTOP) after step 3: no later step
+    completes anywhere, yet while rank 0 saves 10 more, A's root holds at every sample at
+    most keep_last steps, the newest complete one and the step in flight (before, it
+    kept every step since 3); step 3 loads bit-exact through A before and after
+    `ckptd prune`, which says why each step stays or goes."""
+    tables = _tables("peers", 2)
+    a, b = nodes = [Daemon(tmp_path / f"node{i}", tables=t) for i, t in enumerate(tables)]
+    request.node.stash[DAEMONS] = nodes
+    monkeypatch.setenv("CKPTD_CONFIG", str(a.config))
+    try:
+        for node in nodes:
+            node.start()
+        producers = [node.producer("job", rank=r, world_size=2) for r, node in enumerate(nodes)]
+        for step in range(1, 4):
+            for h in [p.save({"w": _tensor(step, r), "step": step}, step) for r, p in enumerate(producers)]:
+                h.wait(30)
+            _wait(lambda: getattr(ckptd.latest("job"), "step", None) == step, f"step {step} complete")
+        _wait(lambda: _held(a) >= {(3, 1)}, "B's step 3 held in A's memory")
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        counts, stop, sampler = _sampled(a)
+        for step in range(4, 14):
+            producers[0].save({"w": _tensor(step, 0), "step": step}, step).wait(30)
+            want = sorted({3, *range(step - KEEP + 1, step + 1)})
+            _wait(lambda: _on_disk(a) == want, lambda: f"step {step}: {a.root} holds {_on_disk(a)}, not {want}")
+        stop.set()
+        sampler.join()
+        assert max(counts) <= KEEP + 2, counts  # keep_last, the newest complete, the one in flight
+        out = _lines(_prune(a, tables[0], tmp_path, KEEP, "--dry-run"))
+        assert sorted(out) == [3, 11, 12, 13] and all(" keep " in line for line in out.values()), out
+        assert "newest" in out[3] and "complete across the cluster in: peer" in out[3], out
+        assert "in flight" in out[13], out
+        for step in (11, 12):
+            assert f"keep_last={KEEP}" in out[step] and "newer than step 3, the newest complete" in out[step], out
+        out = _lines(_prune(a, tables[0], tmp_path, 1, "--dry-run"))
+        assert [s for s, line in out.items() if "would remove" in line] == [11, 12], out
+        assert all("no rule keeps it" in out[s] and "not complete across the cluster: rank(s) [0] of 2"
+                   in out[s] for s in (11, 12)), out
+        _prune(a, tables[0], tmp_path, 1)
+        assert _on_disk(a) == [3, 13]
+        for r in range(2):  # rank 1 from A's memory: B is still stopped
+            got = ckptd.load("job", rank=r)
+            assert got["step"] == 3 and torch.equal(got["w"], _tensor(3, r)), r
+        for p in producers:
+            p.close()
+    finally:
+        if b.alive():
+            os.kill(b.proc.pid, signal.SIGCONT)
+        for node in nodes:
+            node.cleanup()
+
+
+def _held(node: Daemon) -> set[tuple[int, int]]:
+    """The (step, rank)s of run "job" that ``node`` holds in its peer memory."""
+    tier = PeerTier(load_config(node.config))
+    tier.discovery.endpoints = [tier.cfg.listen]
+    return {k for k, c in tier.discovery.holdings("job").items() if c[0][1] == "memory"}
+
+
+@pytest.mark.slow
+def test_peer_memory_after_a_reroute_holds_keep_last_steps_of_each_rank(tmp_path, request) -> None:
+    """Three nodes in a ring, X -> P -> Q -> X; P is lost after step 4, and X's shares go
+    to Q, which then holds two nodes' ranks: P's (the newest of them, what P's
+    replacement needs, never evicted) and X's. Q holds at most max(keep_last, 2) steps of
+    each rank it holds (`held_ranks`), not keep_last steps of one node's."""
+    tables = _tables("peers", 3)
+    for t in tables:
+        t["peer"]["heartbeat"] = "0.5s"
+    nodes = [Daemon(tmp_path / f"node{i}", tables=t) for i, t in enumerate(tables)]
+    request.node.stash[DAEMONS] = nodes
+    listens = [t["peer"]["listen"] for t in tables]
+    partner = [listens.index(partners.of(load_config(n.config).peer, "job", r)[0]) for r, n in enumerate(nodes)]
+    x = 0
+    p, q = partner[x], partner[partner[x]]
+    try:
+        for node in nodes:
+            node.start()
+        producers = {r: node.producer("job", rank=r, world_size=3) for r, node in enumerate(nodes)}
+        for step in range(1, 5):
+            for h in [pr.save({"w": _tensor(step, r)}, step) for r, pr in producers.items()]:
+                h.wait(30)
+        _wait(lambda: {(4, p)} <= _held(nodes[q]) and {(4, x)} <= _held(nodes[p]), "step 4 held")
+        producers.pop(p).close()
+        nodes[p].kill()
+        for step in range(5, 11):  # each of X's shares reaches Q before the next supersedes it
+            for h in [pr.save({"w": _tensor(step, r)}, step) for r, pr in producers.items()]:
+                h.wait(30)
+            _wait(lambda: (step, x) in _held(nodes[q]), lambda: f"X's step {step} at Q: {_held(nodes[q])}")
+        held = _held(nodes[q])
+        assert (4, p) in held, held  # P's newest: what its replacement resumes from
+        for r in (x, p):
+            assert len({s for s, rank in held if rank == r}) <= KEEP, held
+        peer = _peer(nodes[q])
+        assert peer["held_ranks"] == 2 and peer["held_bytes"] <= KEEP * 2 * (NBYTES + 4096), peer
+        for pr in producers.values():
+            pr.close()
     finally:
         for node in nodes:
             node.cleanup()

@@ -272,6 +272,7 @@ class Holder:
         with self._lock:
             return {"held_bytes": sum(r.nbytes for r in self._held.values()), "held_shares": len(self._held),
                     "held_steps": len({(k[0], k[1]) for k in self._held}),
+                    "held_ranks": len({(k[0], k[2]) for k in self._held}),
                     "receiving_bytes": sum(r.nbytes for d in (self._incoming, self._verifying) for r in d.values()),
                     "memory": self.budget, "evicted": self.evicted, "rejected": self.rejected,
                     "drop_requests": self.drop_requests,

@@ -23,6 +23,7 @@ from . import bucket, local, peer
 
 log = logging.getLogger("ckptd.retention")
 
+FLIGHT = "in flight: the newest step here"
 ASKED_ALONE = 64  # older steps of this root asked of the peers one by one, in one pass at most
 
 
@@ -128,33 +129,44 @@ def _ranks(shares: list[Manifest], seen: dict[int, list[Any]]) -> tuple[set[int]
 
 def decide(s: Survey, run_dir: Path, policy: RetentionConfig, *, now: float,
            protect: set[int]) -> list[retention.Decision]:
-    """Retention's decisions for the steps this root holds of ``s.run``: the policy
-    counts the steps complete across the cluster, and those older than the newest of
-    them that are not (another node removed its share first: they never complete);
-    a newer step is in flight, kept. Each decision says where the step is complete."""
+    """Retention's decisions for the steps this root holds of ``s.run``, bounded whatever
+    the cluster completes (docs/service.md, "Retention across nodes"): the policy counts
+    every step held, complete across the cluster or not, and keeps the newest complete
+    one as its newest; the newest step held, while not complete, is in flight and kept.
+    Until a step is known complete, no step that is not is removed: the newest complete
+    one cannot be told. Each decision says where the step is complete."""
     newest = max(s.complete, default=None)
-    counted = sorted(st for st in s.here if st in s.complete or newest is not None and st < newest)
+    held = sorted(s.here) if s.complete else []
+    flight = max(s.here, default=None)
+    keep = dict.fromkeys(protect, retention.UPLOADING)
+    if flight not in s.complete and flight is not None:
+        keep[flight] = FLIGHT
     infos = [CheckpointInfo.from_manifests(str(layout.step_dir(run_dir.parent, s.run, st)), s.here[st])
-             for st in counted]
-    decisions = retention.plan(infos, policy, pinned=retention.pinned_steps(run_dir, counted), now=now,
-                               protect=protect)
+             for st in held]
+    decisions = retention.plan(infos, policy, pinned=retention.pinned_steps(run_dir, held), now=now,
+                               protect=keep, newest=newest)
     for d in decisions:
-        d.reasons.append(_standing(s, d.step, newest))
-    for st in sorted(set(s.here) - set(counted)):
+        d.reasons.append(_standing(s, d.step, newest, flight))
+    for st in sorted(set(s.here) - set(held)):
         ranks, world = s.ranks[st]
         d = retention.Decision(st, True, [f"not complete across the cluster: rank(s) {sorted(ranks)} of {world} "
-                                          "committed anywhere (in flight, or its other shares are out of reach)"],
-                               sum(m.nbytes for m in s.here[st]))
+                                          "committed anywhere (in flight, or its other shares are out of reach); "
+                                          "no step is known complete yet"], sum(m.nbytes for m in s.here[st]))
         decisions.append(d)
     return sorted(decisions, key=lambda d: d.step)
 
 
-def _standing(s: Survey, step: int, newest: int | None) -> str:
+def _standing(s: Survey, step: int, newest: int | None, flight: int | None) -> str:
     if step in s.complete:
         return f"complete across the cluster in: {', '.join(s.complete[step])}"
     ranks, world = s.ranks[step]
-    return (f"not complete across the cluster (rank(s) {sorted(ranks)} of {world} committed anywhere) and "
-            f"older than step {newest}, which is: it never completes")
+    held = f"not complete across the cluster: rank(s) {sorted(ranks)} of {world} committed anywhere"
+    if step == flight:
+        return held
+    if newest is not None and step < newest:
+        return f"{held}, older than step {newest}, which is: it never completes"
+    return (f"{held}, newer than step {newest}, the newest complete: the rules count it as if complete, so that "
+            "the disk stays bounded while the cluster lags")
 
 
 def apply(s: Survey, run_dir: Path, policy: RetentionConfig, *, now: float, dry_run: bool = False,
