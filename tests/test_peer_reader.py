@@ -26,10 +26,11 @@ import zmq
 
 import ckptd
 from ckptd.config import load as load_config
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointCorrupt, CheckpointError
 from ckptd.layout import is_data_file
 from ckptd.peer.backoff import Backoff
 from ckptd.peer import messages
+from ckptd.tiers import landing
 from ckptd.tiers.peer_reader import PeerTier
 from ckptd.transport import wire
 from ckptd.transport.oneshot import request
@@ -158,7 +159,7 @@ AS_OTHER_USER = textwrap.dedent("""
     import os, sys
     from ckptd.transport import wire
     from ckptd.transport.oneshot import request
-    from ckptd.errors import CheckpointError
+    from ckptd.errors import CheckpointCorrupt, CheckpointError
     endpoint, root, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     os.setgroups([0])  # imports first, then become that user (group 0 reaches the socket)
     os.setresgid(uid, uid, uid)
@@ -250,6 +251,40 @@ def test_recover_asks_and_recoveries_are_bounded_per_user_and_in_total(tmp_path)
             os.close(fd)
         for n in (a, b):
             n.cleanup()
+
+
+def test_a_streamed_share_is_readable_file_by_file_and_a_failed_one_leaves_no_temporary_file(tmp_path) -> None:
+    """``landing.stream`` (the daemon's landing of a peer's share): a file is in place with
+    its bytes once ``done`` names it, before the next is filled, and ``placed`` is told;
+    a fill that fails after the first file leaves that one (a reader told of it may be
+    reading it) and no temporary file."""
+    sizes = {"r00000-000000.safetensors": 3 << 20, "r00000-000001.safetensors": 0, "r00000-000002.safetensors": 5000}
+    data = {f: os.urandom(n) for f, n in sizes.items()}
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    ok.mkdir()
+    bad.mkdir()
+    in_place, placed = [], []
+
+    def fill(views: dict, done) -> None:
+        for file, view in views.items():
+            assert not (ok / file).exists()
+            view[:] = data[file]
+            done(file)
+            in_place.append((ok / file).read_bytes() == data[file])
+
+    landing.stream(ok, sizes, fill, placed.append)
+    assert in_place == [True] * 3 and placed == list(sizes)
+    assert sorted(p.name for p in ok.iterdir()) == sorted(sizes)
+    first = next(iter(sizes))
+
+    def failing(views: dict, done) -> None:
+        views[first][:] = data[first]
+        done(first)
+        raise CheckpointCorrupt("the next file's bytes do not match their checksums")
+
+    with pytest.raises(CheckpointCorrupt, match="next file"):
+        landing.stream(bad, sizes, failing)
+    assert [p.name for p in bad.iterdir()] == [first] and (bad / first).read_bytes() == data[first]
 
 
 def test_a_run_this_node_has_not_seen_is_recovered_only_by_the_owner_its_manifests_name(tmp_path) -> None:

@@ -213,7 +213,7 @@ class Handlers:
         if not (self.cfg.shared_runs or user is None or user in owners.trusted):
             try:
                 if owners.owner_of(h["run"]) is None:
-                    claim = user  # the peers' manifests say whether it is theirs (Relay)
+                    claim = user
                 else:
                     owners.check(h["run"], user)
             except NotOwner as exc:

@@ -30,33 +30,39 @@ log = logging.getLogger("ckptd.daemon")
 WAIT_S = 2.0  # a reader's ask is answered at least this often, done or not
 THREADS = 4
 OPENED_S = 10.0  # a step opened for a reader serves the landing asks that follow this long
-ASKS_PER_USER = 32  # one user's (uid's or key's) asks waiting at once: a reader asks one at a time
+ASKS_PER_USER = 32
 ASKS = 128
-JOBS_PER_USER = 16  # recoveries under way that one user asked for (a node's ranks ask one each)
+JOBS_PER_USER = 16
 JOBS = 32
 
-# run, step, ranks, memory, and who claims the run by asking (it has no owner here yet)
 Key = tuple[str, int | None, tuple[int, ...] | None, bool, str | None]
 
 
 @dataclass
 class _Job:
+    """A recovery: ``key`` is the run, step, ranks, ``memory`` and who claims the run by
+    asking (it has no owner here yet); ``landed``: its data files in place and checked,
+    in order; ``users``: whoever asked for it."""
+
     key: Key
     future: Future[dict[str, Any]] = field(init=False)
     started: float = field(default_factory=time.monotonic)
     asks: int = 1
-    landed: list[str] = field(default_factory=list)  # data files in place and checked, in order
+    landed: list[str] = field(default_factory=list)
     users: set[str | None] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
 class _Ask:
+    """A reader waiting; ``seen``: how many of its job's ``landed`` it was told of (None:
+    it reads once the job is done)."""
+
     identity: bytes
     seq: int
     job: _Job
     deadline: float
     user: str | None
-    seen: int | None  # files already named to this reader; None: it reads only once done
+    seen: int | None
 
 
 class Relay:
@@ -101,8 +107,9 @@ class Relay:
         self._waiting.append(_Ask(identity, seq, job, time.monotonic() + WAIT_S, user, h["seen"]))
 
     def _bound(self, user: str | None, key: Key) -> None:
-        """Refuse an ask beyond ``ASKS_PER_USER`` or ``ASKS`` waiting, or one that would
-        start a recovery beyond ``JOBS_PER_USER`` or ``JOBS`` under way."""
+        """Refuse an ask beyond ``ASKS_PER_USER`` or ``ASKS`` waiting (a reader asks one
+        at a time), or one that would start a recovery beyond ``JOBS_PER_USER`` (a node's
+        ranks ask one each) or ``JOBS`` under way."""
         who = describe(user) if user else "this reader"
         mine = sum(a.user == user for a in self._waiting)
         running = [j for j in self._jobs.values() if not j.future.done()]
@@ -147,11 +154,12 @@ class Relay:
                 del self._jobs[key]
 
     def _finish(self, a: _Ask) -> None:
+        """The job's answer; a run it claims becomes the asker's, unless another claimed it meanwhile."""
         job = a.job
         exc = job.future.exception()
         if exc is None and job.key[4] is not None:
             try:
-                self.owners.check(job.key[0], job.key[4])  # claims it, unless another claimed it meanwhile
+                self.owners.check(job.key[0], job.key[4])
             except (NotOwner, OSError) as refused:
                 exc = CheckpointError(str(refused))
         if exc is None:

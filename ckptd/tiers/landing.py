@@ -60,7 +60,7 @@ def write_bytes(path: Path, data: memoryview) -> None:
         os.close(fd)
 
 
-Fill = Callable[[dict[str, memoryview], Callable[[str], None]], None]
+Fill = Callable[[dict[str, memoryview], Callable[[str], None]], object]
 
 
 def stream(folder: Path, sizes: dict[str, int], fill: Fill, placed: Callable[[str], None] | None = None) -> None:
@@ -95,12 +95,13 @@ def stream(folder: Path, sizes: dict[str, int], fill: Fill, placed: Callable[[st
 
 
 class _Streamed:
-    """A data file written through a mapping of a temporary file beside ``path``, its
-    blocks allocated first: a full disk is an OSError here, never a SIGBUS in a write."""
+    """A data file written through a mapping of a temporary file beside ``path`` (named
+    for this host and pid: one there is a crashed earlier self's), its blocks allocated
+    first: a full disk is an OSError here, never a SIGBUS in a write."""
 
     def __init__(self, path: Path, size: int) -> None:
         self.path, self.tmp, self.placed = path, temp_path(path), False
-        self.tmp.unlink(missing_ok=True)  # named for this host and pid: a crashed earlier self's
+        self.tmp.unlink(missing_ok=True)
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             if size:

@@ -37,7 +37,7 @@ class RelayTier:
     def __init__(self, config: Config, base: Path) -> None:
         self.config, self.base = config, base
         self._warned: set[str] = set()
-        self._old = False
+        self._before_seen = False
 
     def ask(self, run: str, step: int | None, ranks: list[int] | None = None, *,
             memory: bool = False, landed: Callable[[list[str]], bool] | None = None) -> dict[str, Any]:
@@ -56,13 +56,13 @@ class RelayTier:
         seen = 0
         while True:
             fields = {"seq": next(_SEQ), "run": run, "step": step, "ranks": ranks, "root": str(self.base),
-                      "memory": memory, **({"seen": seen} if landed is not None and not self._old else {})}
+                      "memory": memory, **({"seen": seen} if landed is not None and not self._before_seen else {})}
             try:
                 reply = request(endpoint, wire.encode("recover", **fields), ASK_S, keys)
             except CheckpointError as exc:
                 if "seen" not in fields or "unknown fields ['seen']" not in str(exc):
                     raise
-                self._old = True  # a daemon of before ``seen``: told nothing until done
+                self._before_seen = True
                 continue
             if reply["done"]:
                 return reply
@@ -145,7 +145,7 @@ class RelayHolding:
             out.update(got if convert is None else {n: convert(n, t) for n, t in got.items()})
             return not any(layout.file_rank(rec.file) in missing for rec in pending.values())
 
-        ranks = sorted({layout.file_rank(rec.file) for rec in records.values()})  # type: ignore[type-var]
+        ranks = sorted({r for rec in records.values() if (r := layout.file_rank(rec.file)) is not None})
         missing = [r for r in ranks if landing.read_share(self.path, r) is None]
         if missing:
             self.tier.ask(self.run, self.step, missing, landed=lambda files: take(set(files)))
