@@ -74,8 +74,7 @@ class Owners:
 
 
 def recorded_owner(root: Path, run: str) -> str | None:
-    """The owner ``<root>/<run>/.owner`` records, None without one; also what a commit
-    writes into its manifest (``owner``), for a node that has not seen the run."""
+    """The owner ``<root>/<run>/.owner`` records, None without one."""
     try:
         fd = layout.open_real_dir(root / run)
     except FileNotFoundError:
@@ -87,6 +86,15 @@ def recorded_owner(root: Path, run: str) -> str | None:
     finally:
         os.close(fd)
     return text or None
+
+
+def manifest_owner(root: Path, run: str) -> str | None:
+    """``recorded_owner`` for a commit's manifest: None where it cannot be read, which
+    only narrows who may recover the run on another node (root alone)."""
+    try:
+        return recorded_owner(root, run)
+    except (OSError, ValueError):
+        return None
 
 
 def describe(who: str | None) -> str:
