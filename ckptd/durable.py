@@ -36,8 +36,7 @@ def replacing(path: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[P
     path, such as ``torch.save``); on success it replaces ``path`` as ``atomic_write``
     does (fsync, rename, fsync the folder); on an exception it is removed."""
     path = Path(path)
-    # unique per writer: daemons of several hosts may replace one file on shared storage
-    tmp = path.with_name(f".{path.name}~{socket.gethostname()}-{os.getpid()}.tmp")
+    tmp = temp_path(path)
     try:
         yield tmp
         if fsync:
@@ -52,6 +51,12 @@ def replacing(path: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[P
     os.replace(tmp, path)
     if fsync:
         fsync_dir(path.parent)
+
+
+def temp_path(path: Path) -> Path:
+    """The temporary file beside ``path`` that ``replacing`` writes: unique per writer, as
+    daemons of several hosts may replace one file on shared storage."""
+    return path.with_name(f".{path.name}~{socket.gethostname()}-{os.getpid()}.tmp")
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:

@@ -71,7 +71,9 @@ class Manifest:
     ``due``: the tiers the producer's pick named this step due for (docs/advise.md),
         optional; None: every tier
     ``compression``: data file -> how the bucket stores it compressed (ckptd.remote.codec);
-        only in the bucket's copy of a manifest, which then has format_version 4"""
+        only in the bucket's copy of a manifest, which then has format_version 4
+    ``owner``: who owned the run where it was written (``"uid:N"`` or ``"key:Z85"``,
+        daemon/owners.py), optional: a node that has not seen the run lets only them recover it"""
 
     run: str
     step: int
@@ -91,6 +93,7 @@ class Manifest:
     compare_replicas: str | None = None
     due: tuple[str, ...] | None = None
     compression: dict[str, Packed] = field(default_factory=dict)
+    owner: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +130,8 @@ class Manifest:
             d["due"] = list(self.due)
         if self.compression:
             d["compression"] = {file: p.to_dict() for file, p in self.compression.items()}
+        if self.owner is not None:
+            d["owner"] = self.owner
         return _dumps_lines(d).encode("utf-8")
 
     @classmethod
@@ -230,6 +235,9 @@ class _Parser:
         attempt = d.get("attempt")
         if attempt is not None and not (isinstance(attempt, str) and 0 < len(attempt) <= 1024):
             raise self.fail(f"attempt {short_repr(attempt)} is not a string of 1 to 1024 characters")
+        owner = d.get("owner")
+        if owner is not None and not (isinstance(owner, str) and 0 < len(owner) <= 1024):
+            raise self.fail(f"owner {short_repr(owner)} is not a string of 1 to 1024 characters")
         tensors = self.typed(d, "tensors", dict)
         records = {name: self.tensor(name, t, rank, fmt) for name, t in tensors.items()}
         for name, rec in records.items():
@@ -245,7 +253,8 @@ class _Parser:
                         run=run, step=step, rank=rank, world_size=world, time=when,
                         tensors=records, state=d.get("state"), metadata=metadata, format=fmt,
                         files=dict(files), format_version=version, written_by=written_by, attempt=attempt,
-                        replica_digests=digests, host=host, compare_replicas=policy, due=self.due(d.get("due")))
+                        replica_digests=digests, host=host, compare_replicas=policy, due=self.due(d.get("due")),
+                        owner=owner)
 
     def due(self, value: Any) -> tuple[str, ...] | None:
         """The optional ``due`` field: tier names, or None (every tier)."""

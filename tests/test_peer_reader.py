@@ -5,6 +5,7 @@ asks its node's daemon, which alone holds a key to the peers; real daemons on
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import random
@@ -25,10 +26,11 @@ import zmq
 
 import ckptd
 from ckptd.config import load as load_config
-from ckptd.errors import CheckpointError
+from ckptd.errors import CheckpointCorrupt, CheckpointError
 from ckptd.layout import is_data_file
 from ckptd.peer.backoff import Backoff
 from ckptd.peer import messages
+from ckptd.tiers import landing
 from ckptd.tiers.peer_reader import PeerTier
 from ckptd.transport import wire
 from ckptd.transport.oneshot import request
@@ -157,7 +159,7 @@ AS_OTHER_USER = textwrap.dedent("""
     import os, sys
     from ckptd.transport import wire
     from ckptd.transport.oneshot import request
-    from ckptd.errors import CheckpointError
+    from ckptd.errors import CheckpointCorrupt, CheckpointError
     endpoint, root, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     os.setgroups([0])  # imports first, then become that user (group 0 reaches the socket)
     os.setresgid(uid, uid, uid)
@@ -168,6 +170,155 @@ AS_OTHER_USER = textwrap.dedent("""
     except CheckpointError as exc:
         print("refused:", exc)
 """)
+
+
+ASKS_AS = textwrap.dedent("""
+    import json, os, sys
+    import msgpack, zmq
+    endpoint, uid, final, asks = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "final", json.loads(sys.argv[4])
+    if uid:
+        os.setgroups([0])  # group 0 reaches the socket
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    send = lambda i: sock.send(msgpack.packb(dict(asks[i], op="recover", seq=i + 1), use_bin_type=True))
+    for i in range(len(asks)):
+        send(i)
+    got = {}
+    while len(got) < len(asks) and sock.poll(60_000):
+        r = msgpack.unpackb(sock.recv(), raw=False)
+        if final and r["op"] == "recovered" and not r["done"]:
+            send(r["seq"] - 1)  # under way: asked again, as a reader does
+        else:
+            got[r["seq"]] = r["message"] if r["op"] == "error" else "served" if r["done"] else "waiting"
+    print(json.dumps([got.get(i + 1) for i in range(len(asks))]))
+""")
+
+
+def _asks_as(d: Daemon, uid: int, asks: list[dict], *, final: bool = True) -> list[str]:
+    """What ``d`` answered ``recover`` asks sent at once by Unix user ``uid``: the error's
+    message, "served" or (``final`` False: its first answer) "waiting"."""
+    out = subprocess.run([sys.executable, "-c", ASKS_AS, d.endpoint, str(uid), "final" if final else "first",
+                          json.dumps(asks)], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _ask(d: Daemon, run: str = "job", step: int = 1, ranks: list[int] | None = None) -> dict:
+    return {"run": run, "step": step, "ranks": ranks, "root": str(d.root), "memory": None}
+
+
+def test_recover_asks_and_recoveries_are_bounded_per_user_and_in_total(tmp_path) -> None:
+    """B's recoveries of A's steps are held up (this test holds each share's landing lock
+    in B's root). A user's 17th recovery at once is refused naming JOBS_PER_USER, the 33rd
+    of all users naming JOBS, a user's 33rd ask waiting naming ASKS_PER_USER; an ask that
+    joins a recovery under way is not refused for another user's count; once let go, every
+    recovery lands its share."""
+    a_, b_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    a = _node(tmp_path, "a", a_, [b_])
+    b = Daemon(tmp_path / "b", tables={"peer": {"listen": b_, "peers": [a_], "timeout": "5s"}}, shared_runs=True)
+    locks = []
+    try:
+        a.start()
+        b.start()
+        _save(a, range(1, 34), nbytes=4096)
+        for step in range(1, 34):
+            folder = b.root / "job" / f"step-{step:012d}"
+            folder.mkdir(parents=True)
+            locks.append(os.open(folder / ".fetch-r00000.lock", os.O_RDWR | os.O_CREAT, 0o644))
+            fcntl.flock(locks[-1], fcntl.LOCK_EX)
+        os.chmod(b.sock_dir, 0o750)
+        first = _asks_as(b, 0, [_ask(b, step=s, ranks=[0]) for s in range(1, 18)], final=False)
+        assert first[:16] == ["waiting"] * 16 and "(JOBS_PER_USER = 16)" in first[16], first
+        assert "Unix user 0 has 16 recoveries under way" in first[16], first
+        assert _asks_as(b, 65533, [_ask(b, step=s, ranks=[0]) for s in range(17, 33)], final=False) == ["waiting"] * 16
+        third = _asks_as(b, 65532, [_ask(b, step=33, ranks=[0]), _ask(b, step=1, ranks=[0])], final=False)
+        assert "32 recoveries are under way" in third[0] and "(JOBS = 32)" in third[0] and third[1] == "waiting", third
+        joined = _asks_as(b, 0, [_ask(b, step=1, ranks=[0])] * 33, final=False)
+        assert joined[:32] == ["waiting"] * 32 and "(ASKS_PER_USER = 32)" in joined[32], joined
+        assert _recovered(b)["refused"] == 3
+        for fd in locks:
+            os.close(fd)
+        locks = []
+        landed = [b.root / "job" / f"step-{s:012d}" / "manifest-r00000.json" for s in range(1, 33)]
+        _wait(lambda: all(p.exists() for p in landed) and _recovered(b)["running"] == 0, "every recovery landed",
+              timeout=120)
+        assert not (b.root / "job" / "step-000000000033" / "manifest-r00000.json").exists()
+    finally:
+        for fd in locks:
+            os.close(fd)
+        for n in (a, b):
+            n.cleanup()
+
+
+def test_a_streamed_share_is_readable_file_by_file_and_a_failed_one_leaves_no_temporary_file(tmp_path) -> None:
+    """``landing.stream`` (the daemon's landing of a peer's share): a file is in place with
+    its bytes once ``done`` names it, before the next is filled, and ``placed`` is told;
+    a fill that fails after the first file leaves that one (a reader told of it may be
+    reading it) and no temporary file."""
+    sizes = {"r00000-000000.safetensors": 3 << 20, "r00000-000001.safetensors": 0, "r00000-000002.safetensors": 5000}
+    data = {f: os.urandom(n) for f, n in sizes.items()}
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    ok.mkdir()
+    bad.mkdir()
+    in_place, placed = [], []
+
+    def fill(views: dict, done) -> None:
+        for file, view in views.items():
+            assert not (ok / file).exists()
+            view[:] = data[file]
+            done(file)
+            in_place.append((ok / file).read_bytes() == data[file])
+
+    landing.stream(ok, sizes, fill, placed.append)
+    assert in_place == [True] * 3 and placed == list(sizes)
+    assert sorted(p.name for p in ok.iterdir()) == sorted(sizes)
+    first = next(iter(sizes))
+
+    def failing(views: dict, done) -> None:
+        views[first][:] = data[first]
+        done(first)
+        raise CheckpointCorrupt("the next file's bytes do not match their checksums")
+
+    with pytest.raises(CheckpointCorrupt, match="next file"):
+        landing.stream(bad, sizes, failing)
+    assert [p.name for p in bad.iterdir()] == [first] and (bad / first).read_bytes() == data[first]
+
+
+def test_a_run_this_node_has_not_seen_is_recovered_only_by_the_owner_its_manifests_name(tmp_path) -> None:
+    """Node B has never seen runs "theirs" (owned by Unix user 65534 where A wrote it) and
+    "job" (written by root: no owner recorded). User 65533 recovering either through B is
+    refused, naming who wrote it, and claims nothing; user 65534 recovers "theirs" and B
+    records it as theirs, after which 65533 is refused as for any owned run."""
+    a_, b_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    a, b = _node(tmp_path, "a", a_, [b_]), _node(tmp_path, "b", b_, [a_])
+    try:
+        a.start()
+        b.start()
+        (a.root / "theirs").mkdir(parents=True)
+        (a.root / "theirs" / ".owner").write_text("uid:65534\n")  # as a producer of user 65534 would leave it
+        with a.producer("theirs") as p:
+            p.save({"w": torch.arange(1024.0)}, 1).wait(30)
+        _save(a, range(1, 2), nbytes=4096)
+        os.chmod(b.sock_dir, 0o750)
+        refused = _asks_as(b, 65533, [_ask(b, "theirs"), _ask(b, "theirs", ranks=[0]), _ask(b, "job", step=None)])
+        for why in refused[:2]:
+            assert "run 'theirs' has no owner on this node yet" in why, refused
+            assert "written by Unix user 65534, not by Unix user 65533" in why, refused
+        assert "written by no one recorded" in refused[2], refused
+        assert not (b.root / "theirs" / ".owner").exists() and not (b.root / "job" / ".owner").exists()
+        assert not (b.root / "theirs" / "step-000000000001" / "manifest-r00000.json").exists()
+        assert _asks_as(b, 65534, [_ask(b, "theirs")]) == ["served"]
+        assert _asks_as(b, 65534, [_ask(b, "theirs", ranks=[0])]) == ["served"]
+        assert (b.root / "theirs" / ".owner").read_text() == "uid:65534\n"
+        assert (b.root / "theirs" / "step-000000000001" / "manifest-r00000.json").exists()
+        again = _asks_as(b, 65533, [_ask(b, "theirs")])
+        assert "run 'theirs' belongs to Unix user 65534" in again[0], again
+    finally:
+        for n in (a, b):
+            n.cleanup()
 
 
 # -- bounded answers, and what a load costs each peer ---------------------------------------

@@ -207,9 +207,21 @@ class Handlers:
             raise ProtocolError(f"recover: {exc}") from None
         if self.relay is None:
             raise ProtocolError("recover: this daemon has no [peer] table, so no peer holds its shares")
-        self._check_owner(h["run"], frame)
+        user = principal(frame, tcp=not self.replies.local)
+        claim = None
+        owners = self.sessions.owners
+        if not (self.cfg.shared_runs or user is None or user in owners.trusted):
+            try:
+                if owners.owner_of(h["run"]) is None:
+                    claim = user
+                else:
+                    owners.check(h["run"], user)
+            except NotOwner as exc:
+                raise ProtocolError(str(exc)) from None
+            except OSError as exc:
+                raise ProtocolError(f"cannot tell who owns run {h['run']!r}: {exc}") from None
         try:
-            self.relay.ask(identity, h["seq"], h["run"], h["step"], h["ranks"], h["root"], bool(h["memory"]))
+            self.relay.ask(identity, h["seq"], h, user=user, claim=claim)
         except CheckpointError as exc:
             raise ProtocolError(str(exc)) from None
 

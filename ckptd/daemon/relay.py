@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import Config
-from ..errors import CheckpointError, CheckpointNotFound
+from ..errors import CheckpointError, CheckpointNotFound, NotOwner
 from ..manifest import CheckpointInfo
 from ..transport import wire
+from .owners import Owners, describe
 
 if TYPE_CHECKING:
     from ..tiers.peer_reader import PeerHolding
@@ -29,92 +30,158 @@ log = logging.getLogger("ckptd.daemon")
 WAIT_S = 2.0  # a reader's ask is answered at least this often, done or not
 THREADS = 4
 OPENED_S = 10.0  # a step opened for a reader serves the landing asks that follow this long
+ASKS_PER_USER = 32
+ASKS = 128
+JOBS_PER_USER = 16
+JOBS = 32
 
-Key = tuple[str, int | None, tuple[int, ...] | None, bool]
+Key = tuple[str, int | None, tuple[int, ...] | None, bool, str | None]
 
 
 @dataclass
 class _Job:
+    """A recovery: ``key`` is the run, step, ranks, ``memory`` and who claims the run by
+    asking (it has no owner here yet); ``landed``: its data files in place and checked,
+    in order; ``users``: whoever asked for it."""
+
     key: Key
-    future: Future[dict[str, Any]]
+    future: Future[dict[str, Any]] = field(init=False)
     started: float = field(default_factory=time.monotonic)
     asks: int = 1
+    landed: list[str] = field(default_factory=list)
+    users: set[str | None] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """A reader waiting; ``seen``: how many of its job's ``landed`` it was told of (None:
+    it reads once the job is done)."""
+
+    identity: bytes
+    seq: int
+    job: _Job
+    deadline: float
+    user: str | None
+    seen: int | None
 
 
 class Relay:
     """The daemon's ``recover`` jobs, run on ``ckptd-relay`` threads with its own peer
     tier (its key pair); ``answer(now)``, on the main loop, sends what is ready."""
 
-    def __init__(self, config: Config, replies: Replies, wake: Callable[[], None]) -> None:
+    def __init__(self, config: Config, replies: Replies, wake: Callable[[], None], owners: Owners) -> None:
         from ..tiers.peer_reader import PeerTier
 
         self.root = config.root
         self.tier = PeerTier(config, config.root)
-        self.replies, self._wake = replies, wake
+        self.replies, self._wake, self.owners = replies, wake, owners
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ckptd-relay")
         self._jobs: dict[Key, _Job] = {}
-        self._waiting: list[tuple[bytes, int, _Job, float]] = []
+        self._waiting: list[_Ask] = []
         self._lock = threading.Lock()
         self._opened: dict[tuple[str, int], tuple[float, PeerHolding]] = {}
-        self.counts = {"asks": 0, "joined": 0, "jobs": 0, "failed": 0}
+        self.counts = {"asks": 0, "joined": 0, "jobs": 0, "failed": 0, "refused": 0}
 
-    def ask(self, identity: bytes, seq: int, run: str, step: int | None, ranks: list[int] | None,
-            root: str, memory: bool = False) -> None:
-        """Start (or join) the job ``recover`` names; answered by ``answer``."""
-        if not _same_dir(root, self.root):
+    def ask(self, identity: bytes, seq: int, h: dict[str, Any], *, user: str | None, claim: str | None) -> None:
+        """Start (or join) the job ``recover`` ``h`` names, for ``user`` (``principal``);
+        ``claim``: ``user`` when the run has no owner here, to be its owner if the peers'
+        manifests say so. Answered by ``answer``; CheckpointError for a refusal."""
+        if not _same_dir(h["root"], self.root):
             raise CheckpointError(f"recover: this daemon lands the peers' shares in its root {self.root}, not in "
-                                  f"{root}: read without root= (or with root={str(self.root)!r})")
-        key: Key = (run, step, None if ranks is None else tuple(sorted(set(ranks))), memory and step is not None)
+                                  f"{h['root']}: read without root= (or with root={str(self.root)!r})")
+        step, ranks = h["step"], h["ranks"]
+        key: Key = (h["run"], step, None if ranks is None else tuple(sorted(set(ranks))),
+                    bool(h["memory"]) and step is not None, claim)
+        self._bound(user, key)
         self.counts["asks"] += 1
         job = self._jobs.get(key)
         if job is None:
-            job = self._jobs[key] = _Job(key, self._pool.submit(self._run, key))
+            job = self._jobs[key] = _Job(key)
+            job.future = self._pool.submit(self._run, job)
             job.future.add_done_callback(lambda _: self._wake())
             self.counts["jobs"] += 1
         else:
             job.asks += 1
             self.counts["joined"] += 1
-        self._waiting.append((identity, seq, job, time.monotonic() + WAIT_S))
+        job.users.add(user)
+        self._waiting.append(_Ask(identity, seq, job, time.monotonic() + WAIT_S, user, h["seen"]))
+
+    def _bound(self, user: str | None, key: Key) -> None:
+        """Refuse an ask beyond ``ASKS_PER_USER`` or ``ASKS`` waiting (a reader asks one
+        at a time), or one that would start a recovery beyond ``JOBS_PER_USER`` (a node's
+        ranks ask one each) or ``JOBS`` under way."""
+        who = describe(user) if user else "this reader"
+        mine = sum(a.user == user for a in self._waiting)
+        running = [j for j in self._jobs.values() if not j.future.done()]
+        theirs = sum(user in j.users for j in running)
+        refusal = None
+        if mine >= ASKS_PER_USER:
+            refusal = (f"{who} has {mine} recover asks waiting, the most one user may (ASKS_PER_USER = "
+                       f"{ASKS_PER_USER}); ask again once they are answered")
+        elif len(self._waiting) >= ASKS:
+            refusal = f"{len(self._waiting)} recover asks are waiting, the most this daemon takes (ASKS = {ASKS}); ask again in a few seconds"
+        elif key not in self._jobs and theirs >= JOBS_PER_USER:
+            refusal = (f"{who} has {theirs} recoveries under way, the most one user may (JOBS_PER_USER = "
+                       f"{JOBS_PER_USER}); ask again once one is done")
+        elif key not in self._jobs and len(running) >= JOBS:
+            refusal = f"{len(running)} recoveries are under way, the most this daemon runs at once (JOBS = {JOBS}); ask again in a few seconds"
+        if refusal is not None:
+            self.counts["refused"] += 1
+            raise CheckpointError(f"recover: {refusal}")
 
     def deadline(self) -> float | None:
         """When the first waiting reader is told how far its job got."""
-        return min(w[3] for w in self._waiting) if self._waiting else None
+        return min(a.deadline for a in self._waiting) if self._waiting else None
 
     def answer(self, now: float) -> None:
-        """Answer each reader whose job is done, or who has waited ``WAIT_S``."""
+        """Answer each reader whose job is done, that has files landed it was not told
+        of, or that has waited ``WAIT_S``."""
         waiting = []
-        for identity, seq, job, deadline in self._waiting:
+        for a in self._waiting:
+            job = a.job
             if job.future.done():
-                self._finish(identity, seq, job)
-            elif now >= deadline:
-                self.replies.send(identity, "recovered", seq=seq, done=False, info=None, manifests=None,
-                           progress=f"{_what(job.key)}: asking the peers for {now - job.started:.0f} s")
+                self._finish(a)
+            elif now >= a.deadline or (a.seen is not None and len(job.landed) > a.seen):
+                more = {} if a.seen is None else {"landed": job.landed[a.seen:]}
+                self.replies.send(a.identity, "recovered", seq=a.seq, done=False, info=None, manifests=None,
+                                  progress=f"{_what(job.key)}: asking the peers for {now - job.started:.0f} s",
+                                  **more)
             else:
-                waiting.append((identity, seq, job, deadline))
+                waiting.append(a)
         self._waiting = waiting
         for key, job in list(self._jobs.items()):
-            if job.future.done() and not any(w[2] is job for w in waiting):
+            if job.future.done() and not any(a.job is job for a in waiting):
                 del self._jobs[key]
 
-    def _finish(self, identity: bytes, seq: int, job: _Job) -> None:
+    def _finish(self, a: _Ask) -> None:
+        """The job's answer; a run it claims becomes the asker's, unless another claimed it meanwhile."""
+        job = a.job
         exc = job.future.exception()
+        if exc is None and job.key[4] is not None:
+            try:
+                self.owners.check(job.key[0], job.key[4])
+            except (NotOwner, OSError) as refused:
+                exc = CheckpointError(str(refused))
         if exc is None:
-            header = wire.encode("recovered", seq=seq, done=True, **{"progress": None, **job.future.result()})
+            header = wire.encode("recovered", seq=a.seq, done=True, **{"progress": None, **job.future.result()})
             if len(header) <= wire.MAX_HEADER_BYTES:
-                self.replies.send_encoded(identity, "recovered", header)
+                self.replies.send_encoded(a.identity, "recovered", header)
                 return
             exc = CheckpointError(f"the manifests of {_what(job.key)} take {len(header)} bytes, more than a reply "
                                   f"may ({wire.MAX_HEADER_BYTES}); read it as the daemon's user (ckptd load)")
         if not isinstance(exc, CheckpointError):
             log.error("recover: %s failed: %s: %s", _what(job.key), type(exc).__name__, exc)
-        self.replies.send(identity, "error", seq=seq, step=job.key[1], message=f"recover: {exc}",
-                   code=wire.NOT_FOUND if isinstance(exc, CheckpointNotFound) else None)
+        self.replies.send(a.identity, "error", seq=a.seq, step=job.key[1], message=f"recover: {exc}",
+                          code=wire.NOT_FOUND if isinstance(exc, CheckpointNotFound) else None)
 
-    def _run(self, key: Key) -> dict[str, Any]:
+    def _run(self, job: _Job) -> dict[str, Any]:
         """One job: the newest step (``step`` None), a step's manifests (``ranks`` None),
-        or those ranks' shares landed in the root."""
-        run, step, ranks, memory = key
+        or those ranks' shares landed in the root (each file named in ``job.landed`` as
+        it is in place)."""
+        run, step, ranks, memory, claim = job.key
         try:
+            if claim is not None:
+                self._check_claim(run, step, claim)
             if memory:
                 assert step is not None
                 info, missing = self.tier.completion(run, step, None)
@@ -122,11 +189,7 @@ class Relay:
             if step is None:
                 info = self.tier.latest(run)
                 return {"info": info.to_dict() if info else None, "manifests": None}
-            holding = self._open(run, step, again=ranks is None)
-            if holding is None:
-                raise CheckpointNotFound(f"run {run!r} step {step} is complete neither in {self.root} nor with "
-                                         f"the peers ({', '.join(self.tier.discovery.endpoints)}); "
-                                         "load another step (ckptd.latest)")
+            holding = self._holding(run, step, again=ranks is None and claim is None)
             beyond = [r for r in ranks or () if r >= len(holding.manifests)]
             if beyond:
                 raise CheckpointNotFound(f"run {run!r} step {step} has {len(holding.manifests)} ranks: no rank "
@@ -134,12 +197,40 @@ class Relay:
             if ranks is None:
                 info = CheckpointInfo.from_manifests(str(holding.path), holding.manifests, tiers=("peer",))
                 return {"info": info.to_dict(), "manifests": [m.to_json() for m in holding.manifests]}
-            holding.materialize(ranks)
+            holding.materialize(ranks, placed=lambda file: self._placed(job, file))
             return {"info": None, "manifests": None}
         except Exception:
             with self._lock:
                 self.counts["failed"] += 1
             raise
+
+    def _placed(self, job: _Job, file: str) -> None:
+        job.landed.append(file)
+        self._wake()
+
+    def _check_claim(self, run: str, step: int | None, claim: str) -> None:
+        """A run this node has no owner for is recovered only by the owner its manifests
+        name (the newest step's, for ``step`` None); CheckpointError for anyone else."""
+        if step is None:
+            info = self.tier.latest(run)
+            if info is None:
+                raise CheckpointNotFound(f"run {run!r} has no step complete in {self.root} or with the peers "
+                                         f"({', '.join(self.tier.discovery.endpoints)})")
+            step = info.step
+        writers = {m.owner for m in self._holding(run, step, again=False).manifests}
+        if writers != {claim}:
+            raise CheckpointError(
+                f"run {run!r} has no owner on this node yet, and its shares were written by "
+                f"{' and '.join(sorted(map(describe, writers)))}, not by {describe(claim)}: only the run's owner "
+                "recovers it on a node that has not seen it (or root; or set [daemon] shared_runs = true)")
+
+    def _holding(self, run: str, step: int, *, again: bool) -> PeerHolding:
+        holding = self._open(run, step, again=again)
+        if holding is None:
+            raise CheckpointNotFound(f"run {run!r} step {step} is complete neither in {self.root} nor with "
+                                     f"the peers ({', '.join(self.tier.discovery.endpoints)}); "
+                                     "load another step (ckptd.latest)")
+        return holding
 
     def _open(self, run: str, step: int, *, again: bool) -> PeerHolding | None:
         """The step as the root and the peers hold it; ``again``: asked of the peers anew,
@@ -174,7 +265,7 @@ def _same_dir(a: str, b: Path) -> bool:
 
 
 def _what(key: Key) -> str:
-    run, step, ranks, _ = key
+    run, step, ranks, _, _ = key
     if step is None:
         return f"the newest step of run {run!r}"
     return f"run {run!r} step {step}" + (f" rank(s) {list(ranks)}" if ranks is not None else "")

@@ -106,7 +106,8 @@ class Daemon:
         sessions = self.sessions = Sessions(Liveness(cfg.session_timeout), Owners(root), ledger, self.replies,
                                             writer)
         reporter = self.reporter = Reporter(config, self.lifecycle, sessions, ledger, upkeep)
-        relay = reporter.relay = Relay(config, self.replies, self.inbox.pipe.wake) if config.peer.enabled else None
+        relay = reporter.relay = Relay(config, self.replies, self.inbox.pipe.wake,
+                                       sessions.owners) if config.peer.enabled else None
         self.handlers = Handlers(config, sessions=sessions, ledger=ledger, replies=self.replies,
                                  lifecycle=self.lifecycle, arenas=self.arenas, writer=writer, upkeep=upkeep,
                                  reporter=reporter, relay=relay)

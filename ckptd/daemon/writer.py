@@ -28,6 +28,7 @@ from ..format import Entry, Format, Ref, Stored, Written
 from ..index import read_manifests
 from ..manifest import Checksum, CheckpointInfo, Manifest, TensorRecord, checksum
 from .attempts import read_manifest
+from .owners import manifest_owner
 from .datafile import Bounce, DataFile, Throttle
 from .share import CommitToken, Result, ResultKind, Share, Stream
 from .stagehold import StagingHolds
@@ -456,6 +457,7 @@ class Writer:
             attempt=share.id.attempt,
             written_by=share.declared.written_by, replica_digests=share.declared.digests, host=share.id.host,
             compare_replicas=share.declared.compare, due=share.declared.due,
+            owner=manifest_owner(share.id.root, share.run),
         )
         atomic_write(share.at(layout.manifest_name(share.rank)), manifest.to_json(), fsync=self.fsync)
         manifestcache.remember(share.at(layout.manifest_name(share.rank)), manifest)

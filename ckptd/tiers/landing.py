@@ -1,6 +1,7 @@
 """The one way a fetched share lands in a local root: under a per-share lock, its data
 files through the durable path, its manifest last. ``land`` is the entry point; the
-bucket and the peers call it.
+bucket and the peers call it. ``stream`` writes a share's files in place as their bytes
+arrive, each readable as soon as it is checked, all durable before the manifest.
 """
 
 from __future__ import annotations
@@ -8,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import mmap
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .. import index, layout
-from ..durable import atomic_write, replacing, write_all
+from ..durable import atomic_write, replacing, temp_path, write_all
 from ..errors import CheckpointCorrupt
 from ..manifest import Manifest
 
@@ -55,6 +58,74 @@ def write_bytes(path: Path, data: memoryview) -> None:
         write_all(fd, data)
     finally:
         os.close(fd)
+
+
+Fill = Callable[[dict[str, memoryview], Callable[[str], None]], object]
+
+
+def stream(folder: Path, sizes: dict[str, int], fill: Fill, placed: Callable[[str], None] | None = None) -> None:
+    """The data files ``sizes`` names (file -> bytes) written in ``folder`` as ``fill(views,
+    done)`` fills each file's ``views[file]``: once it calls ``done(file)`` (every byte in,
+    checked) the file is renamed into place, ``placed(file)`` told, and fsynced behind on a
+    thread of its own. All are durable when this returns; on a failure those not yet in
+    place are removed (a reader told of the others may be reading them)."""
+    files: dict[str, _Streamed] = {}
+    synced: list[Future[int | None]] = []
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptd-land-sync") as syncer:
+            def done(file: str) -> None:
+                files[file].place()
+                synced.append(syncer.submit(os.fsync, files[file].fd))
+                if placed is not None:
+                    placed(file)
+
+            try:
+                for file, size in sizes.items():
+                    files[file] = _Streamed(folder / file, size)
+                fill({f: s.view for f, s in files.items()}, done)
+                for future in synced:
+                    future.result()
+            except BaseException:
+                for s in files.values():
+                    s.discard()
+                raise
+    finally:
+        for s in files.values():
+            s.close()
+
+
+class _Streamed:
+    """A data file written through a mapping of a temporary file beside ``path`` (named
+    for this host and pid: one there is a crashed earlier self's), its blocks allocated
+    first: a full disk is an OSError here, never a SIGBUS in a write."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path, self.tmp, self.placed = path, temp_path(path), False
+        self.tmp.unlink(missing_ok=True)
+        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            if size:
+                os.posix_fallocate(self.fd, 0, size)
+            self.view = memoryview(mmap.mmap(self.fd, size) if size else bytearray())
+        except BaseException:
+            self.close()
+            self.tmp.unlink(missing_ok=True)
+            raise
+
+    def place(self) -> None:
+        os.replace(self.tmp, self.path)
+        self.placed = True
+
+    def discard(self) -> None:
+        if not self.placed:
+            self.tmp.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """The mapping goes with the last view of it; the bytes stay in the page cache."""
+        self.view = memoryview(b"")
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def read_share(folder: Path, rank: int) -> Manifest | None:

@@ -26,7 +26,7 @@ from .files import read_tensors
 from .peer import NAME
 from .local import NAME as ROOT
 from .peer_discovery import Held, PeerDiscovery, local_shares
-from .peer_transfer import PeerTransfer
+from .peer_transfer import PeerTransfer, share_files
 
 log = logging.getLogger("ckptd.peer")
 
@@ -144,16 +144,18 @@ class PeerHolding:
         raise CheckpointNotFound(f"run {self.run!r} step {self.step} rank {writer}: no peer served a good copy "
                                  f"({'; '.join(problems) or 'none holds it now'})")
 
-    def materialize(self, ranks: Iterable[int] | None = None) -> None:
+    def materialize(self, ranks: Iterable[int] | None = None, placed: Callable[[str], None] | None = None) -> None:
         """The shares of ``ranks`` (None: every rank) the root lacks landed in it, each
-        once a node; CheckpointNotFound naming the ranks no peer served a good copy of."""
+        once a node; CheckpointNotFound naming the ranks no peer served a good copy of.
+        ``placed(file)``: told of each data file in place, checked, before its share is."""
         wanted = range(len(self.manifests)) if ranks is None else sorted(set(ranks))
         missing = [r for r in wanted if landing.read_share(self.path, r) is None]
+        land = functools.partial(self._land, placed=placed)
         if len(missing) > 1:
             with ThreadPoolExecutor(min(len(missing), FETCH_THREADS), thread_name_prefix="ckptd-peer-fetch") as pool:
-                list(pool.map(self._land, missing))
+                list(pool.map(land, missing))
         elif missing:
-            self._land(missing[0])
+            land(missing[0])
         lacking = [r for r in missing if landing.read_share(self.path, r) is None]
         if lacking:
             asked = sorted({e for r in lacking for e, _, _ in self.held.get((self.step, r), [])})
@@ -161,21 +163,32 @@ class PeerHolding:
                                      f"{lacking} (asked: {', '.join(asked) or 'none holds it now'}; their daemons' "
                                      "logs say why); load another step (ckptd.latest)")
 
-    def _land(self, rank: int) -> None:
+    def _land(self, rank: int, placed: Callable[[str], None] | None = None) -> None:
+        """Rank ``rank``'s share landed from the first peer that serves it whole; files a
+        failed one placed are removed once none does."""
+        in_place: set[str] = set()
+
+        def place(file: str) -> None:
+            in_place.add(file)
+            if placed is not None:
+                placed(file)
+
         def files(folder: Path) -> Manifest | None:
             for endpoint, where, m in self.held.get((self.step, rank), []):
                 try:
-                    data = self.tier.transfer.read_files(endpoint, m)
+                    sizes = share_files(m)
+                    landing.stream(folder, sizes, functools.partial(self.tier.transfer.read_files, endpoint, m),
+                                   place)
                 except FAILED as exc:
                     log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
                                 self.run, self.step, rank, endpoint, where, exc)
                     continue
-                for file, buf in data.items():
-                    landing.write_file(folder / file, functools.partial(landing.write_bytes, data=buf))
-                self.tier.count_fetched(sum(len(b) for b in data.values()))
+                self.tier.count_fetched(sum(sizes.values()))
                 log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", self.run, self.step, rank,
                          endpoint, where)
                 return m
+            for file in in_place:
+                (folder / file).unlink(missing_ok=True)
             return None
 
         landing.land(self.tier.base, self.run, self.step, rank, files)

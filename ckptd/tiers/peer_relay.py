@@ -37,11 +37,14 @@ class RelayTier:
     def __init__(self, config: Config, base: Path) -> None:
         self.config, self.base = config, base
         self._warned: set[str] = set()
+        self._before_seen = False
 
     def ask(self, run: str, step: int | None, ranks: list[int] | None = None, *,
-            memory: bool = False) -> dict[str, Any]:
-        """The daemon's ``recovered`` answer once done; its progress logged meanwhile.
-        DaemonUnreachable when it does not answer; CheckpointError with its refusal."""
+            memory: bool = False, landed: Callable[[list[str]], bool] | None = None) -> dict[str, Any]:
+        """The daemon's ``recovered`` answer once done; its progress logged meanwhile, and
+        the data files it names as in place told to ``landed``, which answers whether the
+        reader has all it wants (then the last answer, the share still landing). DaemonUnreachable
+        when it does not answer; CheckpointError with its refusal."""
         from ..transport import curve, wire
         from ..transport.oneshot import request
 
@@ -50,13 +53,25 @@ class RelayTier:
             keys = curve.client_keys(endpoint, self.config)
         except ConfigError as exc:
             raise DaemonUnreachable(f"cannot reach this node's daemon at {endpoint}: {exc}") from None
+        seen = 0
         while True:
-            header = wire.encode("recover", seq=next(_SEQ), run=run, step=step, ranks=ranks, root=str(self.base),
-                                 memory=memory)
-            reply = request(endpoint, header, ASK_S, keys)
+            fields = {"seq": next(_SEQ), "run": run, "step": step, "ranks": ranks, "root": str(self.base),
+                      "memory": memory, **({"seen": seen} if landed is not None and not self._before_seen else {})}
+            try:
+                reply = request(endpoint, wire.encode("recover", **fields), ASK_S, keys)
+            except CheckpointError as exc:
+                if "seen" not in fields or "unknown fields ['seen']" not in str(exc):
+                    raise
+                self._before_seen = True
+                continue
             if reply["done"]:
                 return reply
-            log.info("peer tier: %s", reply["progress"])
+            if reply["landed"]:
+                seen += len(reply["landed"])
+                if landed(reply["landed"]):  # type: ignore[misc]
+                    return reply
+            else:
+                log.info("peer tier: %s", reply["progress"])
 
     def _quiet(self, exc: CheckpointError) -> None:
         """A WARNING logged once: a reader polling the tier would repeat it every poll."""
@@ -117,9 +132,25 @@ class RelayHolding:
     def read(self, manifest: Manifest, records: dict[str, TensorRecord], into: dict[str, Any] | None = None, *,
              verify: bool = False, mapped: bool = False,
              convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
-        self.materialize({layout.file_rank(rec.file) for rec in records.values()})  # type: ignore[misc]
-        out = read_tensors(self.path, records, verify=verify, into=into, mapped=mapped)
-        return out if convert is None else {n: convert(n, t) for n, t in out.items()}
+        """``records`` from the root, those of shares it lacks read file by file as the
+        daemon lands them there (each in place and checked), while it lands the next."""
+        pending = dict(records)
+        out: dict[str, Any] = {}
+
+        def take(files: Iterable[str] | None) -> bool:
+            ready = {n: rec for n, rec in pending.items() if files is None or rec.file in files}
+            for name in ready:
+                del pending[name]
+            got = read_tensors(self.path, ready, verify=verify, into=into, mapped=mapped)
+            out.update(got if convert is None else {n: convert(n, t) for n, t in got.items()})
+            return not any(layout.file_rank(rec.file) in missing for rec in pending.values())
+
+        ranks = sorted({r for rec in records.values() if (r := layout.file_rank(rec.file)) is not None})
+        missing = [r for r in ranks if landing.read_share(self.path, r) is None]
+        if missing:
+            self.tier.ask(self.run, self.step, missing, landed=lambda files: take(set(files)))
+        take(None)
+        return {n: out[n] for n in records}
 
     def materialize(self, ranks: Iterable[int] | None = None) -> None:
         """The shares of ``ranks`` (None: every rank) the root lacks, landed by the daemon."""

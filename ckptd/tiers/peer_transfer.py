@@ -7,7 +7,7 @@ memory or the caller's tensors) and ``read_files`` (whole files, to land in a ro
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -64,18 +64,25 @@ class PeerTransfer:
         return {name: rec.as_tensor(bufs[name]) if name in bufs else into[name]  # type: ignore[index]
                 for name, rec in records.items()}
 
-    def read_files(self, endpoint: str, m: Manifest) -> dict[str, memoryview]:
+    def read_files(self, endpoint: str, m: Manifest, into: dict[str, memoryview] | None = None,
+                   done: Callable[[str], None] | None = None) -> dict[str, memoryview]:
         """The files of ``m``'s share read from ``endpoint`` and checked: every tensor
-        against its checksum, each chunk file's header against the manifest."""
+        against its checksum, each chunk file's header against the manifest. ``into``:
+        memory for each file (``share_files``' sizes), else fresh; ``done(file)`` is
+        called as each file is in and checked, in turn."""
         import torch
 
-        sizes = {f: m.files.get(f) for f in sorted(set(m.files) | {t.file for t in m.tensors.values()})}
-        if any(n is None for n in sizes.values()):
-            raise CheckpointCorrupt("its manifest does not list its files' sizes")
-        out = {f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in sizes.items()}  # type: ignore
-        ranges = [_Range(file, 0, buf, _tensor_spans(m, file, len(buf))) for file, buf in out.items()]
+        out = into if into is not None else {
+            f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in share_files(m).items()}  # type: ignore
+        where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
+
+        def checked(file: str) -> None:
+            check_headers(m, {file: out[file]}, where)
+            if done is not None:
+                done(file)
+
+        ranges = [_Range(file, 0, buf, _tensor_spans(m, file, len(buf)), done=checked) for file, buf in out.items()]
         self._read_ranges(endpoint, m, ranges, list(out.values()))
-        check_headers(m, out, f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}")
         return out
 
     def _read_ranges(self, endpoint: str, m: Manifest, ranges: list[_Range], fresh: list[memoryview]) -> None:
@@ -85,6 +92,8 @@ class PeerTransfer:
         where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
         for r in ranges:
             r.check_empty(where)
+            if r.size == 0 and r.done is not None:
+                r.done(r.file)
         parts = ((r, off, min(r.part or self.cfg.frame, r.size - off)) for r in ranges
                  for off in range(0, r.size, r.part or self.cfg.frame))
         link = messages.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4,
@@ -116,6 +125,8 @@ class PeerTransfer:
                     link.recv_into(rid, r.view[off:off + n], timeout=self.cfg.stall)  # type: ignore[index]
                 ask()
                 r.landed(off, off + n, where)
+                if off + n == r.size and r.done is not None:
+                    r.done(r.file)
         finally:
             prefault.close()
             link.close()
@@ -125,11 +136,12 @@ class _Range:
     """Bytes of one file (from ``offset``) into ``view``, and the tensors among them
     (``spans``, relative to ``view``), hashed part by part as they land, in order.
     ``whole``: read in one message whose memory becomes ``view``; ``part``: the size of
-    the parts, each copied into ``view`` (0: ``frame``-sized parts received in place)."""
+    the parts, each copied into ``view`` (0: ``frame``-sized parts received in place);
+    ``done(file)``: called once its last byte is in and hashed."""
 
     def __init__(self, file: str, offset: int, view: memoryview | None, spans: list[Span], *,
-                 whole: int = 0, part: int = 0) -> None:
-        self.file, self.offset, self.view, self.whole = file, offset, view, whole
+                 whole: int = 0, part: int = 0, done: Callable[[str], None] | None = None) -> None:
+        self.file, self.offset, self.view, self.whole, self.done = file, offset, view, whole, done
         self.size = whole if view is None else len(view)
         self.part = whole or part
         self.spans = spans
@@ -165,6 +177,14 @@ class _Range:
 def _compare(where: str, name: str, h: Checksum, want: str) -> None:
     if h.text() != want:
         raise CheckpointCorrupt(f"{where}: tensor {name!r} does not match its checksum")
+
+
+def share_files(m: Manifest) -> dict[str, int]:
+    """The data files of ``m``'s share and their sizes."""
+    sizes = {f: m.files.get(f) for f in sorted(set(m.files) | {t.file for t in m.tensors.values()})}
+    if any(n is None for n in sizes.values()):
+        raise CheckpointCorrupt("its manifest does not list its files' sizes")
+    return sizes  # type: ignore[return-value]
 
 
 def _tensor_spans(m: Manifest, file: str, size: int) -> list[Span]:

@@ -63,8 +63,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # step None: the newest; ranks None: the step's manifests; else those ranks' shares
     # landed in ``root`` (the daemon's); ``memory``: the step's info if every rank's share is
     # in a peer's memory (wait_complete), else what lacks as ``progress``. Answered
-    # ``recovered``, ``done`` false while under way.
-    "recover": {"seq": "int", "run": "str", "step": "int?", "ranks": "ints?", "root": "str", "memory": "bool?"},
+    # ``recovered``, ``done`` false while under way; with ``seen`` (files already named to
+    # this reader) it is answered as soon as more are ``landed``: in place, checked, to read.
+    "recover": {"seq": "int", "run": "str", "step": "int?", "ranks": "ints?", "root": "str", "memory": "bool?",
+                "seen": "int?"},
     "bye": {},
     # daemon -> producer
     # advice: the run's interval advice (docs/advise.md), for producer.should_save
@@ -78,7 +80,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # answer to list: each checkpoint's CheckpointInfo map with "pinned", oldest first
     "listing": {"seq": "int", "root": "str", "checkpoints": "maps"},
     "report": {"seq": "int", "status": "map"},  # answer to status
-    "recovered": {"seq": "int", "done": "bool", "info": "map?", "manifests": "bins?", "progress": "str?"},
+    "recovered": {"seq": "int", "done": "bool", "info": "map?", "manifests": "bins?", "progress": "str?",
+                  "landed": "files?"},
 }
 # error codes; an error without a code concerns one message or one step only
 NO_SESSION = "no_session"  # the daemon does not know this producer (it restarted): say hello again
@@ -237,6 +240,8 @@ KINDS: dict[str, Callable[[Any], bool]] = {
     "names": lambda v: isinstance(v, list) and len(v) <= 16 and all(isinstance(n, str) and len(n) <= 64 for n in v),
     "ints": lambda v: isinstance(v, list) and len(v) <= _MAX_CONTAINER and all(_is_uint(i) for i in v),
     "bins": lambda v: isinstance(v, list) and all(isinstance(b, bytes) for b in v),
+    "files": lambda v: isinstance(v, list) and len(v) <= _MAX_CONTAINER and all(
+        isinstance(f, str) and len(f) <= 255 for f in v),
 }
 
 
