@@ -635,14 +635,15 @@ def drill(base: Path, venv: Path, setup: str, *, nodes: int = 2, steps: int = 8,
     with NetCluster(rate) as net:
         d = Drill(net, venv, base / setup, setup, nodes, steps, members=list(range(1, nodes + 1)), forks=forks)
         started = time.monotonic()
-        if setup != "peers":
-            with d.timed("bucket"):
-                d.start_bucket()
-        for i in range(1, nodes + 1):
-            d.set_up(i)
         stop = threading.Event()
-        sampler = d.sampling(stop, every)
+        sampler = None
         try:
+            if setup != "peers":
+                with d.timed("bucket"):
+                    d.start_bucket()
+            for i in range(1, nodes + 1):
+                d.set_up(i)
+            sampler = d.sampling(stop, every)
             if ref is None:
                 with d.timed("uninterrupted job"):
                     d.finish(d.launch("ref", steps), "ref")
@@ -653,7 +654,8 @@ def drill(base: Path, venv: Path, setup: str, *, nodes: int = 2, steps: int = 8,
             cases = [d.case(ref, f"drill-{a}", kill_at, a) for a in addresses]
         finally:
             stop.set()
-            sampler.join(120)
+            if sampler is not None:
+                sampler.join(120)
             if d.bucket is not None:
                 d.bucket.cleanup()
         return {"setup": setup, "nodes": nodes, "steps": steps, "cases": cases, "violations": d.violations,
