@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -53,25 +54,40 @@ def main() -> int:
         return 2
     base = args.base or Path(tempfile.mkdtemp(prefix="ckptd-drill-"))
     venv = clusterdrill.wheel_venv(base)
+    server, forks = clusterdrill.fork_server(venv, Path(tempfile.mkdtemp(prefix="ckdf", dir="/tmp")))
     failed, ref = False, None
-    for setup in args.setups.split(","):  # the uninterrupted run once: the job does not depend on the tiers
-        r = clusterdrill.drill(base, venv, setup, nodes=args.nodes, steps=args.steps, kill_at=args.kill_at,
-                               addresses=tuple(args.addresses.split(",")), rate=args.rate, every=args.every,
-                               ref=ref)
-        ref = r["ref"]
-        print(f"\n== {setup}: {r['nodes']} nodes, {r['steps']} steps, {r['seconds']} s in all")
-        print("\n".join(timeline(r)))
-        print(json.dumps(r["figures"]))
-        for c in r["cases"]:
-            print(f"  replacement at the {c['address']} address: set up in {c['replace_s']} s, job resumed "
-                  f"{c['resume_s']} s later from step(s) {c['resumed_from']} (newest on the survivors: {c['newest_when_lost']}); "
-                  f"differs from the uninterrupted run in {len(c['differ'])} tensor(s) {c['differ'][:5]}")
-            failed |= bool(c["differ"]) or len(c["resumed_from"]) != 1 or not c["newest_when_lost"] \
-                or not c["newest_when_lost"] <= c["resumed_from"][0] <= c["handed_over_when_lost"]
-        print(f"  {len(r['violations'])} sample(s) past a bound" + "".join(f"\n    {v}" for v in r["violations"][:10]))
-        failed |= bool(r["violations"])
+    try:
+        for setup in args.setups.split(","):  # the uninterrupted run once: the job does not depend on the tiers
+            r = clusterdrill.drill(base, venv, setup, nodes=args.nodes, steps=args.steps, kill_at=args.kill_at,
+                                   addresses=tuple(args.addresses.split(",")), rate=args.rate, every=args.every,
+                                   ref=ref, forks=forks)
+            ref = r["ref"]
+            failed |= report(setup, r)
+    finally:
+        server.terminate()
+        server.wait(30)
+        shutil.rmtree(Path(forks).parent, ignore_errors=True)
     print("\nrunbook substitutions:\n" + "\n".join(f"  - {s}" for s in clusterdrill.SUBSTITUTIONS))
     return 1 if failed else 0
+
+
+def report(setup: str, r: dict) -> bool:
+    """Prints one set-up's figures; whether a bound or a comparison failed."""
+    failed = False
+    print(f"\n== {setup}: {r['nodes']} nodes, {r['steps']} steps, {r['seconds']} s in all")
+    print(f"  seconds by phase: {r['times']}")
+    print(f"  each launch: {r['jobs']}")
+    print("\n".join(timeline(r)))
+    print(json.dumps(r["figures"]))
+    for c in r["cases"]:
+        print(f"  replacement at the {c['address']} address: set up in {c['replace_s']} s, job resumed "
+              f"{c['resume_s']} s later from step(s) {c['resumed_from']} (newest on the survivors: {c['newest_when_lost']}); "
+              f"differs from the uninterrupted run in {len(c['differ'])} tensor(s) {c['differ'][:5]}")
+        failed |= bool(c["differ"]) or len(c["resumed_from"]) != 1 or not c["newest_when_lost"] \
+            or not c["newest_when_lost"] <= c["resumed_from"][0] <= c["handed_over_when_lost"]
+    print(f"  {len(r['violations'])} sample(s) past a bound" + "".join(f"\n    {v}" for v in r["violations"][:10]))
+    failed |= bool(r["violations"])
+    return failed
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 tests/netcluster.py, each set up only by docs/runbook.md's ``cluster`` blocks, a torchrun
 FSDP2 + Adam job across them with ``keep_last = 3``, every node's disk and peer memory
 sampled and bounded throughout, a node lost and replaced, the job resumed and compared
-bit-exact with an uninterrupted run. Start at ``drill``; benchmarks/cluster_drill.py runs it
+bit-exact with an uninterrupted run. Start at ``drill``; tests/test_cluster.py runs it
 small, benchmarks/cluster_drill.py in full. ``SUBSTITUTIONS`` lists where the runbook
 cannot run as written here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,12 +21,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from netcluster import HUB_ADDRESS, NetCluster
 
 REPO = Path(__file__).resolve().parent.parent
 SETUPS = ("peers", "bucket", "both")
+RANKS = 2  # the job's ranks on each node (the runbook's --nproc-per-node)
+# what the job's agent and workers import beyond torch: their fork server imports it once
+PRELOAD = "torch.distributed.run,torch.distributed.fsdp,torch.distributed.checkpoint.state_dict"
 BUCKET_PORT = 8333  # the runbook's bucket: http://10.0.0.100:8333
 SUBSTITUTIONS = [
     "`sudo ` dropped: the drill runs as root",
@@ -40,11 +44,29 @@ SUBSTITUTIONS = [
     "step 5: `--rdzv-id RUN-LAUNCH` (each launch of a job needs its own: without it a relaunch after"
     " a node loss is refused by the surviving daemons, 'already committed by this attempt');"
     " `--nnodes` is the drill's N; tests/cluster_job.py runs examples/fsdp2_torchrun.py paced (a step"
-    " takes DRILL_PACE seconds at least, as a real one takes minutes, in which the peers get copies); the script gets `--steps S --every 1`; node 1 adds"
+    " first waits, up to DRILL_PACE s, until the step before is complete in the set-up's tiers, as a real"
+    " one takes minutes, in which the copies are made); with a fork server (tests/forkserver.py, the"
+    " venv's Python) torchrun's agent and workers fork from it, each in its node's namespace; the script gets `--steps S --every 1`; node 1 adds"
     " `--rdzv-conf is_host=1` (its hostname does not resolve to 10.0.0.1, so torchrun does not know"
     " it hosts the rendezvous) and every node `--local-addr 10.0.0.<i>` (the namespaces share the"
     " host's name, which torchrun would hand the workers as the store's address); trainers get GLOO_SOCKET_IFNAME and the bucket's AWS_* variables",
 ]
+
+
+# torch's console script, as installing torch in the venv writes it; under the drill's fork
+# server ($TESTS_FORKSERVER) the agent is forked from it instead, in this node's namespace
+TORCHRUN = """#!{python}
+import sys
+from os import environ
+if environ.get("TESTS_FORKSERVER"):
+    sys.path.insert(0, "{tests}")
+    import forkserver
+    agent = ("import sys; sys.path.insert(0, '{tests}'); import netcluster; netcluster.join_requester(); "
+             "from torch.distributed.run import main; sys.exit(main())")
+    sys.exit(forkserver.ForkedPopen([sys.executable, "-c", agent, *sys.argv[1:]]).wait() % 256)
+from torch.distributed.run import main
+sys.exit(main())
+"""
 
 
 def wheel_venv(base: Path) -> Path:
@@ -57,7 +79,7 @@ def wheel_venv(base: Path) -> Path:
     there, so an editable install in that venv does not shadow the wheel's copy."""
     wheels = base / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(wheels), str(REPO)], check=True, capture_output=True, timeout=600)
+                    "-w", str(wheels), str(REPO)], check=True, capture_output=True, timeout=600, env=clean_env())
     venv = base / "venv"
     subprocess.run([os.path.realpath(sys.executable), "-m", "venv", "--without-pip", str(venv)], check=True,
                    timeout=300)
@@ -69,21 +91,73 @@ def wheel_venv(base: Path) -> Path:
                          check=True, capture_output=True, text=True, env=clean_env()).stdout.strip()
     shared = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (Path(own) / "zz_ckptd_drill_requirements.pth").write_text("".join(p + "\n" for p in sorted(shared)))
-    torchrun = venv / "bin" / "torchrun"  # torch's console script, as installing torch there writes it
-    torchrun.write_text(f"#!{venv}/bin/python\nimport sys\nfrom torch.distributed.run import main\n"
-                        "sys.exit(main())\n")
+    torchrun = venv / "bin" / "torchrun"
+    torchrun.write_text(TORCHRUN.format(python=venv / "bin/python", tests=REPO / "tests"))
     torchrun.chmod(0o755)
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import ckptd, torch; print(ckptd.__file__)"],
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import importlib.util as u, ckptd; "
+                            "print(ckptd.__file__ if u.find_spec('torch') else 'no torch')"],
                            check=True, capture_output=True, text=True, env=clean_env(), cwd=base).stdout.strip()
     if not where.startswith(str(venv)):
-        raise RuntimeError(f"the fresh venv imports ckptd from {where}, not from its wheel")
+        raise RuntimeError(f"the fresh venv imports ckptd from {where}, not from its wheel (or has no torch)")
     return venv
 
 
+def cached_wheel_venv(cache: Path) -> Path:
+    """``wheel_venv`` under ``cache``, made once for this source tree, this interpreter
+    and its site-packages (their hash names its folder): later test sessions of the
+    same tree use it as it is. Folders of other trees unused for a day are removed."""
+    import fcntl
+    import hashlib
+
+    h = hashlib.sha256(f"{os.path.realpath(sys.executable)}\0{sorted(sysconfig.get_paths().items())}".encode())
+    for path in sorted([REPO / "pyproject.toml", REPO / "README.md", *(REPO / "ckptd").rglob("*")]):
+        if path.is_file() and "__pycache__" not in path.parts:
+            h.update(f"\0{path.relative_to(REPO)}\0".encode() + path.read_bytes())
+    base = cache / f"ckptd-drill-venv-{h.hexdigest()[:16]}"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(f"{base}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another session building the same tree: wait for it
+        if not (base / "complete").exists():
+            shutil.rmtree(base, ignore_errors=True)  # a build cut short
+            wheel_venv(base)
+            (base / "complete").touch()
+    os.utime(base / "complete")
+    for old in cache.glob("ckptd-drill-venv-*"):
+        done = old / "complete"
+        if old != base and done.exists() and time.time() - done.stat().st_mtime > 86400:
+            shutil.rmtree(old, ignore_errors=True)
+            Path(f"{old}.lock").unlink(missing_ok=True)
+    return base / "venv"
+
+
+def fork_server(venv: Path, folder: Path) -> tuple[subprocess.Popen, str]:
+    """tests/forkserver.py run by the venv's Python, and its socket: the drill's jobs
+    (torchrun's agent and workers) fork from it, importing torch once for them all. The
+    server for their modules (``PRELOAD``) starts now, in the background, while the
+    nodes are set up."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sock = str(folder / "fork.sock")
+    with open(folder / "forkserver.log", "ab") as log:
+        server = subprocess.Popen([str(venv / "bin/python"), str(REPO / "tests/forkserver.py"), sock],
+                                  env=clean_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sock):
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the drill's fork server did not start: {(folder / 'forkserver.log').read_text()}")
+        time.sleep(0.05)
+    warm = (f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r}); import forkserver as f, os; "
+            "e = dict(os.environ); f._server_for(f.preload_for([sys.executable, '-c', ''], e), e)")
+    threading.Thread(target=subprocess.run, args=([str(venv / "bin/python"), "-c", warm],), daemon=True,
+                     kwargs={"env": clean_env(TESTS_FORKSERVER=sock, TESTS_FORKSERVER_PRELOAD=PRELOAD),
+                             "capture_output": True, "timeout": 600}).start()
+    return server, sock
+
+
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without anything that points at a checkout or a daemon."""
+    """This process's environment without anything that points at a checkout, a daemon
+    or the tests' own fork server."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith(("CKPTD_", "AWS_"))}
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith(("CKPTD_", "AWS_", "TESTS_FORKSERVER"))}
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
@@ -156,6 +230,9 @@ class Sample:
     steps: dict[str, int]  # run -> step folders in the root
     held: int | None  # peer memory: bytes of other nodes' shares held
     held_steps: int | None  # peer memory: the (run, step)s of which it holds a share
+    held_ranks: int | None  # peer memory: the (run, rank)s of which it holds a share (where status says)
+    folders: dict[str, list[str]] = field(default_factory=dict)  # run -> its step folders' numbers
+    when: str = ""  # what the drill was doing
 
 
 @dataclass
@@ -170,7 +247,11 @@ class Drill:
     steps: int = 8
     keep_last: int = 3
     replicas: int = 1
-    pace: float = 1.0  # seconds a step of the job takes, at least
+    pace: float = 3.0  # the most seconds a step of the job waits for the step before to be copied
+    forks: str | None = None  # the fork server's socket (``fork_server``): the jobs fork from it
+    bucket: Any = None  # tests/seaweed.py's SeaweedS3, its server run in the hub namespace
+    lost: int = 0  # nodes lost so far
+    doing: str = ""  # the phase under way (``timed``), for the samples
     runbook: Runbook = field(default_factory=Runbook.read)
     members: list[int] = field(default_factory=list)
     daemons: dict[int, subprocess.Popen] = field(default_factory=dict)
@@ -181,6 +262,19 @@ class Drill:
     runs: list[str] = field(default_factory=list)
     launched: list[str] = field(default_factory=list)  # a run's name for each launch of its job
     log: list[str] = field(default_factory=list)
+    times: dict[str, float] = field(default_factory=dict)  # phase -> seconds, summed over its runs
+    launch_times: list[float] = field(default_factory=list)  # the epoch of each of ``launched``
+    ended: dict[int, float] = field(default_factory=dict)  # index in ``launched`` -> the epoch it ended
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        if phase != "sampling":
+            self.doing = f"{self.setup}: {phase}"
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.times[phase] = round(self.times.get(phase, 0.0) + time.monotonic() - started, 1)
 
     def say(self, text: str) -> None:
         self.log.append(text)
@@ -205,17 +299,25 @@ class Drill:
     # -- steps 1 to 4 of the runbook ----------------------------------------------------------
     def set_up(self, i: int) -> None:
         """Node ``i`` from nothing: its namespace, key pair, config and daemon."""
-        self.net.add(i)
+        with self.timed("namespaces"):
+            self.net.add(i)
         if i not in self.members:  # a new address: the others keep the old one (the runbook's case)
             self.members.append(i)
         nd = self.node_dir(i)
-        done = self.sh(i, local_paths(self.runbook.keys, nd, self.venv))
+        with self.timed("keygen"):
+            done = self.sh(i, local_paths(self.runbook.keys, nd, self.venv))
         if done.returncode != 0:
             raise RuntimeError(f"node {i}: runbook step 1 failed: {done.stderr[-2000:]}")
         self.config(i).write_text(node_config(local_paths(self.runbook.config, nd, self.venv), i,
                                               self.members, self.setup))
         self.share_keys()
         (nd / "run/ckptd").mkdir(parents=True, exist_ok=True)
+        with self.timed("serve"):
+            self.serve(i)
+        self.say(f"node {i} ({NetCluster.address(i)}) up")
+
+    def serve(self, i: int) -> None:
+        nd = self.node_dir(i)
         log = open(nd / "daemon.log", "ab")
         self.daemons[i] = self.net.popen(i, [str(self.venv / "bin/ckptd"), "serve", "-c", str(self.config(i))],
                                          env=self.env(), stdout=log, stderr=subprocess.STDOUT,
@@ -223,12 +325,13 @@ class Drill:
         status = next(line for line in self.runbook.service.splitlines() if "ckptd status" in line)
         status = local_paths(status.split("#")[0], nd, self.venv)
         deadline = time.monotonic() + 120
-        while (done := self.sh(i, status)).returncode != 0:
+        while self.status(i) is None:
             if self.daemons[i].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"node {i}: the daemon does not answer `{status}`: {done.stderr[-1500:]}\n"
-                                   + (nd / "daemon.log").read_text(errors="replace")[-3000:])
-            time.sleep(1)
-        self.say(f"node {i} ({NetCluster.address(i)}) up")
+                break  # the runbook's own line below says what is wrong
+            time.sleep(0.2)
+        if (done := self.sh(i, status)).returncode != 0:
+            raise RuntimeError(f"node {i}: the daemon does not answer `{status}`: {done.stderr[-1500:]}\n"
+                               + (nd / "daemon.log").read_text(errors="replace")[-3000:])
 
     def share_keys(self) -> None:
         """Step 2: every node's public key into every node's peers folder (never a secret)."""
@@ -242,7 +345,7 @@ class Drill:
     def start_bucket(self) -> None:
         from seaweed import SeaweedS3
 
-        sw = SeaweedS3(self.base / "bucket")
+        sw = self.bucket = SeaweedS3(self.base / "bucket")
         sw.ports["s3"] = BUCKET_PORT
         argv = [a.replace("127.0.0.1", HUB_ADDRESS) if a.startswith("-ip") else a for a in sw.command()]
         self.bucket_log = open(sw.log, "ab")
@@ -261,7 +364,11 @@ class Drill:
 
     # -- sampling ---------------------------------------------------------------------------------
     def sample(self, i: int) -> None:
-        root, steps, disk = self.root(i), {}, 0
+        with self.timed("sampling"):
+            self._sample(i)
+
+    def _sample(self, i: int) -> None:
+        root, steps, disk, numbers = self.root(i), {}, 0, {}
         for path in root.rglob("*") if root.exists() else ():
             try:
                 if path.is_file():
@@ -271,41 +378,64 @@ class Drill:
         for run in self.runs:
             folders = sorted((root / run).glob("step-*")) if (root / run).exists() else []
             steps[run] = len(folders)
+            numbers[run] = [f.name.removeprefix("step-").lstrip("0") for f in folders]
             for f in folders:
                 size = sum(p.stat().st_size for p in f.rglob("*") if p.is_file()) if f.exists() else 0
                 data = sum(p.stat().st_size for p in f.glob("*.safetensors")) if f.exists() else 0
                 self.step_bytes[(i, run)] = max(self.step_bytes.get((i, run), 0), size)
                 self.data_bytes = max(self.data_bytes, data)
-        held = held_steps = None
-        if self.setup != "bucket":
-            done = self.net.run(i, [str(self.venv / "bin/ckptd"), "status", "--json", "-c", str(self.config(i))],
-                                env=self.env(), timeout=60)
-            if done.returncode == 0:
-                peer = json.loads(done.stdout).get("peer") or {}
-                held, held_steps = peer.get("held_bytes"), peer.get("held_steps")
-        s = Sample(time.monotonic(), i, disk, steps, held, held_steps)
+        held = held_steps = held_ranks = None
+        if self.setup != "bucket" and (answer := self.status(i)) is not None:
+            peer = answer.get("peer") or {}
+            held, held_steps, held_ranks = peer.get("held_bytes"), peer.get("held_steps"), peer.get("held_ranks")
+        s = Sample(time.monotonic(), i, disk, steps, held, held_steps, held_ranks, numbers, self.doing)
         self.samples.append(s)
         self.check(s)
 
+    def status(self, i: int) -> dict[str, Any] | None:
+        """What ``ckptd status --json`` on node ``i`` prints, asked over its daemon's socket
+        file from here (a process per sample would take the nodes' CPU); None: no answer."""
+        from ckptd.config import load
+        from ckptd.errors import CheckpointError
+        from ckptd.transport import wire
+        from ckptd.transport.oneshot import request
+
+        endpoint = load(self.config(i)).endpoint
+        try:
+            return request(endpoint, wire.encode("status", seq=1), 30)["status"]
+        except CheckpointError:
+            return None
+
     def check(self, s: Sample) -> None:
-        """The bounds at this sample: the root holds at most ``keep_last`` steps of each run
-        plus the one in flight; peer memory at most what ``keep_last`` steps (and the one
-        being copied) need for ``replicas`` copies of every other node's share."""
-        most = self.keep_last + 1
+        """The bounds at this sample, as docs/runbook.md ("Size it") promises them: the
+        root holds at most ``keep_last`` steps of each run, the newest complete across
+        the cluster and the one in flight. Peer memory (docs/tiers.md, "Holding"): of
+        each rank held, ``max(keep_last, 2)`` steps and the newest step complete here,
+        of the shares of ``replicas`` nodes (a ring's partners) and, for each node lost,
+        one node's more (the lost node's newest copies stay; its partner's shares come
+        to their next peer)."""
+        most = self.keep_last + 2
         for run, n in s.steps.items():
             if n > most:
-                self.violations.append(f"node {s.node}: {n} step folders of {run} in its root (at most {most})")
+                self.violations.append(f"node {s.node}: {n} step folders of {run} in its root (at most {most}): "
+                                       f"steps {s.folders[run]}, during {s.when!r}")
         allowed = sum(most * b for (node, _), b in self.step_bytes.items() if node == s.node)
         spare = 1 << 20  # the index, pointers and logs beside the step folders
         if s.disk > allowed + spare:
             self.violations.append(f"node {s.node}: {s.disk} bytes in its root (at most {allowed + spare})")
-        if s.held_steps is not None and s.held_steps > most * len(self.runs):
-            self.violations.append(f"node {s.node}: peers' shares of {s.held_steps} steps held "
-                                   f"(at most {most} of each of {len(self.runs)} run(s))")
+        held = max(self.keep_last, 2) + 1
+        senders = self.replicas + self.lost
+        if s.held_ranks is not None and s.held_ranks > RANKS * senders * len(self.runs):
+            self.violations.append(f"node {s.node}: copies of {s.held_ranks} ranks held (at most {RANKS} of each "
+                                   f"of {senders} node(s), of {len(self.runs)} run(s))")
+        if s.held_steps is not None and s.held_steps > held * senders * len(self.runs):
+            self.violations.append(f"node {s.node}: peers' shares of {s.held_steps} steps held (at most {held} "
+                                   f"of each of {senders} node(s)' shares, of {len(self.runs)} run(s))")
         if s.held is not None and self.data_bytes:  # no bound in bytes before a step is on a disk
-            bound = most * self.replicas * self.data_bytes * len(self.runs)
+            bound = held * senders * self.data_bytes * len(self.runs)
             if s.held > bound:
-                self.violations.append(f"node {s.node}: {s.held} bytes of peers' shares held (at most {bound})")
+                self.violations.append(f"node {s.node}: {s.held} bytes of peers' shares held (at most {bound}: "
+                                       f"{held} steps of {senders} node(s)' shares, of {len(self.runs)} run(s))")
 
     def sampling(self, stop: threading.Event, every: float) -> threading.Thread:
         def loop() -> None:
@@ -329,6 +459,7 @@ class Drill:
         first = min(self.net.nodes)
         launch = sum(r == run for r in self.launched)
         self.launched.append(run)
+        self.launch_times.append(time.time())
         procs = {}
         for i in sorted(self.net.nodes):
             code = local_paths(self.runbook.job, self.node_dir(i), self.venv)
@@ -338,16 +469,42 @@ class Drill:
                                 f"--local-addr {NetCluster.address(i)} --rdzv-backend")
             code = re.sub(r"--run-name \S+", f"--run-name {run} --steps {steps} --every 1", code)
             code = code.replace("examples/fsdp2_torchrun.py", "tests/cluster_job.py")
-            out = open(self.node_dir(i) / f"{run}.log", "ab")
-            procs[i] = self.net.popen(i, ["bash", "-euo", "pipefail", "-c", code], cwd=REPO, stdout=out,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                      env=self.env(GLOO_SOCKET_IFNAME="eth0", TORCH_CPP_LOG_LEVEL="ERROR",
-                                                   DRILL_PACE=str(self.pace)))
+            forks = {"TESTS_FORKSERVER": self.forks, "TESTS_FORKSERVER_PRELOAD": PRELOAD} if self.forks else {}
+            with open(self.node_dir(i) / f"{run}.log", "ab") as out:
+                procs[i] = self.net.popen(i, ["bash", "-euo", "pipefail", "-c", code], cwd=REPO, stdout=out,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                          env=self.env(GLOO_SOCKET_IFNAME="eth0", TORCH_CPP_LOG_LEVEL="ERROR",
+                                                       DRILL_PACE=str(self.pace), DRILL_WAIT=self.tiers, **forks))
         return procs
+
+    @property
+    def tiers(self) -> str:
+        """The tiers a step of the job waits on for the step before: those the set-up copies to."""
+        return {"peers": "peer", "bucket": "remote", "both": "peer,remote"}[self.setup]
 
     def job_log(self, i: int, run: str) -> str:
         path = self.node_dir(i) / f"{run}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def job_times(self) -> list[dict[str, Any]]:
+        """Each launch's phases on the first node, from its ``drill-time`` lines (tests/cluster_job.py):
+        torchrun to its workers' start (the agent's imports and the rendezvous), the
+        workers' imports, their set-up to the first step (process group, FSDP2, the
+        resume), and the first step to the end of the job (None: it was killed)."""
+        out, seen = [], {}
+        for k, (run, at) in enumerate(zip(self.launched, self.launch_times)):
+            n = seen[run] = seen.get(run, -1) + 1
+            logs = self.job_log(min(self.net.nodes), run)
+            events: dict[str, list[float]] = {}
+            for name, when in re.findall(r"^drill-time (\S+) ([\d.]+)$", logs, re.M):
+                events.setdefault(name, []).append(float(when))
+            if len(events.get("first-step", [])) <= n:
+                continue
+            start, imported, first = (events[e][n] for e in ("started", "imported", "first-step"))
+            end = self.ended.get(k)
+            out.append({"run": run, "agent_s": round(start - at, 1), "import_s": round(imported - start, 1),
+                        "setup_s": round(first - imported, 1), "steps_s": None if end is None else round(end - first, 1)})
+        return out
 
     def finish(self, procs: dict[int, subprocess.Popen], run: str, timeout: float = 900) -> None:
         deadline = time.monotonic() + timeout
@@ -359,16 +516,20 @@ class Drill:
             if rc != 0:
                 self.stop_job(procs)
                 raise AssertionError(f"node {i}: the job {run} ended with {rc}:\n{self.job_log(i, run)[-4000:]}")
+        self.ended[len(self.launched) - 1 - self.launched[::-1].index(run)] = time.time()
 
-    @staticmethod
-    def stop_job(procs: dict[int, subprocess.Popen]) -> None:
-        for p in procs.values():
+    def stop_job(self, procs: dict[int, subprocess.Popen]) -> None:
+        """The job killed on every node still up: its launchers, and every process there
+        but the daemon (the agents and workers forked from the fork server among them)."""
+        for i, p in procs.items():
+            if i in self.net.nodes:
+                self.net.stop_all_but(i, {self.daemons[i].pid})
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, 9)
                 except ProcessLookupError:
                     pass
-                p.wait()
+            p.wait()
 
     def latest(self, i: int, run: str) -> int:
         """The newest step of ``run`` complete in any tier, as node ``i`` sees it (0: none)."""
@@ -379,38 +540,22 @@ class Drill:
             return 0
         return int(json.loads(done.stdout)["step"])
 
-    def digests(self, i: int, run: str) -> dict[str, str]:
-        """Node ``i`` loads every rank's share of the newest step of ``run`` (from any tier,
-        as a rank that resumes does): a digest of each tensor and value, by rank and name."""
-        code = ("import hashlib, json, sys, ckptd, torch\n"
-                "def flat(d, p=''):\n"
-                "    out = {}\n"
-                "    for k, v in d.items():\n"
-                "        out.update(flat(v, f'{p}{k}.') if isinstance(v, dict) else {f'{p}{k}': v})\n"
-                "    return out\n"
-                "def digest(v):\n"
-                "    if not isinstance(v, torch.Tensor):\n"
-                "        return hashlib.sha256(repr(v).encode()).hexdigest()\n"
-                "    data = v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()\n"
-                "    return hashlib.sha256(f'{v.dtype}{tuple(v.shape)}'.encode() + data).hexdigest()\n"
-                "out = {}\n"
-                "for r in range(int(sys.argv[2])):\n"
-                "    out.update({f'rank {r}: {k}': digest(v) for k, v in flat(ckptd.load(sys.argv[1], rank=r)).items()})\n"
-                "print(json.dumps(out))\n")
-        done = self.net.run(i, [str(self.venv / "bin/python"), "-c", code, run, str(2 * len(self.net.nodes))],
-                            timeout=300, cwd=self.base, env=self.env(CKPTD_CONFIG=str(self.config(i))))
-        if done.returncode != 0:
-            raise AssertionError(f"node {i} cannot load run {run}: {done.stderr[-1500:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    def digests(self, run: str) -> dict[str, str]:
+        """The digest of every tensor and value of ``run``'s last step, by rank and name, as
+        each rank loaded its share back at the end of the job (tests/cluster_job.py)."""
+        out: dict[str, str] = {}
+        for i in self.net.nodes:
+            for line in re.findall(r"^drill-digests (.*)$", self.job_log(i, run), re.M):
+                out.update(json.loads(line))
+        return out
 
-    def compare(self, i: int, ref: dict[str, str], run: str) -> list[str]:
-        """The tensors and values of ``run``'s newest step, loaded on node ``i``, that differ
-        from the uninterrupted run's (``ref``: its ``digests``)."""
-        try:
-            got = self.digests(i, run)
-        except AssertionError as exc:
-            return [str(exc)]
-        return sorted(k for k in set(ref) | set(got) if ref.get(k) != got.get(k))
+    def compare(self, ref: dict[str, str], run: str) -> list[str]:
+        """The tensors and values of ``run``'s last step that differ from the uninterrupted
+        run's (``ref``: its ``digests``), or a line saying a rank printed none."""
+        got = self.digests(run)
+        ranks = {k.split(":")[0] for k in got}
+        missing = [f"rank {r} printed no digests" for r in range(RANKS * len(self.net.nodes)) if f"rank {r}" not in ranks]
+        return missing or sorted(k for k in set(ref) | set(got) if ref.get(k) != got.get(k))
 
     # -- a node lost and replaced ------------------------------------------------------------------
     def lose(self, victim: int) -> None:
@@ -420,6 +565,7 @@ class Drill:
         daemon.wait(30)
         shutil.rmtree(self.node_dir(victim))
         self.members.remove(victim)
+        self.lost += 1
 
     def resumed_from(self, run: str) -> dict[int, list[int]]:
         return {i: [int(m) for m in re.findall(r"resumed from step (\d+)", self.job_log(i, run))]
@@ -430,31 +576,37 @@ class Drill:
         and set up again (at its ``address``: "same" or "new"), the job launched again and
         its last step compared with the uninterrupted run's (``ref``: its ``digests``)."""
         first = min(self.net.nodes)
-        procs = self.launch(run, self.steps)
-        while f"step {kill_at + 1}: checkpoint handed" not in self.job_log(first, run):
-            if any(p.poll() is not None for p in procs.values()):
-                self.stop_job(procs)
-                raise AssertionError(f"the job {run} ended before step {kill_at}:\n{self.job_log(first, run)[-3000:]}")
-            time.sleep(0.05)
+        with self.timed("job to the loss"):
+            procs = self.launch(run, self.steps)
+            while f"step {kill_at + 1}: checkpoint handed" not in self.job_log(first, run):
+                if any(p.poll() is not None for p in procs.values()):
+                    self.stop_job(procs)
+                    raise AssertionError(f"the job {run} ended before step {kill_at}:\n{self.job_log(first, run)[-3000:]}")
+                time.sleep(0.05)
         victim = max(self.net.nodes)
-        self.lose(victim)
-        lost = time.monotonic()
-        self.stop_job(procs)  # the others' workers fail on the lost peer; the scheduler ends the job
-        seen = self.latest(first, run)  # what the survivors hold: the step the job must resume from
+        with self.timed("loss"):
+            self.lose(victim)
+            lost = time.monotonic()
+            self.stop_job(procs)  # the others' workers fail on the lost peer; the scheduler ends the job
+        with self.timed("latest"):
+            seen = self.latest(first, run)  # what the survivors hold: the step the job must resume from
         self.say(f"node {victim} lost after step {kill_at + 1} was handed over; newest complete on node {first}: {seen}")
         self.set_up(victim if address == "same" else max(self.members + [victim]) + 1)
         replaced = time.monotonic()
-        procs = self.launch(run, self.steps)
-        while not all(len(v) == 2 for v in self.resumed_from(run).values()):  # two ranks a node
-            if any(p.poll() not in (None, 0) for p in procs.values()) or all(p.poll() == 0 for p in procs.values()):
-                break  # failed, or done without resuming: finish and the comparison say so
-            time.sleep(0.5)
+        with self.timed("relaunch to resumed"):
+            procs = self.launch(run, self.steps)
+            while not all(len(v) == RANKS for v in self.resumed_from(run).values()):
+                if any(p.poll() not in (None, 0) for p in procs.values()) or all(p.poll() == 0 for p in procs.values()):
+                    break  # failed, or done without resuming: finish and the comparison say so
+                time.sleep(0.5)
         resumed = time.monotonic()
-        self.finish(procs, run)
+        with self.timed("resumed to the end"):
+            self.finish(procs, run)
         steps = sorted({s for v in self.resumed_from(run).values() for s in v})
+        differ = self.compare(ref, run)
         result = {"address": address, "newest_when_lost": seen, "handed_over_when_lost": kill_at + 1, "resumed_from": steps,
                   "replace_s": round(replaced - lost, 1), "resume_s": round(resumed - replaced, 1),
-                  "differ": self.compare(first, ref, run)}
+                  "differ": differ}
         self.say(f"case {address} address: {result}")
         return result
 
@@ -471,31 +623,41 @@ class Drill:
 
 def drill(base: Path, venv: Path, setup: str, *, nodes: int = 2, steps: int = 8, kill_at: int = 4,
           addresses: tuple[str, ...] = ("same",), rate: str = "1gbit", every: float = 2.0,
-          ref: dict[str, str] | None = None) -> dict[str, Any]:
+          ref: dict[str, str] | None = None, forks: str | None = None) -> dict[str, Any]:
     """One set-up ("peers", "bucket" or "both") from nothing to the last comparison.
     ``ref``: the uninterrupted run's ``digests`` (a job of as many nodes and steps in
     another set-up: the job does not depend on the tiers); None runs it here first.
-    Returns what was measured, ``ref`` among it; ``violations`` lists every sample past a bound."""
+    ``forks``: the socket of a ``fork_server`` the jobs fork from (None: each process
+    imports torch itself). Returns what was measured, ``ref`` among it; ``violations``
+    lists every sample past a bound."""
     if setup not in SETUPS:
         raise ValueError(f"set-up {setup!r}: one of {', '.join(SETUPS)}")
     with NetCluster(rate) as net:
-        d = Drill(net, venv, base / setup, setup, nodes, steps, members=list(range(1, nodes + 1)))
+        d = Drill(net, venv, base / setup, setup, nodes, steps, members=list(range(1, nodes + 1)), forks=forks)
         started = time.monotonic()
-        if setup != "peers":
-            d.start_bucket()
-        for i in range(1, nodes + 1):
-            d.set_up(i)
         stop = threading.Event()
-        sampler = d.sampling(stop, every)
+        sampler = None
         try:
+            if setup != "peers":
+                with d.timed("bucket"):
+                    d.start_bucket()
+            for i in range(1, nodes + 1):
+                d.set_up(i)
+            sampler = d.sampling(stop, every)
             if ref is None:
-                d.finish(d.launch("ref", steps), "ref")
-                ref = d.digests(min(net.nodes), "ref")
+                with d.timed("uninterrupted job"):
+                    d.finish(d.launch("ref", steps), "ref")
+                ref = d.digests("ref")
+                if missing := d.compare(ref, "ref"):
+                    raise AssertionError(f"the uninterrupted run: {missing}")
                 d.say(f"uninterrupted run done, {d.figures()}")
             cases = [d.case(ref, f"drill-{a}", kill_at, a) for a in addresses]
         finally:
             stop.set()
-            sampler.join(120)
+            if sampler is not None:
+                sampler.join(120)
+            if d.bucket is not None:
+                d.bucket.cleanup()
         return {"setup": setup, "nodes": nodes, "steps": steps, "cases": cases, "violations": d.violations,
                 "figures": d.figures(), "seconds": round(time.monotonic() - started, 1), "samples": d.samples,
-                "ref": ref}
+                "ref": ref, "times": d.times, "jobs": d.job_times()}

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 # The files that took longest (``pytest --durations=60`` of the whole suite, 2 cores),
 # longest first; re-measure when the suite changes. Other files follow, those with
 # more multi-process jobs (``slow``) first.
-LONGEST = ("test_replicas_training.py", "test_peer.py", "test_peer_reader.py",
+LONGEST = ("test_cluster.py", "test_replicas_training.py", "test_peer.py", "test_peer_reader.py",
            "test_optim_resume.py", "test_fuzz.py", "test_transformers.py", "test_lightning.py", "test_peer_fuzz.py", "test_faults.py", "test_dcp.py",
            "test_model.py", "test_sharded_training.py", "test_peer_keep.py", "test_peer_send.py", "test_systemd.py",
            "test_writer_death.py", "test_reuse.py", "test_fastpaths.py", "test_hostile_files.py",

@@ -1,7 +1,8 @@
 """N machines on one host, for the cluster drill: a network namespace per node
 (``ckd<tag>n<i>``, address ``10.0.0.<i>``, the runbook's own addresses) and a hub
-namespace (``ckd<tag>h``) holding the bridge and the bucket's address ``10.0.0.100``.
-Each node's link is capped both ways with ``tc ... tbf``. Needs root and iproute2.
+namespace (``ckd<tag>h``) holding the bridge and the bucket's address ``10.0.0.100``;
+``$DRILL_NETNS_PREFIX`` replaces ``ckd`` (several drills on one machine). Each node's
+link is capped both ways with ``tc ... tbf``. Needs root and iproute2.
 
 The addresses exist only inside these namespaces, and every link is made there
 (``ip link add ... netns``): nothing is added to the host's own network. ``down``
@@ -11,6 +12,7 @@ The addresses exist only inside these namespaces, and every link is made there
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import re
 import signal
@@ -20,6 +22,8 @@ import uuid
 
 NET = "10.0.0."
 HUB_ADDRESS = NET + "100"
+PREFIX = os.environ.get("DRILL_NETNS_PREFIX", "ckd")
+CLONE_NEWNET = 0x40000000
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -33,7 +37,7 @@ def why_not() -> str | None:
     """None where this process may make network namespaces, else the reason it may not."""
     if os.geteuid() != 0:
         return "network namespaces need root (`ip netns add`); run the drill as root"
-    name = f"ckdprobe{os.getpid()}"
+    name = f"{PREFIX}probe{os.getpid()}"
     try:
         done = ip("netns", "add", name, check=False)
     except FileNotFoundError:
@@ -51,7 +55,7 @@ class NetCluster:
     def __init__(self, rate: str = "1gbit", tag: str | None = None) -> None:
         self.rate = rate
         self.tag = tag or uuid.uuid4().hex[:6]
-        self.hub = f"ckd{self.tag}h"
+        self.hub = f"{PREFIX}{self.tag}h"
         self.nodes: dict[int, str] = {}  # number -> namespace
         self._made: list[str] = []
 
@@ -91,7 +95,7 @@ class NetCluster:
             raise ValueError(f"node {i} is up; remove it first")
         if not 1 <= i <= 99:
             raise ValueError(f"node number {i}: 1 to 99 (10.0.0.100 is the bucket's)")
-        ns = f"ckd{self.tag}n{i}"
+        ns = f"{PREFIX}{self.tag}n{i}"
         ip("netns", "add", ns)
         self._made.append(ns)
         self.nodes[i] = ns
@@ -139,6 +143,20 @@ class NetCluster:
             if not left:
                 return
 
+    def stop_all_but(self, i: int, keep: set[int]) -> None:
+        """Every process on node ``i`` but the ``keep`` pids (its daemon), killed at once."""
+        for _ in range(50):
+            left = [pid for pid in self._pids(self.nodes[i]) if pid not in keep]
+            if not left:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        raise RuntimeError(f"node {i}: processes {left} outlive SIGKILL")
+
     def kill(self, i: int) -> None:
         """The machine is lost: its processes killed at once, its namespace and link gone."""
         ns = self.nodes.pop(i)
@@ -163,3 +181,19 @@ class NetCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+def join_requester() -> None:
+    """A process forked for another (tests/forkserver.py) joins the requester's network
+    namespace, where an exec'd one would have started: call it first, before any thread
+    or socket. Nothing where both are in one namespace already."""
+    parent = os.getppid()  # the fork server's children: the requester's pid
+    mine, theirs = "/proc/self/ns/net", f"/proc/{parent}/ns/net"
+    if os.stat(mine).st_ino == os.stat(theirs).st_ino:
+        return
+    fd = os.open(theirs, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into the network namespace of pid {parent}")
+    finally:
+        os.close(fd)

@@ -18,7 +18,7 @@ Variables a shell block exports reach the blocks after it, as in a terminal. Eve
 ``ckptd`` command line of a shell block, run or not, goes through the real parser.
 
 A block that cannot run here is marked on the line before its fence: a block of a
-set-up on several nodes with ``<!-- docs-test: cluster REASON -->`` (benchmarks/cluster_drill.py
+set-up on several nodes with ``<!-- docs-test: cluster REASON -->`` (tests/test_cluster.py
 runs those, through ``cluster_blocks()``); one that installs systemd units, needs GPUs,
 a framework's own model, or minutes with ``<!-- docs-test: skip REASON -->``. The
 reason is required, and there should be few. Every relative link and ``#anchor`` of
@@ -60,7 +60,7 @@ class Block:
     lang: str
     code: str
     skip: str | None  # the reason, when marked: the block does not run here
-    mark: str | None = None  # "skip", or "cluster": benchmarks/cluster_drill.py runs it
+    mark: str | None = None  # "skip", or "cluster": tests/test_cluster.py runs it
 
     def where(self) -> str:
         return f"{self.page.relative_to(REPO)}:{self.line}"
@@ -239,7 +239,7 @@ def test_every_page_named_exists() -> None:
 
 
 def cluster_blocks() -> list[Block]:
-    """The blocks marked ``cluster``, page by page in order: benchmarks/cluster_drill.py runs them."""
+    """The blocks marked ``cluster``, page by page in order: tests/test_cluster.py runs them."""
     return [b for page in PAGES for b in blocks(page) if b.mark == "cluster"]
 
 
