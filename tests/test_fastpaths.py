@@ -67,8 +67,8 @@ def equal(a: object, b: object) -> bool:
         return isinstance(a, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     b = b.resolve_conj()
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.numel() else a,
-                                                                      b.contiguous().view(torch.uint8) if b.numel() else b)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8) if a.numel() else a, b.contiguous().reshape(-1).view(torch.uint8) if b.numel() else b)
 
 
 def mutate(value: object) -> None:
@@ -319,11 +319,13 @@ def _random_state(rng, names: list[str], g: torch.Generator) -> dict[str, object
     """Tensors of ``names``: mostly small (batched), some large (alone), a few numpy arrays
     or strided views (the general way), each of a dtype and shape drawn per name."""
     out: dict[str, object] = {}
-    kinds = ["small", "small", "small", "large", "strided"] + ["numpy"] * (rng.random() < 0.3)  # no plan with numpy
+    kinds = ["small", "small", "small", "large", "strided", "scalar"] + ["numpy"] * (rng.random() < 0.3)  # no plan with numpy
     for name in names:
         kind = rng.choice(kinds)
         if kind == "large":
             out[name] = torch.randn(2**17 + rng.randint(0, 999), generator=g)
+        elif kind == "scalar":
+            out[name] = torch.tensor(rng.random(), dtype=rng.choice([torch.float32, torch.float64]))
         elif kind == "numpy":
             out[name] = np.arange(rng.randint(1, 40), dtype=np.int16)
         elif kind == "strided":
@@ -356,20 +358,29 @@ def _change(rng, state: dict[str, object], g: torch.Generator) -> str:
     return how
 
 
-@pytest.mark.parametrize("seed, grows", [(1, False), (2, False), (5, False), (3, True), (4, True)])
+@pytest.mark.parametrize("seed, grows, ship, fmt", [(1, False, False, "chunk"), (2, False, False, "chunk"),
+                                                     (5, False, True, "chunk"), (3, True, False, "chunk"),
+                                                     (4, True, True, "chunk"), (6, False, True, "hdf5")])
 def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon, monkeypatch: pytest.MonkeyPatch,
-                                                                   seed: int, grows: bool) -> None:
+                                                                   seed: int, grows: bool, ship: bool,
+                                                                   fmt: str) -> None:
     """2: numpy arrays (no plan); 5: prepare(), no expected_bytes. ``grows``: staging
     scaled down 64-128x (starts at 512 KiB, 1 MiB made on the spot for a larger
     checkpoint, grown in steps of 512 KiB; the states take 1.5-4 MiB) and no hint:
     the first checkpoints stream, arenas are made on the spot and in the background
-    and swapped between steps, under plans."""
+    and swapped between steps, under plans. ``ship``: plans of 128 KiB or more ship
+    their messages each 64 KiB copied (``Plan.SHIP`` scaled down 512x)."""
     import random
 
-    from ckptd.producer import sizing
+    from ckptd.producer import plan, sizing
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
+    shipping = []  # saves whose plan shipped its messages as it copied
+    if ship:
+        monkeypatch.setattr(plan, "SHIP", 2**16)
+        copy_shipping = plan.Plan._copy_shipping
+        monkeypatch.setattr(plan.Plan, "_copy_shipping", lambda *a: shipping.append(1) or copy_shipping(*a))
     d = shm_daemon(make_daemon, chunk_size="1MiB")
     ahead = rng.choice([{"expected_bytes": "6MiB"}, {}])  # staging made at its size, or grown into
     if grows:
@@ -378,7 +389,7 @@ def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon,
         monkeypatch.setattr(sizing, "BRIDGE", 2**20)
         monkeypatch.setattr(sizing, "GRAIN", 2**19)
     expected: dict[int, dict[str, object]] = {}
-    with d.producer("rnd", transport="shm", staging_size="auto", **ahead) as p:
+    with d.producer("rnd", transport="shm", staging_size="auto", format=fmt, **ahead) as p:
         state = _random_state(rng, [f"t{i}" for i in range(rng.randint(20, 40))], g)
         served = 0  # emit_many calls the plan of an earlier call served
         sizes: set[int] = set()  # staging after each step
@@ -415,6 +426,7 @@ def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon,
         p.flush(60)
         assert p.stats()["transport"] == "shm"
         assert served >= planned  # step 8 at least
+        assert len(shipping) >= planned * ship
         if grows:
             assert max(sizes) > 2**19, sizes  # it grew from 512 KiB
     for step, want in expected.items():
