@@ -12,7 +12,7 @@ first alternates). ``durable``: a ``save`` until its commit against an O_DIRECT 
 + fsync of the same bytes, with the daemon's CPU seconds per GiB (user + system, from
 ``/proc/PID/stat``: what a loaded machine's wall time hides); ``--shapes`` picks the states:
 ``equal`` (``--tensors`` equal tensors of ``--size``), ``gpt2`` (GPT-2 at transformers'
-``GPT2Config`` defaults with its AdamW state, fp32: 1.39 GiB in 593 tensors, 0-d
+``GPT2Config`` defaults with its AdamW state, fp32: 1.39 GiB in 592 tensors, 0-d
 ``step`` ones among them) and ``llama`` (a Llama-like model scaled to ``--size``: a
 32000-entry embedding and output 1024 wide, layers of 1024 with their norms), each
 paired with a floor of its own bytes:

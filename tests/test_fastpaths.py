@@ -189,6 +189,30 @@ def test_large_tensors_written_in_pieces_side_by_side_load_bit_exact(make_daemon
     referenced_files_only(d.root)
 
 
+def test_a_plan_refused_before_its_first_part_ships_gives_its_staging_back(make_daemon, monkeypatch) -> None:
+    """A save whose plan ships parts as it copies (``Plan.SHIP`` scaled down 512x), refused
+    at its first part (a name emitted in the step already): a ValueError, and its region
+    of staging, which holds one such save, is free again: the plan serves the next save."""
+    from ckptd.producer import plan
+
+    monkeypatch.setattr(plan, "SHIP", 2**16)
+    d = shm_daemon(make_daemon)
+    g = torch.Generator().manual_seed(11)
+    state = {f"w{i}": torch.randn(2**15, generator=g) for i in range(8)}  # 8 tensors of 128 KiB
+    with d.producer("refused", transport="shm", staging_size="1536KiB", timeout=10) as p:
+        p.save(state, 1).wait(60)  # the general way, which makes the plan
+        p.save(state, 2).wait(60)
+        uses = sum(pl.uses for pl in p._stager.save_plans)
+        p.emit("w3", state["w3"], step=3)
+        with pytest.raises(ValueError, match="'w3' was already emitted in step 3"):
+            p.save(state, 3)  # which aborts step 3
+        p.save(state, 4).wait(60)
+        assert sum(pl.uses for pl in p._stager.save_plans) == uses + 1
+    got = ckptd.load("refused", 4, root=d.root, verify=True)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert [i.step for i in ckptd.list_checkpoints("refused", root=d.root)] == [1, 2, 4]
+
+
 @pytest.mark.parametrize("point", ["3 files", "after commit sent"])
 def test_kill_9_during_pooled_writes_leaves_every_listed_step_loadable(make_daemon, point: str) -> None:
     d = shm_daemon(make_daemon, chunk_size="1MiB", writer_threads=4)

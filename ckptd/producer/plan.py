@@ -183,6 +183,7 @@ class Plan:
             return None
         views, messages, ends = placed.views, placed.messages, placed.ends
         done = sent = 0
+        shipped = False
         try:
             with torch.no_grad():
                 for stop in self._parts():
@@ -192,10 +193,11 @@ class Plan:
                         sent += 1
                     if sent < len(messages) and sent > first:
                         ship(messages[first:sent])
+                        shipped = True
                     else:
                         sent = first
         except BaseException:
-            if not sent:
+            if not shipped:
                 arena.release(region)
             raise
         self.uses += 1
