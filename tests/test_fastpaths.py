@@ -67,8 +67,8 @@ def equal(a: object, b: object) -> bool:
         return isinstance(a, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     b = b.resolve_conj()
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.numel() else a,
-                                                                      b.contiguous().view(torch.uint8) if b.numel() else b)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8) if a.numel() else a, b.contiguous().reshape(-1).view(torch.uint8) if b.numel() else b)
 
 
 def mutate(value: object) -> None:
@@ -151,6 +151,66 @@ def test_writer_threads_write_chunk_files_side_by_side_bit_exact(make_daemon, th
         got = ckptd.load("wt", step, root=d.root, verify=True)
         assert all(torch.equal(got[k], v * factor) for k, v in state.items())
     referenced_files_only(d.root)
+
+
+@pytest.mark.parametrize("threads, staging, fmt", [(2, "16MiB", "chunk"), (1, "16MiB", "chunk"),
+                                                    (2, "1MiB", "chunk"), (2, "16MiB", "hdf5")])
+def test_large_tensors_written_in_pieces_side_by_side_load_bit_exact(make_daemon, threads: int, staging: str,
+                                                                       fmt: str) -> None:
+    """Tensors of ``chunk_size`` or more that arrive whole (``staging`` holds them) are
+    written in pieces of ``chunk_size`` side by side by the pool (``Writer.write_whole``);
+    in pieces (1 MiB of staging), or with one writer thread, or in HDF5, they stream.
+    Sizes around ``chunk_size``, odd ones (a last partial block), 0-d and empty tensors
+    between them; each chunk file is a safetensors file that safetensors reads alone."""
+    from safetensors import safe_open
+
+    d = shm_daemon(make_daemon, chunk_size="256KiB", writer_threads=threads)
+    g = torch.Generator().manual_seed(7)
+    k = 2**18
+    state = {"scalar": torch.tensor(2.5), "empty": torch.empty(0, 5), "at": torch.randn(k // 4, generator=g),
+             "above": torch.randint(0, 255, (k + 1,), dtype=torch.uint8, generator=g),
+             "small": torch.randn(77, generator=g).to(torch.bfloat16),
+             "three_and_a_half": torch.randint(0, 255, (7 * k // 2 + 3,), dtype=torch.uint8, generator=g),
+             "odd_floats": torch.randn(3 * k // 4 + 1, generator=g), "scalar64": torch.tensor(-1, dtype=torch.int64)}
+    with d.producer("big", transport="shm", staging_size=staging, format=fmt) as p:
+        for step in (1, 2, 3):  # a general save, then the cached plan's
+            p.save(state, step).wait(60)
+            got = ckptd.load("big", step, root=d.root, verify=True)
+            assert got.keys() == state.keys()
+            assert all(equal(got[name], t) for name, t in state.items()), step
+            for t in state.values():
+                mutate(t)
+    folder = d.root / "big" / "step-000000000003"
+    manifest = json.loads((folder / "manifest-r00000.json").read_text())["tensors"]
+    for name, t in state.items():
+        if fmt == "chunk" and t.numel():
+            with safe_open(folder / manifest[name]["file"], "pt") as f:
+                assert torch.equal(f.get_tensor(name), got[name])
+    referenced_files_only(d.root)
+
+
+def test_a_plan_refused_before_its_first_part_ships_gives_its_staging_back(make_daemon, monkeypatch) -> None:
+    """A save whose plan ships parts as it copies (``Plan.SHIP`` scaled down 512x), refused
+    at its first part (a name emitted in the step already): a ValueError, and its region
+    of staging, which holds one such save, is free again: the plan serves the next save."""
+    from ckptd.producer import plan
+
+    monkeypatch.setattr(plan, "SHIP", 2**16)
+    d = shm_daemon(make_daemon)
+    g = torch.Generator().manual_seed(11)
+    state = {f"w{i}": torch.randn(2**15, generator=g) for i in range(8)}  # 8 tensors of 128 KiB
+    with d.producer("refused", transport="shm", staging_size="1536KiB", timeout=10) as p:
+        p.save(state, 1).wait(60)  # the general way, which makes the plan
+        p.save(state, 2).wait(60)
+        uses = sum(pl.uses for pl in p._stager.save_plans)
+        p.emit("w3", state["w3"], step=3)
+        with pytest.raises(ValueError, match="'w3' was already emitted in step 3"):
+            p.save(state, 3)  # which aborts step 3
+        p.save(state, 4).wait(60)
+        assert sum(pl.uses for pl in p._stager.save_plans) == uses + 1
+    got = ckptd.load("refused", 4, root=d.root, verify=True)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert [i.step for i in ckptd.list_checkpoints("refused", root=d.root)] == [1, 2, 4]
 
 
 @pytest.mark.parametrize("point", ["3 files", "after commit sent"])
@@ -319,11 +379,13 @@ def _random_state(rng, names: list[str], g: torch.Generator) -> dict[str, object
     """Tensors of ``names``: mostly small (batched), some large (alone), a few numpy arrays
     or strided views (the general way), each of a dtype and shape drawn per name."""
     out: dict[str, object] = {}
-    kinds = ["small", "small", "small", "large", "strided"] + ["numpy"] * (rng.random() < 0.3)  # no plan with numpy
+    kinds = ["small", "small", "small", "large", "strided", "scalar"] + ["numpy"] * (rng.random() < 0.3)  # no plan with numpy
     for name in names:
         kind = rng.choice(kinds)
         if kind == "large":
             out[name] = torch.randn(2**17 + rng.randint(0, 999), generator=g)
+        elif kind == "scalar":
+            out[name] = torch.tensor(rng.random(), dtype=rng.choice([torch.float32, torch.float64]))
         elif kind == "numpy":
             out[name] = np.arange(rng.randint(1, 40), dtype=np.int16)
         elif kind == "strided":
@@ -356,20 +418,29 @@ def _change(rng, state: dict[str, object], g: torch.Generator) -> str:
     return how
 
 
-@pytest.mark.parametrize("seed, grows", [(1, False), (2, False), (5, False), (3, True), (4, True)])
+@pytest.mark.parametrize("seed, grows, ship, fmt", [(1, False, False, "chunk"), (2, False, False, "chunk"),
+                                                     (5, False, True, "chunk"), (3, True, False, "chunk"),
+                                                     (4, True, True, "chunk"), (6, False, True, "hdf5")])
 def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon, monkeypatch: pytest.MonkeyPatch,
-                                                                   seed: int, grows: bool) -> None:
+                                                                   seed: int, grows: bool, ship: bool,
+                                                                   fmt: str) -> None:
     """2: numpy arrays (no plan); 5: prepare(), no expected_bytes. ``grows``: staging
     scaled down 64-128x (starts at 512 KiB, 1 MiB made on the spot for a larger
     checkpoint, grown in steps of 512 KiB; the states take 1.5-4 MiB) and no hint:
     the first checkpoints stream, arenas are made on the spot and in the background
-    and swapped between steps, under plans."""
+    and swapped between steps, under plans. ``ship``: plans of 128 KiB or more ship
+    their messages each 64 KiB copied (``Plan.SHIP`` scaled down 512x)."""
     import random
 
-    from ckptd.producer import sizing
+    from ckptd.producer import plan, sizing
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
+    shipping = []  # saves whose plan shipped its messages as it copied
+    if ship:
+        monkeypatch.setattr(plan, "SHIP", 2**16)
+        copy_shipping = plan.Plan._copy_shipping
+        monkeypatch.setattr(plan.Plan, "_copy_shipping", lambda *a: shipping.append(1) or copy_shipping(*a))
     d = shm_daemon(make_daemon, chunk_size="1MiB")
     ahead = rng.choice([{"expected_bytes": "6MiB"}, {}])  # staging made at its size, or grown into
     if grows:
@@ -378,7 +449,7 @@ def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon,
         monkeypatch.setattr(sizing, "BRIDGE", 2**20)
         monkeypatch.setattr(sizing, "GRAIN", 2**19)
     expected: dict[int, dict[str, object]] = {}
-    with d.producer("rnd", transport="shm", staging_size="auto", **ahead) as p:
+    with d.producer("rnd", transport="shm", staging_size="auto", format=fmt, **ahead) as p:
         state = _random_state(rng, [f"t{i}" for i in range(rng.randint(20, 40))], g)
         served = 0  # emit_many calls the plan of an earlier call served
         sizes: set[int] = set()  # staging after each step
@@ -415,6 +486,7 @@ def test_randomized_saves_emits_and_emit_many_with_changing_layouts(make_daemon,
         p.flush(60)
         assert p.stats()["transport"] == "shm"
         assert served >= planned  # step 8 at least
+        assert len(shipping) >= planned * ship
         if grows:
             assert max(sizes) > 2**19, sizes  # it grew from 512 KiB
     for step, want in expected.items():

@@ -32,6 +32,7 @@ class Partial:
     held: int = 0
     seqs: list[int] = field(default_factory=list)
     frozen: bool = False
+    whole: bool = False
 
 
 @dataclass(eq=False)
@@ -112,7 +113,10 @@ class OpenStep:
         # memory_budget, and the daemon, no longer reading, never gets the last ones.
         if partial.entry.nbytes >= self.chunk_size or first < partial.entry.nbytes:
             self.flush()
-            partial.stream = self.writer.open_stream(self.share, partial.entry)
+            if first == partial.entry.nbytes and self.writer.splits(self.share):
+                partial.whole = True  # in one piece: written in pieces side by side, not streamed
+            else:
+                partial.stream = self.writer.open_stream(self.share, partial.entry)
         return partial
 
     def add_same(self, h: dict[str, Any]) -> None:
@@ -142,7 +146,9 @@ class OpenStep:
     def _finish_tensor(self, partial: Partial) -> None:
         self.partial = None
         self.complete += 1
-        if partial.stream is None:
+        if partial.whole:
+            self.writer.write_whole(self.share, partial.entry, partial.held, partial.seqs)
+        elif partial.stream is None:
             if partial.frozen != self.chunk_frozen:
                 self.flush()
                 self.chunk_frozen = partial.frozen

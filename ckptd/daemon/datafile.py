@@ -215,6 +215,66 @@ class DataFile:
             _no_direct.add(os.fstat(self.fd).st_dev)
 
 
+class OffsetFile:
+    """One file written at offsets from several threads at once (``os.pwritev``): whole
+    blocks of page-aligned memory at block offsets with O_DIRECT where the filesystem
+    allows it, the rest (a header, a last partial block, unaligned memory) through the
+    page cache; the fsync of ``finish``'s descriptor covers both."""
+
+    def __init__(self, path: Any, *, direct: bool, throttle: Throttle | None = None) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(path, flags, 0o644)
+        self.direct_fd = -1
+        self._throttle = throttle
+        self._direct = False
+        if direct and hasattr(os, "O_DIRECT") and _direct_allowed(self.fd):
+            try:
+                self.direct_fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT)
+                self._direct = True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    self.close()
+                    raise
+
+    def write_at(self, buf: Any, offset: int) -> None:
+        view = memoryview(buf).cast("B")
+        whole = 0
+        if self._direct and offset % BLOCK == 0 and buffer_address(view) % BLOCK == 0:
+            whole = len(view) - len(view) % BLOCK
+        done = 0
+        while done < whole:
+            try:
+                done += self._pwrite(self.direct_fd, view[done:min(whole, done + _DIRECT_MAX)], offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct = False
+                with _no_direct_lock:
+                    _no_direct.add(os.fstat(self.fd).st_dev)
+                break
+        while done < len(view):
+            done += self._pwrite(self.fd, view[done:done + _DIRECT_MAX], offset + done)
+
+    def _pwrite(self, fd: int, view: memoryview, offset: int) -> int:
+        n = os.pwritev(fd, [view], offset)
+        if self._throttle is not None:
+            self._throttle.take(n)
+        return n
+
+    def finish(self) -> int:
+        """The descriptor to fsync and close (every piece written)."""
+        if self.direct_fd >= 0:
+            os.close(self.direct_fd)
+            self.direct_fd = -1
+        return self.fd
+
+    def close(self) -> None:
+        for fd in (self.direct_fd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.direct_fd = -1
+
+
 class Bounce:
     """A page-aligned, pre-faulted buffer for one writer thread."""
 

@@ -25,11 +25,13 @@ from ..config import Hdf5Config
 from ..durable import atomic_write, fsync_dir, write_all
 from ..errors import CheckpointCorrupt
 from ..format import Entry, Format, Ref, Stored, Written
+from ..format.fileio import BLOCK
+from ..format.protocol import PieceFile
 from ..index import read_manifests
 from ..manifest import Checksum, CheckpointInfo, Manifest, TensorRecord, checksum
 from .attempts import read_manifest
 from .owners import manifest_owner
-from .datafile import Bounce, DataFile, Throttle
+from .datafile import Bounce, DataFile, OffsetFile, Throttle
 from .share import CommitToken, Result, ResultKind, Share, Stream
 from .stagehold import StagingHolds
 
@@ -89,6 +91,18 @@ class Writer:
             share.search.before = before if before is not share else None
         name = self._format(share).next_file(self._io(share))
         self._jobs(share).put((self._do_batch, (share, name, entries, held, seqs, ahead)))
+
+    def splits(self, share: Share) -> bool:
+        """Whether a large tensor that arrives whole goes to ``write_whole`` (else it streams)."""
+        return self._pool is not None and self._format(share).parallel
+
+    def write_whole(self, share: Share, entry: Entry, held: int, seqs: list[int]) -> None:
+        """A tensor of ``chunk_size`` or more that arrived whole: a file of its own whose
+        pieces the pool writes side by side (``_do_whole``), its checksum computed ahead,
+        on ckptd-hash; ``held`` and ``seqs`` as ``write_chunk``'s."""
+        ahead = self._hasher.submit(_checksums, [entry]) if share.error is None else None
+        name = self._format(share).next_file(self._io(share))
+        self._jobs(share).put((self._do_whole, (share, name, entry, held, seqs, ahead)))
 
     def open_stream(self, share: Share, entry: Entry) -> Stream:
         stream = Stream(share, entry, self._format(share).next_file(self._io(share)))
@@ -182,6 +196,12 @@ class Writer:
                 os.close(fd)
             share.written.dir_ready = True
 
+    def create_pieces(self, share: Share, name: str) -> PieceFile:
+        """A new data file of ``share`` written at offsets (its folder made already)."""
+        with share.written.lock:
+            share.written.files.append(name)
+        return OffsetFile(share.at(name), direct=self.direct_io, throttle=self._throttle)
+
     def create(self, share: Share, name: str, *, listed: bool = False) -> DataFile:
         """A new data file of ``share`` (O_DIRECT where it can be). ``listed``: it is in
         ``share.written.files`` already, in a folder made already (the pool's case)."""
@@ -241,6 +261,67 @@ class Writer:
         finally:
             _settled(ahead)
             entries.clear()
+            self._report_freed(share, held, seqs)
+        if fd is not None:
+            self._do_sync(share, name, fd)
+
+    def _do_whole(self, share: Share, name: str, entry: Entry, held: int, seqs: list[int],
+                  ahead: Future | None) -> None:
+        """On the share's writer thread: the file made and its header written; its pieces
+        of ``chunk_size`` go to the pool, and the syncer finishes it (``_finish_whole``)."""
+        split = None
+        if share.error is None:
+            try:
+                self.ensure_dir(share)
+            except OSError as exc:
+                self.fail(share, f"writing {share.dir / name}", exc)
+            else:
+                split = self._format(share).split(self._io(share), entry, name)
+        if split is None or self._pool is None:
+            _settled(ahead)
+            entry.buffers.clear()
+            self._report_freed(share, held, seqs)
+            return
+        out, key, at = split
+        data = memoryview(entry.buffers[0]).cast("B") if len(entry.buffers) == 1 else \
+            memoryview(b"".join(entry.buffers))
+        step = max(BLOCK, share.id.chunk_size - share.id.chunk_size % BLOCK)
+        futures = [self._pool.submit(self._write_piece, share, out, data[i:i + step], at + i)
+                   for i in range(0, len(data), step)]
+        share.written.inflight.extend(futures)
+        self._syncs.put((self._finish_whole, (share, name, entry, (out, key, at), futures, held, seqs, ahead)))
+
+    def _write_piece(self, share: Share, out: PieceFile, piece: memoryview, at: int) -> None:
+        if share.error is None:
+            out.write_at(piece, at)
+
+    def _finish_whole(self, share: Share, name: str, entry: Entry, split: tuple[PieceFile, str, int],
+                      futures: list[Future], held: int, seqs: list[int], ahead: Future | None) -> None:
+        """On the syncer: every piece of ``_do_whole``'s file written, its record made,
+        its buffers reported freed, then the file fsynced."""
+        out, key, at = split
+        fd = None
+        try:
+            for future in futures:
+                exc = future.exception()
+                if isinstance(exc, OSError):
+                    self.fail(share, f"writing {share.dir / name}", exc)
+                elif isinstance(exc, Exception):
+                    _internal_error(share, exc)
+            assert ahead is not None
+            digests = ahead.result()
+            if share.error is None:
+                fd = out.finish()
+                self._apply(share, name, Written([(entry, key, at)]), digests)
+                if _staged(held, seqs):
+                    self.holds.add(share, name, list(_at(at, entry.buffers)))
+        finally:
+            for future in futures:
+                share.written.inflight.remove(future)
+            if fd is None:
+                out.close()
+            _settled(ahead)
+            entry.buffers.clear()
             self._report_freed(share, held, seqs)
         if fd is not None:
             self._do_sync(share, name, fd)
@@ -587,6 +668,9 @@ class ShareIO:
 
     def create(self, name: str, *, listed: bool = False) -> DataFile:
         return self._writer.create(self._share, name, listed=listed)
+
+    def create_pieces(self, name: str) -> PieceFile:
+        return self._writer.create_pieces(self._share, name)
 
     def create_plain(self, name: str) -> int:
         self.listed(name)

@@ -20,7 +20,7 @@ from .. import dtypes, layout
 from ..durable import write_all
 from ..errors import CheckpointCorrupt
 from .fileio import pread_into
-from .protocol import DataFile, Entry, Ref, Stored, WriteIO, Written
+from .protocol import DataFile, Entry, PieceFile, Ref, Stored, WriteIO, Written
 
 if TYPE_CHECKING:
     from ..records import TensorRecord
@@ -107,6 +107,8 @@ class ChunkFormat:
             return Written([])
         if not entries:
             return Written([])
+        # sizes of whole blocks first: after an odd size, every later byte goes through the bounce buffer
+        entries = sorted(entries, key=lambda e: e.nbytes % ALIGN != 0)
         head = header(entries)
         placed: list[tuple[Entry, str, int | None]] = []
         out: DataFile | None = None
@@ -138,6 +140,19 @@ class ChunkFormat:
             io.fail(f"writing {io.dir / file}", exc)
             return None
         return _Streamed(out, entry.name, file, len(head))
+
+    def split(self, io: WriteIO, entry: Entry, file: str) -> tuple[PieceFile, str, int] | None:
+        head = header([entry])
+        out: PieceFile | None = None
+        try:
+            out = io.create_pieces(file)
+            out.write_at(head, 0)
+        except OSError as exc:
+            if out is not None:
+                out.close()
+            io.fail(f"writing {io.dir / file}", exc)
+            return None
+        return out, entry.name, len(head)
 
     def stream_piece(self, io: WriteIO, out: _Streamed, piece: Any, last: bool) -> tuple[str, int | None] | None:
         out.file.write([piece])

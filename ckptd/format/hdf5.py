@@ -417,6 +417,9 @@ class Hdf5Format:
             io.fail(f"writing {io.dir / file}", exc)
             return None
 
+    def split(self, io: WriteIO, entry: Entry, file: str) -> None:
+        """Never called: one file per share is not ``parallel``; its tensors stream."""
+
     def stream_piece(self, io: WriteIO, out: Slot, piece: Any, last: bool) -> tuple[str, int | None] | None:
         self._file(io).write(out, [piece])
         io.throttled(len(memoryview(piece)))

@@ -99,6 +99,16 @@ class DataFile(Protocol):
     def close(self) -> None: ...
 
 
+class PieceFile(Protocol):
+    """A new data file written at offsets, from several threads at once (``WriteIO.create_pieces``)."""
+
+    def write_at(self, buf: Any, offset: int) -> None: ...
+
+    def finish(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class WriteIO(Protocol):
     """Where one share is written, and what a format's write side asks of the daemon's
     writer for it. The writer makes one for each call: a format keeps nothing of it
@@ -140,6 +150,9 @@ class WriteIO(Protocol):
 
     def create(self, name: str, *, listed: bool = False) -> DataFile:
         """A new data file ``name`` (``listed``: the writer listed it already)."""
+
+    def create_pieces(self, name: str) -> PieceFile:
+        """A new data file of the share (listed, its folder made) written at offsets."""
 
     def create_plain(self, name: str) -> int:
         """A new file ``name``, listed as the share's (a failed step removes it), opened for
@@ -209,6 +222,11 @@ class Format(Protocol):
     def open_stream(self, io: WriteIO, entry: Entry, file: str) -> Any:
         """Start a tensor that arrives in pieces, in file ``file``: what ``stream_piece``
         writes to; None if that failed (``io.fail`` was told)."""
+
+    def split(self, io: WriteIO, entry: Entry, file: str) -> tuple[PieceFile, str, int] | None:
+        """Start a tensor that arrived whole, in file ``file``, whose bytes the writer then
+        writes in pieces side by side (``parallel`` formats): the file, the tensor's key and
+        the offset of its bytes; None if that failed (``io.fail`` was told)."""
 
     def stream_piece(self, io: WriteIO, out: Any, piece: Any, last: bool) -> tuple[str, int | None] | None:
         """Write the next piece of the streamed tensor (``out``: ``open_stream``'s); after the

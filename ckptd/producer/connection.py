@@ -341,15 +341,18 @@ class Connection:
         self.batcher.flush()
         return True
 
-    def send_planned(self, step: int, region: Region, messages: list[tuple[str, Any]], *, kick: bool) -> None:
-        """Queue a save plan's messages in order; its one region goes back with the last's ack.
-        ``kick``: wake the sender now (the step's first message: the daemon knows it is open
-        at once, as it does from emit's first tensor)."""
+    def send_planned(self, step: int, region: Region | None, messages: list[tuple[str, Any]], *,
+                     kick: bool) -> None:
+        """Queue a save plan's messages in order; its one region goes back with the last's ack
+        (None: a part of them, the region to follow with the last part). ``kick``: wake the
+        sender now (the step's first message: the daemon knows it is open at once, as it
+        does from emit's first tensor)."""
         assert self.transport is not None
         with self._lock:
             first = self._seq + 1
             self._seq += len(messages)
-            region.seq = self._seq
+            if region is not None:
+                region.seq = self._seq
             for i, (op, packed) in enumerate(messages):
                 self.transport.send(wire.encode_packed(op, packed, seq=first + i, step=step), wake=False)
         if kick:

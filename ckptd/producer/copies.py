@@ -215,10 +215,12 @@ class Copier:
         """The plan's region of staging if it is free now, else None (nothing was taken)."""
         return None if self.arena is None else plan.take(self.arena)
 
-    def copy_planned(self, plan: Plan, region: Region, tensors: list[Any]) -> list[tuple[str, Any]] | None:
-        """``tensors`` copied into ``region`` by ``plan``: its messages, or None (a tensor changed)."""
+    def copy_planned(self, plan: Plan, region: Region, tensors: list[Any],
+                     ship: Callable[[list[Any]], None]) -> list[tuple[str, Any]] | None:
+        """``tensors`` copied into ``region`` by ``plan``: the messages not shipped yet
+        (``Plan.copy``), or None (a tensor changed)."""
         assert self.arena is not None
-        return plan.copy(region, tensors, self.arena, self.arena_t)
+        return plan.copy(region, tensors, self.arena, self.arena_t, ship)
 
     def release(self, region: Region) -> None:
         assert self.arena is not None

@@ -28,6 +28,7 @@ _TENSOR, _PLAIN, _DICT, _SEQ, _TDICT, _TSEQ = range(6)
 _SIGNATURE = operator.attrgetter("__class__", "dtype", "shape")
 _CHUNK = 256  # tensors checked, then copied, at a time: their metadata is still in cache for the copy
 _VIEWS_KEPT = 2
+SHIP = 32 * 2**20
 
 
 @functools.cache
@@ -53,10 +54,12 @@ def _json(value: Any) -> str:
 class _Placed:
     """The arena views and packed messages of a plan at one region start.
 
-    ``messages``: (op, wire.pack_fields(...)) but seq and step"""
+    ``messages``: (op, wire.pack_fields(...)) but seq and step
+    ``ends``: for each message, the index after the last tensor it describes"""
 
     views: list[Any]
     messages: list[tuple[str, tuple[bytes, int]]]
+    ends: list[int]
 
 
 @dataclass(eq=False)
@@ -78,6 +81,7 @@ class Plan:
     room: int
     json_parts: list[str]
     uses: int = 0
+    _stops: list[int] | None = None
     _placed: OrderedDict[tuple[int, int], _Placed] = field(default_factory=OrderedDict)
 
     @classmethod
@@ -130,18 +134,22 @@ class Plan:
         """The plan's region of staging if it is free now, else None (nothing was taken)."""
         return arena.try_alloc(self.region_bytes)
 
-    def copy(self, region: Region, tensors: list[Any], arena: Arena,
-             arena_t: Any) -> list[tuple[str, tuple[bytes, int]]] | None:
+    def copy(self, region: Region, tensors: list[Any], arena: Arena, arena_t: Any,
+             ship: Any = None) -> list[tuple[str, tuple[bytes, int]]] | None:
         """Copy ``tensors`` (from ``collect``) into ``region``; return the messages that
         describe them (``(op, wire.pack_fields(...))``, all but ``seq`` and ``step``), to be
         sent in order with the region carried by the last. None: a tensor's class, dtype
         or shape is not the plan's (nothing is sent; the region was given back).
+        ``ship``: where the plan holds ``2 * SHIP`` bytes or more, called with the messages
+        of each ``SHIP`` bytes copied, the rest returned (``_copy_shipping``).
 
         Each chunk of tensors is checked, then copied: checking all first cost a quarter
         of the copy at 10,000 tensors, their metadata fetched from memory twice."""
         import torch
 
         placed = self._place(arena, arena_t, region.start)
+        if ship is not None and self.region_bytes >= 2 * SHIP:
+            return self._copy_shipping(placed, region, tensors, arena, ship)
         views, signatures = placed.views, self.signatures
         try:
             with torch.no_grad():  # a Parameter's copy is not recorded for autograd
@@ -159,6 +167,55 @@ class Plan:
             raise
         self.uses += 1
         return placed.messages
+
+    def _copy_shipping(self, placed: _Placed, region: Region, tensors: list[Any], arena: Arena,
+                       ship: Any) -> list[tuple[str, tuple[bytes, int]]] | None:
+        """``copy`` of a large plan: the daemon writes the first bytes while the rest are
+        copied, not once all are. Every tensor is checked first (what was shipped cannot
+        be taken back), then each ``SHIP`` bytes are copied and their messages shipped.
+        An error after a part was shipped keeps the region: the caller sends it after."""
+        import torch
+
+        strided = torch.strided
+        if list(map(_SIGNATURE, tensors)) != self.signatures \
+                or not all(t.layout is strided and t.device.type == "cpu" for t in tensors):
+            arena.release(region)
+            return None
+        views, messages, ends = placed.views, placed.messages, placed.ends
+        done = sent = 0
+        shipped = False
+        try:
+            with torch.no_grad():
+                for stop in self._parts():
+                    torch._foreach_copy_(views[done:stop], tensors[done:stop])
+                    done, first = stop, sent
+                    while sent < len(messages) and ends[sent] <= done:
+                        sent += 1
+                    if sent < len(messages) and sent > first:
+                        ship(messages[first:sent])
+                        shipped = True
+                    else:
+                        sent = first
+        except BaseException:
+            if not shipped:
+                arena.release(region)
+            raise
+        self.uses += 1
+        return messages[sent:]
+
+    def _parts(self) -> list[int]:
+        """Where the copy of ``_copy_shipping`` stops to ship: after each ``SHIP`` bytes."""
+        if self._stops is None:
+            stops, counted = [], 0
+            for i, n in enumerate(self.nbytes, 1):
+                counted += n
+                if counted >= SHIP:
+                    stops.append(i)
+                    counted = 0
+            if not stops or stops[-1] != len(self.nbytes):
+                stops.append(len(self.nbytes))
+            self._stops = stops
+        return self._stops
 
     def prepare(self, arena: Arena, arena_t: Any) -> None:
         """Make the views and messages for a region at the arena's start, where the next
@@ -180,33 +237,40 @@ class Plan:
         for (_, dtype, shape), n, off in zip(self.signatures, self.nbytes, self.offsets):
             at = start + off
             views.append(arena_t[at:at + n].view(dtype).view(shape))
-        placed = _Placed(views, self._messages(start))
+        placed = _Placed(views, *self._messages(start))
         self._placed[key] = placed
         while len(self._placed) > _VIEWS_KEPT:
             self._placed.popitem(last=False)
         return placed
 
-    def _messages(self, start: int) -> list[tuple[str, tuple[bytes, int]]]:
+    def _messages(self, start: int) -> tuple[list[tuple[str, tuple[bytes, int]]], list[int]]:
         """The wire messages for the region at ``start``: a small tensor rides in a batch
-        (``tensors``, as ``Batcher`` sends them), a larger one alone (``tensor``)."""
+        (``tensors``, as ``Batcher`` sends them), a larger one alone (``tensor``); and
+        where each ends (``_Placed.ends``: a batch ends after its last small tensor, and
+        after the larger ones sent before it)."""
         out: list[tuple[str, tuple[bytes, int]]] = []
+        ends: list[int] = []
         items: list[list[Any]] = []
         first = 0
-        for name, (_, dtype, shape), n, off in zip(self.names, self.signatures, self.nbytes, self.offsets):
+        for i, (name, (_, dtype, shape), n, off) in enumerate(zip(self.names, self.signatures, self.nbytes,
+                                                                   self.offsets)):
             d, shape = dtypes.by_torch(dtype).name, list(shape)
             if n > SMALL:
                 out.append(("tensor", wire.pack_fields(name=name, dtype=d, shape=shape, nbytes=n, numpy=False,
                                                        start=0, offset=start + off, length=n)))
+                ends.append(i + 1)
                 continue
             if items and (len(items) >= BATCH_ITEMS or off + n - first > BATCH_BYTES):
                 out.append(("tensors", wire.pack_fields(items=items)))
+                ends.append(i)
                 items = []
             if not items:
                 first = off
             items.append([name, d, shape, n, False, start + off])
         if items:
             out.append(("tensors", wire.pack_fields(items=items)))
-        return out
+            ends.append(len(self.names))
+        return out, ends
 
 
 def _layout(value: Any, node: Any, path: tuple[Any, ...], plain: frozenset[type]) -> Any:

@@ -54,15 +54,31 @@ class Stager:
             region = self._copier.take(plan)
             if region is None:
                 return None
-            messages = self._copier.copy_planned(plan, region, got[0])
+            shipped = False
+
+            def ship(part: list[Any]) -> None:
+                nonlocal shipped
+                if not shipped:
+                    self._book.claim(step, *plan.names, room=plan.room)
+                    self._book.opened(step)
+                    shipped = True
+                self._connection.send_planned(step, None, part, kick=True)
+
+            try:
+                messages = self._copier.copy_planned(plan, region, got[0], ship)
+            except BaseException:
+                if shipped:  # the region goes back once the daemon has read what was shipped
+                    self._connection.send_planned(step, region, [], kick=True)
+                raise
             if messages is None:
                 plans.remove(plan)
                 return None
-            try:
-                self._book.claim(step, *plan.names, room=plan.room)
-            except BaseException:
-                self._copier.release(region)
-                raise
+            if not shipped:
+                try:
+                    self._book.claim(step, *plan.names, room=plan.room)
+                except BaseException:
+                    self._copier.release(region)
+                    raise
             opened = self._book.opened(step)
             self._connection.send_planned(step, region, messages, kick=kick and not opened)
             plans.remove(plan)
