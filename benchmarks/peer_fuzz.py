@@ -1,7 +1,7 @@
 """The peer port's fuzz: two real daemons on loopback, many identities that reconnect
 sending every op with random, extreme and wrongly typed fields, garbage and truncated
 msgpack, scripted transfers of a real share (whole, corrupt, partial, overflowing,
-parts after ``done``), the memory probes (a 4 MiB header of empty maps, 48 unread
+parts after ``done``, cancelled), the memory probes (a 4 MiB header of empty maps, 48 unread
 4 MiB reads, an unfinished multipart message), then a lost node recovered bit-exact
 through the port. Prints one JSON object of figures; exits 1 when a bound is broken.
 
@@ -29,7 +29,7 @@ import zmq
 
 from daemons import DaemonProcess, free_tcp_port
 
-OPS = ["ping", "offer", "part", "done", "holds", "drop", "steps", "manifests", "read", "nonsense", None, 7, [1]]
+OPS = ["ping", "offer", "part", "done", "cancel", "holds", "drop", "steps", "manifests", "read", "nonsense", None, 7, [1]]
 FIELDS = ["run", "step", "rank", "file", "offset", "length", "xfer", "files", "manifest", "keep_last",
           "shares", "steps", "limit", "ranks", "runs", "v", "id"]
 EXTREME = [0, 1, -1, 2**31, 2**62, 2**63 - 1, 2**64 - 1, -2**63, 1.5, float("nan"), None, True, "", "x" * 5000,
@@ -97,8 +97,8 @@ class Share:
         self.files = {n: (folder / n).read_bytes() for n in os.listdir(folder) if n.endswith(".safetensors")}
 
     def transfer(self, sock: zmq.Socket, how: str) -> bool:
-        """Send it in ``how`` (whole, corrupt, partial, overflowing, after_done); whether
-        the port answered as it must."""
+        """Send it in ``how`` (whole, corrupt, partial, overflowing, after_done, cancelled);
+        whether the port answered as it must."""
         offer = {"op": "offer", "id": 1, "manifest": self.manifest, "keep_last": 2,
                  "files": {n: len(b) for n, b in self.files.items()}}
         answer = _ask(sock, [msgpack.packb(offer, use_bin_type=True)])
@@ -109,7 +109,7 @@ class Share:
             data = bytearray(blob)
             if how == "corrupt":
                 data[len(data) // 2] ^= 0xFF
-            end = len(data) // 2 if how == "partial" else len(data)
+            end = len(data) // 2 if how in ("partial", "cancelled") else len(data)
             for off in range(0, end, 2**20):
                 _ask(sock, [msgpack.packb({"op": "part", "id": 2, "xfer": xfer, "file": name, "offset": off}),
                             bytes(data[off:off + 2**20])])
@@ -118,6 +118,12 @@ class Share:
                                                   "offset": len(data)}), b"x" * 4096])
                 if over.get("ok"):
                     return False
+        if how == "cancelled":  # its room freed at once; nothing reaches it after
+            gone = _ask(sock, [msgpack.packb({"op": "cancel", "id": 6, "xfer": xfer})])
+            again = _ask(sock, [msgpack.packb({"op": "cancel", "id": 7, "xfer": xfer})])
+            late = _ask(sock, [msgpack.packb({"op": "done", "id": 8, "xfer": xfer})])
+            return gone.get("ok") is True and gone.get("freed") == sum(map(len, self.files.values())) \
+                and again.get("ok") is False and late.get("ok") is False
         done = _ask(sock, [msgpack.packb({"op": "done", "id": 4, "xfer": xfer})], timeout=60)
         if how == "after_done":
             name = next(iter(self.files))
@@ -180,7 +186,7 @@ def _fuzz(ctx: zmq.Context, listen: str, n: int, identities: int, share: Share, 
     rng = random.Random(seed)
     socks: list[zmq.Socket] = []
     counts = {"sent": 0, "answered": 0, "transfers": 0, "transfers_wrong": 0, "reconnects": 0}
-    hows = ["whole", "corrupt", "partial", "overflowing", "after_done"]
+    hows = ["whole", "corrupt", "partial", "overflowing", "after_done", "cancelled"]
     while counts["sent"] < n:
         if len(socks) < identities or rng.random() < 0.05:
             if socks and len(socks) >= identities:

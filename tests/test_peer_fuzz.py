@@ -30,7 +30,7 @@ from test_peer import _held, _save, _status, _wait
 
 FUZZ_MESSAGES = 600
 FUZZ_SECONDS = 40.0
-OPS = ["ping", "offer", "part", "done", "holds", "drop", "steps", "manifests", "read", "nonsense", None]
+OPS = ["ping", "offer", "part", "done", "cancel", "holds", "drop", "steps", "manifests", "read", "nonsense", None]
 EXTREME_INTS = [0, 1, -1, 2**31, 2**62, 2**63 - 1, 2**64 - 1, -2**63]
 
 
@@ -428,5 +428,37 @@ def test_versions_on_the_wire(tmp_path) -> None:
     finally:
         stop.set()
         thread.join()
+        ctx.destroy(linger=0)
+        node.cleanup()
+
+
+def test_a_cancelled_transfer_frees_its_room_at_once_and_takes_nothing_after(tmp_path) -> None:
+    """``cancel``: the room of an offer half sent is freed at once (not after ``stall``),
+    answered with the bytes freed; a part, a ``done`` or a second ``cancel`` after it is
+    refused, and the same share offered again fits the room it freed."""
+    node, listen = _plain_node(tmp_path, memory="12MiB", stall="600s")
+    manifest, files, data = _big_share(tmp_path, 8 * 2**20)
+    ctx = zmq.Context()
+    try:
+        node.start()
+        sock = _client(ctx, listen, None, None)
+        offer = {"op": "offer", "id": 1, "manifest": manifest, "files": files, "keep_last": 1}
+        xfer = _ask(sock, [msgpack.packb(offer, use_bin_type=True)])["xfer"]
+        name, blob = next(iter(data.items()))
+        part = {"op": "part", "id": 2, "xfer": xfer, "file": name, "offset": 0}
+        assert _ask(sock, [msgpack.packb(part), blob[:2**20]])["ok"] is True
+        assert _status(node)["peer"]["receiving_bytes"] == sum(files.values())
+        answer = _ask(sock, [msgpack.packb({"op": "cancel", "id": 3, "xfer": xfer})])
+        assert answer["ok"] is True and answer["freed"] == sum(files.values()), answer
+        status = _status(node)["peer"]
+        assert status["receiving_bytes"] == 0 and status["cancelled"] == 1 and status["held_shares"] == 0, status
+        for i, late in enumerate(({"op": "part", "xfer": xfer, "file": name, "offset": 2**20},
+                                  {"op": "done", "xfer": xfer}, {"op": "cancel", "xfer": xfer})):
+            frames = [msgpack.packb(dict(late, id=10 + i))] + ([blob[2**20:2**21]] if late["op"] == "part" else [])
+            answer = _ask(sock, frames)
+            assert answer["ok"] is False and f"transfer {xfer} is unknown" in answer["error"], answer
+        again = _ask(sock, [msgpack.packb(dict(offer, id=20), use_bin_type=True)])
+        assert again["ok"] is True and again["xfer"] != xfer, again
+    finally:
         ctx.destroy(linger=0)
         node.cleanup()

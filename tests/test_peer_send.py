@@ -251,3 +251,56 @@ def test_a_drop_message_carries_at_most_the_bound_of_steps_over_all_its_runs() -
     assert [sum(map(len, b.values())) for b in batches] == [bound, bound, 3]
     assert batches[0]["a"] == list(range(bound - 2)) and batches[0]["b"] == [0, 1]
     assert sum((b.get("b", []) for b in batches), []) == list(range(bound + 5))  # each step once, in order
+
+
+def test_a_superseded_transfer_is_cancelled_rather_than_read_from_its_files_but_never_twice_in_a_row(
+        tmp_path: Path) -> None:
+    """Saves back to back, each needing the staging of the one before (4 MiB shares in 6
+    MiB), sent at 512 KiB/s: step 2, superseded by step 3 while under way and given back
+    from staging, is cancelled (its room freed at the holder, which keeps step 1, the
+    rank's newest copy); step 3, superseded by step 4 in the same way, runs to its end
+    from its files, as the transfer after a cancelled one always does; steps 3 and 4 are
+    held bit-exact."""
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    sender = Daemon(tmp_path / "sender", tables={"peer": {"listen": listens[0], "peers": [listens[1]],
+                                                          "frame": "128KiB", "window": 2, "rate": "512KiB"}})
+    holder = Daemon(tmp_path / "holder", tables={"peer": {"listen": listens[1], "peers": [listens[0]],
+                                                          "memory": "256MiB"}})
+    states = {step: {"w": torch.randn(2**20 if step > 1 else 4096)} for step in range(1, 5)}
+
+    def receiving() -> bool:
+        return holder.status()["peer"]["receiving_bytes"] > 0
+
+    try:
+        holder.start()
+        sender.start()
+        with sender.producer("job", staging_size="6MiB", emit_timeout="60s") as p:
+            p.save(states[1], 1).wait(60)
+            _wait(lambda: _held(holder).get((1, 0)) == "memory", "step 1 held", timeout=120)
+            p.save(states[2], 2).wait(60)
+            _wait(receiving, "step 2 under way", timeout=120)
+            p.save(states[3], 3).wait(60)  # takes step 2's staging back
+            _wait(lambda: sender.status()["peer"]["cancelled_transfers"] == 1, "step 2 cancelled", timeout=120)
+            held = _held(holder)
+            assert held.get((1, 0)) == "memory" and (2, 0) not in held, held
+            _wait(receiving, "step 3 under way", timeout=120)
+            p.save(states[4], 4).wait(60)  # takes step 3's staging back: step 3 goes on from its files
+            _wait(lambda: _held(holder).get((4, 0)) == "memory", "step 4 held", timeout=120)
+        held = _held(holder)
+        assert held.get((3, 0)) == "memory" and (2, 0) not in held, held
+        peer, kept = sender.status()["peer"], holder.status()["peer"]
+        assert peer["cancelled_transfers"] == 1 and peer["file_bytes_read"] > 0, peer
+        assert kept["cancelled"] == 1 and kept["receiving_bytes"] == 0, kept
+        tier = PeerTier(load_config(holder.config))
+        tier.discovery.endpoints = [tier.cfg.listen]
+        for step in (3, 4):
+            endpoint, _, m = tier.discovery.holdings("job")[(step, 0)][0]
+            got = tier.transfer.read_files(endpoint, m)
+            folder = sender.root / "job" / f"step-{step:012d}"
+            files = [f for f in folder.iterdir() if f.suffix == ".safetensors"]
+            assert all(bytes(got[f.name]) == f.read_bytes() for f in files)
+            copy = {k: v for f in files for k, v in safetensors.torch.load(bytes(got[f.name])).items()}
+            assert torch.equal(copy["w"], states[step]["w"]), step
+    finally:
+        for n in (sender, holder):
+            n.cleanup()

@@ -2,8 +2,9 @@
 of ``replicas`` partners (``partners.of``), after the local commit, one
 ``sender.PartnerSender`` thread per partner. It decides who gets what: partners that
 fail are backed off (``backoff``), the newest share of each (run, rank) is the one worth
-a copy, each heartbeat asks the partners which copies they still hold (``holds``) and
-sends retention's deletions (``drop``). Start reading at ``Copier.enqueue``.
+a copy (an older one under way is cancelled rather than read from its files,
+``_cancellable``), each heartbeat asks the partners which copies they still hold
+(``holds``) and sends retention's deletions (``drop``). Start reading at ``Copier.enqueue``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..errors import CheckpointCorrupt, ProtocolError
 from . import messages, partners, supervise
 from .asking import ask_all
 from .backoff import CAP_HEARTBEATS, Backoff
-from .sender import DOWN, DROPPED, GONE, HELD, REFUSED, RETURNED, Job, Pacer, PartnerSender
+from .sender import CANCELLED, DOWN, DROPPED, GONE, HELD, REFUSED, RETURNED, Job, Pacer, PartnerSender
 
 log = logging.getLogger("ckptd.peer")
 
@@ -55,6 +56,7 @@ class Copier(supervise.Supervised):
         self._tried: dict[Key, set[str]] = {}
         self._sent_to: dict[str, set[str]] = {}
         self._newest: dict[tuple[str, int], int] = {}
+        self._cancelled: dict[tuple[str, int], int] = {}
         self._checked = time.monotonic()
         self._backoff = Backoff(config.heartbeat, config.heartbeat * CAP_HEARTBEATS)
         self._links: dict[str, messages.Link] = {}
@@ -62,7 +64,7 @@ class Copier(supervise.Supervised):
         self._pacer = Pacer(config.rate)
         self.figures_ = {"replicated_shares": 0, "replicated_bytes": 0, "failures": 0, "send_seconds": 0.0,
                          "replicas_lost": 0, "drop_messages": 0, "dropped_steps": 0, "staged_bytes": 0,
-                         "file_bytes_read": 0}
+                         "file_bytes_read": 0, "cancelled_transfers": 0}
         self.busy: Callable[[], bool] = lambda: False
         # (run, step, rank, seconds from local commit to held by `replicas` partners): the
         # peer tier's persist time for the interval advice (ckptd.daemon.measuring)
@@ -218,7 +220,7 @@ class Copier(supervise.Supervised):
             sender = self._senders[peer] = PartnerSender(
                 len(self._senders) + 1, peer, self.ctx, self.keys, self.cfg, self.root, self._pacer,
                 lambda: self.busy(), self._wanted, self._done, direct_io=self.direct_io,
-                staged=lambda key: self.staged(key), count=self._count)
+                staged=lambda key: self.staged(key), count=self._count, cancellable=self._cancellable)
             sender.start()
         return sender
 
@@ -231,6 +233,19 @@ class Copier(supervise.Supervised):
     def _wanted(self, key: Key) -> bool:
         with self._cv:
             return key in self._holders and not self._stop
+
+    def _cancellable(self, key: Key) -> bool:
+        """Whether a transfer of ``key`` under way, whose next part would be read from its
+        files, is given up: only when no copy of it is wanted any more (a newer share of
+        its rank was committed, or retention deleted it), and never twice in a row for a
+        rank (``_cancelled``: (run, rank) -> the step cancelled). So the transfer after a cancelled one runs to its end, whatever supersedes
+        it: the partners fall at most one share behind, and meanwhile keep the rank's
+        newest copy they hold (``holder._protected``) for a recovery."""
+        with self._cv:
+            if key in self._holders:
+                return False
+            step = self._cancelled.get((key[0], key[2]))
+            return step is None or step == key[1]
 
     def _done(self, peer: str, job: Job, outcome: str, nbytes: int, seconds: float) -> None:
         """A partner's thread ended a job (``sender``'s outcomes)."""
@@ -248,6 +263,8 @@ class Copier(supervise.Supervised):
                 self._sent_to.setdefault(key[0], set()).add(peer)
                 self.figures_["send_seconds"] += seconds
             if outcome == HELD:
+                if self._cancelled.get((key[0], key[2]), key[1]) < key[1]:
+                    del self._cancelled[(key[0], key[2])]
                 self._backoff.answered(peer)
                 self.figures_["replicated_shares"] += 1
                 self.figures_["replicated_bytes"] += nbytes
@@ -272,6 +289,9 @@ class Copier(supervise.Supervised):
                     self._cv.notify()
             elif outcome == GONE:
                 self._forget_share(key)
+            elif outcome == CANCELLED:
+                self._cancelled[(key[0], key[2])] = key[1]
+                self.figures_["cancelled_transfers"] += 1
             else:
                 assert outcome == DROPPED, outcome
         if replicated is not None and self.on_replicated is not None:

@@ -1,7 +1,7 @@
 """The copies of other nodes' shares this daemon holds, in memory, within a byte budget.
 
-A share is received into room reserved at ``offer`` (``part``), closed by ``done`` and
-admitted once every tensor matched its checksum (``admit``): only then may held copies
+A share is received into room reserved at ``offer`` (``part``), closed by ``done`` (or
+given up by its sender, ``cancel``: the room freed) and admitted once every tensor matched its checksum (``admit``): only then may held copies
 be evicted for it, and only as ``_protected`` allows (never the newest copy of a rank,
 nor the newest step complete here). A copy belongs to the key that sent it (``owner``);
 only that key may replace or drop it. Start reading at ``Holder.offer``.
@@ -65,6 +65,7 @@ class Holder:
         self.evicted = 0
         self.rejected = 0
         self.drop_requests = 0
+        self.cancelled = 0
 
     # -- receiving -------------------------------------------------------------------------
     def offer(self, manifest_json: bytes, files: dict[str, int], keep_last: int, owner: str | None = None) -> int:
@@ -110,6 +111,20 @@ class Holder:
                 r.received[file] += len(data)
                 r.writing -= 1
                 self._written.notify_all()
+
+    def cancel(self, xfer: int, owner: str | None = None) -> int:
+        """``cancel``: the sender gives transfer ``xfer`` up (its share was superseded by a
+        newer one of its rank); its room is freed and nothing held changes. The bytes freed."""
+        with self._lock:
+            r = self._incoming.get(xfer)
+            if r is None:
+                raise KeyError(f"transfer {xfer} is unknown, done, or given up after {self.stall:g} s without a part")
+            if r.owner != owner:
+                raise NotYours(f"transfer {xfer} is another peer's")
+            del self._incoming[xfer]
+            self.cancelled += 1
+            log.info("run %r step %d rank %d: its sender cancelled the transfer", *r.key)
+            return r.nbytes
 
     def close(self, xfer: int, owner: str | None = None) -> None:
         """``done``: no part reaches transfer ``xfer`` from now on; its room stays taken
@@ -275,7 +290,7 @@ class Holder:
                     "held_ranks": len({(k[0], k[2]) for k in self._held}),
                     "receiving_bytes": sum(r.nbytes for d in (self._incoming, self._verifying) for r in d.values()),
                     "memory": self.budget, "evicted": self.evicted, "rejected": self.rejected,
-                    "drop_requests": self.drop_requests,
+                    "drop_requests": self.drop_requests, "cancelled": self.cancelled,
                     "evictable_shares": len(self._evictable())}
 
 

@@ -74,9 +74,9 @@ SAID = {
     "runs": f"a map of run names to lists of steps, at most {MAX_STEPS_DROPPED} steps in all",
 }
 
-# op -> {field: kind}, kinds as in ``KINDS`` ("?": optional). What each answers:
-# ping {node, listen}; offer {xfer} (room reserved); part {}; done {} once the share
-# verified; holds {held: [bool]}; drop {dropped}; steps {steps: [{step, shares: [{rank,
+# op -> {field: kind}, kinds as in ``KINDS`` ("?": optional). What each answers: ping
+# {node, listen}; offer {xfer} (room reserved); part {}; done {} once verified; cancel
+# {freed}; holds {held: [bool]}; drop {dropped}; steps {steps: [{step, shares: [{rank,
 # attempt, world_size, where}]}], more}; manifests {manifests: [{rank, where, manifest}],
 # left}; read {} + the bytes. An error is {ok: false, error, code?}.
 REQUESTS: dict[str, dict[str, str]] = {
@@ -84,6 +84,7 @@ REQUESTS: dict[str, dict[str, str]] = {
     "offer": {"manifest": "bin", "files": "sizes", "keep_last": "int"},
     "part": {"xfer": "int", "file": "str", "offset": "int"},
     "done": {"xfer": "int"},
+    "cancel": {"xfer": "int"},
     "holds": {"shares": "shares"},
     "drop": {"runs": "runs?", "run": "str?", "steps": "steps?"},
     "steps": {"run": "str", "limit": "int", "step": "int?"},

@@ -271,6 +271,12 @@ class PeerServer:
             return {}, None
         return Later(verify)
 
+    def on_cancel(self, r: Request, user: str | None) -> Reply:
+        xfer = r.fields["xfer"]
+        if xfer in self._muted:
+            return None
+        return {"freed": self.holder.cancel(xfer, owner=self._writer(user, "cancel"))}, None
+
     def on_holds(self, r: Request, user: str | None) -> Reply:
         return {"held": [self.holder.get((run, step, rank)) is not None for run, step, rank in r.fields["shares"]]}, None
 

@@ -1,6 +1,7 @@
 """One partner's transfers, on its own ``ckptd-peer-send-N`` thread: each share the
 ``Copier`` gives it is an ``offer``, the files in ``frame``-sized parts with ``window``
-in flight, and ``done``. A partner that does not answer holds up only its own thread;
+in flight, and ``done`` (or ``cancel``, once the ``Copier`` lets a superseded share go
+rather than read its files). A partner that does not answer holds up only its own thread;
 its failure hands its shares back to the ``Copier`` for the next peers. All partners'
 threads share one ``Pacer``: ``[peer] rate`` caps the node's total.
 """
@@ -46,9 +47,14 @@ class Job:
 
 
 # A job's outcome, as ``on_done(peer, job, outcome, nbytes, seconds)`` receives it: held by the
-# partner; refused by it (full, or a bug here); it is down (no answer); handed back untried
-# (queued behind a transfer to it that failed); the share is gone here; not wanted any more
-HELD, REFUSED, DOWN, RETURNED, GONE, DROPPED = "held", "refused", "down", "returned", "gone", "dropped"
+# partner; refused by it (full, or a bug here); it is down; handed back untried (queued behind a
+# failed transfer to it); the share is gone here; not wanted (before its offer; after: cancelled)
+HELD, REFUSED, DOWN, RETURNED, GONE, DROPPED, CANCELLED = (
+    "held", "refused", "down", "returned", "gone", "dropped", "cancelled")
+
+
+class Cancelled(Exception):
+    """The transfer under way was given up (``cancel``): its share is superseded."""
 
 
 class Pacer:
@@ -77,8 +83,10 @@ class PartnerSender(supervise.Queued[Job]):
                  pacer: Pacer, busy: Callable[[], bool], wanted: Callable[[Key], bool],
                  on_done: Callable[[str, Job, str, int, float], None], *, direct_io: bool = False,
                  staged: Callable[[Key], Any] = lambda key: None,
-                 count: Callable[[int, int], None] = lambda staged, read: None) -> None:
+                 count: Callable[[int, int], None] = lambda staged, read: None,
+                 cancellable: Callable[[Key], bool] = lambda key: False) -> None:
         self.peer = peer
+        self.cancellable = cancellable
         self.staged, self.count = staged, count
         self.direct_io = direct_io
         self.ctx, self.keys, self.cfg, self.root = ctx, keys, cfg, root
@@ -126,6 +134,9 @@ class PartnerSender(supervise.Queued[Job]):
         t0 = time.monotonic()
         try:
             self._send(job, share)
+        except Cancelled:
+            self.on_done(self.peer, job, CANCELLED, 0, time.monotonic() - t0)
+            return
         except CheckpointCorrupt as exc:
             self._forget()
             log.warning("run %r step %d rank %d is not replicated: %s", *job.key, exc)
@@ -166,6 +177,8 @@ class PartnerSender(supervise.Queued[Job]):
                 if len(in_flight) >= self.cfg.window:
                     link.recv(in_flight.popleft(), timeout=stall)
                 self._yield()
+                if share.from_files() and self.cancellable(job.key):
+                    self._cancel(link, xfer)
                 data = share.read(file, off, self.cfg.frame)
                 self.pacer.take(len(data))
                 part = {"op": "part", "xfer": xfer, "file": file, "offset": off}
@@ -173,6 +186,18 @@ class PartnerSender(supervise.Queued[Job]):
         while in_flight:
             link.recv(in_flight.popleft(), timeout=stall)
         link.request({"op": "done", "xfer": xfer}, timeout=stall)
+
+    def _cancel(self, link: messages.Link, xfer: int) -> None:
+        """Give transfer ``xfer`` up: the partner frees its room (one that does not know
+        ``cancel``, or does not answer, frees it after ``stall`` without a part)."""
+        try:
+            link.request({"op": "cancel", "xfer": xfer}, timeout=self.cfg.timeout)
+        except PeerRefused as exc:
+            log.info("peer %s did not take the cancel of transfer %d: %s", self.peer, xfer, exc)
+        except (PeerDown, ProtocolError) as exc:
+            log.info("peer %s did not answer the cancel of transfer %d: %s", self.peer, xfer, exc)
+            self._forget()
+        raise Cancelled
 
     def _yield(self) -> None:
         """Wait while the daemon is busy with a step (and a moment after: the gaps between
@@ -239,6 +264,10 @@ class ShareFiles:
             os.close(dir_fd)
         aligned = direct and frame > 0 and frame % BLOCK == 0
         return cls(path, fds, {f for f, fd in fds.items() if aligned and _set_direct(fd)}, frame, slots)
+
+    def from_files(self) -> bool:
+        """Whether the next part is read from the files (the staging went back, or was never held)."""
+        return self.staged is None or not self.staged.live
 
     def read(self, file: str, offset: int, length: int) -> Any:
         """``length`` bytes of ``file`` at ``offset`` (fewer at its end): bytes, or a

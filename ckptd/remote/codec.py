@@ -91,32 +91,33 @@ def encode_frame(data: Any, item: int) -> bytes:
 
 
 def decode_frame(data: Any, item: int, out: memoryview, where: str) -> None:
-    """Frame ``data`` decoded into ``out`` (its raw length); CheckpointCorrupt names
-    ``where`` when it does not decode to exactly that."""
+    """Frame ``data`` decoded into ``out`` (its raw length), each plane written straight
+    to its strided place; CheckpointCorrupt names ``where`` when it does not decode to
+    exactly that."""
     dst = np.frombuffer(out, dtype=np.uint8)
     whole = len(dst) // item * item
     n_planes, plane_len = (1, len(dst)) if item == 1 else (item, whole // item)
+    grid = dst[:whole].reshape(-1, item)
     src = memoryview(data)
     at = _PLANE.size * n_planes
     try:
         heads = [_PLANE.unpack_from(src, i * _PLANE.size) for i in range(n_planes)]
-        planes = []
-        for kept, length in heads:
+        for i, (kept, length) in enumerate(heads):
             body = src[at:at + length]
             at += length
             plane = _coder()[1].decompress(body, max_output_size=plane_len) if kept else body
             if len(plane) != plane_len:
                 raise ValueError(f"a plane holds {len(plane)} bytes, not {plane_len}")
-            planes.append(np.frombuffer(plane, dtype=np.uint8))
+            if item == 1:
+                dst[:] = np.frombuffer(plane, dtype=np.uint8)
+            else:
+                grid[:, i] = np.frombuffer(plane, dtype=np.uint8)
         if len(src) - at != len(dst) - whole if item > 1 else at != len(src):
             raise ValueError("its length disagrees with its planes")
     except (struct.error, ValueError, _zstd().ZstdError) as exc:
         raise CheckpointCorrupt(f"{where}: a compressed frame does not decode ({exc}); load another step "
                                 "(`ckptd list RUN --remote` lists the bucket's)") from None
-    if item == 1:
-        dst[:] = planes[0]
-    else:
-        dst[:whole].reshape(-1, item).T[:] = np.stack(planes)
+    if item > 1:
         dst[whole:] = np.frombuffer(src[at:], dtype=np.uint8)
 
 
