@@ -65,6 +65,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # in a peer's memory (wait_complete), else what lacks as ``progress``. Answered
     # ``recovered``, ``done`` false while under way.
     "recover": {"seq": "int", "run": "str", "step": "int?", "ranks": "ints?", "root": "str", "memory": "bool?"},
+    # ``ranks``' shares of a step in bucket ``url`` landed in ``root`` by the daemon (docs/tiers.md)
+    "fetch": {"seq": "int", "run": "str", "step": "int", "ranks": "ints", "root": "str", "url": "str"},
     "bye": {},
     # daemon -> producer
     # advice: the run's interval advice (docs/advise.md), for producer.should_save
@@ -79,6 +81,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "listing": {"seq": "int", "root": "str", "checkpoints": "maps"},
     "report": {"seq": "int", "status": "map"},  # answer to status
     "recovered": {"seq": "int", "done": "bool", "info": "map?", "manifests": "bins?", "progress": "str?"},
+    "fetched": {"seq": "int", "done": "bool", "progress": "str?"},
 }
 # error codes; an error without a code concerns one message or one step only
 NO_SESSION = "no_session"  # the daemon does not know this producer (it restarted): say hello again
