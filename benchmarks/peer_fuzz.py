@@ -29,7 +29,8 @@ import zmq
 
 from daemons import DaemonProcess, free_tcp_port
 
-OPS = ["ping", "offer", "part", "done", "cancel", "holds", "drop", "steps", "manifests", "read", "nonsense", None, 7, [1]]
+OPS = ["ping", "offer", "part", "done", "cancel", "holds", "drop", "steps", "manifests", "read", "pull", "nonsense", None,
+       7, [1]]
 FIELDS = ["run", "step", "rank", "file", "offset", "length", "xfer", "files", "manifest", "keep_last",
           "shares", "steps", "limit", "ranks", "runs", "v", "id"]
 EXTREME = [0, 1, -1, 2**31, 2**62, 2**63 - 1, 2**64 - 1, -2**63, 1.5, float("nan"), None, True, "", "x" * 5000,

@@ -52,10 +52,10 @@ class NetCluster:
     """Nodes numbered from 1, each at ``10.0.0.<number>``; ``add(i)`` may bring a node
     back (the same address: a replacement machine) or a new number (a new address)."""
 
-    def __init__(self, rate: str = "1gbit", tag: str | None = None) -> None:
+    def __init__(self, rate: str = "1gbit", tag: str | None = None, prefix: str | None = None) -> None:
         self.rate = rate
-        self.tag = tag or uuid.uuid4().hex[:6]
-        self.hub = f"{PREFIX}{self.tag}h"
+        self.tag = (PREFIX if prefix is None else prefix) + (tag or uuid.uuid4().hex[:6])
+        self.hub = f"{self.tag}h"
         self.nodes: dict[int, str] = {}  # number -> namespace
         self._made: list[str] = []
 
@@ -95,7 +95,7 @@ class NetCluster:
             raise ValueError(f"node {i} is up; remove it first")
         if not 1 <= i <= 99:
             raise ValueError(f"node number {i}: 1 to 99 (10.0.0.100 is the bucket's)")
-        ns = f"{PREFIX}{self.tag}n{i}"
+        ns = f"{self.tag}n{i}"
         ip("netns", "add", ns)
         self._made.append(ns)
         self.nodes[i] = ns

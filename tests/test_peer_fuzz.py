@@ -30,7 +30,7 @@ from test_peer import _held, _save, _status, _wait
 
 FUZZ_MESSAGES = 600
 FUZZ_SECONDS = 40.0
-OPS = ["ping", "offer", "part", "done", "cancel", "holds", "drop", "steps", "manifests", "read", "nonsense", None]
+OPS = ["ping", "offer", "part", "done", "cancel", "holds", "drop", "steps", "manifests", "read", "pull", "nonsense", None]
 EXTREME_INTS = [0, 1, -1, 2**31, 2**62, 2**63 - 1, 2**64 - 1, -2**63]
 
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .arenas import Arenas
     from .ledger import Ledger
     from .lifecycle import Lifecycle, Reporter
+    from .bucket_relay import BucketFetch
     from .relay import Relay
     from .replies import Replies
     from .upkeep import Upkeep
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptd.daemon")
 
-SESSIONLESS = frozenset({"hello", "latest", "list", "status", "recover"})
+SESSIONLESS = frozenset({"hello", "latest", "list", "status", "recover", "fetch"})
 IN_SESSION = frozenset({"ping", "tensor", "tensors", "same", "commit", "abort", "drain", "bye"})
 # How long `latest` waits for the commits of its run under way (every byte received,
 # the fsyncs left): a job restarted right after handing over its last save must see
@@ -59,7 +60,7 @@ class Handlers:
 
     def __init__(self, config: Config, *, sessions: Sessions, ledger: Ledger, replies: Replies,
                  lifecycle: Lifecycle, arenas: Arenas, writer: Writer, upkeep: Upkeep,
-                 reporter: Reporter, relay: Relay | None = None) -> None:
+                 reporter: Reporter, relay: Relay | None = None, fetch: BucketFetch | None = None) -> None:
         self.cfg = config.daemon
         self.root = config.root
         self.sessions = sessions
@@ -71,6 +72,7 @@ class Handlers:
         self.upkeep = upkeep
         self.reporter = reporter
         self.relay = relay
+        self.fetch = fetch
         self._settling: list[tuple[bytes, int, str, float]] = []
 
     def dispatch(self, frames: list[zmq.Frame]) -> None:
@@ -225,18 +227,36 @@ class Handlers:
         except CheckpointError as exc:
             raise ProtocolError(str(exc)) from None
 
+    def on_fetch(self, identity: bytes, h: dict[str, Any], frame: zmq.Frame) -> None:
+        """A reader on this node asks for shares in the bucket (``BucketFetch``), of a run it owns."""
+        try:
+            check_run(h["run"])
+            check_step(h["step"])
+        except ValueError as exc:
+            raise ProtocolError(f"fetch: {exc}") from None
+        if self.fetch is None:
+            raise ProtocolError("fetch: this daemon has no [remote] url, so it reads no bucket; read it yourself")
+        self._check_owner(h["run"], frame)
+        try:
+            self.fetch.ask(identity, h["seq"], h["run"], h["step"], h["ranks"], h["root"], h["url"])
+        except CheckpointError as exc:
+            raise ProtocolError(str(exc)) from None
+
     def settle_deadline(self) -> float | None:
         """When the first `latest` that waits for commits, or reader that waits for the
-        peers (``Relay``), is answered anyway, if any waits."""
+        peers (``Relay``) or the bucket (``BucketFetch``), is answered anyway, if any waits."""
         due = [q[3] for q in self._settling]
-        relay = self.relay.deadline() if self.relay is not None else None
-        return min(due + ([relay] if relay is not None else []), default=None)
+        waits = [self.relay.deadline() if self.relay is not None else None,
+                 self.fetch.deadline() if self.fetch is not None else None]
+        return min(due + [w for w in waits if w is not None], default=None)
 
     def answer_settled(self, now: float, *, every: bool = False) -> None:
         """Answer each `latest` whose run has no commit under way any more, or that has
         waited ``SETTLE_S``; ``every``: all of them (stopping)."""
         if self.relay is not None:
             self.relay.answer(now)
+        if self.fetch is not None:
+            self.fetch.answer(now)
         waiting = []
         for identity, seq, run, deadline in self._settling:
             if every or not self.ledger.committing(run) or now >= deadline:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from .ledger import Ledger
     from .metrics import MetricsServer
+    from .bucket_relay import BucketFetch
     from .relay import Relay
     from .sessions import Sessions
     from .upkeep import Upkeep
@@ -185,6 +186,7 @@ class Reporter:
         self._ledger = ledger
         self._upkeep = upkeep
         self.relay: Relay | None = None  # the peer tier's recoveries for this node's readers
+        self.fetch: BucketFetch | None = None
 
     def line(self) -> str:
         """The one line systemd shows (``systemctl status``)."""
@@ -235,5 +237,6 @@ class Reporter:
             "runs": snap["runs"],
             **self._upkeep.tier_figures(),
             "recovered": self.relay.figures() if self.relay is not None else None,
+            "fetched": self.fetch.figures() if self.fetch is not None else None,
             "advice": ledger.measuring.all_advice(),
         }

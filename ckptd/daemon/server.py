@@ -35,6 +35,7 @@ from .metrics import Figures, MetricsServer
 from .notify import use_journal_priorities
 from .owners import Owners
 from .recovery import remove_orphans
+from .bucket_relay import BucketFetch
 from .relay import Relay
 from .replies import Replies
 from .sessions import Sessions
@@ -108,9 +109,13 @@ class Daemon:
         reporter = self.reporter = Reporter(config, self.lifecycle, sessions, ledger, upkeep)
         relay = reporter.relay = Relay(config, self.replies, self.inbox.pipe.wake,
                                        sessions.owners) if config.peer.enabled else None
+        fetch = reporter.fetch = BucketFetch(config, self.replies, self.inbox.pipe.wake) if config.remote.enabled \
+            else None
+        if fetch is not None:
+            upkeep.serve_pulls(fetch.pull)
         self.handlers = Handlers(config, sessions=sessions, ledger=ledger, replies=self.replies,
                                  lifecycle=self.lifecycle, arenas=self.arenas, writer=writer, upkeep=upkeep,
-                                 reporter=reporter, relay=relay)
+                                 reporter=reporter, relay=relay, fetch=fetch)
         if cfg.metrics:
             self.lifecycle.metrics = MetricsServer(cfg.metrics, ledger.figures, reporter.live_figures)
         self.lifecycle.install(self.inbox.pipe.write_fd)
@@ -121,6 +126,8 @@ class Daemon:
     def close(self) -> None:
         if self.handlers is not None and self.handlers.relay is not None:
             self.handlers.relay.close()  # its threads post replies the loop no longer sends
+        if self.handlers is not None and self.handlers.fetch is not None:
+            self.handlers.fetch.close()
         if self.writer is not None:
             self.writer.close()
             self.writer = None

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import retention, tiers
-from ..tiers.base import Forgets, Pending, Receives, Reports, SendsStaged, Yields
+from ..tiers.base import Forgets, Pending, Pulls, Receives, Reports, SendsStaged, Yields
 from ..tiers import bucket, completeness
 from ..config import Config, ConfigError, RetentionConfig
 from ..errors import CheckpointCorrupt
@@ -120,6 +120,12 @@ class Upkeep:
         whether any tier sends shares (``SendsStaged``)."""
         sends = [t.send_staged(find, sent) for t in self.targets if isinstance(t, SendsStaged)]
         return any(sends)
+
+    def serve_pulls(self, pull: Callable[[str, int, int], bool]) -> None:
+        """Peers' ``pull``s of bucket shares answered by ``pull`` (``Pulls``)."""
+        for t in self.targets:
+            if isinstance(t, Pulls):
+                t.serve_pulls(pull)
 
     def on_persisted(self, callback: Callable[[str, int, int, float, str], None]) -> None:
         """``callback(run, step, rank, lag_s, tier)`` once a share is in a tier."""

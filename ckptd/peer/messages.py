@@ -78,7 +78,8 @@ SAID = {
 # {node, listen}; offer {xfer} (room reserved); part {}; done {} once verified; cancel
 # {freed}; holds {held: [bool]}; drop {dropped}; steps {steps: [{step, shares: [{rank,
 # attempt, world_size, where}]}], more}; manifests {manifests: [{rank, where, manifest}],
-# left}; read {} + the bytes. An error is {ok: false, error, code?}.
+# left}; read {} + the bytes; pull {landed} (a bucket share in the root, else its download
+# started: docs/tiers.md, "Read once"). An error is {ok: false, error, code?}.
 REQUESTS: dict[str, dict[str, str]] = {
     "ping": {},
     "offer": {"manifest": "bin", "files": "sizes", "keep_last": "int"},
@@ -90,6 +91,7 @@ REQUESTS: dict[str, dict[str, str]] = {
     "steps": {"run": "str", "limit": "int", "step": "int?"},
     "manifests": {"run": "str", "step": "int", "ranks": "ranks"},
     "read": {"run": "str", "step": "int", "rank": "int", "file": "str", "offset": "int", "length": "int"},
+    "pull": {"run": "str", "step": "int", "rank": "int"},
 }
 TOO_NEW = "version"
 

@@ -103,6 +103,7 @@ class PeerServer:
         self._logged: dict[str, float] = {}
         self._muted: set[int] = set()
         self.served: dict[str, list[int]] = {}
+        self.pull: Callable[[str, int, int], bool] | None = None
         self._disk: dict[Path, tuple[tuple[int, int, int], Manifest | None]] = {}
         self._stop = threading.Event()
         self._expired = time.monotonic()
@@ -304,6 +305,12 @@ class PeerServer:
 
     def on_read(self, r: Request, user: str | None) -> Reply:
         return {}, self._read(r.fields)
+
+    def on_pull(self, r: Request, user: str | None) -> Reply:
+        f = r.fields
+        if self.pull is None:
+            raise ProtocolError("pull: this daemon has no [remote] bucket to fetch from")
+        return {"landed": self.pull(check_run(f["run"]), f["step"], f["rank"])}, None
 
     def _steps(self, run: str, limit: int, only: int | None) -> dict[str, Any]:
         """The newest ``limit`` steps of ``run`` of which this daemon can serve a share

@@ -106,6 +106,13 @@ class SendsStaged(Protocol):
 
 
 @runtime_checkable
+class Pulls(Protocol):
+    def serve_pulls(self, pull: Callable[[str, int, int], bool]) -> None:
+        """Answer peers' ``pull``s with ``pull(run, step, rank)``: whether that bucket share
+        is in the root (else its download starts)."""
+
+
+@runtime_checkable
 class Reports(Protocol):
     def on_persisted(self, callback: Callable[[str, int, int, float], None]) -> None:
         """``callback(run, step, rank, lag_s)`` once a share is in this tier."""

@@ -22,6 +22,7 @@ from ..remote.store import Store
 from ..remote.uploader import Uploader
 from ..units import duration, rate, size
 from . import landing
+from .bucket_daemon import DaemonLanding
 from ..errors import TierUnavailable
 from .base import missing_manifests
 from .files import bytes_of, read_tensors
@@ -44,7 +45,9 @@ def open_store(remote: str | None, config: Config | None = None) -> Store | None
 
 def open_tier(config: Config, base: Path, remote: str | None) -> BucketTier | None:
     store = open_store(remote, config)
-    return BucketTier(store, base, config.remote.poll_interval) if store is not None else None
+    if store is None:
+        return None
+    return BucketTier(store, base, config.remote.poll_interval, DaemonLanding(config, base, store.url))
 
 
 def find(store: Store, run: str, step: int | None) -> tuple[CheckpointInfo, list[Manifest]]:
@@ -64,13 +67,15 @@ def find(store: Store, run: str, step: int | None) -> tuple[CheckpointInfo, list
     return CheckpointInfo.from_manifests(path, found, tiers=(NAME,)), found
 
 
-def fetch_share(store: Store, run: str, step: int, rank: int, root: Path) -> Manifest:
+def fetch_share(store: Store, run: str, step: int, rank: int, root: Path, *,
+                download: Callable[[Store, Manifest, str, Path], None] = fetch.download_file) -> Manifest:
     """Rank ``rank``'s share of ``step`` downloaded into ``root`` (``landing``: data files,
-    each checked, then the manifest); files already there at their full size are kept."""
+    each checked, then the manifest); files already there at their full size are kept.
+    ``download(store, manifest, file, path)`` writes one data file."""
     def files(folder: Path) -> Manifest:
         manifest = catalog.read_manifest(store, run, step, rank)
         for file in fetch.missing_files(manifest, folder):
-            landing.write_file(folder / file, functools.partial(fetch.download_file, store, manifest, file))
+            landing.write_file(folder / file, functools.partial(download, store, manifest, file))
         return manifest.unpacked()
 
     landed = landing.land(root, run, step, rank, files)
@@ -94,8 +99,8 @@ class BucketTier:
     name = NAME
     durable = True
 
-    def __init__(self, store: Store, base: Path, poll_interval: float) -> None:
-        self.store, self.base = store, base
+    def __init__(self, store: Store, base: Path, poll_interval: float, daemon: DaemonLanding | None = None) -> None:
+        self.store, self.base, self.daemon = store, base, daemon
         self.where = f"in {store.url}"
         self.poll_interval = poll_interval
 
@@ -110,7 +115,7 @@ class BucketTier:
     def open(self, run: str, step: int) -> BucketHolding | None:
         with _reached(self.store):
             found = catalog.manifests(self.store, run, step, catalog.run_objects(self.store, run).get(step, {}))
-        return None if found is None else BucketHolding(self.store, run, step, found, self.base)
+        return None if found is None else BucketHolding(self.store, run, step, found, self.base, self.daemon)
 
     def completion(self, run: str, step: int,
                    world_size: int | None) -> tuple[CheckpointInfo | None, Callable[[float], str]]:
@@ -122,12 +127,15 @@ class BucketTier:
 
 
 class BucketHolding:
-    """A step complete in the bucket: one rank's tensors read straight into memory or the
-    caller's tensors (a share this node wrote is read from its root); files land in
-    the root for mapped reads and the ranks asked."""
+    """A step complete in the bucket. Where this node's daemon serves the bucket, it lands
+    the shares read in the root, once a node, and they are read there; else one rank's
+    tensors are read straight into memory or the caller's tensors (a share this node
+    wrote is read from its root), and files land in the root for mapped reads and the
+    ranks asked."""
 
-    def __init__(self, store: Store, run: str, step: int, manifests: list[Manifest], base: Path) -> None:
-        self.store, self.run, self.step, self.base = store, run, step, base
+    def __init__(self, store: Store, run: str, step: int, manifests: list[Manifest], base: Path,
+                 daemon: DaemonLanding | None = None) -> None:
+        self.store, self.run, self.step, self.base, self.daemon = store, run, step, base, daemon
         self.manifests = manifests
         self.where = store.url
         self.path = layout.step_dir(base, run, step)
@@ -136,8 +144,9 @@ class BucketHolding:
              verify: bool = False, mapped: bool = False,
              convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
         writers = {layout.file_rank(r.file) for r in records.values()}
-        if mapped:
-            self.materialize(w for w in writers if w is not None)
+        missing = sorted(w for w in writers if w is not None and not self._written_here(w))
+        if missing and not (self.daemon is not None and self.daemon.land(self.run, self.step, missing)) and mapped:
+            self.materialize(missing)
         if all(w is not None and self._written_here(w) for w in writers):
             return read_tensors(self.path, records, verify=verify, into=into, mapped=mapped, convert=convert)
         views = None if into is None else {n: bytes_of(into[n]) for n in records if n in into}
@@ -146,8 +155,12 @@ class BucketHolding:
         return tensors if convert is None else {n: convert(n, t) for n, t in tensors.items()}
 
     def materialize(self, ranks: Iterable[int] | None = None) -> None:
-        """The shares of ``ranks`` downloaded into the root; a whole step out of a bucket is
-        refused: one rank's share is read straight into memory instead."""
+        """The shares of ``ranks`` in the root, landed by this node's daemon where it serves
+        the bucket, else downloaded by this process; a whole step is refused without the
+        daemon: one rank's share is read straight into memory instead."""
+        wanted = range(len(self.manifests)) if ranks is None else sorted(set(ranks))
+        if self.daemon is not None and self.daemon.land(self.run, self.step, list(wanted)):
+            return
         if ranks is None:
             raise ValueError(f"step {self.step} of run {self.run!r} is complete only in {self.where}: load one "
                              "rank's share there with rank= (or set RANK), or fetch the step into the local root "

@@ -67,6 +67,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # this reader) it is answered as soon as more are ``landed``: in place, checked, to read.
     "recover": {"seq": "int", "run": "str", "step": "int?", "ranks": "ints?", "root": "str", "memory": "bool?",
                 "seen": "int?"},
+    # ``ranks``' shares of a step in bucket ``url`` landed in ``root`` by the daemon (docs/tiers.md)
+    "fetch": {"seq": "int", "run": "str", "step": "int", "ranks": "ints", "root": "str", "url": "str"},
     "bye": {},
     # daemon -> producer
     # advice: the run's interval advice (docs/advise.md), for producer.should_save
@@ -82,6 +84,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "report": {"seq": "int", "status": "map"},  # answer to status
     "recovered": {"seq": "int", "done": "bool", "info": "map?", "manifests": "bins?", "progress": "str?",
                   "landed": "files?"},
+    "fetched": {"seq": "int", "done": "bool", "progress": "str?"},
 }
 # error codes; an error without a code concerns one message or one step only
 NO_SESSION = "no_session"  # the daemon does not know this producer (it restarted): say hello again

@@ -1,0 +1,56 @@
+"""One local rank restoring from the bucket, for tests/test_read_once.py and
+benchmarks/restore_bench.py: ``RANK``/``WORLD_SIZE`` and ``CKPTD_CONFIG`` come from the
+environment, as torchrun and the node's config give them.
+
+    python tests/read_once_job.py load RUN OUT          # ckptd.load: this rank's share, DDP-style
+    python tests/read_once_job.py into RUN OUT SHAPE    # ckptd.load_into a whole tensor "w" of SHAPE (JSON)
+
+Writes OUT (JSON): the SHA-256 of each tensor read, by name, and the seconds the
+restore took. With ``READ_ONCE_GO`` set, touches OUT.ready and waits for that file to
+exist first (the benchmark starts every rank at once, their imports done)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import ckptd
+
+
+def main() -> None:
+    mode, run, out = sys.argv[1:4]
+    torch.set_num_threads(1)
+    go = os.environ.get("READ_ONCE_GO")
+    if go:
+        Path(f"{out}.ready").touch()
+    while go and not Path(go).exists():
+        time.sleep(0.01)
+    start = time.monotonic()
+    if mode == "load":
+        flat = flatten(ckptd.load(run))
+    else:
+        flat = {"w": torch.zeros(json.loads(sys.argv[4]))}
+        ckptd.load_into(flat, run)
+    seconds = time.monotonic() - start
+    Path(out).write_text(json.dumps({"seconds": seconds, "tensors": digests(flat)}))
+
+
+def flatten(state: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(state, dict):
+        return {k: v for key, value in state.items() for k, v in flatten(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: state} if isinstance(state, torch.Tensor) else {}
+
+
+def digests(flat: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            + f":{t.dtype}:{list(t.shape)}" for n, t in flat.items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Restores that read each unique byte of the bucket once a node, and once a cluster of
+``[peer]`` daemons (docs/tiers.md, "Read once"): local ranks, each a real process,
+restore a step complete only in the bucket (a real SeaweedFS, behind a relay that counts
+the bytes it serves) through their node's real daemon, which lands each share in the
+root, from the bucket or from the share's fetcher among its peers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.remote import catalog
+from ckptd.remote.store import Store
+from conftest import free_port
+from countproxy import CountingProxy
+from read_once_job import digests
+
+URL = "s3://ckptd/readonce"
+JOB = Path(__file__).with_name("read_once_job.py")
+STEP = 4
+
+
+def _ddp_state() -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {"model": {f"l{i}.weight": torch.randn(512, 1024, generator=g) for i in range(6)},
+            "head": torch.arange(5, dtype=torch.bfloat16)}
+
+
+def _flat(state: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in state.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.fixture
+def proxy(s3):
+    p = CountingProxy(s3.ports["s3"])
+    yield p
+    p.close()
+
+
+def _upload(make_daemon, monkeypatch, save) -> None:
+    """The writing node: its daemon uploads every rank's share; done once the step is
+    complete in the bucket."""
+    d = make_daemon(tables={"remote": {"url": URL, "part_bytes": "5MiB"}})
+    monkeypatch.setenv("CKPTD_CONFIG", str(d.config))
+    producers = [d.producer("ddp", rank=r, world_size=3) for r in range(3)]
+    try:
+        for h in [save(p, r) for r, p in enumerate(producers)]:
+            h.wait(60)
+        producers[0].wait_complete(STEP, timeout=90)
+    finally:
+        for p in producers:
+            p.close()
+    monkeypatch.setenv("CKPTD_CONFIG", "none")
+
+
+def _unique(run: str) -> int:
+    objects = Store(URL).list(catalog.step_prefix(run, STEP))
+    return sum(n for k, n in objects.items() if not k.rsplit("/", 1)[-1].startswith("manifest"))
+
+
+def _ranks(node, proxy: CountingProxy, world: int, args: list[str], out: Path, *, nodes: list | None = None) -> list[dict]:
+    """``world`` ranks restoring at once, rank r on ``nodes[r]`` (default: all on ``node``);
+    the digests of what each read."""
+    on = nodes or [node] * world
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, str(JOB), args[0], args[1], str(out / f"r{r}.json"), *args[2:]],
+                              env={**env, "RANK": str(r), "CKPTD_CONFIG": str(on[r].config)},
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads((out / f"r{r}.json").read_text())["tensors"] for r in range(world)]
+
+
+def test_local_ranks_restoring_a_replicated_state_read_the_bucket_once(s3, proxy, make_daemon, monkeypatch,
+                                                                      tmp_path) -> None:
+    want = digests(_flat(_ddp_state()))
+    _upload(make_daemon, monkeypatch, lambda p, r: p.save(_ddp_state(), STEP, replicated=True))
+    unique = _unique("ddp")
+    assert unique >= 6 * 512 * 1024 * 4
+    # the floor: one rank reading the bucket itself (no daemon) reads the whole state
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    proxy.reset()
+    alone = ckptd.load("ddp", STEP, root=tmp_path / "bare", remote=URL, rank=1)
+    assert digests(_flat(alone)) == want
+    assert proxy.served >= sum(t.nbytes for t in _flat(_ddp_state()).values())  # every tensor byte, once
+    # a fresh node: its daemon reads the bucket through the counting relay, as its ranks do
+    node = make_daemon(tables={"remote": {"url": URL}})
+    proxy.reset()
+    got = _ranks(node, proxy, 3, ["load", "ddp"], tmp_path)
+    for r, tensors in enumerate(got):
+        assert tensors == want, f"rank {r} read other bytes"
+    assert proxy.served / unique <= 1.05, (proxy.served, unique)
+    fetched = node.status()["fetched"]
+    assert fetched["bytes"] == unique and fetched["failed"] == 0 and fetched["asks"] >= 3, fetched
+
+
+def test_resharding_to_another_world_size_reads_the_bucket_once(s3, proxy, make_daemon, monkeypatch,
+                                                                tmp_path) -> None:
+    g = torch.Generator().manual_seed(3)
+    whole = torch.randn(3 * 256, 2048, generator=g)
+
+    def save(p, r):
+        p.emit("w", whole[256 * r:256 * (r + 1)].clone(), step=STEP, global_shape=list(whole.shape),
+               offset=[256 * r, 0])
+        return p.commit(STEP)
+
+    _upload(make_daemon, monkeypatch, save)
+    unique = _unique("ddp")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    node = make_daemon(tables={"remote": {"url": URL}})
+    proxy.reset()
+    got = _ranks(node, proxy, 2, ["into", "ddp", json.dumps(list(whole.shape))], tmp_path)
+    assert all(t == digests({"w": whole}) for t in got)
+    assert proxy.served / unique <= 1.05, (proxy.served, unique)
+    assert node.status()["fetched"]["shares"] >= 3
+
+
+def test_nodes_restoring_together_read_each_share_from_the_bucket_once(s3, proxy, make_daemon, monkeypatch,
+                                                                      tmp_path) -> None:
+    """Two nodes of [peer] daemons: each share is read from the bucket by its fetcher
+    alone, and copied from there by the other node."""
+    want = digests(_flat(_ddp_state()))
+    _upload(make_daemon, monkeypatch, lambda p, r: p.save(_ddp_state(), STEP, replicated=True))
+    unique = _unique("ddp")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    a, b = (make_daemon(tables={"remote": {"url": URL},
+                                "peer": {"listen": e, "peers": [o for o in listens if o != e], "stall": "5s"}})
+            for e in listens)
+    proxy.reset()
+    got = _ranks(a, proxy, 3, ["load", "ddp"], tmp_path, nodes=[a, a, b])
+    assert all(t == want for t in got)
+    assert proxy.served / unique <= 1.05, (proxy.served, unique)
+    figures = [n.status()["fetched"] for n in (a, b)]
+    assert sum(f["bytes"] for f in figures) == unique, figures  # each share from the bucket once, in all
+    assert all(f["bytes"] + f["peer_bytes"] == unique and f["peer_bytes"] > 0 and f["failed"] == 0
+               for f in figures), figures  # the ranks in turn: each node fetches some, copies the rest
