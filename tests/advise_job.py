@@ -42,7 +42,10 @@ def main(endpoint: str, root: str, flags: Path, steps: int) -> None:
         (flags / f"load-a{attempt}-r{rank}").write_text(repr(time.monotonic() - t0))
         model.load_state_dict(state["model"])
         start = state["step"]
-    p = Producer(endpoint, RUN, staging_size="8MiB", timeout=10)
+    # torchrun stops the rank that lived with SIGTERM and waits 30 s before SIGKILL; the
+    # default preempt_grace (30 s) held it that long in the wait below, for a save that
+    # cannot complete: a short grace ends it as torchrun meant
+    p = Producer(endpoint, RUN, staging_size="8MiB", timeout=10, preempt_grace=1)
     saves = flags / f"saves-a{attempt}-r{rank}"
     for step in range(start + 1, steps + 1):
         if rank == 1 and KILL_AT.get(attempt) == step:

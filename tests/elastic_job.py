@@ -55,7 +55,9 @@ def main(endpoint: str, root: str, flags: Path, steps: int) -> None:
         opt.load_state_dict(state["optim"])
         start = state["step"]
     (flags / f"resumed-a{restart}-r{rank}").write_text(str(start))
-    p = Producer(endpoint, RUN, staging_size="8MiB", timeout=10)
+    # rank 0 sleeps through torchrun's SIGTERM: the default preempt_grace (30 s, as long
+    # as torchrun waits before SIGKILL) held each restart that long
+    p = Producer(endpoint, RUN, staging_size="8MiB", timeout=10, preempt_grace=1)
     for step in range(start + 1, steps + 1):
         train_step(model, opt, step, rank)
         if step % EVERY:

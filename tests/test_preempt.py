@@ -89,7 +89,7 @@ def test_the_users_own_handler_runs_after_the_save(daemon, tmp_path) -> None:
 
 
 def test_a_second_signal_ends_the_process_at_once(daemon, tmp_path) -> None:
-    proc = start(daemon, tmp_path, "slow")  # 2 s a step: the notice waits for the next should_save
+    proc = start(daemon, tmp_path, "slow")  # 2 s a step after the first: the notice waits for the next should_save
     wait_for_step(tmp_path, 1, [proc])
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -102,7 +102,7 @@ def test_a_second_signal_ends_the_process_at_once(daemon, tmp_path) -> None:
 
 
 def test_a_loop_that_saves_no_more_still_ends_at_the_grace(daemon, tmp_path) -> None:
-    proc = start(daemon, tmp_path, "stuck")  # a step of 60 s, a grace of 3 s
+    proc = start(daemon, tmp_path, "stuck")  # a step of 60 s after the first, a grace of 3 s
     wait_for_step(tmp_path, 1, [proc])
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)

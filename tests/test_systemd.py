@@ -14,6 +14,7 @@ import ipaddress
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -638,14 +639,16 @@ def test_the_daemon_names_each_address_the_unit_blocks_and_the_fix(manager: User
 
 
 SAVE_AS = """
-import sys, torch
+import json, sys, torch
 from ckptd import CheckpointError, Producer
-try:
-    with Producer(sys.argv[1], sys.argv[2], transport="inline", staging_size="1MiB", timeout=10) as p:
-        p.save({"w": torch.ones(4)}, int(sys.argv[3])).wait(30)
-    print("saved")
-except CheckpointError as exc:
-    print(f"refused: {exc}")
+for line in sys.stdin:
+    run, step = line.split()
+    try:
+        with Producer(sys.argv[1], run, transport="inline", staging_size="1MiB", timeout=10) as p:
+            p.save({"w": torch.ones(4)}, int(step)).wait(30)
+        print(json.dumps("saved"), flush=True)
+    except CheckpointError as exc:
+        print(json.dumps(f"refused: {exc}"), flush=True)
 """
 
 
@@ -681,29 +684,49 @@ def test_two_users_own_their_runs_separately_under_the_system_unit(manager: User
     shutil.chown(sock.parent, group=group)  # the system service's group, RuntimeDirectoryMode=0750
     shutil.chown(sock, group=group)
 
-    def save(user: str, run: str, step: int) -> str:
-        env = {"PATH": os.environ["PATH"], "HOME": "/tmp", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-               "CKPTD_CONFIG": "none"}
-        # CAP_DAC_READ_SEARCH: the checkout may sit in a folder only root may enter (a CI
-        # clone in a 0700 temp dir); it reads the interpreter's files whatever their mode,
-        # and changes neither the uid the daemon sees nor the right to write the socket
-        r = subprocess.run(["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups",
-                            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", sys.executable,
-                            "-c", SAVE_AS, f"ipc://{sock}", run, str(step)],
-                           capture_output=True, text=True, env=env, timeout=120, cwd="/")
-        assert r.returncode == 0, r.stderr
-        return r.stdout.strip()
+    env = {"PATH": os.environ["PATH"], "HOME": "/tmp", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+           "CKPTD_CONFIG": "none"}
+    # one process per user (both start at once: each imports torch), each save a producer
+    # of its own. CAP_DAC_READ_SEARCH: the checkout may sit in a folder only root may enter
+    # (a CI clone in a 0700 temp dir); it reads the interpreter's files whatever their mode,
+    # and changes neither the uid the daemon sees nor the right to write the socket
+    procs = {user: subprocess.Popen(
+        ["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups", "--inh-caps=+dac_read_search",
+         "--ambient-caps=+dac_read_search", sys.executable, "-c", SAVE_AS, f"ipc://{sock}"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/")
+        for user in (alice, bob)}
 
-    assert save(alice, "alices", 1) == "saved"
-    assert save(bob, "bobs", 1) == "saved"
-    theirs = save(bob, "alices", 2)
-    assert theirs.startswith("refused:") and "run 'alices' belongs to" in theirs, theirs
-    assert save(alice, "bobs", 2).startswith("refused:")
-    root = m.base / "state/ckptd"
-    uid = {u: subprocess.run(["id", "-u", u], capture_output=True, text=True, check=True).stdout.strip()
-           for u in (alice, bob)}
-    assert (root / "alices/.owner").read_text().strip() == f"uid:{uid[alice]}"
-    assert (root / "bobs/.owner").read_text().strip() == f"uid:{uid[bob]}"
+    def save(user: str, run: str, step: int) -> str:
+        proc = procs[user]
+        proc.stdin.write(f"{run} {step}\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            proc.kill()
+            raise AssertionError(f"{user}'s save of {run} {step}: no answer in 120 s, or it ended: "
+                                 f"{proc.communicate()[1][-4000:]}")
+        return json.loads(line)
+
+    try:
+        assert save(alice, "alices", 1) == "saved"
+        assert save(bob, "bobs", 1) == "saved"
+        theirs = save(bob, "alices", 2)
+        assert theirs.startswith("refused:") and "run 'alices' belongs to" in theirs, theirs
+        assert save(alice, "bobs", 2).startswith("refused:")
+        root = m.base / "state/ckptd"
+        uid = {u: subprocess.run(["id", "-u", u], capture_output=True, text=True, check=True).stdout.strip()
+               for u in (alice, bob)}
+        assert (root / "alices/.owner").read_text().strip() == f"uid:{uid[alice]}"
+        assert (root / "bobs/.owner").read_text().strip() == f"uid:{uid[bob]}"
+        for user, proc in procs.items():
+            proc.stdin.close()
+            assert proc.wait(60) == 0, f"{user}: {proc.stderr.read()[-4000:]}"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     m.systemctl("stop", "ckptd")
 
 
