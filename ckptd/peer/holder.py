@@ -94,11 +94,7 @@ class Holder:
 
     def part(self, xfer: int, file: str, offset: int, data: Any, owner: str | None = None) -> None:
         with self._lock:
-            r = self._incoming.get(xfer)
-            if r is None:
-                raise KeyError(f"transfer {xfer} is unknown, done, or given up after {self.stall:g} s without a part")
-            if r.owner != owner:
-                raise NotYours(f"transfer {xfer} is another peer's")
+            r = self._sent_by(xfer, owner)
             buf = r.files.get(file)
             if buf is None or offset + len(data) > len(buf):
                 raise ValueError(f"a part of {len(data)} bytes at {offset} does not fit {file!r}")
@@ -116,15 +112,20 @@ class Holder:
         """``cancel``: the sender gives transfer ``xfer`` up (its share was superseded by a
         newer one of its rank); its room is freed and nothing held changes. The bytes freed."""
         with self._lock:
-            r = self._incoming.get(xfer)
-            if r is None:
-                raise KeyError(f"transfer {xfer} is unknown, done, or given up after {self.stall:g} s without a part")
-            if r.owner != owner:
-                raise NotYours(f"transfer {xfer} is another peer's")
+            r = self._sent_by(xfer, owner)
             del self._incoming[xfer]
             self.cancelled += 1
             log.info("run %r step %d rank %d: its sender cancelled the transfer", *r.key)
             return r.nbytes
+
+    def _sent_by(self, xfer: int, owner: str | None) -> Copy:
+        """Transfer ``xfer`` while parts may reach it, if ``owner`` (the sending peer) opened it."""
+        r = self._incoming.get(xfer)
+        if r is None:
+            raise KeyError(f"transfer {xfer} is unknown, done, or given up after {self.stall:g} s without a part")
+        if r.owner != owner:
+            raise NotYours(f"transfer {xfer} is another peer's")
+        return r
 
     def close(self, xfer: int, owner: str | None = None) -> None:
         """``done``: no part reaches transfer ``xfer`` from now on; its room stays taken
