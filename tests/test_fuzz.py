@@ -41,6 +41,8 @@ VALUES = {
     # a ``recover``'s ranks, a ``recovered``'s manifests
     "ints": st.lists(st.integers(0, 2**63 - 1), max_size=4),
     "bins": st.lists(st.binary(max_size=8), max_size=3),
+    # a ``recovered``'s files landed: names of at most 255 characters
+    "files": st.lists(st.text(max_size=12) | st.text(min_size=255, max_size=256), max_size=3),
     # a ``tensors`` batch: [name, dtype, shape, nbytes, numpy, offset] items
     "batch": st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6), st.lists(st.integers(0, 2**63 - 1), max_size=4),
                                 st.integers(0, 2**63 - 1), st.booleans(), st.integers(0, 2**63 - 1)).map(list),
@@ -78,6 +80,8 @@ def conforms(kind: str, v: object) -> bool:
         return type(v) is list and all(conforms("int", i) for i in v)
     if kind == "bins":
         return type(v) is list and all(type(b) is bytes for b in v)
+    if kind == "files":
+        return type(v) is list and all(type(f) is str and len(f) <= 255 for f in v)
     if kind == "shape":
         return type(v) is list and len(v) <= 64 and all(type(d) is int and 0 <= d < 2**63 for d in v)
     if kind == "batch":

@@ -455,10 +455,11 @@ def test_a_lost_node_with_several_ranks_fetches_their_shares_from_several_peers(
         nodes[0].start()
         monkeypatch.setenv("CKPTD_CONFIG", str(nodes[0].config))
         step_dir = nodes[0].root / "job" / "step-000000000001"
-        for r in range(3):  # the daemon lands each share as a rank asks for it, and only that one
-            assert torch.equal(ckptd.load("job", 1, rank=r)["w"], saved[r][1])
-            assert sorted(p.name for p in step_dir.glob("manifest-*")) == [f"manifest-r{i:05d}.json"
-                                                                           for i in range(r + 1)]
+        for r in range(3):  # the daemon lands each share as a rank asks for it (its manifest last, behind
+            assert torch.equal(ckptd.load("job", 1, rank=r)["w"], saved[r][1])  # the read), and only that one
+            want = [f"manifest-r{i:05d}.json" for i in range(r + 1)]
+            _wait(lambda want=want: sorted(p.name for p in step_dir.glob("manifest-*")) == want,
+                  f"manifests {want} landed, and no other")
         out = torch.empty(65536)
         got = ckptd.load("job", 1, rank=2, out={"w": out})
         assert got["w"].data_ptr() == out.data_ptr() and torch.equal(out, saved[2][1])

@@ -102,7 +102,8 @@ def test_local_ranks_restoring_a_replicated_state_read_the_bucket_once(s3, proxy
         assert tensors == want, f"rank {r} read other bytes"
     assert proxy.served / unique <= 1.05, (proxy.served, unique)
     fetched = node.status()["fetched"]
-    assert fetched["bytes"] == unique and fetched["failed"] == 0 and fetched["asks"] >= 3, fetched
+    # a rank that starts after the shares landed reads them from the root without asking
+    assert fetched["bytes"] == unique and fetched["failed"] == 0 and fetched["asks"] >= 1, fetched
 
 
 def test_resharding_to_another_world_size_reads_the_bucket_once(s3, proxy, make_daemon, monkeypatch,
@@ -144,5 +145,6 @@ def test_nodes_restoring_together_read_each_share_from_the_bucket_once(s3, proxy
     assert proxy.served / unique <= 1.05, (proxy.served, unique)
     figures = [n.status()["fetched"] for n in (a, b)]
     assert sum(f["bytes"] for f in figures) == unique, figures  # each share from the bucket once, in all
-    assert all(f["bytes"] + f["peer_bytes"] == unique and f["peer_bytes"] > 0 and f["failed"] == 0
-               for f in figures), figures  # the ranks in turn: each node fetches some, copies the rest
+    # the ranks in turn: each node fetches some; it copies the rest from the other, over `pull` or,
+    # once they are in that node's root, through the peer tier, whichever comes first
+    assert all(0 < f["bytes"] < unique and f["failed"] == 0 for f in figures), figures

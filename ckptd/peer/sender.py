@@ -53,7 +53,7 @@ HELD, REFUSED, DOWN, RETURNED, GONE, DROPPED, CANCELLED = (
     "held", "refused", "down", "returned", "gone", "dropped", "cancelled")
 
 
-class Cancelled(Exception):
+class _Cancelled(Exception):
     """The transfer under way was given up (``cancel``): its share is superseded."""
 
 
@@ -134,7 +134,7 @@ class PartnerSender(supervise.Queued[Job]):
         t0 = time.monotonic()
         try:
             self._send(job, share)
-        except Cancelled:
+        except _Cancelled:
             self.on_done(self.peer, job, CANCELLED, 0, time.monotonic() - t0)
             return
         except CheckpointCorrupt as exc:
@@ -197,7 +197,7 @@ class PartnerSender(supervise.Queued[Job]):
         except (PeerDown, ProtocolError) as exc:
             log.info("peer %s did not answer the cancel of transfer %d: %s", self.peer, xfer, exc)
             self._forget()
-        raise Cancelled
+        raise _Cancelled
 
     def _yield(self) -> None:
         """Wait while the daemon is busy with a step (and a moment after: the gaps between
