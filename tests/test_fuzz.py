@@ -42,7 +42,7 @@ VALUES = {
     "ints": st.lists(st.integers(0, 2**63 - 1), max_size=4),
     "bins": st.lists(st.binary(max_size=8), max_size=3),
     # a ``recovered``'s files landed: names of at most 255 characters
-    "files": st.lists(st.text(max_size=12) | st.text(min_size=255, max_size=256), max_size=3),
+    "files": st.lists(st.text(max_size=12) | st.text(min_size=250, max_size=255), max_size=3),
     # a ``tensors`` batch: [name, dtype, shape, nbytes, numpy, offset] items
     "batch": st.lists(st.tuples(st.text(max_size=6), st.text(max_size=6), st.lists(st.integers(0, 2**63 - 1), max_size=4),
                                 st.integers(0, 2**63 - 1), st.booleans(), st.integers(0, 2**63 - 1)).map(list),
