@@ -602,6 +602,8 @@ class Drill:
         resumed = time.monotonic()
         with self.timed("resumed to the end"):
             self.finish(procs, run)
+        for i in list(self.net.nodes):  # the sampler may have missed a replacement that was quick
+            self.sample(i)
         steps = sorted({s for v in self.resumed_from(run).values() for s in v})
         differ = self.compare(ref, run)
         result = {"address": address, "newest_when_lost": seen, "handed_over_when_lost": kill_at + 1, "resumed_from": steps,
