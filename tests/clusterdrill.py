@@ -508,14 +508,20 @@ class Drill:
 
     def finish(self, procs: dict[int, subprocess.Popen], run: str, timeout: float = 900) -> None:
         deadline = time.monotonic() + timeout
+        failed: dict[int, int | None] = {}
         for i, p in procs.items():
             try:
                 rc = p.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 rc = None
             if rc != 0:
-                self.stop_job(procs)
-                raise AssertionError(f"node {i}: the job {run} ended with {rc}:\n{self.job_log(i, run)[-4000:]}")
+                failed[i] = rc
+                deadline = min(deadline, time.monotonic() + 30)  # the others follow a failed node soon
+        if failed:
+            self.stop_job(procs)
+            # every failed node's log: the first to fail is the cause, the others say "closed by peer"
+            raise AssertionError("\n".join(f"node {i}: the job {run} ended with {rc}:\n{self.job_log(i, run)[-4000:]}"
+                                           for i, rc in failed.items()))
         self.ended[len(self.launched) - 1 - self.launched[::-1].index(run)] = time.time()
 
     def stop_job(self, procs: dict[int, subprocess.Popen]) -> None:

@@ -30,7 +30,7 @@ from ckptd.errors import CheckpointCorrupt, CheckpointError
 from ckptd.layout import is_data_file
 from ckptd.peer.backoff import Backoff
 from ckptd.peer import messages
-from ckptd.tiers import landing
+from ckptd.tiers import landing, peer_discovery
 from ckptd.tiers.peer_reader import PeerTier
 from ckptd.transport import wire
 from ckptd.transport.oneshot import request
@@ -511,6 +511,49 @@ def test_a_stopped_and_a_killed_peer_are_backed_off_without_stalling_the_others(
         if a.alive():
             os.kill(a.pid, signal.SIGCONT)
         for n in (a, b, k, c):
+            n.cleanup()
+
+
+def test_a_peer_silent_once_is_asked_again_before_latest_says_none(tmp_path, monkeypatch, caplog) -> None:
+    """C's root is empty; A holds step 1. A stopped (SIGSTOP) through C's first ask: C asks
+    it again, waiting longer, and finds step 1 once A goes on (a quick "none" made a
+    resumed job start over). A stopped through both asks: none, with a warning naming A,
+    and the next ask does not wait for A again."""
+    a_, c_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    a = _node(tmp_path, "a", a_, [c_])
+    c = _node(tmp_path, "c", c_, [a_])
+    try:
+        for n in (a, c):
+            n.start()
+        _save(a, range(1, 2))
+        monkeypatch.setenv("CKPTD_CONFIG", str(c.config))
+        silent = Backoff(30.0, 60.0)
+        os.kill(a.pid, signal.SIGSTOP)
+
+        def go_on() -> None:  # once C's first ask found A silent
+            _wait(lambda: silent.failures(a_) == 1, "A found silent", timeout=60)
+            os.kill(a.pid, signal.SIGCONT)
+
+        thread = threading.Thread(target=go_on)
+        thread.start()
+        info = PeerTier(load_config(c.config), c.root, silent).latest("job")
+        thread.join()
+        assert info is not None and info.step == 1 and silent.failures(a_) == 0
+        os.kill(a.pid, signal.SIGSTOP)
+        monkeypatch.setattr(peer_discovery, "PATIENT_S", 2.0)
+        tier = PeerTier(load_config(c.config), c.root, silent)
+        with caplog.at_level("INFO", logger="ckptd.peer"):
+            assert tier.latest("job") is None
+        assert f"{a_} did not answer within 2 s; what they hold is not counted" in caplog.text
+        assert silent.failures(a_) == 2
+        caplog.clear()
+        with caplog.at_level("INFO", logger="ckptd.peer"):
+            assert tier.latest("job") is None
+        assert "asked again, waiting" not in caplog.text and f"{a_} not asked" in caplog.text
+    finally:
+        if a.alive():
+            os.kill(a.pid, signal.SIGCONT)
+        for n in (a, c):
             n.cleanup()
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import layout
 from ..config import Config
-from ..errors import CheckpointError, CheckpointNotFound
+from ..errors import CheckpointError
 from ..manifest import Manifest
 from ..remote import fetch as remote_fetch
 from ..remote.store import Store
@@ -142,7 +142,7 @@ class BucketFetch:
         if not isinstance(exc, CheckpointError):
             log.error("fetch: %s failed: %s: %s", a.what, type(exc).__name__, exc)
         self.replies.send(a.identity, "error", seq=a.seq, step=None, message=f"fetch: {a.what}: {exc}",
-                          code=wire.NOT_FOUND if isinstance(exc, CheckpointNotFound) else None)
+                          code=wire.error_code(exc))
 
     def _land(self, run: str, step: int, rank: int, fetcher: str | None) -> None:
         """One share landed in the root, each file checked, the manifest last: from the

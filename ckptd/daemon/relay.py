@@ -172,7 +172,7 @@ class Relay:
         if not isinstance(exc, CheckpointError):
             log.error("recover: %s failed: %s: %s", _what(job.key), type(exc).__name__, exc)
         self.replies.send(a.identity, "error", seq=a.seq, step=job.key[1], message=f"recover: {exc}",
-                          code=wire.NOT_FOUND if isinstance(exc, CheckpointNotFound) else None)
+                          code=wire.error_code(exc))
 
     def _run(self, job: _Job) -> dict[str, Any]:
         """One job: the newest step (``step`` None), a step's manifests (``ranks`` None),

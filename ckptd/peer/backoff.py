@@ -41,6 +41,10 @@ class Backoff:
         n = self._failed.get(peer, 0)
         return min(self.first * 2 ** (n - 1), self.cap) if n else 0.0
 
+    def failures(self, peer: str) -> int:
+        """``peer``'s failures to answer since it last answered."""
+        return self._failed.get(peer, 0)
+
     def left(self, peer: str) -> float:
         """The seconds ``peer`` is still skipped for (0: ask it)."""
         return max(0.0, self._until.get(peer, 0.0) - time.monotonic())

@@ -46,20 +46,19 @@ def latest(run: str, *, root: str | os.PathLike[str] | None = None,
 
 def _latest(chain: list[tiers.Tier], run: str) -> CheckpointInfo | None:
     """The newest step any tier of ``chain`` holds. A tier out of reach is left out, with
-    a warning, once two others answered (the peers answer for a bucket out of reach);
-    else its error is the caller's."""
+    a warning, when two others answered (the peers answer for a bucket out of reach,
+    and the bucket for silent peers); else its error is the caller's."""
     info: CheckpointInfo | None = None
-    answered = 0
+    out_of_reach: list[tuple[tiers.Tier, TierUnavailable]] = []
     for tier in chain:
         try:
             info = newest(info, tier.latest(run))
         except TierUnavailable as exc:
-            if answered < 2:
-                raise
-            log.warning("the %s tier %s is out of reach (%s); newest step from the others only",
-                        tier.name, tier.where, exc)
-            continue
-        answered += 1
+            out_of_reach.append((tier, exc))
+    if out_of_reach and len(chain) - len(out_of_reach) < 2:
+        raise out_of_reach[0][1]
+    for tier, why in out_of_reach:
+        log.warning("the %s tier %s is out of reach (%s); newest step from the others only", tier.name, tier.where, why)
     return info
 
 

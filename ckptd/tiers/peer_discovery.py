@@ -6,6 +6,7 @@ what ``latest`` learnt serves the ``open`` that follows. Start at ``resolve``.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -31,6 +32,7 @@ STEPS_ASKED = 16  # newest steps each peer is asked about for ``latest`` (messag
 DEAD_S = 10.0  # a silent peer is not asked again for this long, doubled while it stays silent, up to DEAD_MAX_S
 DEAD_MAX_S = 160.0
 LEARNT_S = 10.0  # what ``latest`` learnt of its step serves an ``open`` of that step this long
+PATIENT_S = 10.0  # a search that found nothing while peers were silent asks them again, waiting this long
 
 Copy = tuple[str, str, Manifest]
 Held = dict[tuple[int, int], list[Copy]]
@@ -63,6 +65,7 @@ class PeerDiscovery:
         self.config, self.cfg, self.ctx = config, config.peer, ctx
         self.endpoints = list(dict.fromkeys([self.cfg.listen, *self.cfg.peers]))
         self.silent = silent or Backoff(DEAD_S, DEAD_MAX_S)
+        self.wait, self.retry = self.cfg.timeout, set[str]()
         self._warned: set[str] = set()
         self._learnt: dict[tuple[Any, ...], tuple[float, Held]] = {}
 
@@ -77,8 +80,21 @@ class PeerDiscovery:
             self._warned.add(message)
             log.warning("%s", message)
 
+    def patiently(self, peers: list[str]) -> PeerDiscovery:
+        """This discovery (its back-off and what it learnt shared) asking ``peers`` even
+        if backed off, waiting ``PATIENT_S``: a peer slow to answer once must not make a
+        step that exists look absent."""
+        other = copy.copy(self)
+        other.wait, other.retry = max(self.cfg.timeout, PATIENT_S), set(peers)
+        return other
+
+    def newly_silent(self) -> list[str]:
+        """The other peers that did not answer when last asked, having answered (or not
+        been asked) before: slow, or just lost."""
+        return [e for e in self.endpoints if e != self.cfg.listen and self.silent.failures(e) == 1]
+
     def ask(self, requests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """Each endpoint's answer to its request, all asked at once within one ``timeout``;
+        """Each endpoint's answer to its request, all asked at once within one ``wait``;
         a peer that does not answer is backed off (``silent``), a process that cannot
         read its keys asks nobody (one WARNING)."""
         try:
@@ -88,7 +104,7 @@ class PeerDiscovery:
             return {}
         links: dict[str, messages.Link] = {}
         for e in requests:
-            if self.silent.skipped(e):
+            if self.silent.skipped(e) and e not in self.retry:
                 log.info("peer tier: %s not asked: it did not answer; asked again in %.0f s", e, self.silent.left(e))
                 continue
             try:
@@ -96,7 +112,7 @@ class PeerDiscovery:
             except messages.PeerRefused as exc:
                 self.warn_once(f"peer tier: {exc}; that peer is not asked")
         try:
-            answers = ask_all(links, {e: requests[e] for e in links}, self.cfg.timeout)
+            answers = ask_all(links, {e: requests[e] for e in links}, self.wait)
         finally:
             for link in links.values():
                 link.close()
@@ -107,7 +123,7 @@ class PeerDiscovery:
                     log.info("peer tier: %s", answer)
                 continue
             back_off = self.silent.failed(e)
-            log.info("peer tier: %s did not answer within %g s; not asked for %g s", e, self.cfg.timeout, back_off)
+            log.info("peer tier: %s did not answer within %g s; not asked for %g s", e, self.wait, back_off)
         return {e: a for e, a in answers.items() if not isinstance(a, Exception)}
 
     def summary(self, run: str, step: int | None = None) -> Summary:

@@ -11,7 +11,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import zmq
 
@@ -32,6 +32,7 @@ log = logging.getLogger("ckptd.peer")
 
 FETCH_THREADS = 4  # shares landed at once: a recovery fans in from several peers
 FAILED = (CheckpointCorrupt, messages.PeerDown, messages.PeerRefused, ProtocolError)
+T = TypeVar("T")
 
 
 class PeerTier:
@@ -63,25 +64,47 @@ class PeerTier:
         """The newest step whose every rank's share is in the root or with a peer: one
         ``steps`` answer from each peer, then the manifests of the candidate's ranks the
         root lacks; an ``open`` of it that follows uses them."""
-        seen = self.discovery.summary(run)
+        return self._patiently(functools.partial(self._latest, run), f"the newest step of run {run!r}")
+
+    def _latest(self, run: str, discovery: PeerDiscovery) -> CheckpointInfo | None:
+        seen = discovery.summary(run)
         run_dir = self.base / run
         local_steps = {s for s, _ in index.step_dirs(run_dir)} if run_dir.is_dir() else set()
         for step in sorted(set(seen) | local_steps, reverse=True):
             path = layout.step_dir(self.base, run, step)
-            held = self.discovery.resolve(run, step, path, seen.get(step, {}))
+            held = discovery.resolve(run, step, path, seen.get(step, {}))
             info = step_info(step, path, held)
             if info is not None and not info.refused:
-                self.discovery.learn(self.base, run, step, held)
+                discovery.learn(self.base, run, step, held)
                 return info
         return None
+
+    def _patiently(self, find: Callable[[PeerDiscovery], T | None], what: str) -> T | None:
+        """``find`` with the usual discovery; when it finds nothing while a peer fell
+        silent, once more, waiting longer for that peer (a resumed job must not start
+        over because a peer answered late)."""
+        found = find(self.discovery)
+        if found is not None or not (silent := self.discovery.newly_silent()):
+            return found
+        patient = self.discovery.patiently(silent)
+        log.info("peer tier: %s: %s did not answer; asked again, waiting up to %g s", what, ", ".join(silent),
+                 patient.wait)
+        found = find(patient)
+        if found is None and (still := [e for e in silent if self.discovery.silent.failures(e)]):
+            log.warning("peer tier: %s: %s did not answer within %g s; what they hold is not counted", what,
+                        ", ".join(still), patient.wait)
+        return found
 
     def steps(self, run: str) -> list[CheckpointInfo]:
         """None listed: the peers hold only the newest steps, for ``latest`` and loads."""
         return []
 
     def open(self, run: str, step: int) -> PeerHolding | None:
+        return self._patiently(functools.partial(self._open, run, step), f"run {run!r} step {step}")
+
+    def _open(self, run: str, step: int, discovery: PeerDiscovery) -> PeerHolding | None:
         path = layout.step_dir(self.base, run, step)
-        held = self.discovery.held(run, step, path, self.base)
+        held = discovery.held(run, step, path, self.base)
         info = step_info(step, path, held)
         if info is None:
             return None

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 
 from .. import layout
 from ..config import Config, ConfigError
-from ..errors import CheckpointError, CheckpointNotFound, DaemonUnreachable
+from ..errors import CheckpointError, CheckpointNotFound, DaemonUnreachable, TierUnavailable
 from ..manifest import CheckpointInfo, Manifest, TensorRecord
 from . import landing
 from .files import read_tensors
@@ -84,6 +84,8 @@ class RelayTier:
         """The newest step complete in the root and the peers together, as the daemon sees it."""
         try:
             info = self.ask(run, None)["info"]
+        except TierUnavailable:
+            raise  # the peers silent: "none" would be a guess
         except CheckpointError as exc:
             self._quiet(exc)
             return None

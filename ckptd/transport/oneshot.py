@@ -10,14 +10,14 @@ from typing import Any
 
 import zmq
 
-from ..errors import CheckpointError, CheckpointNotFound, DaemonUnreachable
+from ..errors import DaemonUnreachable
 from . import curve, unixsock, wire
 
 
 def request(endpoint: str, header: bytes, timeout: float, curve_keys: curve.ClientKeys | None = None) -> dict[str, Any]:
     """One question to the daemon on a throwaway socket (for the CLI): send a header,
     return the decoded reply; DaemonUnreachable when none answers within ``timeout`` seconds,
-    CheckpointError (CheckpointNotFound for its code) with the message of an ``error`` reply.
+    CheckpointError (of the class its code names: wire.raised) with the message of an ``error`` reply.
     ``curve_keys``: a tcp:// endpoint's (``curve.client_keys``)."""
     if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):  # @: Linux's abstract names
         # a socket file that is missing, or that nobody listens on, cannot answer: say so at once
@@ -51,5 +51,5 @@ def request(endpoint: str, header: bytes, timeout: float, curve_keys: curve.Clie
         sock.close(0)
         handshake.close()
     if reply["op"] == "error":
-        raise (CheckpointNotFound if reply["code"] == wire.NOT_FOUND else CheckpointError)(reply["message"])
+        raise wire.raised(reply["code"])(reply["message"])
     return reply

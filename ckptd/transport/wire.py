@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from ..errors import ProtocolError
+from ..errors import CheckpointError, CheckpointNotFound, ProtocolError, TierUnavailable
 
 VERSION = 1
 MAX_HEADER_BYTES = 64 * 2**20  # a commit header carries the state's structure
@@ -90,6 +90,18 @@ SCHEMAS: dict[str, dict[str, str]] = {
 NO_SESSION = "no_session"  # the daemon does not know this producer (it restarted): say hello again
 STOPPING = "stopping"  # the daemon is draining before it exits: no new producers or steps
 NOT_FOUND = "not_found"  # what was asked is not complete anywhere the daemon looked (CheckpointNotFound)
+UNAVAILABLE = "unavailable"  # a tier the answer needs did not answer the daemon (TierUnavailable)
+_RAISED = {NOT_FOUND: CheckpointNotFound, UNAVAILABLE: TierUnavailable}
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The code of an ``error`` reply for ``exc``, for readers to raise as its class again."""
+    return next((code for code, cls in _RAISED.items() if isinstance(exc, cls)), None)
+
+
+def raised(code: str | None) -> type[CheckpointError]:
+    """The class an ``error`` reply of ``code`` is raised as."""
+    return _RAISED.get(code or "", CheckpointError)
 
 
 def encode(op: str, **fields: Any) -> bytes:
