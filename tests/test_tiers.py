@@ -219,3 +219,22 @@ def test_copy_targets_have_the_abilities_they_use_and_no_others() -> None:
     abilities = (base.Forgets, base.Pending, base.Receives, base.Yields, base.Reports)
     has = {t: {a.__name__ for a in abilities if issubclass(t, a)} for t in (BucketTarget, PeerTarget)}
     assert has == {BucketTarget: {"Forgets", "Pending", "Receives", "Reports"}, PeerTarget: {"Forgets", "Pending", "Yields", "Reports"}}
+
+
+def test_latest_over_a_chain_leaves_a_tier_out_of_reach_out_only_when_two_others_answered(tmp_path: Path) -> None:
+    """Wherever the tier out of reach stands in the chain (the peers before the bucket):
+    with two others answering, the newest of theirs; with one, its error."""
+    from ckptd.reader.finding import _latest
+
+    d = Daemon(tmp_path / "writer").start()
+    try:
+        _save(d, range(1, 3))
+    finally:
+        d.cleanup()
+    empty, away = LocalTier(tmp_path / "empty"), FolderTier(d.root, tmp_path / "node")
+    away.reachable = False
+    there = FolderTier(d.root, tmp_path / "node")
+    info = _latest([empty, away, there], RUN)
+    assert info is not None and info.step == 2
+    with pytest.raises(TierUnavailable, match="out of reach"):
+        _latest([empty, away], RUN)
