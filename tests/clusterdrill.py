@@ -566,12 +566,12 @@ class Drill:
     # -- a node lost and replaced ------------------------------------------------------------------
     def lose(self, victim: int) -> None:
         """The machine is gone: daemon and trainers killed at once, its disk and keys with it."""
+        self.lost += 1  # first: its partners' shares go to their next peers within a timeout of the kill
         self.net.kill(victim)
         daemon = self.daemons.pop(victim)
         daemon.wait(30)
         shutil.rmtree(self.node_dir(victim))
         self.members.remove(victim)
-        self.lost += 1
 
     def resumed_from(self, run: str) -> dict[int, list[int]]:
         return {i: [int(m) for m in re.findall(r"resumed from step (\d+)", self.job_log(i, run))]
