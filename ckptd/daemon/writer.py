@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from .. import failpoints, format as formats, layout, manifestcache, replicas
 from . import reuse
@@ -345,7 +345,7 @@ class Writer:
         share that had failed when its batch came has none, and is not written); ``staged``:
         every buffer is a view of the producer's shared staging, which replication may send."""
         assert ahead is not None
-        digests = ahead.result()
+        digests = _Ahead(ahead)
         fmt = self._format(share)
         failpoints.hit(f"writer.{fmt.name}")
         written = fmt.write_batch(self._io(share), name, entries, digests, listed=listed)
@@ -356,7 +356,7 @@ class Writer:
         return written.fd
 
     @staticmethod
-    def _apply(share: Share, name: str, written: Written, digests: dict[str, str]) -> None:
+    def _apply(share: Share, name: str, written: Written, digests: Mapping[str, str]) -> None:
         """The records of what a format wrote into file ``name``, in the share's."""
         records = {e.name: TensorRecord(dtype=e.dtype.name, shape=e.shape, file=name, key=key, offset=offset,
                                         nbytes=e.nbytes, checksum=digests[e.name], numpy=e.numpy, shard=e.shard)
@@ -381,7 +381,7 @@ class Writer:
                                              share.id.format, at=at)
             return share.search.base
 
-    def recognise(self, share: Share, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
+    def recognise(self, share: Share, entries: list[Entry], digests: Mapping[str, str]) -> list[Entry]:
         """Refer to the base's copy of each entry unchanged since it (``digests``: their
         checksums); return the others, to write."""
         if not self._reuse:
@@ -686,7 +686,7 @@ class ShareIO:
         assert isinstance(base, reuse.Base)
         return base.link_file(self._share, file, lambda: fmt.link_name(self, base.step, file))
 
-    def recognise(self, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
+    def recognise(self, entries: list[Entry], digests: Mapping[str, str]) -> list[Entry]:
         return self._writer.recognise(self._share, entries, digests)
 
     def throttled(self, nbytes: int) -> None:
@@ -717,6 +717,23 @@ def _at(offset: int, buffers: list[Any]) -> Iterator[tuple[int, Any]]:
 def _checksums(entries: list[Entry]) -> dict[str, str]:
     """On ckptd-hash: each entry's checksum."""
     return {e.name: checksum(e.buffers) for e in entries}
+
+
+class _Ahead(Mapping[str, str]):
+    """The checksums of a batch, being computed on ckptd-hash, waited for when one is
+    read: a batch that nothing can be recognised in is written while they are computed."""
+
+    def __init__(self, ahead: Future) -> None:
+        self._ahead = ahead
+
+    def __getitem__(self, name: str) -> str:
+        return self._ahead.result()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ahead.result())
+
+    def __len__(self) -> int:
+        return len(self._ahead.result())
 
 
 def _settled(ahead: Future | None) -> None:

@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Mapping, Sequence
 
 from .. import dtypes, layout
 from ..dtypes import Dtype
@@ -396,7 +396,7 @@ class Hdf5Format:
                                attrs={"run": io.run, "step": io.step, "rank": io.rank})
         return io.kept
 
-    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
+    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: Mapping[str, str],
                     *, listed: bool = False) -> Written:
         placed: list[tuple[Entry, str, int | None]] = []
         try:
