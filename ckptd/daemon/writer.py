@@ -218,6 +218,19 @@ class Writer:
         if self._throttle is not None:
             self._throttle.take(nbytes)
 
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future:
+        """``fn(*args)`` on the pool, or now where there is none (``WriteIO.submit``)."""
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future = Future()
+        try:
+            fn(*args)
+        except BaseException as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        return done
+
     def _bounce(self) -> Bounce:
         bounce = getattr(self._bounces, "buffer", None)
         if bounce is None:
@@ -692,6 +705,9 @@ class ShareIO:
     def throttled(self, nbytes: int) -> None:
         self._writer.throttled(nbytes)
 
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future:
+        return self._writer.submit(fn, *args)
+
     def sync(self, name: str, fd: int) -> None:
         self._writer.sync(self._share, name, fd)
 
@@ -716,6 +732,7 @@ def _at(offset: int, buffers: list[Any]) -> Iterator[tuple[int, Any]]:
 
 def _checksums(entries: list[Entry]) -> dict[str, str]:
     """On ckptd-hash: each entry's checksum."""
+    failpoints.hit("writer.hash")
     return {e.name: checksum(e.buffers) for e in entries}
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 if TYPE_CHECKING:
     from ..dtypes import Dtype
@@ -167,6 +168,10 @@ class WriteIO(Protocol):
 
     def recognise(self, entries: list[Entry], digests: Mapping[str, str]) -> list[Entry]:
         """Refer to the stored copy of each entry unchanged since the share's base; the others."""
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future:
+        """``fn(*args)`` on the writer's pool (at once on this thread where it has none); the
+        format waits for it before the buffers it writes are let go of."""
 
     def throttled(self, nbytes: int) -> None: ...
 
