@@ -166,7 +166,8 @@ class H5Writer:
 
     def _pwrite(self, view: memoryview, at: int) -> int:
         """Write ``view`` at file offset ``at``: whole pages from a page-aligned address
-        at a page-aligned offset with O_DIRECT, the rest buffered; the offset after it."""
+        at a page-aligned offset with O_DIRECT, the rest buffered; the offset after it.
+        O_DIRECT refused, ``_dfd`` stays open until ``close``: a write beside this one may use it."""
         if self._direct and at % _ALIGN == 0 and len(view) >= _ALIGN and buffer_address(view) % _ALIGN == 0:
             whole = len(view) - len(view) % _ALIGN
             try:
@@ -174,7 +175,7 @@ class H5Writer:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._direct = False  # self._dfd stays open: a write beside this one may be using it
+                self._direct = False
                 done = 0
             at, view = at + done, view[done:]
         return at + _pwrite_all(self._fd, view, at)
@@ -397,13 +398,15 @@ class Hdf5Format:
 
     def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: Mapping[str, str],
                     *, listed: bool = False) -> Written:
+        """A dataset per entry; a contiguous one's bytes go to the disk on the writer's pool
+        while the next is made, all of them before this returns (and the buffers are let go of)."""
         placed: list[tuple[Entry, str, int | None]] = []
         writes: list[Future] = []
         try:
             h5 = self._file(io)
             for e in io.recognise(entries, digests):
                 dataset = h5.add(e.name, e.dtype, e.shape)
-                if dataset.rows is None:  # its bytes go to the disk while the next dataset is made
+                if dataset.rows is None:
                     writes.append(io.submit(h5.write, dataset, e.buffers))
                 else:
                     h5.write(dataset, e.buffers)
