@@ -120,7 +120,6 @@ class Writer:
     def commit(self, share: Share, state: Any, metadata: dict, token: CommitToken | None) -> None:
         with self._committing_lock:
             self._committing[(share.run, share.rank)] = share
-        # via the share's writer queue, so it follows every write of this share
         self._after_writes(share, (self._syncs.put, ((self._do_commit, (share, state, metadata, token)),)))
 
     def replace_earlier(self, share: Share) -> None:
