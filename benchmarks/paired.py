@@ -43,7 +43,6 @@ from typing import Any
 import limits  # noqa: E402  (sys.path holds benchmarks/ and the checkout: limits.py sets it)
 import torch  # noqa: E402
 
-import baselines  # noqa: E402
 from daemons import DaemonProcess  # noqa: E402
 
 
@@ -136,7 +135,7 @@ def durable_shapes(args: argparse.Namespace, d: DaemonProcess, base: Path, ratio
         for r in range(args.repeat + 1):  # the first warms up (and makes the save plan)
             os.sync()
             raw = base / "raw.bin"
-            direct = baselines.raw_write_direct(data[:nbytes], raw, 64 * limits.MiB)
+            direct = limits.direct_floor(data[:nbytes], raw, 64 * limits.MiB)
             raw.unlink()
             os.sync()
             cpu = cpu_seconds(d.pid)
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert data is not None
                 os.sync()
                 raw = base / "raw.bin"
-                direct = baselines.raw_write_direct(data, raw, 64 * limits.MiB)
+                direct = limits.direct_floor(data, raw, 64 * limits.MiB)
                 raw.unlink()
                 os.sync()
                 step += 1

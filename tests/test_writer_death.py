@@ -71,11 +71,16 @@ def test_daemon_killed_mid_save_every_rank_hears_and_the_next_save_works(make_da
     assert [i.step for i in ckptd.list_checkpoints("t", root=d.root)] == [1, 3]
 
 
-@pytest.mark.parametrize("fmt, writers", [("chunk", 1), ("chunk", 2), ("hdf5", 1)])
-def test_writer_thread_raising_fails_the_step_by_name(make_daemon, monkeypatch, fmt, writers) -> None:
-    """``writers`` 2: chunk files are written on the pool's threads, and the error names
-    the one that raised, as the writer's own threads do."""
-    point = "writer.hdf5" if fmt == "hdf5" else "writer.chunk"
+@pytest.mark.parametrize("fmt, writers, point", [
+    ("chunk", 1, "writer.chunk"), ("chunk", 2, "writer.chunk"), ("hdf5", 1, "writer.hdf5"),
+    ("hdf5", 2, "writer.hdf5_data"), ("hdf5", 1, "writer.hdf5_data"),
+    ("chunk", 2, "writer.hash"), ("hdf5", 2, "writer.hash"),
+])
+def test_writer_thread_raising_fails_the_step_by_name(make_daemon, monkeypatch, fmt, writers, point) -> None:
+    """``writers`` 2: chunk files, and HDF5 datasets' bytes, are written on the pool's
+    threads, and the error names the thread that waited for them, as the writer's own
+    threads do; ``writer.hash``: a batch is written before its checksums are known, and
+    their failure still fails the step."""
     monkeypatch.setenv("CKPTD_FAILPOINTS", point)  # every batch of small tensors: one a rank
     d = make_daemon(chunk_size="1MiB", format=fmt, writer_threads=writers)
     ps = producers(d)

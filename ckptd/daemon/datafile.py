@@ -22,7 +22,7 @@ import numpy  # noqa: F401  (fileio needs it: imported at start, not in the firs
 from ..format.fileio import BLOCK, buffer_address
 
 BOUNCE = 8 * 2**20
-_DIRECT_MAX = 64 * 2**20
+_DIRECT_MAX = 128 * 2**20  # a default chunk file (64 MiB and its header) in one call
 _IOV_MAX = 1024
 _no_direct: set[int] = set()
 _no_direct_lock = threading.Lock()

@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from .. import failpoints, format as formats, layout, manifestcache, replicas
 from . import reuse
@@ -120,7 +120,6 @@ class Writer:
     def commit(self, share: Share, state: Any, metadata: dict, token: CommitToken | None) -> None:
         with self._committing_lock:
             self._committing[(share.run, share.rank)] = share
-        # via the share's writer queue, so it follows every write of this share
         self._after_writes(share, (self._syncs.put, ((self._do_commit, (share, state, metadata, token)),)))
 
     def replace_earlier(self, share: Share) -> None:
@@ -217,6 +216,19 @@ class Writer:
     def throttled(self, nbytes: int) -> None:
         if self._throttle is not None:
             self._throttle.take(nbytes)
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future:
+        """``fn(*args)`` on the pool, or now where there is none (``WriteIO.submit``)."""
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future = Future()
+        try:
+            fn(*args)
+        except BaseException as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        return done
 
     def _bounce(self) -> Bounce:
         bounce = getattr(self._bounces, "buffer", None)
@@ -345,7 +357,7 @@ class Writer:
         share that had failed when its batch came has none, and is not written); ``staged``:
         every buffer is a view of the producer's shared staging, which replication may send."""
         assert ahead is not None
-        digests = ahead.result()
+        digests = _Ahead(ahead)
         fmt = self._format(share)
         failpoints.hit(f"writer.{fmt.name}")
         written = fmt.write_batch(self._io(share), name, entries, digests, listed=listed)
@@ -356,7 +368,7 @@ class Writer:
         return written.fd
 
     @staticmethod
-    def _apply(share: Share, name: str, written: Written, digests: dict[str, str]) -> None:
+    def _apply(share: Share, name: str, written: Written, digests: Mapping[str, str]) -> None:
         """The records of what a format wrote into file ``name``, in the share's."""
         records = {e.name: TensorRecord(dtype=e.dtype.name, shape=e.shape, file=name, key=key, offset=offset,
                                         nbytes=e.nbytes, checksum=digests[e.name], numpy=e.numpy, shard=e.shard)
@@ -381,7 +393,7 @@ class Writer:
                                              share.id.format, at=at)
             return share.search.base
 
-    def recognise(self, share: Share, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
+    def recognise(self, share: Share, entries: list[Entry], digests: Mapping[str, str]) -> list[Entry]:
         """Refer to the base's copy of each entry unchanged since it (``digests``: their
         checksums); return the others, to write."""
         if not self._reuse:
@@ -686,11 +698,14 @@ class ShareIO:
         assert isinstance(base, reuse.Base)
         return base.link_file(self._share, file, lambda: fmt.link_name(self, base.step, file))
 
-    def recognise(self, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
+    def recognise(self, entries: list[Entry], digests: Mapping[str, str]) -> list[Entry]:
         return self._writer.recognise(self._share, entries, digests)
 
     def throttled(self, nbytes: int) -> None:
         self._writer.throttled(nbytes)
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future:
+        return self._writer.submit(fn, *args)
 
     def sync(self, name: str, fd: int) -> None:
         self._writer.sync(self._share, name, fd)
@@ -716,7 +731,25 @@ def _at(offset: int, buffers: list[Any]) -> Iterator[tuple[int, Any]]:
 
 def _checksums(entries: list[Entry]) -> dict[str, str]:
     """On ckptd-hash: each entry's checksum."""
+    failpoints.hit("writer.hash")
     return {e.name: checksum(e.buffers) for e in entries}
+
+
+class _Ahead(Mapping[str, str]):
+    """The checksums of a batch, being computed on ckptd-hash, waited for when one is
+    read: a batch that nothing can be recognised in is written while they are computed."""
+
+    def __init__(self, ahead: Future) -> None:
+        self._ahead = ahead
+
+    def __getitem__(self, name: str) -> str:
+        return self._ahead.result()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ahead.result())
+
+    def __len__(self) -> int:
+        return len(self._ahead.result())
 
 
 def _settled(ahead: Future | None) -> None:

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .. import dtypes, layout
 from ..durable import write_all
@@ -97,7 +97,7 @@ class ChunkFormat:
     def link_name(self, io: WriteIO, base_step: int, file: str) -> str:
         return self.next_file(io)
 
-    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
+    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: Mapping[str, str],
                     *, listed: bool = False) -> Written:
         """One chunk file. ``listed``: the writer listed the file already (the pool's case)."""
         try:

@@ -15,14 +15,15 @@ import functools
 import math
 import os
 import re
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Mapping, Sequence
 
-from .. import dtypes, layout
+from .. import dtypes, failpoints, layout
 from ..dtypes import Dtype
 from ..errors import CheckpointCorrupt
-from .fileio import buffer_address, write_buffers
+from .fileio import buffer_address
 from .protocol import Entry, Hdf5Options, Ref, Stored, WriteIO, Written
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class H5Writer:
         self._file: Any = None
         self._fd = -1
         self._dfd = -1
+        self._direct = False
         try:
             path.unlink(missing_ok=True)
             self._file = h5py.File(path, "x", libver=_LIBVER, locking="best-effort", track_order=False,
@@ -101,6 +103,7 @@ class H5Writer:
             if direct and hasattr(os, "O_DIRECT"):
                 try:
                     self._dfd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT)
+                    self._direct = True
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
@@ -153,29 +156,26 @@ class H5Writer:
                     ds.rows.write(memoryview(b).cast("B"))
             except _H5PY_ERRORS as exc:
                 raise _os_error(f"cannot write dataset {ds.key!r} of {self.shown}", exc) from None
-        elif n and self._dfd >= 0:
+        elif n:
             assert ds.offset is not None
+            failpoints.hit("writer.hdf5_data")
             at = ds.offset + ds.written
             for b in buffers:
                 at = self._pwrite(memoryview(b).cast("B"), at)
-        elif n:
-            assert ds.offset is not None
-            os.lseek(self._fd, ds.offset + ds.written, os.SEEK_SET)
-            write_buffers(self._fd, buffers)
         ds.written += n
 
     def _pwrite(self, view: memoryview, at: int) -> int:
         """Write ``view`` at file offset ``at``: whole pages from a page-aligned address
-        at a page-aligned offset with O_DIRECT, the rest buffered; the offset after it."""
-        if at % _ALIGN == 0 and len(view) >= _ALIGN and buffer_address(view) % _ALIGN == 0:
+        at a page-aligned offset with O_DIRECT, the rest buffered; the offset after it.
+        O_DIRECT refused, ``_dfd`` stays open until ``close``: a write beside this one may use it."""
+        if self._direct and at % _ALIGN == 0 and len(view) >= _ALIGN and buffer_address(view) % _ALIGN == 0:
             whole = len(view) - len(view) % _ALIGN
             try:
                 done = _pwrite_all(self._dfd, view[:whole], at)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                os.close(self._dfd)
-                self._dfd = -1
+                self._direct = False
                 done = 0
             at, view = at + done, view[done:]
         return at + _pwrite_all(self._fd, view, at)
@@ -396,19 +396,31 @@ class Hdf5Format:
                                attrs={"run": io.run, "step": io.step, "rank": io.rank})
         return io.kept
 
-    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
+    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: Mapping[str, str],
                     *, listed: bool = False) -> Written:
+        """A dataset per entry; a contiguous one's bytes go to the disk on the writer's pool
+        while the next is made, all of them before this returns (and the buffers are let go of)."""
         placed: list[tuple[Entry, str, int | None]] = []
+        writes: list[Future] = []
         try:
             h5 = self._file(io)
             for e in io.recognise(entries, digests):
                 dataset = h5.add(e.name, e.dtype, e.shape)
-                h5.write(dataset, e.buffers)
+                if dataset.rows is None:
+                    writes.append(io.submit(h5.write, dataset, e.buffers))
+                else:
+                    h5.write(dataset, e.buffers)
                 io.throttled(e.nbytes)
                 placed.append((e, dataset.key, dataset.offset))
         except OSError as exc:
             io.fail(f"writing {io.dir / name}", exc)
-        return Written(placed)
+        finally:
+            failed = [err for w in writes if (err := w.exception()) is not None]
+        if failed and not io.failed:
+            if not isinstance(failed[0], OSError):
+                raise failed[0]
+            io.fail(f"writing {io.dir / name}", failed[0])
+        return Written(placed if not failed else [])
 
     def open_stream(self, io: WriteIO, entry: Entry, file: str) -> Slot | None:
         try:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 if TYPE_CHECKING:
     from ..dtypes import Dtype
@@ -165,8 +166,12 @@ class WriteIO(Protocol):
         """Data file ``file`` of ``base`` linked (or copied) into the step folder, once per
         share; its name there. Raises OSError naming what failed."""
 
-    def recognise(self, entries: list[Entry], digests: dict[str, str]) -> list[Entry]:
+    def recognise(self, entries: list[Entry], digests: Mapping[str, str]) -> list[Entry]:
         """Refer to the stored copy of each entry unchanged since the share's base; the others."""
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future:
+        """``fn(*args)`` on the writer's pool (at once on this thread where it has none); the
+        format waits for it before the buffers it writes are let go of."""
 
     def throttled(self, nbytes: int) -> None: ...
 
@@ -214,10 +219,10 @@ class Format(Protocol):
         """The name, in the share's folder, of data file ``file`` of step ``base_step``
         when it is linked there (unchanged tensors)."""
 
-    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: dict[str, str],
+    def write_batch(self, io: WriteIO, name: str, entries: list[Entry], digests: Mapping[str, str],
                     *, listed: bool = False) -> Written:
-        """Write ``entries`` (checksums ``digests``) into file ``name``; what was written
-        (nothing where it failed: ``io.fail`` was told)."""
+        """Write ``entries`` (checksums ``digests``, each waited for when read) into file
+        ``name``; what was written (nothing where it failed: ``io.fail`` was told)."""
 
     def open_stream(self, io: WriteIO, entry: Entry, file: str) -> Any:
         """Start a tensor that arrives in pieces, in file ``file``: what ``stream_piece``
