@@ -463,6 +463,30 @@ def test_local_ranks_loading_at_once_fetch_the_share_once_a_node(tmp_path) -> No
             n.cleanup()
 
 
+def test_a_daemon_lands_a_recovered_share_without_loading_torch(tmp_path, monkeypatch) -> None:
+    """The daemon never needs torch: its first recovery imported it to allocate memory it
+    never used (landing writes into the files' mappings), which stalled that recovery for
+    as long as the import took (20-30 s on a loaded machine without bytecode caches)."""
+    a_, b_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    a = _node(tmp_path, "a", a_, [b_], memory="64MiB")
+    b = _node(tmp_path, "b", b_, [a_])
+    try:
+        a.start()
+        b.start()
+        saved = _save(b, range(1, 2))
+        _wait(lambda: _held(a).get((1, 0)) == "memory", "B's share held by A")
+        b.kill()
+        shutil.rmtree(b.root)
+        b.start()
+        monkeypatch.setenv("CKPTD_CONFIG", str(b.config))
+        assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
+        assert _recovered(b)["fetched_shares"] == 1
+        assert "libtorch" not in Path(f"/proc/{b.pid}/maps").read_text()
+    finally:
+        for n in (a, b):
+            n.cleanup()
+
+
 # -- dead peers: backed off, never stalling the others ---------------------------------------
 def test_a_stopped_and_a_killed_peer_are_backed_off_without_stalling_the_others(tmp_path, monkeypatch,
                                                                                 caplog) -> None:

@@ -6,6 +6,7 @@ memory or the caller's tensors) and ``read_files`` (whole files, to land in a ro
 
 from __future__ import annotations
 
+import mmap
 from collections import deque
 from typing import Any, Callable
 
@@ -70,10 +71,7 @@ class PeerTransfer:
         against its checksum, each chunk file's header against the manifest. ``into``:
         memory for each file (``share_files``' sizes), else fresh; ``done(file)`` is
         called as each file is in and checked, in turn."""
-        import torch
-
-        out = into if into is not None else {
-            f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in share_files(m).items()}  # type: ignore
+        out = into if into is not None else {f: _fresh(n) for f, n in share_files(m).items()}
         where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
 
         def checked(file: str) -> None:
@@ -177,6 +175,12 @@ class _Range:
 def _compare(where: str, name: str, h: Checksum, want: str) -> None:
     if h.text() != want:
         raise CheckpointCorrupt(f"{where}: tensor {name!r} does not match its checksum")
+
+
+def _fresh(n: int) -> memoryview:
+    """``n`` bytes of new anonymous memory. Not torch's: the daemon lands shares through
+    here, and importing torch on its first recovery stalled it for seconds."""
+    return memoryview(mmap.mmap(-1, n) if n else bytearray())
 
 
 def share_files(m: Manifest) -> dict[str, int]:
