@@ -485,7 +485,7 @@ def test_a_daemon_lands_a_recovered_share_without_loading_torch(tmp_path, monkey
         b.start()
         monkeypatch.setenv("CKPTD_CONFIG", str(b.config))
         assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
-        assert _recovered(b)["fetched_shares"] == 1
+        _wait(lambda: _recovered(b)["fetched_shares"] == 1, "the share landed by B's daemon (behind the read)")
         assert "libtorch" not in Path(f"/proc/{b.pid}/maps").read_text()
     finally:
         for n in (a, b):
