@@ -12,8 +12,10 @@
      partner's memory (fresh memory), and ``load(..., out=preallocated)``, each with
      plaintext and with CurveZMQ under one key pair per node (docs/security.md, "The peer port"),
      every tensor compared bit-exact after the clock stops;
-   and the CPU time both ends spend (this process's, and the sender's or the
-   partner daemon's), from which CurveZMQ's cost per GB follows;
+   and the CPU time both ends spend (receiving: this process's, and for ckptd its
+   daemon's too, which lands the share; sending: the sender's or the partner daemon's),
+   from which CurveZMQ's cost per GB follows. Each ckptd row ends once the daemon has
+   the share's manifest down (off the clock): the next starts on a quiet disk;
 2. bucket: the same ``ckptd.load`` from the object store (SeaweedFS on 127.0.0.1,
    nice 19, tests/seaweed.py) on an empty root;
 3. disk: ``ckptd.load`` from the node's own disk, cold (page cache dropped where this
@@ -354,11 +356,13 @@ def measure_link(work: Path, state: dict[str, torch.Tensor], repeats: int, url: 
                 fresh, partner = daemons[f"fresh_{kind}"], daemons[f"partner_{kind}"]
                 shutil.rmtree(fresh.root / RUN, ignore_errors=True)
                 os.environ["CKPTD_CONFIG"] = str(fresh.config)
-                s0, t0, c0 = _proc_cpu(partner.pid), time.perf_counter(), time.process_time()
+                s0, r0 = _proc_cpu(partner.pid), _proc_cpu(fresh.pid)
+                t0, c0 = time.perf_counter(), time.process_time()
                 got = ckptd.load(RUN, 1, rank=0, out=out)
-                figures = {"s": time.perf_counter() - t0, "cpu_recv": time.process_time() - c0,
-                           "cpu_send": _proc_cpu(partner.pid) - s0}
+                figures = {"s": time.perf_counter() - t0, "cpu_send": _proc_cpu(partner.pid) - s0,
+                           "cpu_recv": time.process_time() - c0 + _proc_cpu(fresh.pid) - r0}
                 _same(state, got, f"ckptd.load from the partner ({kind}{', out=' if out else ''})")
+                _landed(fresh.root)
                 return figures
             return row
 
@@ -390,6 +394,18 @@ def measure_link(work: Path, state: dict[str, torch.Tensor], repeats: int, url: 
         for d in daemons.values():
             d.close()
     return res
+
+
+def _landed(root: Path, timeout: float = 300.0) -> None:
+    """Until the daemon's landing of the share in ``root`` is done (its manifest, written
+    after the reader got its bytes): the next row starts on a quiet disk, and does not
+    remove files the daemon is still writing."""
+    manifest = root / RUN / "step-000000000001" / "manifest-r00000.json"
+    deadline = time.monotonic() + timeout
+    while not manifest.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{manifest} not written {timeout:g} s after the load returned")
+        time.sleep(0.05)
 
 
 def _same(want: dict[str, torch.Tensor], got: dict[str, Any], what: str) -> None:

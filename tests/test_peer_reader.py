@@ -255,7 +255,8 @@ def test_recover_asks_and_recoveries_are_bounded_per_user_and_in_total(tmp_path)
 
 def test_a_streamed_share_is_readable_file_by_file_and_a_failed_one_leaves_no_temporary_file(tmp_path) -> None:
     """``landing.stream`` (the daemon's landing of a peer's share): a file is in place with
-    its bytes once ``done`` names it, before the next is filled, and ``placed`` is told;
+    its bytes once ``done`` names it, before the next is filled, and ``placed`` is told
+    (files filled through their mappings and through ``write``, a part at a time);
     a fill that fails after the first file leaves that one (a reader told of it may be
     reading it) and no temporary file."""
     sizes = {"r00000-000000.safetensors": 3 << 20, "r00000-000001.safetensors": 0, "r00000-000002.safetensors": 5000}
@@ -265,10 +266,14 @@ def test_a_streamed_share_is_readable_file_by_file_and_a_failed_one_leaves_no_te
     bad.mkdir()
     in_place, placed = [], []
 
-    def fill(views: dict, done) -> None:
-        for file, view in views.items():
+    def fill(views: dict, done, write: dict) -> None:
+        for i, (file, view) in enumerate(views.items()):
             assert not (ok / file).exists()
-            view[:] = data[file]
+            if i % 2:
+                view[:] = data[file]
+            else:
+                for at in range(0, len(view), 1 << 20):
+                    write[file](at, memoryview(data[file])[at:at + (1 << 20)])
             done(file)
             in_place.append((ok / file).read_bytes() == data[file])
 
@@ -277,7 +282,7 @@ def test_a_streamed_share_is_readable_file_by_file_and_a_failed_one_leaves_no_te
     assert sorted(p.name for p in ok.iterdir()) == sorted(sizes)
     first = next(iter(sizes))
 
-    def failing(views: dict, done) -> None:
+    def failing(views: dict, done, write: dict) -> None:
         views[first][:] = data[first]
         done(first)
         raise CheckpointCorrupt("the next file's bytes do not match their checksums")
@@ -460,6 +465,30 @@ def test_local_ranks_loading_at_once_fetch_the_share_once_a_node(tmp_path) -> No
         assert recovered["fetched_shares"] == 1 and recovered["failed"] == 0, recovered  # one fetch a node
     finally:
         for n in (a, b, c):
+            n.cleanup()
+
+
+def test_a_daemon_lands_a_recovered_share_without_loading_torch(tmp_path, monkeypatch) -> None:
+    """The daemon never needs torch: its first recovery imported it to allocate memory it
+    never used (landing writes into the files' mappings), which stalled that recovery for
+    as long as the import took (20-30 s on a loaded machine without bytecode caches)."""
+    a_, b_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    a = _node(tmp_path, "a", a_, [b_], memory="64MiB")
+    b = _node(tmp_path, "b", b_, [a_])
+    try:
+        a.start()
+        b.start()
+        saved = _save(b, range(1, 2))
+        _wait(lambda: _held(a).get((1, 0)) == "memory", "B's share held by A")
+        b.kill()
+        shutil.rmtree(b.root)
+        b.start()
+        monkeypatch.setenv("CKPTD_CONFIG", str(b.config))
+        assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
+        _wait(lambda: _recovered(b)["fetched_shares"] == 1, "the share landed by B's daemon (behind the read)")
+        assert "libtorch" not in Path(f"/proc/{b.pid}/maps").read_text()
+    finally:
+        for n in (a, b):
             n.cleanup()
 
 

@@ -60,15 +60,17 @@ def write_bytes(path: Path, data: memoryview) -> None:
         os.close(fd)
 
 
-Fill = Callable[[dict[str, memoryview], Callable[[str], None]], object]
+Write = Callable[[int, memoryview], None]
+Fill = Callable[[dict[str, memoryview], Callable[[str], None], dict[str, Write]], object]
 
 
 def stream(folder: Path, sizes: dict[str, int], fill: Fill, placed: Callable[[str], None] | None = None) -> None:
     """The data files ``sizes`` names (file -> bytes) written in ``folder`` as ``fill(views,
-    done)`` fills each file's ``views[file]``: once it calls ``done(file)`` (every byte in,
-    checked) the file is renamed into place, ``placed(file)`` told, and fsynced behind on a
-    thread of its own. All are durable when this returns; on a failure those not yet in
-    place are removed (a reader told of the others may be reading them)."""
+    done, write)`` fills each: ``write[file](offset, bytes)`` (a ``pwrite``), or its mapping
+    ``views[file]``: once it calls ``done(file)`` (every byte in, checked) the file is
+    renamed into place, ``placed(file)`` told, and fsynced behind on a thread of its own.
+    All are durable when this returns; on a failure those not yet in place are removed
+    (a reader told of the others may be reading them)."""
     files: dict[str, _Streamed] = {}
     synced: list[Future[int | None]] = []
     try:
@@ -82,7 +84,7 @@ def stream(folder: Path, sizes: dict[str, int], fill: Fill, placed: Callable[[st
             try:
                 for file, size in sizes.items():
                     files[file] = _Streamed(folder / file, size)
-                fill({f: s.view for f, s in files.items()}, done)
+                fill({f: s.view for f, s in files.items()}, done, {f: s.write for f, s in files.items()})
                 for future in synced:
                     future.result()
             except BaseException:
@@ -111,6 +113,12 @@ class _Streamed:
             self.close()
             self.tmp.unlink(missing_ok=True)
             raise
+
+    def write(self, offset: int, data: memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(self.fd, view, offset)
+            view, offset = view[n:], offset + n
 
     def place(self) -> None:
         os.replace(self.tmp, self.path)

@@ -6,6 +6,7 @@ memory or the caller's tensors) and ``read_files`` (whole files, to land in a ro
 
 from __future__ import annotations
 
+import mmap
 from collections import deque
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ INTO_PART = 16 * 2**20
 SLICE = 2**20
 
 Span = tuple[str, int, int, str]
+Write = Callable[[int, memoryview], None]
 
 
 class PeerTransfer:
@@ -65,15 +67,16 @@ class PeerTransfer:
                 for name, rec in records.items()}
 
     def read_files(self, endpoint: str, m: Manifest, into: dict[str, memoryview] | None = None,
-                   done: Callable[[str], None] | None = None) -> dict[str, memoryview]:
+                   done: Callable[[str], None] | None = None,
+                   write: dict[str, Write] | None = None) -> dict[str, memoryview]:
         """The files of ``m``'s share read from ``endpoint`` and checked: every tensor
         against its checksum, each chunk file's header against the manifest. ``into``:
         memory for each file (``share_files``' sizes), else fresh; ``done(file)`` is
-        called as each file is in and checked, in turn."""
-        import torch
-
-        out = into if into is not None else {
-            f: memoryview(torch.empty(n, dtype=torch.uint8).numpy()) for f, n in share_files(m).items()}  # type: ignore
+        called as each file is in and checked, in turn. ``write``: for each file, where
+        its parts go instead (``write(offset, bytes)``, a file's ``pwrite``: the kernel
+        copies them into the page cache, with no page fault per page as a mapping
+        takes); ``into`` then only reads its header back."""
+        out = into if into is not None else {f: _fresh(n) for f, n in share_files(m).items()}
         where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
 
         def checked(file: str) -> None:
@@ -81,8 +84,9 @@ class PeerTransfer:
             if done is not None:
                 done(file)
 
-        ranges = [_Range(file, 0, buf, _tensor_spans(m, file, len(buf)), done=checked) for file, buf in out.items()]
-        self._read_ranges(endpoint, m, ranges, list(out.values()))
+        ranges = [_Range(file, 0, buf, _tensor_spans(m, file, len(buf)), done=checked,
+                         write=write.get(file) if write else None) for file, buf in out.items()]
+        self._read_ranges(endpoint, m, ranges, [] if write else list(out.values()))
         return out
 
     def _read_ranges(self, endpoint: str, m: Manifest, ranges: list[_Range], fresh: list[memoryview]) -> None:
@@ -116,15 +120,16 @@ class PeerTransfer:
                 rid, r, off, n = in_flight.popleft()
                 if r.whole:
                     r.view = link.recv_bytes(rid, n, timeout=self.cfg.stall)
-                elif r.part:
+                    ask()
+                    r.landed(off, off + n, where)
+                elif r.part or r.write is not None:
                     data = link.recv_bytes(rid, n, timeout=self.cfg.stall)
                     ask()
-                    r.copy_in(off, data, where)
-                    continue
+                    r.take(off, data, where)
                 else:
                     link.recv_into(rid, r.view[off:off + n], timeout=self.cfg.stall)  # type: ignore[index]
-                ask()
-                r.landed(off, off + n, where)
+                    ask()
+                    r.landed(off, off + n, where)
                 if off + n == r.size and r.done is not None:
                     r.done(r.file)
         finally:
@@ -137,11 +142,14 @@ class _Range:
     (``spans``, relative to ``view``), hashed part by part as they land, in order.
     ``whole``: read in one message whose memory becomes ``view``; ``part``: the size of
     the parts, each copied into ``view`` (0: ``frame``-sized parts received in place);
+    ``write``: each part goes there instead of into ``view``, hashed on its way;
     ``done(file)``: called once its last byte is in and hashed."""
 
     def __init__(self, file: str, offset: int, view: memoryview | None, spans: list[Span], *,
-                 whole: int = 0, part: int = 0, done: Callable[[str], None] | None = None) -> None:
+                 whole: int = 0, part: int = 0, done: Callable[[str], None] | None = None,
+                 write: Write | None = None) -> None:
         self.file, self.offset, self.view, self.whole, self.done = file, offset, view, whole, done
+        self.write = write
         self.size = whole if view is None else len(view)
         self.part = whole or part
         self.spans = spans
@@ -154,21 +162,27 @@ class _Range:
             self._todo.remove((name, start, end, want))
             _compare(where, name, Checksum(), want)
 
-    def copy_in(self, begin: int, data: memoryview, where: str) -> None:
-        """``data`` into ``view`` from ``begin``, a ``SLICE`` at a time, each hashed at once."""
+    def take(self, begin: int, data: memoryview, where: str) -> None:
+        """``data``, the bytes from ``begin``: hashed, then written (``write``), or into
+        ``view`` a ``SLICE`` at a time, each hashed at once."""
+        if self.write is not None:
+            self.landed(begin, begin + len(data), where, data)
+            self.write(self.offset + begin, data)
+            return
         for at in range(0, len(data), SLICE):
             n = min(SLICE, len(data) - at)
             self.view[begin + at:begin + at + n] = data[at:at + n]  # type: ignore[index]
             self.landed(begin + at, begin + at + n, where)
 
-    def landed(self, begin: int, end: int, where: str) -> None:
-        """Bytes ``begin``..``end`` of ``view`` are in."""
+    def landed(self, begin: int, end: int, where: str, data: memoryview | None = None) -> None:
+        """Bytes ``begin``..``end`` are in: in ``view``, or ``data`` holds them."""
+        src, base = (self.view, 0) if data is None else (data, begin)
         while self._todo and self._todo[0][1] < end:
             self._open.append((*self._todo.popleft(), Checksum()))
         for span in list(self._open):
             name, start, stop, want, h = span
             if max(begin, start) < min(end, stop):
-                h.update(self.view[max(begin, start):min(end, stop)])  # type: ignore[index]
+                h.update(src[max(begin, start) - base:min(end, stop) - base])  # type: ignore[index]
             if stop <= end:
                 self._open.remove(span)
                 _compare(where, name, h, want)
@@ -177,6 +191,12 @@ class _Range:
 def _compare(where: str, name: str, h: Checksum, want: str) -> None:
     if h.text() != want:
         raise CheckpointCorrupt(f"{where}: tensor {name!r} does not match its checksum")
+
+
+def _fresh(n: int) -> memoryview:
+    """``n`` bytes of new anonymous memory. Not torch's: the daemon lands shares through
+    here, and importing torch on its first recovery stalled it for seconds."""
+    return memoryview(mmap.mmap(-1, n) if n else bytearray())
 
 
 def share_files(m: Manifest) -> dict[str, int]:
