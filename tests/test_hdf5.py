@@ -213,8 +213,10 @@ def test_kill_daemon_during_an_hdf5_write(make_daemon, compression: str) -> None
 
 def test_a_slow_hdf5_write_stalls_neither_the_loop_nor_chunk_files(make_daemon) -> None:
     """While the ckptd-hdf5 thread gzips a large step, the daemon keeps receiving,
-    answering and committing: another run's chunk checkpoint completes first."""
-    d = make_daemon(tables={"hdf5": {"compression": "gzip", "level": 9, "chunk_shape": "auto"}})
+    answering and committing: another run's chunk checkpoint completes first. The
+    write rate holds the large step for 8 s or more, however fast the CPU gzips."""
+    d = make_daemon(tables={"daemon": {"write_rate": "6MiB"},
+                            "hdf5": {"compression": "gzip", "level": 9, "chunk_shape": "auto"}})
     g = torch.Generator().manual_seed(3)
     slow = d.producer("slow", format="hdf5", staging_size="64MiB")
     state = {f"w{i}": torch.randn(2**18, generator=g) for i in range(48)}  # 48 MiB: seconds of gzip
