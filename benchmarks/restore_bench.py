@@ -89,6 +89,7 @@ def main() -> int:
     ap.add_argument("--link", default="200mbit", help="each node's and the bucket's link, each way")
     ap.add_argument("--modes", default=",".join(MODES), help="which ways, in this order (default: all)")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--logs", help="copy each daemon's log (at debug) here, as MODE-nN.log")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -102,6 +103,10 @@ def main() -> int:
     try:
         figures = drive(args, work)
     finally:
+        if args.logs:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            for log in work.glob("*/n*/daemon.log"):
+                shutil.copy(log, Path(args.logs) / f"{log.parent.parent.name}-{log.parent.name}.log")
         shutil.rmtree(work, ignore_errors=True)
     report(figures)
     if args.json:
@@ -123,7 +128,8 @@ def drive(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         s3.launch()
         try:
             env = {**os.environ, **s3.env(), "PYTHONPATH": str(REPO)}
-            spec = {"work": str(work), "endpoint": s3.endpoint, "world": args.nodes * args.ranks, "mib": args.mib}
+            spec = {"work": str(work), "endpoint": s3.endpoint, "world": args.nodes * args.ranks, "mib": args.mib,
+                    "log_level": "debug" if args.logs else "info"}
             _role(net, 1, "seed", spec, env)
             figures["unique_bytes"] = unique = json.loads((work / "unique.json").read_text())
             for mode in args.modes.split(","):
@@ -238,7 +244,8 @@ def restore(spec: dict[str, Any]) -> int:
 
     folder = Path(spec["work"]) / spec["mode"]
     i, nodes, ranks = spec["node"], spec["nodes"], spec["ranks"]
-    tables: dict[str, dict[str, Any]] = {"daemon": {"nice": 0, "log_level": "info"}, "remote": {"url": URL}}
+    tables: dict[str, dict[str, Any]] = {"daemon": {"nice": 0, "log_level": spec["log_level"]},
+                                         "remote": {"url": URL}}
     if spec["mode"] == "cluster":
         tables["peer"] = {"listen": f"tcp://10.0.0.{i}:{PEER_PORT}", "allow_plaintext": True,
                           "peers": [f"tcp://10.0.0.{j}:{PEER_PORT}" for j in range(1, nodes + 1) if j != i]}

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -25,26 +23,16 @@ from ..remote.store import Store
 from ..tiers import bucket, landing
 from ..tiers.peer_pull import FAILED, PeerPull
 from ..transport import wire
+from .landing_jobs import Ask, Job, Jobs
 
 if TYPE_CHECKING:
     from .replies import Replies
 
 log = logging.getLogger("ckptd.daemon")
 
-WAIT_S = 2.0  # a reader's ask is answered at least this often, done or not
 THREADS = 4
 
 ShareKey = tuple[str, int, int]
-
-
-@dataclass
-class _Ask:
-    identity: bytes
-    seq: int
-    jobs: list[Future[None]]
-    what: str
-    started: float
-    deadline: float
 
 
 class BucketFetch:
@@ -58,12 +46,11 @@ class BucketFetch:
         self.store: Store = store
         self.root = config.root
         self.peers = PeerPull(config) if config.peer.enabled else None
-        self.replies, self._wake = replies, wake
+        self.replies = replies
         # downloads never wait on a peer, so a peer's pull is never stuck behind copies that wait on peers
         self._bucket_pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ckptd-landing")
         self._peer_pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ckptd-landing-peer")
-        self._jobs: dict[ShareKey, Future[None]] = {}
-        self._waiting: list[_Ask] = []
+        self.jobs: Jobs[ShareKey] = Jobs(wake)
         self._lock = threading.Lock()
         self.counts = {"asks": 0, "joined": 0, "shares": 0, "failed": 0, "bytes": 0, "peer_bytes": 0, "pulls": 0}
 
@@ -77,24 +64,20 @@ class BucketFetch:
                                   "remote= naming it, or read the bucket yourself (remote= another URL does)")
         self.counts["asks"] += 1
         jobs = [self._job((run, step, r)) for r in sorted(set(ranks))]
-        now = time.monotonic()
         what = f"run {run!r} step {step} rank(s) {sorted(set(ranks))}"
-        self._waiting.append(_Ask(identity, seq, jobs, what, now, now + WAIT_S))
-        if all(j.done() for j in jobs):
-            self._wake()
+        self.jobs.wait(Ask(identity, seq, jobs, lambda a: self._finish(a, what),
+                           lambda a, now, _: self._progress(a, now, what)))
 
-    def _job(self, key: ShareKey, *, peers: bool = True) -> Future[None]:
+    def _job(self, key: ShareKey, *, peers: bool = True) -> Job[ShareKey]:
         """The landing of share ``key`` under way, or a new one (``peers``: from its fetcher
-        where another daemon is, else from the bucket)."""
-        with self._lock:
-            job = self._jobs.get(key)
-            if job is not None and not job.done():
+        where another daemon is, else from the bucket); one already done if it is in the root."""
+        fetcher = self.peers.fetcher(*key) if peers and self.peers is not None else None
+        pool = self._bucket_pool if fetcher is None else self._peer_pool
+        landed = landing.read_share(layout.step_dir(self.root, key[0], key[1]), key[2]) is not None
+        job, joined = self.jobs.job(key, lambda _: _done() if landed else pool.submit(self._land, *key, fetcher))
+        if joined:
+            with self._lock:
                 self.counts["joined"] += 1
-                return job
-            fetcher = self.peers.fetcher(*key) if peers and self.peers is not None else None
-            job = self._jobs[key] = (self._bucket_pool.submit(self._land, *key, None) if fetcher is None
-                                     else self._peer_pool.submit(self._land, *key, fetcher))
-        job.add_done_callback(lambda _: self._wake())
         return job
 
     def pull(self, run: str, step: int, rank: int) -> bool:
@@ -103,45 +86,30 @@ class BucketFetch:
         the answer (the peer then reads the bucket itself)."""
         with self._lock:
             self.counts["pulls"] += 1
-        if landing.read_share(layout.step_dir(self.root, run, step), rank) is not None:
-            return True
-        job = self._job((run, step, rank), peers=False)
-        if job.done() and job.exception() is not None:
-            raise CheckpointError(f"run {run!r} step {step} rank {rank} from {self.store.url}: {job.exception()}")
-        return job.done()
+        done = self._job((run, step, rank), peers=False).future
+        if done.done() and done.exception() is not None:
+            raise CheckpointError(f"run {run!r} step {step} rank {rank} from {self.store.url}: {done.exception()}")
+        return done.done()
 
     def deadline(self) -> float | None:
-        """When the first waiting reader is told how far its shares got."""
-        return min(a.deadline for a in self._waiting) if self._waiting else None
+        return self.jobs.deadline()
 
     def answer(self, now: float) -> None:
-        """Answer each reader whose shares are landed (or failed), or who has waited ``WAIT_S``."""
-        waiting = []
-        for a in self._waiting:
-            if all(j.done() for j in a.jobs):
-                self._finish(a)
-            elif now >= a.deadline:
-                left = sum(not j.done() for j in a.jobs)
-                self.replies.send(a.identity, "fetched", seq=a.seq, done=False,
-                                  progress=f"{a.what}: {left} share(s) still downloading after "
-                                           f"{now - a.started:.0f} s")
-            else:
-                waiting.append(a)
-        self._waiting = waiting
-        busy = {id(j) for a in waiting for j in a.jobs}
-        with self._lock:
-            for key, job in list(self._jobs.items()):
-                if job.done() and id(job) not in busy:
-                    del self._jobs[key]
+        self.jobs.answer(now)
 
-    def _finish(self, a: _Ask) -> None:
-        exc = next((j.exception() for j in a.jobs if j.exception() is not None), None)
+    def _progress(self, a: Ask[ShareKey], now: float, what: str) -> None:
+        left = sum(not j.future.done() for j in a.jobs)
+        self.replies.send(a.identity, "fetched", seq=a.seq, done=False,
+                          progress=f"{what}: {left} share(s) still downloading after {now - a.started:.0f} s")
+
+    def _finish(self, a: Ask[ShareKey], what: str) -> None:
+        exc = next((j.future.exception() for j in a.jobs if j.future.exception() is not None), None)
         if exc is None:
             self.replies.send(a.identity, "fetched", seq=a.seq, done=True, progress=None)
             return
         if not isinstance(exc, CheckpointError):
-            log.error("fetch: %s failed: %s: %s", a.what, type(exc).__name__, exc)
-        self.replies.send(a.identity, "error", seq=a.seq, step=None, message=f"fetch: {a.what}: {exc}",
+            log.error("fetch: %s failed: %s: %s", what, type(exc).__name__, exc)
+        self.replies.send(a.identity, "error", seq=a.seq, step=None, message=f"fetch: {what}: {exc}",
                           code=wire.error_code(exc))
 
     def _land(self, run: str, step: int, rank: int, fetcher: str | None) -> None:
@@ -188,16 +156,22 @@ class BucketFetch:
 
     def figures(self) -> dict[str, Any]:
         """``asks`` received, ``joined`` to a download under way, ``shares`` landed (or
-        found landed), ``bytes`` from the bucket, ``peer_bytes`` from fetcher peers,
+        found landed by another process), ``bytes`` from the bucket, ``peer_bytes`` from fetcher peers,
         ``pulls`` answered for peers, ``failed``; ``running`` now."""
         with self._lock:
-            return {**self.counts, "running": sum(not j.done() for j in self._jobs.values())}
+            return {**self.counts, "running": len(self.jobs.running())}
 
     def close(self) -> None:
         if self.peers is not None:
             self.peers.closing.set()
         for pool in (self._peer_pool, self._bucket_pool):
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _done() -> Future[None]:
+    done: Future[None] = Future()
+    done.set_result(None)
+    return done
 
 
 def _same_dir(a: str, b: Path) -> bool:

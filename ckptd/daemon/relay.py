@@ -1,8 +1,7 @@
 """Recovery from the peers on behalf of this node's readers (``recover``, docs/tiers.md
 "Recovery"): a trainer holds no key to the peer port, so its daemon asks the peers
 with its own and lands their shares in its root, where the trainer reads them. Asks
-for the same thing at once join one job; a reader waiting longer than ``WAIT_S`` is
-told how far it got and asks again. Start at ``Relay.ask``.
+for the same thing at once join one job (``landing_jobs``). Start at ``Relay.ask``.
 """
 
 from __future__ import annotations
@@ -10,8 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -19,6 +17,7 @@ from ..config import Config
 from ..errors import CheckpointError, CheckpointNotFound, NotOwner
 from ..manifest import CheckpointInfo
 from ..transport import wire
+from .landing_jobs import Ask, Job, Jobs
 from .owners import Owners, describe
 
 if TYPE_CHECKING:
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptd.daemon")
 
-WAIT_S = 2.0  # a reader's ask is answered at least this often, done or not
 THREADS = 4
 OPENED_S = 10.0  # a step opened for a reader serves the landing asks that follow this long
 ASKS_PER_USER = 32
@@ -36,33 +34,6 @@ JOBS_PER_USER = 16
 JOBS = 32
 
 Key = tuple[str, int | None, tuple[int, ...] | None, bool, str | None]
-
-
-@dataclass
-class _Job:
-    """A recovery: ``key`` is the run, step, ranks, ``memory`` and who claims the run by
-    asking (it has no owner here yet); ``landed``: its data files in place and checked,
-    in order; ``users``: whoever asked for it."""
-
-    key: Key
-    future: Future[dict[str, Any]] = field(init=False)
-    started: float = field(default_factory=time.monotonic)
-    asks: int = 1
-    landed: list[str] = field(default_factory=list)
-    users: set[str | None] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class _Ask:
-    """A reader waiting; ``seen``: how many of its job's ``landed`` it was told of (None:
-    it reads once the job is done)."""
-
-    identity: bytes
-    seq: int
-    job: _Job
-    deadline: float
-    user: str | None
-    seen: int | None
 
 
 class Relay:
@@ -74,10 +45,9 @@ class Relay:
 
         self.root = config.root
         self.tier = PeerTier(config, config.root)
-        self.replies, self._wake, self.owners = replies, wake, owners
+        self.replies, self.owners = replies, owners
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ckptd-relay")
-        self._jobs: dict[Key, _Job] = {}
-        self._waiting: list[_Ask] = []
+        self.jobs: Jobs[Key] = Jobs(wake)
         self._lock = threading.Lock()
         self._opened: dict[tuple[str, int], tuple[float, PeerHolding]] = {}
         self.counts = {"asks": 0, "joined": 0, "jobs": 0, "failed": 0, "refused": 0}
@@ -94,68 +64,49 @@ class Relay:
                     bool(h["memory"]) and step is not None, claim)
         self._bound(user, key)
         self.counts["asks"] += 1
-        job = self._jobs.get(key)
-        if job is None:
-            job = self._jobs[key] = _Job(key)
-            job.future = self._pool.submit(self._run, job)
-            job.future.add_done_callback(lambda _: self._wake())
-            self.counts["jobs"] += 1
-        else:
-            job.asks += 1
-            self.counts["joined"] += 1
-        job.users.add(user)
-        self._waiting.append(_Ask(identity, seq, job, time.monotonic() + WAIT_S, user, h["seen"]))
+        job, joined = self.jobs.job(key, lambda j: self._pool.submit(self._run, j), user)
+        self.counts["joined" if joined else "jobs"] += 1
+        self.jobs.wait(Ask(identity, seq, [job], self._finish, self._progress, user, h["seen"]))
 
     def _bound(self, user: str | None, key: Key) -> None:
         """Refuse an ask beyond ``ASKS_PER_USER`` or ``ASKS`` waiting (a reader asks one
         at a time), or one that would start a recovery beyond ``JOBS_PER_USER`` (a node's
         ranks ask one each) or ``JOBS`` under way."""
         who = describe(user) if user else "this reader"
-        mine = sum(a.user == user for a in self._waiting)
-        running = [j for j in self._jobs.values() if not j.future.done()]
+        mine = sum(a.user == user for a in self.jobs.waiting)
+        running = self.jobs.running()
         theirs = sum(user in j.users for j in running)
+        new = all(j.key != key for j in running)
         refusal = None
         if mine >= ASKS_PER_USER:
             refusal = (f"{who} has {mine} recover asks waiting, the most one user may (ASKS_PER_USER = "
                        f"{ASKS_PER_USER}); ask again once they are answered")
-        elif len(self._waiting) >= ASKS:
-            refusal = f"{len(self._waiting)} recover asks are waiting, the most this daemon takes (ASKS = {ASKS}); ask again in a few seconds"
-        elif key not in self._jobs and theirs >= JOBS_PER_USER:
+        elif len(self.jobs.waiting) >= ASKS:
+            refusal = f"{len(self.jobs.waiting)} recover asks are waiting, the most this daemon takes (ASKS = {ASKS}); ask again in a few seconds"
+        elif new and theirs >= JOBS_PER_USER:
             refusal = (f"{who} has {theirs} recoveries under way, the most one user may (JOBS_PER_USER = "
                        f"{JOBS_PER_USER}); ask again once one is done")
-        elif key not in self._jobs and len(running) >= JOBS:
+        elif new and len(running) >= JOBS:
             refusal = f"{len(running)} recoveries are under way, the most this daemon runs at once (JOBS = {JOBS}); ask again in a few seconds"
         if refusal is not None:
             self.counts["refused"] += 1
             raise CheckpointError(f"recover: {refusal}")
 
     def deadline(self) -> float | None:
-        """When the first waiting reader is told how far its job got."""
-        return min(a.deadline for a in self._waiting) if self._waiting else None
+        return self.jobs.deadline()
 
     def answer(self, now: float) -> None:
-        """Answer each reader whose job is done, that has files landed it was not told
-        of, or that has waited ``WAIT_S``."""
-        waiting = []
-        for a in self._waiting:
-            job = a.job
-            if job.future.done():
-                self._finish(a)
-            elif now >= a.deadline or (a.seen is not None and len(job.landed) > a.seen):
-                more = {} if a.seen is None else {"landed": job.landed[a.seen:]}
-                self.replies.send(a.identity, "recovered", seq=a.seq, done=False, info=None, manifests=None,
-                                  progress=f"{_what(job.key)}: asking the peers for {now - job.started:.0f} s",
-                                  **more)
-            else:
-                waiting.append(a)
-        self._waiting = waiting
-        for key, job in list(self._jobs.items()):
-            if job.future.done() and not any(a.job is job for a in waiting):
-                del self._jobs[key]
+        self.jobs.answer(now)
 
-    def _finish(self, a: _Ask) -> None:
+    def _progress(self, a: Ask[Key], now: float, landed: list[str] | None) -> None:
+        job = a.jobs[0]
+        self.replies.send(a.identity, "recovered", seq=a.seq, done=False, info=None, manifests=None,
+                          progress=f"{_what(job.key)}: asking the peers for {now - job.started:.0f} s",
+                          **({} if landed is None else {"landed": landed}))
+
+    def _finish(self, a: Ask[Key]) -> None:
         """The job's answer; a run it claims becomes the asker's, unless another claimed it meanwhile."""
-        job = a.job
+        job = a.jobs[0]
         exc = job.future.exception()
         if exc is None and job.key[4] is not None:
             try:
@@ -174,7 +125,7 @@ class Relay:
         self.replies.send(a.identity, "error", seq=a.seq, step=job.key[1], message=f"recover: {exc}",
                           code=wire.error_code(exc))
 
-    def _run(self, job: _Job) -> dict[str, Any]:
+    def _run(self, job: Job[Key]) -> dict[str, Any]:
         """One job: the newest step (``step`` None), a step's manifests (``ranks`` None),
         or those ranks' shares landed in the root (each file named in ``job.landed`` as
         it is in place)."""
@@ -197,16 +148,12 @@ class Relay:
             if ranks is None:
                 info = CheckpointInfo.from_manifests(str(holding.path), holding.manifests, tiers=("peer",))
                 return {"info": info.to_dict(), "manifests": [m.to_json() for m in holding.manifests]}
-            holding.materialize(ranks, placed=lambda file: self._placed(job, file))
+            holding.materialize(ranks, placed=lambda file: self.jobs.placed(job, file))
             return {"info": None, "manifests": None}
         except Exception:
             with self._lock:
                 self.counts["failed"] += 1
             raise
-
-    def _placed(self, job: _Job, file: str) -> None:
-        job.landed.append(file)
-        self._wake()
 
     def _check_claim(self, run: str, step: int | None, claim: str) -> None:
         """A run this node has no owner for is recovered only by the owner its manifests
@@ -251,7 +198,7 @@ class Relay:
     def figures(self) -> dict[str, Any]:
         """``asks`` received, ``joined`` to a job under way, ``jobs`` run, ``failed``; the
         shares and bytes fetched from the peers into the root."""
-        return {**self.counts, "running": len(self._jobs), **self.tier.fetched}
+        return {**self.counts, "running": len(self.jobs.running()), **self.tier.fetched}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

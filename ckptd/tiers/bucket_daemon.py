@@ -20,7 +20,6 @@ log = logging.getLogger("ckptd.remote")
 ASK_S = 30.0
 UNREACHABLE_QUIET_S = 60.0
 _SEQ = itertools.count(1)
-_UNREACHABLE: dict[str, float] = {}
 
 
 class DaemonLanding:
@@ -29,19 +28,20 @@ class DaemonLanding:
 
     def __init__(self, config: Config, base: Path, url: str) -> None:
         self.config, self.base, self.url = config, base, url
+        self._quiet_until = 0.0
 
     def land(self, run: str, step: int, ranks: list[int]) -> bool:
         """Whether the daemon landed ``ranks``' shares of ``step`` in the root; False
         (logged) where it cannot: the caller then reads the bucket itself. A daemon that
         does not answer (within ``ASK_S``: it answers every few seconds) is not asked
-        again by this process for ``UNREACHABLE_QUIET_S``."""
+        again through this tier for ``UNREACHABLE_QUIET_S``."""
         endpoint = self.config.endpoint
-        if self.config.remote.url.rstrip("/") != self.url or time.monotonic() < _UNREACHABLE.get(endpoint, 0.0):
+        if self.config.remote.url.rstrip("/") != self.url or time.monotonic() < self._quiet_until:
             return False
         try:
             self._ask(endpoint, run, step, ranks)
         except DaemonUnreachable as exc:
-            _UNREACHABLE[endpoint] = time.monotonic() + UNREACHABLE_QUIET_S
+            self._quiet_until = time.monotonic() + UNREACHABLE_QUIET_S
             log.info("bucket: reading %s without this node's daemon: %s", self.url, exc)
             return False
         except CheckpointError as exc:

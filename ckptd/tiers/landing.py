@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .. import index, layout
-from ..durable import atomic_write, replacing, temp_path, write_all
+from ..durable import atomic_write, replacing, temp_path
 from ..errors import CheckpointCorrupt
 from ..manifest import Manifest
 
@@ -50,14 +50,6 @@ def write_file(path: Path, write: Callable[[Path], None]) -> None:
     with replacing(path) as tmp:
         tmp.unlink(missing_ok=True)  # named for this host and pid: a crashed earlier self's
         write(tmp)
-
-
-def write_bytes(path: Path, data: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        write_all(fd, data)
-    finally:
-        os.close(fd)
 
 
 Write = Callable[[int, memoryview], None]

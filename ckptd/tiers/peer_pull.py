@@ -24,7 +24,7 @@ from ..remote import catalog, fetch
 from ..remote.store import Store
 from . import landing
 from .peer_discovery import reader_keys
-from .peer_transfer import PeerTransfer
+from .peer_transfer import PeerTransfer, share_files
 
 PULL_POLL_S = 0.1
 PULL_WAIT_S = 600.0
@@ -63,12 +63,9 @@ class PeerPull:
         def files(folder: Path) -> Manifest:
             nonlocal got
             manifest = catalog.read_manifest(store, run, step, rank).unpacked()
-            missing = fetch.missing_files(manifest, folder)
-            if missing:
-                data = self.transfer.read_files(endpoint, manifest)
-                for file in missing:
-                    landing.write_file(folder / file, functools.partial(landing.write_bytes, data=data[file]))
-                    got += len(data[file])
+            sizes = {f: n for f, n in share_files(manifest).items() if f in fetch.missing_files(manifest, folder)}
+            landing.stream(folder, sizes, functools.partial(self.transfer.read_files, endpoint, manifest))
+            got = sum(sizes.values())
             return manifest
 
         landing.land(root, run, step, rank, files)

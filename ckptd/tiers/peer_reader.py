@@ -125,9 +125,8 @@ class PeerTier:
 
 
 class PeerHolding:
-    """A step the local root and the peers hold together: a rank's tensors read straight
-    from a peer's memory (into the caller's tensors too); mapped reads and the whole
-    state land the peers' shares in the root first."""
+    """A step the local root and the peers hold together: the shares a read needs are
+    landed in the root from the peers, then read there."""
 
     where = "the peers' memory"
 
@@ -139,33 +138,9 @@ class PeerHolding:
     def read(self, manifest: Manifest, records: dict[str, TensorRecord], into: dict[str, Any] | None = None, *,
              verify: bool = False, mapped: bool = False,
              convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
-        """Those of shares in the root from there, the others from the first peer whose
-        bytes match every checksum (a bad copy's bytes in ``into`` are overwritten by the next's)."""
-        by_writer: dict[int, dict[str, TensorRecord]] = {}
-        for name, rec in records.items():
-            by_writer.setdefault(layout.file_rank(rec.file), {})[name] = rec  # type: ignore[arg-type]
-        if mapped:
-            self.materialize(by_writer)
-        out: dict[str, Any] = {}
-        for writer, recs in by_writer.items():
-            if landing.read_share(self.path, writer) is not None:
-                out.update(read_tensors(self.path, recs, verify=verify, into=into, mapped=mapped))
-            else:
-                out.update(self._from_peers(writer, recs, into))
-        return out if convert is None else {n: convert(n, t) for n, t in out.items()}
-
-    def _from_peers(self, writer: int, records: dict[str, TensorRecord],
-                    into: dict[str, Any] | None) -> dict[str, Any]:
-        problems = []
-        for endpoint, where, m in self.held.get((self.step, writer), []):
-            try:
-                return self.tier.transfer.read_records(endpoint, m, records, into, memory=where == "memory")
-            except FAILED as exc:
-                log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
-                            self.run, self.step, writer, endpoint, where, exc)
-                problems.append(f"{endpoint}: {exc}")
-        raise CheckpointNotFound(f"run {self.run!r} step {self.step} rank {writer}: no peer served a good copy "
-                                 f"({'; '.join(problems) or 'none holds it now'})")
+        """``records`` read from the root, the shares it lacks landed there first."""
+        self.materialize(sorted({r for rec in records.values() if (r := layout.file_rank(rec.file)) is not None}))
+        return read_tensors(self.path, records, verify=verify, into=into, mapped=mapped, convert=convert)
 
     def materialize(self, ranks: Iterable[int] | None = None, placed: Callable[[str], None] | None = None) -> None:
         """The shares of ``ranks`` (None: every rank) the root lacks landed in it, each

@@ -1,7 +1,6 @@
 """Bytes of a share from one peer (``PeerTransfer``): ranges asked in ``frame``-sized
 parts with ``window`` in flight, each landing in its place, every tensor hashed as its
-bytes land and compared once its last byte is in. Start at ``read_records`` (into
-memory or the caller's tensors) and ``read_files`` (whole files, to land in a root).
+bytes land and compared once its last byte is in. Start at ``read_files`` (whole files, to land in a root).
 """
 
 from __future__ import annotations
@@ -14,20 +13,11 @@ import zmq
 
 from ..config import PeerConfig
 from ..errors import CheckpointCorrupt
-from ..manifest import Checksum, Manifest, TensorRecord
+from ..manifest import Checksum, Manifest
 from ..peer import messages
 from ..peer.holder import check_headers
 from ..peer.pages import Prefault
-from .files import bytes_of
 
-# Plaintext from a peer's memory: a tensor up to this size comes in one message that
-# becomes its own memory (moved once, by the kernel). CurveZMQ copies every message into
-# buffers of its size on both ends, so under it a share always comes in parts.
-WHOLE_MAX = 64 * 2**20
-# Into the caller's tensors, parts stay below glibc's mmap threshold so that libzmq
-# reuses its buffer; each is copied in a slice at a time, hashed while in the CPU's cache.
-INTO_PART = 16 * 2**20
-SLICE = 2**20
 
 Span = tuple[str, int, int, str]
 Write = Callable[[int, memoryview], None]
@@ -36,35 +26,6 @@ Write = Callable[[int, memoryview], None]
 class PeerTransfer:
     def __init__(self, ctx: zmq.Context, cfg: PeerConfig, keys: Any) -> None:
         self.ctx, self.cfg, self.keys = ctx, cfg, keys
-
-    def read_records(self, endpoint: str, m: Manifest, records: dict[str, TensorRecord],
-                     into: dict[str, Any] | None = None, *, memory: bool = False) -> dict[str, Any]:
-        """Tensors of ``m``'s share read from ``endpoint`` into new memory (or into
-        ``into``'s tensors of their names), each checked against its checksum.
-        ``memory``: the peer holds the share in memory (then a tensor of up to
-        ``WHOLE_MAX`` bytes comes in one message that becomes its memory, in plaintext)."""
-        import torch
-
-        bufs, ranges, fresh = {}, [], []
-        plain = memory and self.keys is None
-        for name, rec in records.items():
-            if rec.offset is None:
-                raise CheckpointCorrupt(f"tensor {name!r} is a chunked HDF5 dataset: not in the peer tier")
-            spans = [(name, 0, rec.nbytes, rec.checksum)]
-            if into is not None and name in into:
-                ranges.append(_Range(rec.file, rec.offset, bytes_of(into[name]), spans, part=INTO_PART if plain else 0))
-            elif plain and 0 < rec.nbytes <= WHOLE_MAX:
-                ranges.append(_Range(rec.file, rec.offset, None, spans, whole=rec.nbytes))
-            else:
-                bufs[name] = torch.empty(rec.nbytes, dtype=torch.uint8)
-                fresh.append(memoryview(bufs[name].numpy()))  # type: ignore[arg-type]
-                ranges.append(_Range(rec.file, rec.offset, fresh[-1], spans))
-        self._read_ranges(endpoint, m, ranges, fresh)
-        for r in ranges:
-            if r.whole:
-                bufs[r.spans[0][0]] = torch.frombuffer(r.view, dtype=torch.uint8)
-        return {name: rec.as_tensor(bufs[name]) if name in bufs else into[name]  # type: ignore[index]
-                for name, rec in records.items()}
 
     def read_files(self, endpoint: str, m: Manifest, into: dict[str, memoryview] | None = None,
                    done: Callable[[str], None] | None = None,
@@ -98,10 +59,9 @@ class PeerTransfer:
             r.check_empty(where)
             if r.size == 0 and r.done is not None:
                 r.done(r.file)
-        parts = ((r, off, min(r.part or self.cfg.frame, r.size - off)) for r in ranges
-                 for off in range(0, r.size, r.part or self.cfg.frame))
+        parts = ((r, off, min(self.cfg.frame, r.size - off)) for r in ranges for off in range(0, r.size, self.cfg.frame))
         link = messages.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4,
-                             max_message=max(messages.MAX_HEADER_BYTES, WHOLE_MAX, self.cfg.frame))
+                             max_message=max(messages.MAX_HEADER_BYTES, self.cfg.frame))
         prefault = Prefault(fresh, self.cfg.frame)
         in_flight: deque[tuple[int, _Range, int, int]] = deque()
 
@@ -118,16 +78,12 @@ class PeerTransfer:
                 ask()
             while in_flight:
                 rid, r, off, n = in_flight.popleft()
-                if r.whole:
-                    r.view = link.recv_bytes(rid, n, timeout=self.cfg.stall)
-                    ask()
-                    r.landed(off, off + n, where)
-                elif r.part or r.write is not None:
+                if r.write is not None:
                     data = link.recv_bytes(rid, n, timeout=self.cfg.stall)
                     ask()
                     r.take(off, data, where)
                 else:
-                    link.recv_into(rid, r.view[off:off + n], timeout=self.cfg.stall)  # type: ignore[index]
+                    link.recv_into(rid, r.view[off:off + n], timeout=self.cfg.stall)
                     ask()
                     r.landed(off, off + n, where)
                 if off + n == r.size and r.done is not None:
@@ -139,19 +95,14 @@ class PeerTransfer:
 
 class _Range:
     """Bytes of one file (from ``offset``) into ``view``, and the tensors among them
-    (``spans``, relative to ``view``), hashed part by part as they land, in order.
-    ``whole``: read in one message whose memory becomes ``view``; ``part``: the size of
-    the parts, each copied into ``view`` (0: ``frame``-sized parts received in place);
+    (``spans``, relative to ``view``), hashed part by part as they land, in order;
     ``write``: each part goes there instead of into ``view``, hashed on its way;
     ``done(file)``: called once its last byte is in and hashed."""
 
-    def __init__(self, file: str, offset: int, view: memoryview | None, spans: list[Span], *,
-                 whole: int = 0, part: int = 0, done: Callable[[str], None] | None = None,
-                 write: Write | None = None) -> None:
-        self.file, self.offset, self.view, self.whole, self.done = file, offset, view, whole, done
-        self.write = write
-        self.size = whole if view is None else len(view)
-        self.part = whole or part
+    def __init__(self, file: str, offset: int, view: memoryview, spans: list[Span], *,
+                 done: Callable[[str], None] | None = None, write: Write | None = None) -> None:
+        self.file, self.offset, self.view, self.done, self.write = file, offset, view, done, write
+        self.size = len(view)
         self.spans = spans
         self._todo = deque(sorted(spans, key=lambda s: s[1]))
         self._open: list[tuple[str, int, int, str, Checksum]] = []
@@ -163,16 +114,10 @@ class _Range:
             _compare(where, name, Checksum(), want)
 
     def take(self, begin: int, data: memoryview, where: str) -> None:
-        """``data``, the bytes from ``begin``: hashed, then written (``write``), or into
-        ``view`` a ``SLICE`` at a time, each hashed at once."""
-        if self.write is not None:
-            self.landed(begin, begin + len(data), where, data)
-            self.write(self.offset + begin, data)
-            return
-        for at in range(0, len(data), SLICE):
-            n = min(SLICE, len(data) - at)
-            self.view[begin + at:begin + at + n] = data[at:at + n]  # type: ignore[index]
-            self.landed(begin + at, begin + at + n, where)
+        """``data``, the bytes from ``begin``: hashed, then written (``write``)."""
+        assert self.write is not None
+        self.landed(begin, begin + len(data), where, data)
+        self.write(self.offset + begin, data)
 
     def landed(self, begin: int, end: int, where: str, data: memoryview | None = None) -> None:
         """Bytes ``begin``..``end`` are in: in ``view``, or ``data`` holds them."""
