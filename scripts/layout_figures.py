@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import sys
 from pathlib import Path
@@ -40,21 +41,34 @@ def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _type_checking_nodes(tree: ast.Module) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path, text: str) -> ast.Module:
+    return ast.parse(text, str(path))
+
+
+def parse(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per text: the figures read each module nine ways."""
+    return _tree(path, path.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _import_nodes(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
+    """Each import statement of ``tree`` with (inside a function or lambda, inside the body
+    of an ``if TYPE_CHECKING:``), found in one pass over the tree."""
+    out: list[tuple[ast.Import | ast.ImportFrom, bool, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool, type_checking: bool) -> None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append((node, in_function, type_checking))
+        in_function = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        guarded = set()
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skip
+            guarded = {id(stmt) for stmt in node.body}
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function, type_checking or id(child) in guarded)
 
-
-def _function_nodes(tree: ast.Module) -> set[int]:
-    """The nodes inside a function's body: run when it is called, not at import."""
-    inside: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            inside.update(id(n) for n in ast.walk(node) if n is not node)
-    return inside
+    visit(tree, False, False)
+    return out
 
 
 def imports(mods: dict[str, Path], *, in_functions: bool = True,
@@ -65,19 +79,15 @@ def imports(mods: dict[str, Path], *, in_functions: bool = True,
     graph: dict[str, set[str]] = {m: set() for m in mods}
     private: list[tuple[str, str, str]] = []
     for mod, path in mods.items():
-        tree = ast.parse(path.read_text(), str(path))
-        skip = set() if type_checking else _type_checking_nodes(tree)
-        if not in_functions:
-            skip |= _function_nodes(tree)
         is_pkg = path.name == "__init__.py"
-        for node in ast.walk(tree):
-            if id(node) in skip:
+        for node, in_function, guarded in _import_nodes(parse(path)):
+            if (guarded and not type_checking) or (in_function and not in_functions):
                 continue
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name in mods:
                         graph[mod].add(alias.name)
-            elif isinstance(node, ast.ImportFrom):
+            else:
                 target = _resolve(mod, is_pkg, node)
                 if not (target == PACKAGE or target.startswith(PACKAGE + ".")):
                     continue
@@ -162,7 +172,7 @@ def format_branches(mods: dict[str, Path]) -> list[str]:
     for mod, path in mods.items():
         if mod.startswith(f"{PACKAGE}.format"):
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.Compare) and any(
                     isinstance(c, ast.Constant) and c.value in ("hdf5", "chunk")
                     for c in [node.left, *node.comparators]):
@@ -187,7 +197,7 @@ def tier_branches(mods: dict[str, Path]) -> list[str]:
     for mod, path in mods.items():
         if mod == f"{PACKAGE}.tiers" or mod.startswith(f"{PACKAGE}.tiers."):
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path)):
             hit = False
             if isinstance(node, ast.Compare) and any(
                     isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
@@ -233,7 +243,7 @@ def class_attributes(path: Path, name: str) -> list[str]:
     """The attributes a class's methods assign on ``self``."""
     if not path.exists():
         return []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.ClassDef) and node.name == name:
             attrs = set()
             for sub in ast.walk(node):
@@ -260,7 +270,7 @@ def functions(mods: dict[str, Path]) -> list[tuple[int, str]]:
                     walk(child, name + ".")
                 elif isinstance(child, ast.ClassDef):
                     walk(child, prefix + child.name + ".")
-        walk(ast.parse(path.read_text(), str(path)), "")
+        walk(parse(path), "")
     return sorted(out, reverse=True)
 
 
@@ -276,7 +286,7 @@ def comment_density(mods: dict[str, Path]) -> tuple[int, int]:
     for path in mods.values():
         text = path.read_text()
         doc_lines: set[int] = set()
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(parse(path)):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 body = node.body
                 if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
@@ -298,7 +308,7 @@ def docstring_lines(mods: dict[str, Path]) -> list[int]:
     """The length in lines of each module's docstring (0 where there is none)."""
     out = []
     for path in mods.values():
-        doc = ast.get_docstring(ast.parse(path.read_text()), clean=True)
+        doc = ast.get_docstring(parse(path), clean=True)
         out.append(len(doc.splitlines()) if doc else 0)
     return out
 

@@ -5,6 +5,7 @@ stopped the daemon, each pinned by a test of its own."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 import sys
 import time
@@ -237,12 +238,15 @@ def _ask(sock: zmq.Socket, header: bytes) -> dict:
     return msgpack.unpackb(sock.recv(), raw=False)
 
 
+_RUNS = itertools.count()
+
+
 @pytest.fixture
-def dealer(daemon):
+def dealer(shared_daemon):
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(daemon.endpoint)
+    sock.connect(shared_daemon.endpoint)
     yield sock
     sock.close(0)
 
@@ -252,13 +256,15 @@ def dealer(daemon):
     {"max_bytes": "9" * 400},
     {"keep_last": [1]}, {"keep_within": {"a": 1}}, {"mode": 5}, {"bogus": 1},
 ])
-def test_hostile_retention_in_hello_is_refused_and_the_daemon_serves_on(daemon, dealer, retention) -> None:
+def test_hostile_retention_in_hello_is_refused_and_the_daemon_serves_on(shared_daemon, dealer, retention) -> None:
+    """One daemon for all of them: it serves on after each, and after those before it."""
+    daemon = shared_daemon
     hello = msgpack.packb({"op": "hello", "v": 1, "run": "r", "rank": 0, "world_size": 1, "pid": 1,
                            "host": "h", "retention": retention})
     reply = _ask(dealer, hello)
     assert reply["op"] == "error" and "retention" in reply["message"]
     assert daemon.proc.poll() is None
-    with daemon.producer() as p:
+    with daemon.producer(f"serves-on-{next(_RUNS)}") as p:
         assert p.save({"w": torch.ones(4)}, 1).wait(30).step == 1
 
 
