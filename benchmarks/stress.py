@@ -564,8 +564,9 @@ def live_fuzz(base: Path, *, messages: int, seed: int = 0, memory_budget: str = 
     from hostile import Fuzzer, Stalled
 
     rng = random.Random(seed)
+    # drain_timeout: the fuzzer's half-sent steps are failed 10 s into the SIGTERM, well within stop()'s wait
     d = Daemon(base / "fuzz", chunk_size="1MiB", memory_budget=memory_budget, max_frame="1MiB",
-               session_timeout="5s", log_level="info", nofile=1024)
+               session_timeout="5s", drain_timeout="10s", log_level="info", nofile=1024)
     ledger = Ledger(d.root, States(FUZZ_SIZES))
     good: Worker | None = None
     fuzzer = None
