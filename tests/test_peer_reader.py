@@ -83,9 +83,7 @@ def test_a_trainer_holding_no_key_recovers_through_its_daemon_which_refuses_othe
         b.start()
         saved = _save(a, range(1, 3))
         _wait(lambda: _held(b).get((2, 0)) == "memory", "A's newest share held by B")
-        a.kill()
-        shutil.rmtree(a.root)
-        a.start()
+        _lose_root(a)
         key_files = sorted(str(p) for p in (tmp_path / "nodekeys").rglob("*") if p.is_file())
         for path in key_files:
             os.chmod(path, 0)  # the daemons read theirs at start
@@ -327,6 +325,13 @@ def test_a_run_this_node_has_not_seen_is_recovered_only_by_the_owner_its_manifes
 
 
 # -- bounded answers, and what a load costs each peer ---------------------------------------
+def _lose_root(node: Daemon) -> None:
+    """The node's daemon killed and started again on an empty root: a node replaced."""
+    node.kill()
+    shutil.rmtree(node.root)
+    node.start()
+
+
 def _node(tmp_path: Path, name: str, listen: str, peers: list[str], **peer: object) -> Daemon:
     return Daemon(tmp_path / name, tables={"peer": {"listen": listen, "peers": peers, "timeout": "1s", **peer}})
 
@@ -469,9 +474,8 @@ def test_local_ranks_loading_at_once_fetch_the_share_once_a_node(tmp_path) -> No
 
 
 def test_a_daemon_lands_a_recovered_share_without_loading_torch(tmp_path, monkeypatch) -> None:
-    """The daemon never needs torch: its first recovery imported it to allocate memory it
-    never used (landing writes into the files' mappings), which stalled that recovery for
-    as long as the import took (20-30 s on a loaded machine without bytecode caches)."""
+    """The daemon lands a recovered share without importing torch: the import would hold
+    up the recovery that needs it, for memory landing never uses (it writes the files)."""
     a_, b_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     a = _node(tmp_path, "a", a_, [b_], memory="64MiB")
     b = _node(tmp_path, "b", b_, [a_])
@@ -480,9 +484,7 @@ def test_a_daemon_lands_a_recovered_share_without_loading_torch(tmp_path, monkey
         b.start()
         saved = _save(b, range(1, 2))
         _wait(lambda: _held(a).get((1, 0)) == "memory", "B's share held by A")
-        b.kill()
-        shutil.rmtree(b.root)
-        b.start()
+        _lose_root(b)
         monkeypatch.setenv("CKPTD_CONFIG", str(b.config))
         assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
         _wait(lambda: _recovered(b)["fetched_shares"] == 1, "the share landed by B's daemon (behind the read)")

@@ -140,7 +140,7 @@ def _compare(where: str, name: str, h: Checksum, want: str) -> None:
 
 def _fresh(n: int) -> memoryview:
     """``n`` bytes of new anonymous memory. Not torch's: the daemon lands shares through
-    here, and importing torch on its first recovery stalled it for seconds."""
+    here and never imports torch, whose import would hold up the recovery that needs it."""
     return memoryview(mmap.mmap(-1, n) if n else bytearray())
 
 
