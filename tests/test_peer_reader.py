@@ -551,7 +551,7 @@ def test_a_peer_silent_once_is_asked_again_before_latest_says_none(tmp_path, mon
     resumed job start over). A stopped through both asks: none, with a warning naming A,
     and the next ask does not wait for A again."""
     a_, c_ = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    a = _node(tmp_path, "a", a_, [c_])
+    a = _node(tmp_path, "a", a_, [])  # it copies its share to nobody: only A can answer for step 1
     c = _node(tmp_path, "c", c_, [a_])
     try:
         for n in (a, c):
