@@ -9,7 +9,9 @@ after its first ``should_save``. Under torchrun
 signals), ``handler`` (a SIGTERM handler of its own, installed first: it writes
 ``OUT/handled-r<rank>`` and exits 7), ``off`` (``preempt_signals=[]``; it writes the
 dispositions it finds after a ``should_save`` to ``OUT/dispositions``), ``slow``
-(a step of 2 s), ``stuck`` (a step of 60 s, and a grace of 3 s); in every mode the first
+(a step of 2 s), ``stuck`` (a step of 60 s, and a grace of 3 s), ``peer_gone`` (two ranks, a grace of
+3 s: from step 2 rank 1 sleeps for an hour and rank 0 writes ``OUT/collective-r0``, then
+waits in an all-reduce, in gloo's C++); in every mode the first
 step takes 0.05 s (the tests signal once it is done).
 """
 
@@ -54,11 +56,16 @@ def main(endpoint: str, run: str, out: Path, mode: str) -> None:
             os._exit(7)
         signal.signal(signal.SIGTERM, handled)
     options = {"preempt_signals": []} if mode == "off" else {}
-    p = Producer(endpoint, run, staging_size="8MiB", timeout=10, preempt_grace=3 if mode == "stuck" else 20,
-                 **options)
+    p = Producer(endpoint, run, staging_size="8MiB", timeout=10,
+                 preempt_grace=3 if mode in ("stuck", "peer_gone") else 20, **options)
     write(out / f"pid-r{rank}", str(os.getpid()))
     for step in range(1, 100_000):
         time.sleep({"slow": 2.0, "stuck": 60.0}.get(mode, 0.05) if step > 1 else 0.05)
+        if mode == "peer_gone" and step > 1:
+            if rank == 1:
+                time.sleep(3600)
+            write(out / f"collective-r{rank}", str(step))
+            dist.all_reduce(torch.ones(1))
         write(out / f"step-r{rank}", str(step))
         if p.should_save(step, min_steps=100_000):  # never but on a notice
             p.save(state(step), step)

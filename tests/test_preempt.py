@@ -19,13 +19,14 @@ import torch
 import ckptd
 from ckptd.errors import ConfigError
 import preempt_job
+from conftest import free_port
 
 JOB = Path(preempt_job.__file__)
 GRACE = 20.0  # preempt_job's preempt_grace
 
 
-def start(daemon, tmp_path: Path, mode: str, run: str = "pre") -> subprocess.Popen:
-    env = dict(os.environ, CKPTD_ROOT=str(daemon.root), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def start(daemon, tmp_path: Path, mode: str, run: str = "pre", **env_vars: str) -> subprocess.Popen:
+    env = dict(os.environ, CKPTD_ROOT=str(daemon.root), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_vars)
     return subprocess.Popen([sys.executable, str(JOB), daemon.endpoint, run, str(tmp_path), mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -111,6 +112,33 @@ def test_a_loop_that_saves_no_more_still_ends_at_the_grace(daemon, tmp_path) -> 
     assert 3.0 <= time.monotonic() - sent < 10.0
     assert "no save within the 3 s grace" in output
     assert ckptd.latest("pre", root=daemon.root) is None
+
+
+def test_a_rank_waiting_in_a_collective_whose_peer_is_gone_still_ends_at_the_grace(daemon, tmp_path) -> None:
+    """Rank 0 waits in gloo's all-reduce (C++: Python runs no handler until it returns) for
+    rank 1, which never comes: after SIGTERM the grace still ends it, as the signal does,
+    long before a launcher's SIGKILL (torchrun's, 30 s on)."""
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [start(daemon, tmp_path, "peer_gone", RANK=str(r), **env) for r in (0, 1)]
+    try:
+        wait_for_step(tmp_path, 1, procs, ranks=2)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "collective-r0").exists():
+            assert procs[0].poll() is None and time.monotonic() < deadline, "rank 0 never reached the collective"
+            time.sleep(0.02)
+        time.sleep(0.5)  # into gloo's wait
+        sent = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        output = procs[0].communicate(timeout=30)[0]
+        assert procs[0].returncode == -signal.SIGTERM, output[-4000:]
+        assert 3.0 <= time.monotonic() - sent < 10.0
+        assert "no save within the 3 s grace" in output
+        assert reached(tmp_path, 0) == 1 and ckptd.latest("pre", root=daemon.root) is None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def test_no_preempt_signals_leaves_the_handlers_as_they_were(daemon, tmp_path) -> None:

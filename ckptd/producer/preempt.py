@@ -1,17 +1,21 @@
 """Preemption notices: a scheduler's signal, or ``Producer.preempt()``, and the save after it.
 
-``Notices.install`` hears ``[producer] preempt_signals``; its handler only records the
-notice (as the daemon's signal handlers do). ``Notices.due`` tells ``should_save``, agreed
-over the ranks by ``any_rank``; ``Notices.commit`` makes the save after it durable within
-``[producer] preempt_grace``, then hands the signal on as the process would have taken
-it. Read ``Notices`` top to bottom.
+``Notices.install`` hears ``[producer] preempt_signals`` on a thread of its own
+(``Wakeup``), so a notice counts, and the grace ends the process, while the main thread
+waits in C. ``Notices.due`` tells ``should_save``, agreed over the ranks by ``any_rank``;
+``Notices.commit`` makes the save after it durable within ``[producer] preempt_grace``,
+then hands the signal on as the process would have taken it. Read ``Notices`` top to
+bottom.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -38,6 +42,8 @@ class Notices:
         self.signum: int | None = None
         self.at: float | None = None
         self._previous: dict[int, Any] = {}
+        self._found: dict[int, Any] = {}
+        self._wakeup: Wakeup | None = None
         self._settled = threading.Event()
         self._heard = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -50,6 +56,8 @@ class Notices:
         for sig in self.signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._on_signal)
+        self._found = dict(self._previous)
+        self._wakeup = Wakeup(self._heard_signal)
         self._watcher = threading.Thread(target=self._watch, name="ckptd-preempt", daemon=True)
         self._watcher.start()
 
@@ -59,14 +67,23 @@ class Notices:
             self.preempted, self.at, self._due = True, time.monotonic(), True
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        """Python's handler, in the main thread once it runs Python again: it passes a
+        settled signal on; ``_heard_signal`` took the notice as the signal arrived."""
         if self._passing:
             self._pass_on(signum, frame)
+
+    def _heard_signal(self, signum: int) -> None:
+        """On the ``ckptd-signals`` thread, at once, whatever the main thread does."""
+        if signum not in self.signals:
+            return
+        if self._passing:
+            if self._found.get(signum) in (signal.SIG_DFL, None):
+                die_of(signum)
         elif self.signum is not None:  # a second signal ends the process now, as the signal's default
-            self.restore()
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            die_of(signum)
         else:
-            self.signum, self._due, self.preempted, self.at = signum, True, True, time.monotonic()
+            self.signum, self.at, self.preempted = signum, time.monotonic(), True
+            self._due = True
             self._heard.set()
 
     def due(self, any_rank: Callable[[bool], bool]) -> bool:
@@ -128,6 +145,9 @@ class Notices:
 
     def close(self) -> None:
         self.restore()
+        if self._wakeup is not None and threading.current_thread() is threading.main_thread():
+            self._wakeup.close()
+            self._wakeup = None
         self._settled.set()
         self._heard.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
@@ -149,6 +169,49 @@ class Notices:
         if not self._settled.wait(self.grace_s) and not self._passing:
             log.error("preemption: no save within the %.0f s grace; the signal goes on", self.grace_s)
             self.hand_on()
+
+
+class Wakeup:
+    """The ``ckptd-signals`` thread: it hears every signal Python catches as it arrives
+    (``signal.set_wakeup_fd``), while the main thread, which alone runs Python's handlers,
+    may wait in C for minutes (a collective whose peer is gone). The bytes go on to the
+    wakeup fd set before (asyncio's), or are dropped where it is full, as Python does."""
+
+    def __init__(self, hear: Callable[[int], None]) -> None:
+        self._hear = hear
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._chained = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, name="ckptd-signals", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while data := self._read.recv(512):
+            if self._chained != -1:
+                with contextlib.suppress(OSError):
+                    os.write(self._chained, data)
+            for signum in data:
+                self._hear(signum)
+
+    def close(self) -> None:
+        """The earlier wakeup fd back (main thread only), unless another replaced ours."""
+        now = signal.set_wakeup_fd(self._chained)
+        if now != self._write.fileno():
+            signal.set_wakeup_fd(now)
+            return
+        self._write.close()
+        self._thread.join()
+        self._read.close()
+
+
+def die_of(signum: int) -> None:
+    """End the process as ``signum``'s default disposition does, from any thread
+    (``signal.signal`` works in the main thread only)."""
+    set_disposition = ctypes.CDLL(None, use_errno=True).signal
+    set_disposition.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    set_disposition.restype = ctypes.c_void_p
+    set_disposition(signum, int(signal.SIG_DFL))
+    os.kill(os.getpid(), signum)
 
 
 def any_rank(world_size: int) -> Callable[[bool], bool]:
