@@ -115,6 +115,7 @@ class DaemonConfig:
     log_level: str = _opt("info", _choice("debug", "info", "warning", "error"))
     metrics: str = _opt("", lambda v: _listen_address(v))
     drain_timeout: float = _opt(60.0, parse_duration)
+    retention_interval: float = _opt(30.0, _positive(parse_duration))
     direct_io: bool = _opt(True, lambda v: _bool(v))
     write_rate: int = _opt(0, parse_size)
     writer_threads: int = _opt(0, lambda v: _threads(v))

@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 import ckptd
 from ckptd import index
 from ckptd.daemon.launcher import toml_text
-from ckptd.config import RetentionConfig, load as load_config
+from ckptd.config import DaemonConfig, RetentionConfig, load as load_config
 from ckptd.manifest import Manifest
 from ckptd.daemon.upkeep import Passes
 from ckptd.peer import partners
@@ -32,6 +32,7 @@ from conftest import DAEMONS, Daemon, cli, free_port
 KEEP = 3
 NBYTES = 64 * 1024
 URL = "s3://ckptd/cluster"
+INTERVAL_S = 1.0  # [daemon] retention_interval: a step completed on another node is counted within it
 
 
 def _tables(setup: str, n: int) -> list[dict]:
@@ -46,6 +47,10 @@ def _tables(setup: str, n: int) -> list[dict]:
             t["remote"] = {"url": URL, "part_bytes": "5MiB", "max_retry_s": 1}
         out.append(t)
     return out
+
+
+def _node(base: Path, tables: dict) -> Daemon:
+    return Daemon(base, tables=tables, retention_interval=INTERVAL_S)
 
 
 def _tensor(step: int, rank: int) -> torch.Tensor:
@@ -108,6 +113,21 @@ def test_the_rule_bounds_a_root_whatever_the_cluster_completes(held, data, keep_
     assert len(kept - every) <= keep_last + 1
 
 
+def test_every_run_seen_is_passed_again_each_retention_interval() -> None:
+    """Without a commit, a pass per run every ``[daemon] retention_interval``; 30 s by default."""
+    assert DaemonConfig().retention_interval == 30.0
+    pruned: list[str] = []
+    passes = Passes(pruned.append, 0.05)
+    passes.start()
+    try:
+        passes.request("a")
+        passes.request("b")
+        _wait(lambda: pruned.count("a") >= 4 and pruned.count("b") >= 4, lambda: f"passes: {pruned}", timeout=10)
+    finally:
+        passes.close()
+    assert set(pruned) == {"a", "b"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setup", ["peers", "bucket", "both"])
 def test_each_root_holds_what_the_policy_keeps_across_the_cluster(setup, tmp_path, request, monkeypatch) -> None:
@@ -115,7 +135,7 @@ def test_each_root_holds_what_the_policy_keeps_across_the_cluster(setup, tmp_pat
         request.getfixturevalue("s3")
     n = 3 if setup == "peers" else 2
     tables = _tables(setup, n)
-    nodes = [Daemon(tmp_path / f"node{i}", tables=t) for i, t in enumerate(tables)]
+    nodes = [_node(tmp_path / f"node{i}", t) for i, t in enumerate(tables)]
     request.node.stash[DAEMONS] = nodes  # their logs in a failed test's report
     try:
         for node in nodes:
@@ -141,7 +161,7 @@ def test_each_root_holds_what_the_policy_keeps_across_the_cluster(setup, tmp_pat
         assert r.returncode == 0 and json.loads(r.stdout)["step"] == 12, r.stderr
         for node in nodes:  # the last step is complete everywhere: no step is in flight
             _wait(lambda: len(_on_disk(node)) == KEEP, lambda: f"{node.root}: {_on_disk(node)}",
-                  timeout=Passes.EVERY_S + 30)
+                  timeout=INTERVAL_S + 30)
         # `ckptd prune` follows the same rule and says why: a stricter keep_last would remove
         # the oldest steps, each complete across the cluster; the newest stays
         out = _lines(_prune(nodes[0], tables[0], tmp_path, 1, "--dry-run"))
@@ -200,7 +220,7 @@ def test_a_node_down_never_costs_the_newest_complete_step_nor_keep_every(tmp_pat
     tables = _tables("peers", 2)
     for t in tables:
         t["retention"] = {"keep_last": 2, "keep_every": 4}
-    nodes = [Daemon(tmp_path / f"node{i}", tables=t) for i, t in enumerate(tables)]
+    nodes = [_node(tmp_path / f"node{i}", t) for i, t in enumerate(tables)]
     request.node.stash[DAEMONS] = nodes
     try:
         for node in nodes:
@@ -252,7 +272,7 @@ def test_a_stopped_partner_never_lets_a_root_grow_past_the_bound(tmp_path, reque
     kept every step since 3); step 3 loads bit-exact through A before and after
     `ckptd prune`, which says why each step stays or goes."""
     tables = _tables("peers", 2)
-    a, b = nodes = [Daemon(tmp_path / f"node{i}", tables=t) for i, t in enumerate(tables)]
+    a, b = nodes = [_node(tmp_path / f"node{i}", t) for i, t in enumerate(tables)]
     request.node.stash[DAEMONS] = nodes
     monkeypatch.setenv("CKPTD_CONFIG", str(a.config))
     try:
@@ -313,7 +333,7 @@ def test_peer_memory_after_a_reroute_holds_keep_last_steps_of_each_rank(tmp_path
     tables = _tables("peers", 3)
     for t in tables:
         t["peer"]["heartbeat"] = "0.5s"
-    nodes = [Daemon(tmp_path / f"node{i}", tables=t) for i, t in enumerate(tables)]
+    nodes = [_node(tmp_path / f"node{i}", t) for i, t in enumerate(tables)]
     request.node.stash[DAEMONS] = nodes
     listens = [t["peer"]["listen"] for t in tables]
     partner = [listens.index(partners.of(load_config(n.config).peer, "job", r)[0]) for r, n in enumerate(nodes)]

@@ -45,7 +45,7 @@ class Upkeep:
         self._store = bucket.open_store(None, config) if config.remote.enabled else None
         self._known: dict[str, dict[int, tuple[str, ...]]] = {}  # run -> steps found complete across the cluster
         across = config.peer.enabled or config.remote.enabled
-        self._passes = Passes(self.prune) if across else None
+        self._passes = Passes(self.prune, config.daemon.retention_interval) if across else None
         self._alone = Alone(self.root)
 
     def start(self) -> None:
@@ -196,13 +196,12 @@ class Upkeep:
 class Passes:
     """The ``ckptd-prune`` thread: retention passes that ask the peers (the network),
     one run at a time; requests for a run already waiting are one pass. Every run seen
-    is passed again every ``EVERY_S`` seconds: a step another node completes after this
-    node's last commit is counted without waiting for its next one."""
+    is passed again every ``interval_s`` (``[daemon] retention_interval``): a step another
+    node completes after this node's last commit is counted without waiting for its next one."""
 
-    EVERY_S = 30.0
-
-    def __init__(self, prune: Callable[[str], None]) -> None:
+    def __init__(self, prune: Callable[[str], None], interval_s: float) -> None:
         self._prune = prune
+        self.interval_s = interval_s
         self._wanted: dict[str, None] = {}
         self._seen: dict[str, None] = {}
         self._cond = threading.Condition()
@@ -226,7 +225,7 @@ class Passes:
 
     def _next(self) -> str | None:
         with self._cond:
-            if not self._wanted and not self._closing and not self._cond.wait(self.EVERY_S):
+            if not self._wanted and not self._closing and not self._cond.wait(self.interval_s):
                 self._wanted.update(self._seen)
             if self._closing or not self._wanted:
                 return None
