@@ -8,6 +8,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -162,6 +163,26 @@ def test_preempt_from_user_code_and_the_handlers_put_back_at_close(daemon) -> No
         assert ckptd.latest("own", root=daemon.root).step == 2
         assert not p.should_save(3, min_steps=1000) and p.preempted
     assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)] == before
+
+
+def test_a_wakeup_fd_set_before_hears_every_signal_and_is_put_back_at_close(daemon) -> None:
+    """asyncio sets a wakeup fd: the notice's thread hears through one of its own, passes
+    each byte on to the one it found, and puts that one back at close."""
+    found, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    before = signal.set_wakeup_fd(theirs.fileno())
+    try:
+        with daemon.producer("wake") as p:
+            assert not p.should_save(1, min_steps=1000)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            found.settimeout(10)
+            assert found.recv(1) == bytes([signal.SIGUSR1])
+            assert p.preempted
+        assert signal.set_wakeup_fd(-1) == theirs.fileno()
+    finally:
+        signal.set_wakeup_fd(before)
+        found.close()
+        theirs.close()
 
 
 def test_bad_preempt_signals_are_refused_by_name(daemon) -> None:

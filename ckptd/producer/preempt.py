@@ -44,6 +44,7 @@ class Notices:
         self._previous: dict[int, Any] = {}
         self._found: dict[int, Any] = {}
         self._wakeup: Wakeup | None = None
+        self._heard_count = {"main": 0, "thread": 0}
         self._settled = threading.Event()
         self._heard = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -67,21 +68,30 @@ class Notices:
             self.preempted, self.at, self._due = True, time.monotonic(), True
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """Python's handler, in the main thread once it runs Python again: it passes a
-        settled signal on; ``_heard_signal`` took the notice as the signal arrived."""
+        """Python's handler, in the main thread once it runs Python again."""
         if self._passing:
             self._pass_on(signum, frame)
+        else:
+            self._notice(signum, "main")
 
     def _heard_signal(self, signum: int) -> None:
-        """On the ``ckptd-signals`` thread, at once, whatever the main thread does."""
+        """On the ``ckptd-signals`` thread, as the signal arrives, whatever the main thread does."""
         if signum not in self.signals:
             return
         if self._passing:
             if self._found.get(signum) in (signal.SIG_DFL, None):
                 die_of(signum)
-        elif self.signum is not None:  # a second signal ends the process now, as the signal's default
-            die_of(signum)
         else:
+            self._notice(signum, "thread")
+
+    def _notice(self, signum: int, hearer: str) -> None:
+        """Both hearers take the notice, whichever comes first (the thread's wakeup fd may
+        be replaced, asyncio's); each hears a signal once, so its second is a second signal,
+        which ends the process now, as the signal's default."""
+        self._heard_count[hearer] += 1
+        if self._heard_count[hearer] > 1:
+            die_of(signum)
+        elif self.signum is None:
             self.signum, self.at, self.preempted = signum, time.monotonic(), True
             self._due = True
             self._heard.set()
