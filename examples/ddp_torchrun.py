@@ -13,9 +13,10 @@ What each rank does (docs/training.md, "torchrun and multi-process jobs"):
   holds the same under DDP, are ``replicated=``: each of their tensors is written by
   one rank only (the work spread over the ranks), so the job writes them once, not
   once per rank; plus what is each rank's own: its RNG state and its data position;
-- on start, loads its own share of the newest complete step (``ckptd.load`` picks
-  the share by ``$RANK``; the replicated tensors come from whichever rank wrote them)
-  and goes on from the step after.
+- on start, agrees with the other ranks on the newest step all of them can read
+  (``ckptd.latest(run, agree=True)``, one collective), loads its own share of it
+  (``ckptd.load`` picks the share by ``$RANK``; the replicated tensors come from
+  whichever rank wrote them) and goes on from the step after.
 
 The gloo backend on CPU runs anywhere; on GPUs use nccl and move the model to
 ``cuda:LOCAL_RANK`` (emit copies GPU tensors to staging without blocking the CPU).
@@ -65,8 +66,9 @@ def main() -> None:
 
     producer.configure(run=args.run, staging_size=args.staging)  # rank, world size: torchrun's
     start = 1
-    if ckptd.latest(args.run) is not None:
-        state = ckptd.load(args.run)  # this rank's share of the newest complete step
+    info = ckptd.latest(args.run, agree=True)  # the newest step every rank can read, the same on all
+    if info is not None:
+        state = ckptd.load(args.run, info.step)  # this rank's share of it
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         torch.set_rng_state(state["rng"])

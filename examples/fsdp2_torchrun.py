@@ -13,8 +13,8 @@ What each rank does (docs/training.md):
   ``producer.save`` stores each rank's local pieces with their place in the whole
   tensor, and returns once they are copied;
 - on start, takes the target layout of *this* job (``get_state_dict`` of the freshly
-  sharded model) and fills it in place from the newest complete step with
-  ``ckptd.load_into``, whatever number of ranks saved it: each rank reads only the
+  sharded model) and fills it in place from the newest step every rank can read
+  (agreed by all) with ``ckptd.load_into``, whatever number of ranks saved it: each rank reads only the
   bytes of the stored pieces that overlap its own.
 
 Every rank sees the same global batch, so a resumed job (on any world size) follows
@@ -61,11 +61,12 @@ def main() -> None:
 
     producer.configure(run=args.run)  # rank and world size: torchrun's
     start = 1
-    if ckptd.latest(args.run) is not None:
+    found = ckptd.latest(args.run, agree=True)  # the newest step every rank can read, the same on all
+    if found is not None:
         # this job's own layout, filled in place from whatever layout saved it
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd, "step": 0}
-        info = ckptd.load_into(state, args.run)
+        info = ckptd.load_into(state, args.run, found.step)
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
         start = info.step + 1
         print(f"rank {rank}: resumed from step {info.step} (saved by {info.world_size} ranks)", flush=True)

@@ -26,7 +26,8 @@ from .metadata import METADATA_KEY, decode_metadata, synthesize_metadata
 
 class StorageReader(_Reader):
     """A DCP ``StorageReader`` of step ``step`` of ``run`` (None: the newest complete
-    step, chosen at ``read_metadata``). ``root`` defaults to ``$CKPTD_ROOT`` / the
+    step, chosen at ``read_metadata``; under a process group, the newest every rank of
+    it has, agreed by all: a ``no_dist`` or subgroup load passes a step). ``root`` defaults to ``$CKPTD_ROOT`` / the
     config's; ``verify=True`` checks the checksum of every record read."""
 
     def __init__(self, run: str | None = None, step: int | None = None, *,
@@ -51,7 +52,8 @@ class StorageReader(_Reader):
         self._values = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path, manifests = reader.find(self.run, self.step, self.root)
+        step = reader.agreed_step(self.run, self.root, local=True) if self.step is None else self.step
+        path, manifests = reader.find(self.run, step, self.root)
         self._path, self._manifests = path, manifests
         self.info = CheckpointInfo.from_manifests(str(path), manifests)
         stored = manifests[0].metadata.get(METADATA_KEY)

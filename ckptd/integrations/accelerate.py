@@ -67,10 +67,11 @@ def _share(accelerator: Any) -> dict[str, Any]:
 def load_state(accelerator: Any, step: int | None = None, *, run: str | None = None,
                root: str | os.PathLike[str] | None = None, strict: bool = True) -> CheckpointInfo:
     """Restore ``accelerator``'s prepared objects, registered objects and this process's
-    RNG states from ``step`` (None: the newest complete step); return its CheckpointInfo."""
+    RNG states from ``step`` (None: the newest complete step, agreed by every process);
+    return its CheckpointInfo."""
     _check_unsharded(accelerator)
     run = _run(run)
-    path, manifests = reader.find(run, step, root)
+    path, manifests = reader.find(run, reader.agreed_step(run, root, local=True) if step is None else step, root)
     step, world = manifests[0].step, manifests[0].world_size
     first = reader.load(run, step, root=root, rank=0)
     rank = accelerator.process_index

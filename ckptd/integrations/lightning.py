@@ -87,7 +87,7 @@ class CkptdCheckpointIO(_io.CheckpointIO):
         if self._producer is not None and run == self.run:
             self._producer.flush()
         if _LAST.match(Path(path).stem):
-            info = reader.latest(run, root=self.root)
+            info = reader.latest(run, root=self.root, agree=True)
             if info is None:
                 raise CheckpointError(f"{path} points at run {run!r}, which has no complete checkpoint "
                                       f"under {default_root(self.root)}")

@@ -178,7 +178,7 @@ class CkptdCallback(TrainerCallback):
         if resume_from_checkpoint is not True:
             return resume_from_checkpoint
         self.flush()
-        info = reader.latest(self.run, root=self.root)
+        info = reader.latest(self.run, root=self.root, agree=True)
         if info is None:
             return True
         args = self._trainer.args

@@ -11,10 +11,10 @@ from ..tiers.files import read_range, read_tensors
 from .checks import check, check_structure, share_records
 from .loading import destinations, load, verify
 from .reshard import Piece, Target, fill, load_into, load_whole, pieces_of
-from .finding import find, latest, latest_local, list_checkpoints, open_in_tiers, open_step, pick_rank
+from .finding import agreed_step, find, latest, latest_local, list_checkpoints, open_in_tiers, open_step, pick_rank
 
 __all__ = [
-    "Piece", "Target", "check", "check_structure", "destinations", "fill", "find", "latest", "latest_local",
+    "Piece", "Target", "agreed_step", "check", "check_structure", "destinations", "fill", "find", "latest", "latest_local",
     "list_checkpoints", "load", "load_into", "load_whole", "open_in_tiers", "open_step", "pick_rank", "pieces_of",
     "read_range", "read_tensors", "share_records", "verify",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 from .. import env, index, tiers
 from ..config import Config, load as load_config
@@ -17,6 +18,7 @@ from ..manifest import CheckpointInfo, Manifest
 from ..errors import TierUnavailable
 from ..tiers.base import Holding, merge, newest
 from ..tiers.local import LocalTier, newest_in, run_dir as _run_dir
+from .agree import agreed, group
 from .checks import check
 
 log = logging.getLogger("ckptd.reader")
@@ -34,14 +36,39 @@ def list_checkpoints(run: str, *, root: str | os.PathLike[str] | None = None,
     return infos
 
 
-def latest(run: str, *, root: str | os.PathLike[str] | None = None,
-           verify: bool = False, remote: str | None = None, config: Config | None = None) -> CheckpointInfo | None:
+def latest(run: str, *, root: str | os.PathLike[str] | None = None, verify: bool = False,
+           remote: str | None = None, config: Config | None = None, agree: bool = False) -> CheckpointInfo | None:
     """The newest complete checkpoint of ``run`` in any tier of the chain (``remote`` and
     ``config`` as for ``list_checkpoints``; ``verify=True`` looks at the local root only),
-    or None when it has none. See ``latest_local``."""
+    or None when it has none. See ``latest_local``.
+
+    ``agree=True``, under a process group of more than one rank: the newest step that
+    every rank can read, the same on every rank (None on all, or the same error on all:
+    ``agree.agreed``); a collective, so every rank must call it. Without a group, the same
+    as ``agree=False``."""
+    if agree:
+        return agreed(run, _lookup(run, root, verify, remote, config))
     if verify:
         return latest_local(run, root=root, verify=True)
     return _latest(tiers.chain(config, root=root, remote=remote), run)
+
+
+def _lookup(run: str, root: str | os.PathLike[str] | None, verify: bool, remote: str | None,
+            config: Config | None, local: bool = False) -> Callable[[int | None], CheckpointInfo | None]:
+    """``latest``'s lookup (``local``: in the local root only), given the newest step it
+    may answer (None: any)."""
+    chain: list[tiers.Tier] = []
+
+    def newest_at_most(bound: int | None) -> CheckpointInfo | None:
+        if verify or local:
+            return latest_local(run, root=root, verify=verify, at_most=bound)
+        if not chain:
+            chain.extend(tiers.chain(config, root=root, remote=remote))
+        if bound is None:
+            return _latest(chain, run)
+        older = [i for i in _steps(chain, run) if i.step <= bound]
+        return older[-1] if older else None
+    return newest_at_most
 
 
 def _latest(chain: list[tiers.Tier], run: str) -> CheckpointInfo | None:
@@ -63,19 +90,22 @@ def _latest(chain: list[tiers.Tier], run: str) -> CheckpointInfo | None:
 
 
 def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
-                 verify: bool = False) -> CheckpointInfo | None:
+                 verify: bool = False, at_most: int | None = None) -> CheckpointInfo | None:
     """The newest complete checkpoint of ``run``, or None when it has none.
 
     Reads the ``<run>/latest`` pointer the daemon keeps, and falls back to a scan
     of the run's step folders when the pointer is missing or names a step that is
     no longer complete. ``verify=True`` reads every tensor of each candidate,
     newest first, and returns the newest that passes verification (``verify``),
-    skipping damaged ones with a logged warning; None when none passes.
+    skipping damaged ones with a logged warning; None when none passes. ``at_most``:
+    the newest of the steps up to that one (scanned).
     """
     _, run_dir = _run_dir(run, root)
-    if not verify:
+    if not verify and at_most is None:
         return newest_in(run_dir)
-    for _, path in index.step_dirs(run_dir):
+    for step, path in index.step_dirs(run_dir):
+        if at_most is not None and step > at_most:
+            continue
         info = index.step_info(path, warn=True)
         if info is None or info.refused:
             continue
@@ -84,7 +114,7 @@ def latest_local(run: str, *, root: str | os.PathLike[str] | None = None,
         except CheckpointCorrupt as exc:  # replaced since step_info looked
             problems = [str(exc)]
         else:
-            problems = check(path, manifests) if manifests else ["no longer complete"]
+            problems = (check(path, manifests) if verify else []) if manifests else ["no longer complete"]
         if not problems:
             return info
         log.warning("run %r step %d is damaged; skipped: %s%s", run, info.step, problems[0],
@@ -118,6 +148,21 @@ def open_step(run: str, step: int | None, chain: list[tiers.Tier]) -> Holding:
     raise CheckpointNotFound(f"run {run!r} has no complete checkpoint at step {step}; complete steps: "
                              + (", ".join(map(str, have[-10:])) or "none")
                              + (" (newest 10 shown)" if len(have) > 10 else "") + f" ({_wheres(chain)})")
+
+
+def agreed_step(run: str, root: str | os.PathLike[str] | None, remote: str | None = None, *,
+                local: bool = False) -> int | None:
+    """Under a process group of more than one rank, the step ``latest(agree=True)`` agrees
+    on (``local``: looking in the local root only), or the same ``CheckpointNotFound`` on
+    every rank when no rank has one; else None (each process takes its own newest)."""
+    dist = group()
+    if dist is None:
+        return None
+    info = agreed(run, _lookup(run, root, False, remote, None, local))
+    if info is None:
+        raise CheckpointNotFound(f"run {run!r} has no checkpoints on any of the {dist.get_world_size()} "
+                                 "ranks of this job: no step of it is complete")
+    return info.step
 
 
 def open_in_tiers(run: str, step: int | None, root: str | os.PathLike[str] | None, remote: str | None) -> Holding:

@@ -21,7 +21,7 @@ from ..manifest import CheckpointInfo, Manifest, TensorRecord, checksum
 from ..sharding import Box, byte_span, describe_dtensor, intersect, is_dtensor, local_slices
 from . import optim
 from ..tiers.files import read_range, read_tensors
-from .finding import open_in_tiers
+from .finding import agreed_step, open_in_tiers
 
 READ_THREADS = 8
 SPLIT_BYTES = 32 << 20
@@ -82,8 +82,10 @@ def load_into(state: Any, run: str, step: int | None = None, *, root: str | os.P
     read from there: the shares of the ranks whose pieces overlap this process's
     targets, and only those, are fetched into the local root first (checksums
     checked), then read as a local step is.
+    Under a process group of more than one rank, ``step=None`` is the newest step every
+    rank can read, agreed by all (``latest(agree=True)``): every rank must call it.
     """
-    holding = open_in_tiers(run, step, root, remote)
+    holding = open_in_tiers(run, agreed_step(run, root, remote) if step is None else step, root, remote)
     path, manifests = holding.path, holding.manifests
     rank = env.group_rank()  # per-rank values stored whole: this rank's own copy is preferred
     pieces = pieces_of(manifests)
