@@ -11,8 +11,10 @@ one run, each on empty roots:
 
 For each: bucket bytes served (the bucket namespace's eth0 TX counter: the server's own
 view) ÷ unique bytes, and the restore time (go to the last rank done) against the
-slower of the bucket's and a node's link (unique bytes ÷ the rate). Every rank's tensors
-are compared with the saved ones (SHA-256). Needs root and iproute2.
+slower of the bucket's and a node's link (unique bytes ÷ the rate); each rank has
+imported what a load uses before the go (tests/read_once_job.py ``warm``). Every rank's
+tensors are compared with the saved ones (SHA-256). Needs root and iproute2; the
+namespaces are named ``$DRILL_NETNS_PREFIX`` (else ``readonce``) and a random tag.
 
     sudo .venv/bin/python benchmarks/restore_bench.py [--nodes 4] [--ranks 2] [--mib 64] [--link 200mbit]
 """
@@ -120,7 +122,7 @@ def drive(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     want = digests(flatten(state(args.mib)))
     figures: dict[str, Any] = {"nodes": args.nodes, "ranks": args.ranks, "mib": args.mib, "link": args.link,
                                "load": os.getloadavg()[0], "modes": {}}
-    with NetCluster(args.link, prefix="readonce") as net:
+    with NetCluster(args.link, prefix=os.environ.get("DRILL_NETNS_PREFIX", "readonce")) as net:
         for i in range(1, args.nodes + 1):
             net.add(i)
         net.add(BUCKET_NODE)

@@ -163,3 +163,25 @@ def test_nodes_restoring_together_read_each_share_from_the_bucket_once(s3, proxy
     # the copies land as they come, without torch (whose import takes the daemon a minute under load)
     for n in (a, b):
         assert "libtorch" not in Path(f"/proc/{n.pid}/maps").read_text(), f"daemon {n.pid} imported torch"
+
+
+def test_a_dead_fetcher_leaves_its_shares_to_the_bucket_with_a_warning(s3, proxy, make_daemon, monkeypatch,
+                                                                       tmp_path) -> None:
+    """A node whose peer (the fetcher of some shares) is gone reads those shares from the
+    bucket itself, once, says so in its log, and its ranks still read every byte as saved."""
+    want = digests(_flat(_ddp_state()))
+    _upload(make_daemon, monkeypatch, lambda p, r: p.save(_ddp_state(), STEP, replicated=True))
+    unique = _unique("ddp")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    a, b = (make_daemon(tables={"remote": {"url": URL},
+                                "peer": {"listen": e, "peers": [o for o in listens if o != e], "stall": "3s"}})
+            for e in listens)
+    b.kill()
+    proxy.reset()
+    got = _ranks(a, proxy, 2, ["load", "ddp"], tmp_path)
+    assert all(t == want for t in got)
+    assert proxy.served / unique <= 1.05, (proxy.served, unique)
+    fetched = a.status()["fetched"]
+    assert fetched["bytes"] == unique and fetched["peer_bytes"] == 0 and fetched["failed"] == 0, fetched
+    assert f"not from its fetcher {listens[1]}" in a.log_text(), a.log_text()[-3000:]
