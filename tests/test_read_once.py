@@ -143,15 +143,7 @@ def test_nodes_restoring_together_read_each_share_from_the_bucket_once(s3, proxy
                                                                       tmp_path) -> None:
     """Two nodes of [peer] daemons: each share is read from the bucket by its fetcher
     alone, and copied from there by the other node."""
-    want = digests(_flat(_ddp_state()))
-    _upload(make_daemon, monkeypatch, lambda p, r: p.save(_ddp_state(), STEP, replicated=True))
-    unique = _unique("ddp")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    a, b = (make_daemon(tables={"remote": {"url": URL},
-                                "peer": {"listen": e, "peers": [o for o in listens if o != e], "stall": "5s"}})
-            for e in listens)
-    proxy.reset()
+    want, unique, _, (a, b) = _two_peer_nodes(make_daemon, monkeypatch, proxy, "5s")
     got = _ranks(a, proxy, 3, ["load", "ddp"], tmp_path, nodes=[a, a, b])
     assert all(t == want for t in got)
     assert proxy.served / unique <= 1.05, (proxy.served, unique)
@@ -169,14 +161,7 @@ def test_a_dead_fetcher_leaves_its_shares_to_the_bucket_with_a_warning(s3, proxy
                                                                        tmp_path) -> None:
     """A node whose peer (the fetcher of some shares) is gone reads those shares from the
     bucket itself, once, says so in its log, and its ranks still read every byte as saved."""
-    want = digests(_flat(_ddp_state()))
-    _upload(make_daemon, monkeypatch, lambda p, r: p.save(_ddp_state(), STEP, replicated=True))
-    unique = _unique("ddp")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    a, b = (make_daemon(tables={"remote": {"url": URL},
-                                "peer": {"listen": e, "peers": [o for o in listens if o != e], "stall": "3s"}})
-            for e in listens)
+    want, unique, listens, (a, b) = _two_peer_nodes(make_daemon, monkeypatch, proxy, "3s")
     b.kill()
     proxy.reset()
     got = _ranks(a, proxy, 2, ["load", "ddp"], tmp_path)
@@ -185,3 +170,18 @@ def test_a_dead_fetcher_leaves_its_shares_to_the_bucket_with_a_warning(s3, proxy
     fetched = a.status()["fetched"]
     assert fetched["bytes"] == unique and fetched["peer_bytes"] == 0 and fetched["failed"] == 0, fetched
     assert f"not from its fetcher {listens[1]}" in a.log_text(), a.log_text()[-3000:]
+
+
+def _two_peer_nodes(make_daemon, monkeypatch, proxy, stall: str):
+    """A DDP step in the bucket and two [peer] daemons reading it through ``proxy``: the
+    saved digests, the unique bytes, the daemons' ``listen`` endpoints and the daemons."""
+    want = digests(_flat(_ddp_state()))
+    _upload(make_daemon, monkeypatch, lambda p, r: p.save(_ddp_state(), STEP, replicated=True))
+    unique = _unique("ddp")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    nodes = [make_daemon(tables={"remote": {"url": URL},
+                                 "peer": {"listen": e, "peers": [o for o in listens if o != e], "stall": stall}})
+             for e in listens]
+    proxy.reset()
+    return want, unique, listens, nodes
