@@ -19,6 +19,11 @@ paired with a floor of its own bytes:
 
     .venv/bin/python benchmarks/paired.py durable --shapes equal,gpt2,llama --repeat 5
 
+``--against CHECKOUT``: the same shapes saved by that checkout's daemon and producer too,
+in the same run, the order alternating, each save with a floor of its own; their ratio is
+"this / against" (each daemon runs its checkout's code: ``python -m ckptd`` would run
+the current folder's otherwise).
+
 ``--first-saves``: between repeats, a job's first saves as
 ``limits.py`` part 6 makes them (``limits.first_save_job``: new producers with
 ``staging_size = "auto"``, with no hint and with ``expected_bytes``, four saves each
@@ -35,10 +40,15 @@ import mmap
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--saver"]:
+    sys.path.insert(0, sys.argv[2])
+    import ckptd  # noqa: F401  (saver: bound before limits.py puts this checkout first on sys.path)
 
 import limits  # noqa: E402  (sys.path holds benchmarks/ and the checkout: limits.py sets it)
 import torch  # noqa: E402
@@ -117,6 +127,96 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def daemon_for(base: Path, checkout: Path, args: argparse.Namespace) -> DaemonProcess:
+    """A daemon that runs ``checkout``'s code, whatever the current folder."""
+    return DaemonProcess(base / "disk", None, name="chunk", extra_env={"PYTHONPATH": str(checkout), "PYTHONSAFEPATH": "1"},
+                         keys={"nice": 19, "reuse_unchanged": False, "format": "chunk"} | dict(args.daemon_set),
+                         tables={"retention": {"keep_last": 1}})
+
+
+class Saver:
+    """A producer of ``checkout``'s code in a process of its own (``--saver``), saving
+    ``shape`` to ``daemon`` on each request: its blocked and durable seconds."""
+
+    def __init__(self, checkout: Path, daemon: DaemonProcess, shape: str, args: argparse.Namespace) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--saver", str(checkout), daemon.endpoint, shape,
+             args.size, str(args.tensors)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=dict(os.environ, PYTHONPATH=str(checkout)))
+        self.nbytes = int(self._answer())
+
+    def _answer(self) -> str:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            raise RuntimeError(f"the saver of {self.proc.args[2]} exited ({self.proc.wait()})")
+        return line
+
+    def save(self, step: int, timeout: float) -> tuple[float, float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{step} {timeout}\n")
+        self.proc.stdin.flush()
+        blocked, durable = map(float, self._answer().split())
+        return blocked, durable
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def saver(checkout: str, endpoint: str, shape: str, size: str, tensors: str) -> None:
+    """``--saver``: the other end of ``Saver``, ckptd imported from ``checkout``."""
+    import ckptd
+
+    if not Path(ckptd.__file__).resolve().is_relative_to(Path(checkout).resolve()):
+        raise SystemExit(f"ckptd came from {ckptd.__file__}, not {checkout}")
+    state = make_shape(shape, limits.parse_size(size), int(tensors))
+    ts = flat(state)
+    nbytes = sum(t.numel() * t.element_size() for t in ts)
+    p = ckptd.Producer(endpoint, limits.RUN, rank=0, world_size=1, transport="shm",
+                       staging_size=-(-nbytes // 4096) * 4096 + 4096 * (len(ts) + 2), timeout=60)
+    print(nbytes, flush=True)
+    for line in sys.stdin:
+        step, timeout = line.split()
+        print(*limits.time_save(p, state, int(step), float(timeout)), flush=True)
+    p.close()
+
+
+def against(args: argparse.Namespace, base: Path, ratios: dict[str, list[float]]) -> None:
+    """Each shape saved by this checkout's daemon and producer and by ``--against``'s."""
+    trees = {"this": Path(__file__).resolve().parent.parent, "against": args.against.resolve()}
+    daemons = {tag: daemon_for(base / tag, tree, args) for tag, tree in trees.items()}
+    step = 0
+    try:
+        for d in daemons.values():
+            d.start()
+        for shape in args.shapes:
+            savers = {tag: Saver(trees[tag], d, shape, args) for tag, d in daemons.items()}
+            nbytes = savers["this"].nbytes
+            data = memoryview(mmap.mmap(-1, -(-nbytes // 4096) * 4096))
+            block = os.urandom(64 * limits.MiB)
+            for at in range(0, len(data), len(block)):
+                data[at:at + len(block)] = block[:len(data) - at]
+            for r in range(args.repeat + 1):
+                got = {}
+                for tag in list(trees) if r % 2 else list(trees)[::-1]:
+                    os.sync()
+                    direct = limits.direct_floor(data[:nbytes], base / "raw.bin", 64 * limits.MiB)
+                    (base / "raw.bin").unlink()
+                    os.sync()
+                    step += 1
+                    got[tag] = savers[tag].save(step, args.timeout)[1]
+                    if r:
+                        ratios.setdefault(f"{shape}: {tag} durable / floor", []).append(got[tag] / direct)
+                if r:
+                    ratios.setdefault(f"{shape}: durable, this / against", []).append(got["this"] / got["against"])
+            for s in savers.values():
+                s.close()
+    finally:
+        for d in daemons.values():
+            d.close()
+
+
 def durable_shapes(args: argparse.Namespace, d: DaemonProcess, base: Path, ratios: dict[str, list[float]]) -> None:
     """Each shape's saves, each paired with an O_DIRECT write + fsync of its bytes."""
     sizes = {}
@@ -154,6 +254,10 @@ def durable_shapes(args: argparse.Namespace, d: DaemonProcess, base: Path, ratio
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--saver"]:
+        saver(*argv[1:])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("figure", choices=("stall", "durable"))
     ap.add_argument("--size", default="1GiB", help="bytes of the state (default 1GiB)")
@@ -165,21 +269,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=None, help="where the daemon writes (default: temp dir)")
     ap.add_argument("--daemon-set", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                     help="another [daemon] key for the daemon, e.g. writer_threads=4")
+    ap.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
+                    help="durable --shapes: also save with that checkout's daemon and producer, interleaved")
     ap.add_argument("--timeout", type=float, default=120.0)
     args = ap.parse_args(argv)
     import ckptd
 
     if args.shapes and (args.figure != "durable" or set(args.shapes) - {"equal", "gpt2", "llama"}):
         ap.error("--shapes goes with durable, and names some of equal,gpt2,llama")
+    if args.against is not None and not args.shapes:
+        ap.error("--against goes with durable --shapes")
     base = Path(tempfile.mkdtemp(prefix="ckptd-paired-", dir=args.dir)).resolve()
-    d = DaemonProcess(base / "disk", None, name="chunk",
-                      keys={"nice": 19, "reuse_unchanged": False, "format": "chunk"} | dict(args.daemon_set),
-                      tables={"retention": {"keep_last": 1}})
+    d = daemon_for(base, Path(__file__).resolve().parent.parent, args)
     ratios: dict[str, list[float]] = {}
     if args.shapes:
         try:
-            d.start()
-            durable_shapes(args, d, base, ratios)
+            if args.against is not None:
+                against(args, base, ratios)
+            else:
+                d.start()
+                durable_shapes(args, d, base, ratios)
         finally:
             d.close()
             shutil.rmtree(base, ignore_errors=True)
