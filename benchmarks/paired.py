@@ -1,9 +1,9 @@
 """One figure of ``limits.py`` measured on its own: the save stall or durable chunk,
 with one daemon and nothing else in the process, to tell a change of code from a
-change of the host. Run it under each tree to compare, alternately:
+change of the host (``--against`` compares two checkouts in one run):
 
     .venv/bin/python benchmarks/paired.py stall --repeat 10
-    PYTHONPATH=/path/to/other/checkout .venv/bin/python /path/to/other/checkout/benchmarks/paired.py stall
+    .venv/bin/python benchmarks/paired.py durable --shapes equal --against /path/to/other/checkout
     .venv/bin/python benchmarks/paired.py durable --repeat 8 --first-saves
 
 ``stall``: ``save`` and ``emit`` of 64 large tensors (1 GiB) against a memcpy of them
