@@ -205,3 +205,26 @@ def test_no_journal_no_prefixes(daemon) -> None:
         p.save({"w": torch.ones(2)}, 1).wait(30)
     assert "\nINFO ckptd.daemon: committed run=t step=1 " in daemon.log_text()
     assert "<6>" not in daemon.log_text()
+
+
+def _wakeups(tid: int) -> int:
+    for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches in /proc/self/task/{tid}/status")
+
+
+def test_the_launchers_notify_reader_sleeps_until_a_message_and_ends_on_close(daemon) -> None:
+    """The launcher's reader lives in the caller's process (a training loop, in
+    benchmarks/training_cost.py): between the daemon's messages it must not wake at all,
+    and close() must end it without one."""
+    reader = daemon._notify
+    assert reader is not None and reader.ready.is_set()
+    tid = reader._thread.native_id
+    assert tid is not None
+    before = _wakeups(tid)
+    time.sleep(1.0)  # an idle daemon without WATCHDOG_USEC sends at most one STATUS= in a second
+    assert _wakeups(tid) - before <= 2, "the reader woke without a message to read"
+    thread = reader._thread
+    daemon.close()
+    assert not thread.is_alive()
