@@ -228,3 +228,24 @@ def test_the_launchers_notify_reader_sleeps_until_a_message_and_ends_on_close(da
     thread = reader._thread
     daemon.close()
     assert not thread.is_alive()
+
+
+def _policies(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread of ``pid``: (scheduling policy, nice), from /proc/PID/task/*/stat."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = task.joinpath("stat").read_text().rpartition(")")[2].split()
+        out[int(task.name)] = (int(fields[38]), int(fields[16]))
+    return out
+
+
+@pytest.mark.parametrize("nice, policy", [("idle", os.SCHED_IDLE), (19, os.SCHED_OTHER)])
+def test_every_daemon_thread_runs_at_the_configured_priority(make_daemon, nice, policy) -> None:
+    """``[daemon] nice = "idle"``: nice 19 and SCHED_IDLE on every thread the daemon has,
+    its writer pool's included (started at its first chunk, after the setting)."""
+    d = make_daemon(nice=nice)
+    with d.producer() as p:
+        p.save({f"w{i}": torch.full((2**20,), float(i)) for i in range(12)}, 1).wait(30)
+    threads = _policies(d.pid)
+    assert len(threads) > 4
+    assert set(threads.values()) == {(policy, 19)}, threads
