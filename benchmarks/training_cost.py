@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import re
 import shutil
 import statistics
 import sys
@@ -152,15 +153,26 @@ def _forget(base: Path, step: int) -> Callable[[], None]:
 
 
 def systems(base: Path, state: dict, variants: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"ckptd": Ckptd(base, state), "dcp": Dcp(base, state),
-                           "torch_checkpointing": TorchCheckpointing(base, state)}
+    """Each system, started; those started already are closed if a later one fails."""
+    makers: dict[str, Callable[[], Any]] = {
+        "ckptd": lambda: Ckptd(base, state), "dcp": lambda: Dcp(base, state),
+        "torch_checkpointing": lambda: TorchCheckpointing(base, state)}
     for v in variants:
         key, _, value = v.partition("=")
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
             parsed = value  # a string: "4GiB"
-        out[f"ckptd {v}"] = Ckptd(base, state, keys={key: parsed}, name=f"ckptd-{key}")
+        folder = re.sub(r"[^A-Za-z0-9._-]", "_", f"ckptd-{key}-{value}")
+        makers[f"ckptd {v}"] = lambda keys={key: parsed}, folder=folder: Ckptd(base, state, keys=keys, name=folder)
+    out: dict[str, Any] = {}
+    try:
+        for name, make in makers.items():
+            out[name] = make()
+    except BaseException:
+        for s in out.values():
+            s.close()
+        raise
     return out
 
 

@@ -111,7 +111,7 @@ class DaemonConfig:
     max_frame: int = _opt(256 * 2**20, _positive(parse_size))
     session_timeout: float = _opt(60.0, _positive(parse_duration))
     fsync: bool = _opt(True, lambda v: _bool(v))
-    nice: int = _opt(19, lambda v: _nice(v))
+    nice: int | str = _opt(19, lambda v: _nice(v))
     log_level: str = _opt("info", _choice("debug", "info", "warning", "error"))
     metrics: str = _opt("", lambda v: _listen_address(v))
     drain_timeout: float = _opt(60.0, parse_duration)
@@ -167,9 +167,11 @@ def _auto(value: object, parse: Callable[[object], Any]) -> Any:
     return parse(value)
 
 
-def _nice(value: object) -> int:
+def _nice(value: object) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "idle":
+        return "idle"
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
-        raise ValueError(f"{value!r} is not a niceness from 0 to 19")
+        raise ValueError(f"{value!r} is not a niceness from 0 to 19, or \"idle\" (nice 19 and SCHED_IDLE)")
     return value
 
 

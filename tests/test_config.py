@@ -76,12 +76,21 @@ def test_unknown_key_names_key_and_file(tmp_path) -> None:
 
 @pytest.mark.parametrize("line, key", [('chunk_size = "huge"', "chunk_size"), ('format = "zip"', "format"),
                                        ("fsync = 1", "fsync"), ('log_level = "loud"', "log_level"),
-                                       ("memory_budget = 0", "memory_budget")])
+                                       ("memory_budget = 0", "memory_budget"), ('nice = "lowest"', "nice"),
+                                       ("nice = 20", "nice")])
 def test_bad_value_names_key_and_file(tmp_path, line, key) -> None:
     f = tmp_path / "c.toml"
     f.write_text(f"[daemon]\n{line}\n")
     with pytest.raises(ConfigError, match=rf"bad value for '{key}' in \[daemon\] of {f}"):
         config.load(f)
+
+
+@pytest.mark.parametrize("line, value", [("nice = 0", 0), ("nice = 19", 19), ('nice = "idle"', "idle"),
+                                         ('nice = " IDLE "', "idle")])
+def test_nice_is_a_niceness_or_idle(tmp_path, line, value) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(f"[daemon]\n{line}\n")
+    assert config.load(f).daemon.nice == value
 
 
 def test_not_toml_and_missing_file(tmp_path) -> None:

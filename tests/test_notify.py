@@ -205,3 +205,47 @@ def test_no_journal_no_prefixes(daemon) -> None:
         p.save({"w": torch.ones(2)}, 1).wait(30)
     assert "\nINFO ckptd.daemon: committed run=t step=1 " in daemon.log_text()
     assert "<6>" not in daemon.log_text()
+
+
+def _wakeups(tid: int) -> int:
+    for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches in /proc/self/task/{tid}/status")
+
+
+def test_the_launchers_notify_reader_sleeps_until_a_message_and_ends_on_close(daemon) -> None:
+    """The launcher's reader lives in the caller's process (a training loop, in
+    benchmarks/training_cost.py): between the daemon's messages it must not wake at all,
+    and close() must end it without one."""
+    reader = daemon._notify
+    assert reader is not None and reader.ready.is_set()
+    tid = reader._thread.native_id
+    assert tid is not None
+    before = _wakeups(tid)
+    time.sleep(1.0)  # an idle daemon without WATCHDOG_USEC sends at most one STATUS= in a second
+    assert _wakeups(tid) - before <= 2, "the reader woke without a message to read"
+    thread = reader._thread
+    daemon.close()
+    assert not thread.is_alive()
+
+
+def _policies(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread of ``pid``: (scheduling policy, nice), from /proc/PID/task/*/stat."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = task.joinpath("stat").read_text().rpartition(")")[2].split()
+        out[int(task.name)] = (int(fields[38]), int(fields[16]))
+    return out
+
+
+@pytest.mark.parametrize("nice, policy", [("idle", os.SCHED_IDLE), (19, os.SCHED_OTHER)])
+def test_every_daemon_thread_runs_at_the_configured_priority(make_daemon, nice, policy) -> None:
+    """``[daemon] nice = "idle"``: nice 19 and SCHED_IDLE on every thread the daemon has,
+    its writer pool's included (started at its first chunk, after the setting)."""
+    d = make_daemon(nice=nice)
+    with d.producer() as p:
+        p.save({f"w{i}": torch.full((2**20,), float(i)) for i in range(12)}, 1).wait(30)
+    threads = _policies(d.pid)
+    assert len(threads) > 4
+    assert set(threads.values()) == {(policy, 19)}, threads

@@ -41,10 +41,19 @@ STALL_S = 60.0  # a drain that has not moved for this long stops asking
 HOUSEKEEPING_S = 1.0
 
 
-def lower_priority(nice: int) -> None:
+def lower_priority(nice: int | str) -> None:
+    """Lower the calling thread, and the threads it starts, to ``[daemon] nice``. "idle"
+    adds SCHED_IDLE to nice 19: a training thread that wakes then takes the core at once,
+    where at nice 19 alone it may wait out the daemon's time slice."""
+    level = 19 if nice == "idle" else int(nice)
     current = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice > current:
-        os.nice(nice - current)
+    if level > current:
+        os.nice(level - current)
+    if nice == "idle":
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError) as exc:
+            log.warning("[daemon] nice = \"idle\": SCHED_IDLE not set (%s); running at nice 19", exc)
 
 
 def keep_freed_memory() -> None:
