@@ -81,9 +81,7 @@ def test_a_trainer_holding_no_key_recovers_through_its_daemon_which_refuses_othe
     try:
         a.start()
         b.start()
-        saved = _save(a, range(1, 3))
-        _wait(lambda: _held(b).get((2, 0)) == "memory", "A's newest share held by B")
-        _lose_root(a)
+        saved = _replaced_once_held(a, b, 2)
         key_files = sorted(str(p) for p in (tmp_path / "nodekeys").rglob("*") if p.is_file())
         for path in key_files:
             os.chmod(path, 0)  # the daemons read theirs at start
@@ -332,6 +330,15 @@ def _lose_root(node: Daemon) -> None:
     node.start()
 
 
+def _replaced_once_held(node: Daemon, holder: Daemon, steps: int) -> dict:
+    """Steps 1..``steps`` saved on ``node``; once ``holder`` holds the newest share in
+    memory, ``node`` is replaced on an empty root. The tensors saved, by step."""
+    saved = _save(node, range(1, steps + 1))
+    _wait(lambda: _held(holder).get((steps, 0)) == "memory", f"step {steps}'s share held by its partner")
+    _lose_root(node)
+    return saved
+
+
 def _node(tmp_path: Path, name: str, listen: str, peers: list[str], **peer: object) -> Daemon:
     return Daemon(tmp_path / name, tables={"peer": {"listen": listen, "peers": peers, "timeout": "1s", **peer}})
 
@@ -482,9 +489,7 @@ def test_a_daemon_lands_a_recovered_share_without_loading_torch(tmp_path, monkey
     try:
         a.start()
         b.start()
-        saved = _save(b, range(1, 2))
-        _wait(lambda: _held(a).get((1, 0)) == "memory", "B's share held by A")
-        _lose_root(b)
+        saved = _replaced_once_held(b, a, 1)
         monkeypatch.setenv("CKPTD_CONFIG", str(b.config))
         assert torch.equal(ckptd.load("job", 1)["w"], saved[1])
         _wait(lambda: _recovered(b)["fetched_shares"] == 1, "the share landed by B's daemon (behind the read)")
