@@ -27,7 +27,14 @@ ENV_ISOLATE = ("CKPTD_CONFIG", "CKPTD_ENDPOINT", "CKPTD_RUN", "CKPTD_ROOT", "RAN
 
 
 def isolated_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a daemon or CLI this process starts: the variables above left
+    out, and the same ckptd as this process's, whatever the current folder (``python -m``
+    would otherwise put that folder first on ``sys.path``)."""
+    import ckptd
+
     env = {k: v for k, v in os.environ.items() if k not in ENV_ISOLATE}
+    tree = str(Path(ckptd.__file__).resolve().parent.parent)
+    env.update(PYTHONPATH=os.pathsep.join([tree, *filter(None, [env.get("PYTHONPATH")])]), PYTHONSAFEPATH="1")
     env.update(extra or {}, PYTHONUNBUFFERED="1")
     return env
 
