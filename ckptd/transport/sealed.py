@@ -1,0 +1,495 @@
+"""The peer port's transport: messages of one header and at most one payload, over TCP
+(AF_UNIX for ``ipc://``), cut into records of at most ``RECORD`` bytes. With keys each
+record is its own libsodium box under CurveZMQ's handshake (RFC 26 without cookies: the
+server holds each connection's state) and the same key files; without, the records go
+in plaintext. Every length is checked before anything is allocated for it, so an
+unfinished message holds at most one message's bound (docs/tiers.md, "No message stops
+it"). The wire format is in docs/security.md, "The peer port". ``Channel`` is one
+connection of the asking end; the listening end is ``ckptd.transport.sealed_server``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import struct
+import time
+from collections import deque
+from typing import Any, Callable, Iterator
+
+from nacl import bindings as nb
+from nacl._sodium import ffi, lib
+from nacl.exceptions import CryptoError
+from zmq.utils import z85
+
+from ..config import split_host_port
+from ..errors import PeerDown
+
+RECORD = 1 << 20
+MAC = 16
+LENGTH = struct.Struct("!I")
+PREAMBLE = struct.Struct("!IQ")  # header bytes; payload bytes + 1, or 0 for none
+MAGIC = b"ckptd-peer\x01"
+CURVE, PLAIN = b"C", b"P"
+GREETING = len(MAGIC) + 1
+HELLO = 32 + 64 + MAC
+WELCOME = 16 + 32 + MAC
+INITIATE = 32 + 16 + 64 + MAC + MAC
+READY = MAC
+HELLO_NONCE = b"CurveZMQHELLO---" + bytes(8)
+INITIATE_NONCE = b"CurveZMQINITIATE" + bytes(8)
+READY_NONCE = b"CurveZMQREADY---" + bytes(8)
+TO_SERVER, TO_CLIENT = b"CurveZMQMESSAGEC", b"CurveZMQMESSAGES"
+
+Message = tuple[bytearray, Any]
+Sink = Callable[[bytearray, int], Any]
+
+
+class Broken(Exception):
+    """A connection that broke the protocol, or whose box did not open: it is closed."""
+
+
+def raw_key(text: bytes) -> bytes:
+    """A Z85 key (as the key files hold it) as its 32 bytes."""
+    return z85.decode(text)
+
+
+def user_id(public: bytes) -> str:
+    """The asker's name as ``keys.may_write`` reads it: its long-term public key, Z85."""
+    return z85.encode(public).decode()
+
+
+class Boxes:
+    """One session's records: a key made once (``crypto_box_beforenm``), and a nonce per
+    direction that counts records, so that a replayed, dropped or reordered record
+    fails to open."""
+
+    def __init__(self, key: bytes, mine: bytes, theirs: bytes) -> None:
+        self._key = key
+        self._mine, self._theirs = mine, theirs
+        self._sent = self._opened = 0
+
+    def seal(self, out: memoryview, plain: memoryview) -> None:
+        self._sent += 1
+        nonce = self._mine + self._sent.to_bytes(8, "big")
+        lib.crypto_box_easy_afternm(ffi.from_buffer(out, require_writable=True), ffi.from_buffer(plain),
+                                    len(plain), nonce, self._key)
+
+    def open(self, out: memoryview, box: memoryview) -> None:
+        self._opened += 1
+        nonce = self._theirs + self._opened.to_bytes(8, "big")
+        if lib.crypto_box_open_easy_afternm(ffi.from_buffer(out, require_writable=True), ffi.from_buffer(box),
+                                            len(box), nonce, self._key) != 0:
+            raise Broken("a record whose box does not open (tampered, replayed or out of order)")
+
+
+def records(header: bytes, payload: Any) -> Iterator[memoryview]:
+    """A message's plaintext records: the preamble with the first header bytes, the rest
+    of the header, then the payload; no record spans the header's end."""
+    first = RECORD - PREAMBLE.size
+    yield memoryview(PREAMBLE.pack(len(header), 0 if payload is None else len(payload) + 1) + header[:first])
+    head = memoryview(header)
+    for off in range(first, len(header), RECORD):
+        yield head[off:off + RECORD]
+    if payload is not None:
+        body = memoryview(payload).cast("B")
+        for off in range(0, len(body), RECORD):
+            yield body[off:off + RECORD]
+
+
+def size_of(payload: Any) -> int:
+    return 0 if payload is None else memoryview(payload).nbytes
+
+
+class Outbound:
+    """Messages queued on one connection, sealed one record at a time as the socket takes
+    them: what is held is the queued messages' own buffers and one sealed record.
+    ``unwritten``: their bytes not yet in the socket; ``counted``: those of them that
+    were made for this answer alone (not views of memory held anyway)."""
+
+    def __init__(self, boxes: Boxes | None = None, *, open_: bool = True) -> None:
+        self.boxes = boxes
+        self.open = open_
+        self.raw: deque[bytes] = deque()
+        self._queue: deque[tuple[Iterator[memoryview], bool]] = deque()
+        self._wire: list[memoryview] = []
+        self.unwritten = self.counted = 0
+        self.messages = 0
+
+    def put(self, header: bytes, payload: Any, counted: bool) -> None:
+        n = len(header) + size_of(payload)
+        self._queue.append((records(header, payload), counted))
+        self.unwritten += n
+        self.counted += n if counted else 0
+        self.messages += 1
+
+    def pending(self) -> bool:
+        return bool(self._wire or self.raw or (self.open and self._queue))
+
+    def write(self, sock: socket.socket) -> bool:
+        """Write what the socket takes without blocking; True once nothing is left."""
+        while True:
+            if not self._wire and not self._next():
+                return True
+            try:
+                n = sock.sendmsg(self._wire)
+            except (BlockingIOError, InterruptedError):
+                return False
+            while n:
+                if n >= len(self._wire[0]):
+                    n -= len(self._wire.pop(0))
+                else:
+                    self._wire[0] = self._wire[0][n:]
+                    n = 0
+
+    def _next(self) -> bool:
+        if self.raw:
+            self._wire = [memoryview(self.raw.popleft())]
+            return True
+        while self.open and self._queue:
+            chunks, counted = self._queue[0]
+            plain = next(chunks, None)
+            if plain is None:
+                self._queue.popleft()
+                self.messages -= 1
+                continue
+            self.unwritten -= len(plain)
+            self.counted -= len(plain) if counted else 0
+            self._wire = self._seal(plain)
+            return True
+        return False
+
+    def _seal(self, plain: memoryview) -> list[memoryview]:
+        if self.boxes is None:
+            return [memoryview(LENGTH.pack(len(plain))), plain]
+        out = bytearray(LENGTH.size + len(plain) + MAC)
+        LENGTH.pack_into(out, 0, len(plain) + MAC)
+        self.boxes.seal(memoryview(out)[LENGTH.size:], plain)
+        return [memoryview(out)]
+
+
+class Inbound:
+    """One connection's records read back into messages. Each length is checked against
+    what may come next (``RECORD``, the rest of the header or payload, ``max_header``,
+    ``max_payload``) before its bytes are read. ``held``: bytes held for the message
+    being read; ``sink(header, n)``: where its payload of ``n`` bytes goes (a buffer of
+    that length, or None for one allocated here)."""
+
+    def __init__(self, boxes: Boxes | None, max_header: int, max_payload: int, sink: Sink | None = None) -> None:
+        self.boxes = boxes
+        self.max_header, self.max_payload = max_header, max_payload
+        self.sink = sink
+        self._len = bytearray(LENGTH.size)
+        self._len_got = 0
+        self._rec: memoryview | None = None
+        self._rec_got = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.head: bytearray | None = None
+        self._hlen = self._plen = 0
+        self._pay: memoryview | None = None
+        self._dst: Any = None
+        self._paid = 0
+        self.held = 0
+
+    @property
+    def mid(self) -> bool:
+        """Whether a message has begun and not ended (its sender owes bytes)."""
+        return self.head is not None or self._len_got > 0 or self._rec is not None
+
+    def buffer(self) -> memoryview:
+        """Where the next bytes read from the socket go."""
+        if self._rec is None:
+            return memoryview(self._len)[self._len_got:]
+        return self._rec[self._rec_got:]
+
+    def received(self, n: int) -> Message | None:
+        """``n`` bytes were read into ``buffer()``; the message they end, if any."""
+        if self._rec is None:
+            self._len_got += n
+            if self._len_got == LENGTH.size:
+                self._len_got = 0
+                self._begin(LENGTH.unpack(self._len)[0])
+            return None
+        self._rec_got += n
+        if self._rec_got < len(self._rec):
+            return None
+        return self._end()
+
+    def _room(self) -> int:
+        if self.head is None:
+            return PREAMBLE.size + RECORD
+        if len(self.head) < self._hlen:
+            return min(RECORD, self._hlen - len(self.head))
+        return min(RECORD, self._plen - self._paid)
+
+    def _begin(self, wire: int) -> None:
+        mac = MAC if self.boxes is not None else 0
+        room = self._room()
+        if not 1 <= wire - mac <= room:
+            raise Broken(f"a record of {wire} bytes where {mac + 1} to {mac + room} may come")
+        if self.boxes is None and self._pay is not None:
+            self._rec = self._pay[self._paid:self._paid + wire]
+        else:
+            self._rec = memoryview(bytearray(wire))
+            self.held += wire
+        self._rec_got = 0
+
+    def _end(self) -> Message | None:
+        rec, self._rec = self._rec, None
+        assert rec is not None
+        if self._pay is not None:
+            n = len(rec) - (MAC if self.boxes is not None else 0)
+            if self.boxes is not None:
+                self.boxes.open(self._pay[self._paid:self._paid + n], rec)
+                self.held -= len(rec)
+            self._paid += n
+        else:
+            plain = self._open(rec)
+            self.held -= len(rec)
+            if self.head is None:
+                self._start(plain)
+            else:
+                self.head += plain
+            self.held += len(plain)
+        return self._complete()
+
+    def _open(self, rec: memoryview) -> memoryview:
+        if self.boxes is None:
+            return rec
+        out = memoryview(bytearray(len(rec) - MAC))
+        self.boxes.open(out, rec)
+        return out
+
+    def _start(self, plain: memoryview) -> None:
+        if len(plain) < PREAMBLE.size:
+            raise Broken(f"a message's first record of {len(plain)} bytes, shorter than its preamble")
+        hlen, pcode = PREAMBLE.unpack_from(plain)
+        if hlen > self.max_header or len(plain) - PREAMBLE.size > hlen:
+            raise Broken(f"a header of {hlen} bytes (at most {self.max_header})")
+        if pcode - 1 > self.max_payload:
+            raise Broken(f"a payload of {pcode - 1} bytes (at most {self.max_payload})")
+        self._hlen, self._plen = hlen, pcode - 1
+        self.head = bytearray(plain[PREAMBLE.size:])
+
+    def _complete(self) -> Message | None:
+        head = self.head
+        assert head is not None
+        if len(head) < self._hlen:
+            return None
+        if self._plen >= 0 and self._pay is None:
+            dst = self.sink(head, self._plen) if self.sink is not None else None
+            self.held += 0 if dst is not None else self._plen
+            self._dst = dst if dst is not None else bytearray(self._plen)
+            self._pay = memoryview(self._dst).cast("B")
+        if self._pay is not None and self._paid < self._plen:
+            return None
+        message = head, self._dst
+        self._reset()
+        return message
+
+
+def address(endpoint: str) -> tuple[int, Any]:
+    """(socket family, address) of a ``tcp://HOST:PORT`` or ``ipc://PATH`` endpoint."""
+    if endpoint.startswith("ipc://"):
+        return socket.AF_UNIX, endpoint[len("ipc://"):]
+    host, port = split_host_port(endpoint.removeprefix("tcp://"))
+    host = "0.0.0.0" if host == "*" else host
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    return family, addr
+
+
+def stream(family: int) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    if family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+_QUIET: list[socket.socket] = []
+
+
+def _never_ready() -> socket.socket:
+    if not _QUIET:
+        _QUIET.extend(socket.socketpair())
+    return _QUIET[0]
+
+
+class Channel:
+    """One connection to a peer port, used from one thread: requests queued and written
+    as the socket takes them, answers read back whole. ``broken``: why it is closed (a
+    new Channel starts clean). ``keys``: a ``ClientKeys`` (Z85), None for plaintext."""
+
+    def __init__(self, endpoint: str, keys: Any, *, max_header: int, max_payload: int, hwm: int) -> None:
+        self.endpoint, self.keys, self.hwm = endpoint, keys, hwm
+        self.broken: str | None = None
+        self.connected = False
+        self.began = time.monotonic()
+        family, addr = address(endpoint)
+        self.sock = stream(family)
+        self._limits = max_header, max_payload
+        self._out = Outbound(open_=keys is None)
+        self._in: Inbound | None = None
+        self._hs = bytearray(GREETING)
+        self._hs_got = 0
+        self._stage = "greeting"
+        self._answers: deque[Message] = deque()
+        self._sink: Sink | None = None
+        self._out.raw.append(MAGIC + (CURVE if keys is not None else PLAIN))
+        if keys is not None:
+            self._eph_public, self._eph_secret = nb.crypto_box_keypair()
+            self._server = raw_key(keys.server)
+            self._out.raw.append(self._eph_public + nb.crypto_box(bytes(64), HELLO_NONCE, self._server,
+                                                                  self._eph_secret))
+        err = self.sock.connect_ex(addr)
+        if err not in (0, errno.EINPROGRESS, errno.EAGAIN):
+            self._break(f"cannot connect: {os.strerror(err)}")
+
+    def send(self, header: bytes, payload: Any, deadline: float) -> None:
+        """Queue a message once connected, PeerDown when not connected or when ``hwm``
+        messages are still queued at ``deadline``."""
+        while self.broken is None and (not self.connected or self._out.messages >= self.hwm):
+            if not self._pump(deadline):
+                break
+        if self.broken is not None or not self.connected or self._out.messages >= self.hwm:
+            raise PeerDown(f"{self.endpoint}: not connected or not taking requests ({self.broken or 'timed out'})")
+        self._out.put(header, payload, False)
+        self._flush()
+
+    def recv(self, deadline: float, sink: Sink | None = None) -> Message:
+        """The next answer whole (its payload into ``sink``'s buffer where it gives one);
+        PeerDown when none by ``deadline`` or the connection broke."""
+        while not self._answers:
+            if self.broken is not None:
+                raise PeerDown(f"{self.endpoint}: {self.broken}")
+            self._sink = sink
+            if self._in is not None:
+                self._in.sink = sink
+            if not self._pump(deadline):
+                raise PeerDown(f"{self.endpoint}: no answer by the deadline")
+        return self._answers.popleft()
+
+    def _pump(self, deadline: float) -> bool:
+        """One wait for the socket, then what it allows read and written; False when
+        ``deadline`` passed with nothing ready."""
+        left = max(0.0, deadline - time.monotonic())
+        poll = select.poll()
+        poll.register(self.sock, select.POLLIN | (select.POLLOUT if not self.connected or self._out.pending() else 0))
+        events = poll.poll(int(left * 1000) + (left > 0))
+        if not events:
+            return False
+        readable = events[0][1] & (select.POLLIN | select.POLLHUP | select.POLLERR)
+        writable = events[0][1] & (select.POLLOUT | select.POLLERR)
+        try:
+            if writable:
+                self._writable()
+            if readable:
+                self._read()
+        except Broken as exc:
+            self._break(str(exc))
+        except OSError as exc:
+            self._break(f"connection lost: {exc.strerror or exc}")
+        return True
+
+    def _writable(self) -> None:
+        if not self.connected:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise Broken(f"cannot connect: {os.strerror(err)}")
+            self.connected = True
+        self._out.write(self.sock)
+
+    def _flush(self) -> None:
+        try:
+            if self.connected:
+                self._out.write(self.sock)
+        except OSError as exc:
+            self._break(f"connection lost: {exc.strerror or exc}")
+
+    def _read(self) -> None:
+        """Read until the socket is empty or an answer is whole (the rest stays in the
+        socket, so that polling it tells that more is there)."""
+        while self.broken is None:
+            buf = memoryview(self._hs)[self._hs_got:] if self._in is None else self._in.buffer()
+            try:
+                n = self.sock.recv_into(buf)
+            except (BlockingIOError, InterruptedError):
+                return
+            if n == 0:
+                raise Broken("the peer closed the connection" + (" during the handshake: " + self._refused()
+                                                                if self._in is None else ""))
+            if self._in is None:
+                self._hs_got += n
+                if self._hs_got == len(self._hs):
+                    self._handshake()
+                continue
+            message = self._in.received(n)
+            if message is not None:
+                self._answers.append(message)
+                return
+
+    def _refused(self) -> str:
+        if self.keys is None:
+            return "is it a ckptd peer port?"
+        return ("does it admit this node's public key (its curve_peers folder), and is the key this node dials "
+                "it with its own?")
+
+    def _handshake(self) -> None:
+        got = bytes(self._hs)
+        if self._stage == "greeting":
+            if got[:len(MAGIC)] != MAGIC:
+                raise Broken("not a ckptd peer port (or one of another version): its greeting is not ckptd's")
+            mine = CURVE if self.keys is not None else PLAIN
+            if got[len(MAGIC):] != mine:
+                raise Broken("that peer port runs " + ("in plaintext, and this node dials it with keys"
+                                                       if mine == CURVE else "with CurveZMQ keys, and this node "
+                                                       "has none: set [daemon] curve_secret_key and [peer] "
+                                                       "curve_peers (docs/tiers.md, \"Keys\")"))
+            self._next_stage("welcome", WELCOME) if mine == CURVE else self._opened(None)
+        elif self._stage == "welcome":
+            self._welcome(got)
+        else:
+            try:
+                nb.crypto_box_open_afternm(got, READY_NONCE, self._key)
+            except CryptoError:
+                raise Broken("a READY whose box does not open") from None
+            self._opened(Boxes(self._key, TO_SERVER, TO_CLIENT))
+
+    def _next_stage(self, stage: str, size: int) -> None:
+        self._stage, self._hs, self._hs_got = stage, bytearray(size), 0
+
+    def _welcome(self, got: bytes) -> None:
+        try:
+            server_eph = nb.crypto_box_open(got[16:], b"WELCOME-" + got[:16], self._server, self._eph_secret)
+        except CryptoError:
+            raise Broken("the server's WELCOME does not open with its public key: is the key file for this "
+                         "endpoint that node's key?") from None
+        public, secret = raw_key(self.keys.public), raw_key(self.keys.secret)
+        vouch_nonce = os.urandom(16)
+        vouch = nb.crypto_box(self._eph_public + self._server, b"VOUCH---" + vouch_nonce, server_eph, secret)
+        self._key = nb.crypto_box_beforenm(server_eph, self._eph_secret)
+        self._out.raw.append(nb.crypto_box_afternm(public + vouch_nonce + vouch, INITIATE_NONCE, self._key))
+        self._out.boxes = Boxes(self._key, TO_SERVER, TO_CLIENT)
+        self._out.open = True
+        self._next_stage("ready", READY)
+        self._writable()
+
+    def _opened(self, boxes: Boxes | None) -> None:
+        self._in = Inbound(boxes, *self._limits, sink=self._sink)
+        self._out.open = True
+        self._writable()
+
+    def _break(self, why: str) -> None:
+        """Close the connection; its descriptor stays open, on a socket that is never
+        ready, so that a poller waiting on it waits for its deadline."""
+        if self.broken is None:
+            self.broken = why
+            os.dup2(_never_ready().fileno(), self.sock.fileno())
+
+    def close(self) -> None:
+        self.broken = self.broken or "closed"
+        self.sock.close()
