@@ -92,6 +92,7 @@ class PeerServer:
         self._expired = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-serve", daemon=True)
         self._verified: deque[tuple[bytes, dict[str, Any]]] = deque()
+        self._received: deque[tuple[bytes, list[Any], str | None]] = deque()
         self._verifier = _Verifier(self)
 
     def start(self) -> None:
@@ -109,8 +110,9 @@ class PeerServer:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            for ident, frames, user in self.port.poll(0.2):
-                self._take(ident, frames, user)
+            self._received.extend(self.port.poll(0.2))
+            while self._received:  # kept across a restart of this thread
+                self._take(*self._received.popleft())
             while self._verified:
                 self._send(*self._verified.popleft(), None)
             if time.monotonic() - self._expired > 1.0:

@@ -11,6 +11,7 @@ connection of the asking end; the listening end is ``ckptd.transport.sealed_serv
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import select
 import socket
@@ -43,8 +44,8 @@ INITIATE_NONCE = b"CurveZMQINITIATE" + bytes(8)
 READY_NONCE = b"CurveZMQREADY---" + bytes(8)
 TO_SERVER, TO_CLIENT = b"CurveZMQMESSAGEC", b"CurveZMQMESSAGES"
 
-Message = tuple[bytearray, Any]
-Sink = Callable[[bytearray, int], Any]
+Message = tuple[Any, Any]
+Sink = Callable[[Any, int], Any]
 
 
 class Broken(Exception):
@@ -173,9 +174,11 @@ class Outbound:
 class Inbound:
     """One connection's records read back into messages. Each length is checked against
     what may come next (``RECORD``, the rest of the header or payload, ``max_header``,
-    ``max_payload``) before its bytes are read. ``held``: bytes held for the message
-    being read; ``sink(header, n)``: where its payload of ``n`` bytes goes (a buffer of
-    that length, or None for one allocated here)."""
+    ``max_payload``) before its bytes are read, and a record is opened straight into the
+    message's buffer, made once at its declared size (pages of large ones are touched
+    only as bytes arrive). ``held``: bytes allocated for the message being read;
+    ``sink(header, n)``: where its payload of ``n`` bytes goes (a buffer of that
+    length, or None for one made here)."""
 
     def __init__(self, boxes: Boxes | None, max_header: int, max_payload: int, sink: Sink | None = None) -> None:
         self.boxes = boxes
@@ -184,15 +187,13 @@ class Inbound:
         self._len = bytearray(LENGTH.size)
         self._len_got = 0
         self._rec: memoryview | None = None
-        self._rec_got = 0
+        self._into: memoryview | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self.head: bytearray | None = None
-        self._hlen = self._plen = 0
-        self._pay: memoryview | None = None
+        self.head: Any = None
+        self._hlen = self._hgot = self._plen = self._paid = 0
         self._dst: Any = None
-        self._paid = 0
         self.held = 0
 
     @property
@@ -219,42 +220,42 @@ class Inbound:
             return None
         return self._end()
 
-    def _room(self) -> int:
+    def _target(self) -> memoryview | None:
+        """The rest of the header or payload that the next record fills; None: a new message."""
         if self.head is None:
-            return PREAMBLE.size + RECORD
-        if len(self.head) < self._hlen:
-            return min(RECORD, self._hlen - len(self.head))
-        return min(RECORD, self._plen - self._paid)
+            return None
+        if self._hgot < self._hlen:
+            return memoryview(self.head)[self._hgot:self._hlen]
+        return memoryview(self._dst).cast("B")[self._paid:self._plen]
 
     def _begin(self, wire: int) -> None:
         mac = MAC if self.boxes is not None else 0
-        room = self._room()
+        into = self._target()
+        room = PREAMBLE.size + RECORD if into is None else min(RECORD, len(into))
         if not 1 <= wire - mac <= room:
             raise Broken(f"a record of {wire} bytes where {mac + 1} to {mac + room} may come")
-        if self.boxes is None and self._pay is not None:
-            self._rec = self._pay[self._paid:self._paid + wire]
+        self._into = None if into is None else into[:wire - mac]
+        if self.boxes is None and self._into is not None:
+            self._rec = self._into
         else:
             self._rec = memoryview(bytearray(wire))
             self.held += wire
         self._rec_got = 0
 
     def _end(self) -> Message | None:
-        rec, self._rec = self._rec, None
+        rec, into, self._rec, self._into = self._rec, self._into, None, None
         assert rec is not None
-        if self._pay is not None:
-            n = len(rec) - (MAC if self.boxes is not None else 0)
-            if self.boxes is not None:
-                self.boxes.open(self._pay[self._paid:self._paid + n], rec)
-                self.held -= len(rec)
-            self._paid += n
-        else:
-            plain = self._open(rec)
+        if rec is not into:
             self.held -= len(rec)
-            if self.head is None:
-                self._start(plain)
-            else:
-                self.head += plain
-            self.held += len(plain)
+        if into is None:
+            self._start(self._open(rec))
+        elif self.boxes is not None:
+            self.boxes.open(into, rec)
+        n = 0 if into is None else len(into)
+        if self._hgot < self._hlen:
+            self._hgot += n
+        else:
+            self._paid += n
         return self._complete()
 
     def _open(self, rec: memoryview) -> memoryview:
@@ -273,23 +274,29 @@ class Inbound:
         if pcode - 1 > self.max_payload:
             raise Broken(f"a payload of {pcode - 1} bytes (at most {self.max_payload})")
         self._hlen, self._plen = hlen, pcode - 1
-        self.head = bytearray(plain[PREAMBLE.size:])
+        self.head = allocate(hlen)
+        self._hgot = len(plain) - PREAMBLE.size
+        self.head[:self._hgot] = plain[PREAMBLE.size:]
+        self.held += hlen
 
     def _complete(self) -> Message | None:
-        head = self.head
-        assert head is not None
-        if len(head) < self._hlen:
+        if self._hgot < self._hlen:
             return None
-        if self._plen >= 0 and self._pay is None:
-            dst = self.sink(head, self._plen) if self.sink is not None else None
+        if self._plen >= 0 and self._dst is None:
+            dst = self.sink(self.head, self._plen) if self.sink is not None else None
             self.held += 0 if dst is not None else self._plen
-            self._dst = dst if dst is not None else bytearray(self._plen)
-            self._pay = memoryview(self._dst).cast("B")
-        if self._pay is not None and self._paid < self._plen:
+            self._dst = dst if dst is not None else allocate(self._plen)
+        if self._dst is not None and self._paid < self._plen:
             return None
-        message = head, self._dst
+        message = self.head, self._dst
         self._reset()
         return message
+
+
+def allocate(n: int) -> Any:
+    """A writable buffer of ``n`` bytes; a large one of untouched pages (an anonymous
+    map), so that what a message's declared size costs is what its sender sent."""
+    return bytearray(n) if n <= RECORD else mmap.mmap(-1, n)
 
 
 def address(endpoint: str) -> tuple[int, Any]:
