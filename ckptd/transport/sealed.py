@@ -426,6 +426,8 @@ class Channel:
                 n = self.sock.recv_into(buf)
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionResetError:
+                n = 0
             if n == 0:
                 raise Broken("the peer closed the connection" + (" during the handshake: " + self._refused()
                                                                 if self._in is None else ""))
@@ -440,10 +442,13 @@ class Channel:
                 return
 
     def _refused(self) -> str:
-        if self.keys is None:
-            return "is it a ckptd peer port?"
-        return ("does it admit this node's public key (its curve_peers folder), and is the key this node dials "
-                "it with its own?")
+        if self._stage == "welcome":
+            return ("the public key this node dials it with is not that port's (the key file named for this "
+                    "endpoint in [peer] curve_peers)")
+        if self._stage == "ready":
+            return ("it does not admit this node's public key: copy this node's NAME.key into its curve_peers "
+                    "folder, named for this node's [peer] listen")
+        return "is it a ckptd peer port?"
 
     def _handshake(self) -> None:
         got = bytes(self._hs)

@@ -306,6 +306,10 @@ class Server:
     def _drop(self, conn: _Conn, kind: str | None, why: str) -> None:
         if self.conns.pop(conn.ident, None) is None:
             return
+        if kind is not None:
+            self._log(kind, "peer port: closed the connection from %s: %s", conn.who, why)
+        else:
+            log.debug("peer port: the connection from %s closed: %s", conn.who, why)
         if conn.events:
             self.sel.unregister(conn.sock)
         conn.sock.close()
@@ -315,10 +319,6 @@ class Server:
             self._per_user[conn.user] -= 1
             if not self._per_user[conn.user]:
                 del self._per_user[conn.user]
-        if kind is not None:
-            self._log(kind, "peer port: closed the connection from %s: %s", conn.who, why)
-        else:
-            log.debug("peer port: the connection from %s closed: %s", conn.who, why)
 
     def _log(self, kind: str, fmt: str, *args: Any) -> None:
         """A warning at most once a minute per kind: a broken client may retry at once."""
