@@ -30,7 +30,7 @@ import torch
 
 from ckptd.errors import PeerDown
 from ckptd.peer.messages import MAX_HEADER_BYTES
-from ckptd.transport import sealed
+from ckptd.transport import sealed, sealed_client
 from daemons import DaemonProcess, free_tcp_port
 
 OPS = ["ping", "offer", "part", "done", "cancel", "holds", "drop", "steps", "manifests", "read", "pull", "nonsense", None,
@@ -51,7 +51,8 @@ class Asker:
     asked for (``poll``, ``recv_multipart``)."""
 
     def __init__(self, endpoint: str, keys: Any = None) -> None:
-        self.chan = sealed.Channel(endpoint, keys, max_header=MAX_HEADER_BYTES, max_payload=2**31, hwm=2**20)
+        self.chan = sealed_client.Channel(endpoint, keys, max_header=MAX_HEADER_BYTES, max_payload=2**31,
+                                          hwm=2**20)
         self._got: list[tuple[bytes, Any]] = []
 
     def send_multipart(self, frames: list[bytes]) -> None:

@@ -349,9 +349,9 @@ def _served(node: Daemon) -> dict:
 
 
 def _ask_raw(endpoint: str, header: dict) -> dict:
-    from ckptd.transport import sealed
+    from ckptd.transport import sealed_client
 
-    chan = sealed.Channel(endpoint, None, max_header=messages.MAX_HEADER_BYTES, max_payload=2**30, hwm=8)
+    chan = sealed_client.Channel(endpoint, None, max_header=messages.MAX_HEADER_BYTES, max_payload=2**30, hwm=8)
     try:
         deadline = time.monotonic() + 10
         chan.send(msgpack.packb(dict(header, id=1), use_bin_type=True), None, deadline)

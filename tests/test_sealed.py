@@ -21,7 +21,7 @@ import pytest
 from ckptd.errors import PeerDown
 from ckptd.peer import messages
 from ckptd.peer.keys import PeerCurveServer, key_name
-from ckptd.transport import curve, sealed
+from ckptd.transport import curve, sealed, sealed_client
 from ckptd.transport.sealed_server import Server
 from conftest import Daemon, free_port
 from test_peer import _status
@@ -168,7 +168,8 @@ def test_a_replayed_record_is_refused(tmp_path) -> None:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        chan = sealed.Channel(listen, _keys(client_secret, public), max_header=2**20, max_payload=2**20, hwm=4)
+        chan = sealed_client.Channel(listen, _keys(client_secret, public), max_header=2**20, max_payload=2**20,
+                                     hwm=4)
         deadline = time.monotonic() + 10
         chan.send(b"first", None, deadline)
         assert bytes(chan.recv(deadline)[0]) == b"first"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import ConfigError, PeerDown, PeerRefused, PeerRequestRefused as Refused, PeerVersion, ProtocolError
-from ..transport import sealed, wire
+from ..transport import sealed_client, wire
 
 VERSION = 2
 OLDEST_VERSION = 1
@@ -154,7 +154,7 @@ def field(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> An
 
 
 class Link:
-    """One connection to one peer's ``listen`` endpoint (``ckptd.transport.sealed``):
+    """One connection to one peer's ``listen`` endpoint (``ckptd.transport.sealed_client``):
     requests sent without waiting for their answers, answers matched by id. Used from
     one thread; ``close`` it after a stall (a new link starts clean, with no stale
     answers queued). A connection that breaks is made again by the next ``send``.
@@ -182,10 +182,10 @@ class Link:
         """The file descriptor to poll (``zmq.Poller``, ``select``) for its answers."""
         return self._chan.sock.fileno()
 
-    def _connect(self) -> sealed.Channel:
+    def _connect(self) -> sealed_client.Channel:
         try:
-            return sealed.Channel(self.endpoint, self._keys, max_header=MAX_HEADER_BYTES, max_payload=self._max,
-                                  hwm=self._hwm)
+            return sealed_client.Channel(self.endpoint, self._keys, max_header=MAX_HEADER_BYTES,
+                                         max_payload=self._max, hwm=self._hwm)
         except (OSError, ValueError) as exc:
             raise PeerDown(f"{self.endpoint}: cannot connect: {exc}") from None
 
