@@ -6,6 +6,18 @@ in plaintext. Every length is checked before anything is allocated for it, so an
 unfinished message holds at most one message's bound (docs/tiers.md, "No message stops
 it"). The asking end is ``ckptd.transport.sealed_client``, the listening end
 ``ckptd.transport.sealed_server``.
+
+On the wire each end first sends ``MAGIC`` and its mode (``CURVE`` or ``PLAIN``). With
+keys (C, S: the client's and the port's long-term keys; C', S': each end's ephemeral
+key for this connection) the client sends HELLO: C', Box[64 zeros](C'->S); the port
+WELCOME: a 16-byte nonce, Box[S'](S->C'); the client INITIATE: Box[C, a vouch's
+16-byte nonce, Box[C', S](C->S')](C'->S'); the port READY: Box[](S'->C'), once C is
+admitted. Then records in both directions: a 4-byte length, and the record, a box
+under the session key (``crypto_box_beforenm``) whose nonce is the direction's prefix
+and an 8-byte count of the records sent that way. A message's first record opens with
+``PREAMBLE`` (the header's length; the payload's plus 1, or 0 for none) and the header's
+first bytes; the rest of the header and then the payload follow, no record spanning
+the header's end.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from zmq.utils import z85
 from ..config import split_host_port
 
 RECORD = 1 << 20
+LARGE = 16 << 20
 MAC = 16
 LENGTH = struct.Struct("!I")
 PREAMBLE = struct.Struct("!IQ")  # header bytes; payload bytes + 1, or 0 for none
@@ -79,6 +92,29 @@ class Boxes:
             raise Broken("a record whose box does not open (tampered, replayed or out of order)")
 
 
+_SCRATCH = LENGTH.size + PREAMBLE.size + RECORD + MAC
+_FREE: list[bytearray] = []
+
+
+def scratch(n: int) -> memoryview:
+    """A buffer for one record of ``n`` bytes: one used before when there is one (neither
+    made nor zeroed again for each record; ``release`` gives it back)."""
+    if n > _SCRATCH:
+        return memoryview(bytearray(n))
+    try:
+        buf = _FREE.pop()
+    except IndexError:
+        buf = bytearray(_SCRATCH)
+    return memoryview(buf)[:n]
+
+
+def release(view: memoryview) -> None:
+    """``view`` (from ``scratch``) is no longer read or written."""
+    buf = view.obj
+    if isinstance(buf, bytearray) and len(buf) == _SCRATCH and len(_FREE) < 16:
+        _FREE.append(buf)
+
+
 def records(header: bytes, payload: Any) -> Iterator[memoryview]:
     """A message's plaintext records: the preamble with the first header bytes, the rest
     of the header, then the payload; no record spans the header's end."""
@@ -109,6 +145,7 @@ class Outbound:
         self.raw: deque[bytes] = deque()
         self._queue: deque[tuple[Iterator[memoryview], bool]] = deque()
         self._wire: list[memoryview] = []
+        self._sealed: memoryview | None = None
         self.unwritten = self.counted = 0
         self.messages = 0
 
@@ -125,6 +162,9 @@ class Outbound:
     def write(self, sock: socket.socket) -> bool:
         """Write what the socket takes without blocking; True once nothing is left."""
         while True:
+            if not self._wire and self._sealed is not None:
+                release(self._sealed)
+                self._sealed = None
             if not self._wire and not self._next():
                 return True
             try:
@@ -158,10 +198,10 @@ class Outbound:
     def _seal(self, plain: memoryview) -> list[memoryview]:
         if self.boxes is None:
             return [memoryview(LENGTH.pack(len(plain))), plain]
-        out = bytearray(LENGTH.size + len(plain) + MAC)
+        out = self._sealed = scratch(LENGTH.size + len(plain) + MAC)
         LENGTH.pack_into(out, 0, len(plain) + MAC)
-        self.boxes.seal(memoryview(out)[LENGTH.size:], plain)
-        return [memoryview(out)]
+        self.boxes.seal(out[LENGTH.size:], plain)
+        return [out]
 
 
 class Inbound:
@@ -231,19 +271,20 @@ class Inbound:
         if self.boxes is None and self._into is not None:
             self._rec = self._into
         else:
-            self._rec = memoryview(bytearray(wire))
+            self._rec = scratch(wire)
             self.held += wire
         self._rec_got = 0
 
     def _end(self) -> Message | None:
         rec, into, self._rec, self._into = self._rec, self._into, None, None
         assert rec is not None
-        if rec is not into:
-            self.held -= len(rec)
         if into is None:
             self._start(self._open(rec))
         elif self.boxes is not None:
             self.boxes.open(into, rec)
+        if rec is not into:
+            self.held -= len(rec)
+            release(rec)
         n = 0 if into is None else len(into)
         if self._hgot < self._hlen:
             self._hgot += n
@@ -287,9 +328,10 @@ class Inbound:
 
 
 def allocate(n: int) -> Any:
-    """A writable buffer of ``n`` bytes; a large one of untouched pages (an anonymous
-    map), so that what a message's declared size costs is what its sender sent."""
-    return bytearray(n) if n <= RECORD else mmap.mmap(-1, n)
+    """A writable buffer of ``n`` bytes; one larger than a payload of the default frame,
+    of untouched pages (an anonymous map), so that what a large declared size costs is
+    what its sender sent."""
+    return bytearray(n) if n <= LARGE else mmap.mmap(-1, n)
 
 
 def address(endpoint: str) -> tuple[int, Any]:
