@@ -32,6 +32,7 @@ from nacl._sodium import ffi, lib
 from zmq.utils import z85
 
 from ..config import split_host_port
+from ..errors import SealBroken
 
 RECORD = 1 << 20
 LARGE = 16 << 20
@@ -52,10 +53,6 @@ TO_SERVER, TO_CLIENT = b"CurveZMQMESSAGEC", b"CurveZMQMESSAGES"
 
 Message = tuple[Any, Any]
 Sink = Callable[[Any, int], Any]
-
-
-class Broken(Exception):
-    """A connection that broke the protocol, or whose box did not open: it is closed."""
 
 
 def raw_key(text: bytes) -> bytes:
@@ -89,7 +86,7 @@ class Boxes:
         nonce = self._theirs + self._opened.to_bytes(8, "big")
         if lib.crypto_box_open_easy_afternm(ffi.from_buffer(out, require_writable=True), ffi.from_buffer(box),
                                             len(box), nonce, self._key) != 0:
-            raise Broken("a record whose box does not open (tampered, replayed or out of order)")
+            raise SealBroken("a record whose box does not open (tampered, replayed or out of order)")
 
 
 _SCRATCH = LENGTH.size + PREAMBLE.size + RECORD + MAC
@@ -266,7 +263,7 @@ class Inbound:
         into = self._target()
         room = PREAMBLE.size + RECORD if into is None else min(RECORD, len(into))
         if not 1 <= wire - mac <= room:
-            raise Broken(f"a record of {wire} bytes where {mac + 1} to {mac + room} may come")
+            raise SealBroken(f"a record of {wire} bytes where {mac + 1} to {mac + room} may come")
         self._into = None if into is None else into[:wire - mac]
         if self.boxes is None and self._into is not None:
             self._rec = self._into
@@ -301,12 +298,12 @@ class Inbound:
 
     def _start(self, plain: memoryview) -> None:
         if len(plain) < PREAMBLE.size:
-            raise Broken(f"a message's first record of {len(plain)} bytes, shorter than its preamble")
+            raise SealBroken(f"a message's first record of {len(plain)} bytes, shorter than its preamble")
         hlen, pcode = PREAMBLE.unpack_from(plain)
         if hlen > self.max_header or len(plain) - PREAMBLE.size > hlen:
-            raise Broken(f"a header of {hlen} bytes (at most {self.max_header})")
+            raise SealBroken(f"a header of {hlen} bytes (at most {self.max_header})")
         if pcode - 1 > self.max_payload:
-            raise Broken(f"a payload of {pcode - 1} bytes (at most {self.max_payload})")
+            raise SealBroken(f"a payload of {pcode - 1} bytes (at most {self.max_payload})")
         self._hlen, self._plen = hlen, pcode - 1
         self.head = allocate(hlen)
         self._hgot = len(plain) - PREAMBLE.size

@@ -15,9 +15,9 @@ from typing import Any
 from nacl import bindings as nb
 from nacl.exceptions import CryptoError
 
-from ..errors import PeerDown
+from ..errors import PeerDown, SealBroken
 from .sealed import (CURVE, GREETING, HELLO_NONCE, INITIATE_NONCE, MAGIC, PLAIN, READY, READY_NONCE, TO_CLIENT,
-                     TO_SERVER, WELCOME, Boxes, Broken, Inbound, Message, Outbound, Sink, address, raw_key, stream)
+                     TO_SERVER, WELCOME, Boxes, Inbound, Message, Outbound, Sink, address, raw_key, stream)
 
 _QUIET: list[socket.socket] = []
 
@@ -98,7 +98,7 @@ class Channel:
                 self._writable()
             if readable:
                 self._read()
-        except Broken as exc:
+        except SealBroken as exc:
             self._break(str(exc))
         except OSError as exc:
             self._break(f"connection lost: {exc.strerror or exc}")
@@ -108,7 +108,7 @@ class Channel:
         if not self.connected:
             err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
-                raise Broken(f"cannot connect: {os.strerror(err)}")
+                raise SealBroken(f"cannot connect: {os.strerror(err)}")
             self.connected = True
         self._out.write(self.sock)
 
@@ -131,7 +131,7 @@ class Channel:
             except ConnectionResetError:
                 n = 0
             if n == 0:
-                raise Broken("the peer closed the connection" + (" during the handshake: " + self._refused()
+                raise SealBroken("the peer closed the connection" + (" during the handshake: " + self._refused()
                                                                 if self._in is None else ""))
             if self._in is None:
                 self._hs_got += n
@@ -156,10 +156,10 @@ class Channel:
         got = bytes(self._hs)
         if self._stage == "greeting":
             if got[:len(MAGIC)] != MAGIC:
-                raise Broken("not a ckptd peer port (or one of another version): its greeting is not ckptd's")
+                raise SealBroken("not a ckptd peer port (or one of another version): its greeting is not ckptd's")
             mine = CURVE if self.keys is not None else PLAIN
             if got[len(MAGIC):] != mine:
-                raise Broken("that peer port runs " + ("in plaintext, and this node dials it with keys"
+                raise SealBroken("that peer port runs " + ("in plaintext, and this node dials it with keys"
                                                        if mine == CURVE else "with CurveZMQ keys, and this node "
                                                        "has none: set [daemon] curve_secret_key and [peer] "
                                                        "curve_peers (docs/tiers.md, \"Keys\")"))
@@ -170,7 +170,7 @@ class Channel:
             try:
                 nb.crypto_box_open_afternm(got, READY_NONCE, self._key)
             except CryptoError:
-                raise Broken("a READY whose box does not open") from None
+                raise SealBroken("a READY whose box does not open") from None
             self._opened(Boxes(self._key, TO_SERVER, TO_CLIENT))
 
     def _next_stage(self, stage: str, size: int) -> None:
@@ -180,7 +180,7 @@ class Channel:
         try:
             server_eph = nb.crypto_box_open(got[16:], b"WELCOME-" + got[:16], self._server, self._eph_secret)
         except CryptoError:
-            raise Broken("the server's WELCOME does not open with its public key: is the key file for this "
+            raise SealBroken("the server's WELCOME does not open with its public key: is the key file for this "
                          "endpoint that node's key?") from None
         public, secret = raw_key(self.keys.public), raw_key(self.keys.secret)
         vouch_nonce = os.urandom(16)

@@ -21,7 +21,8 @@ from typing import Any
 from nacl import bindings as nb
 from nacl.exceptions import CryptoError
 
-from .sealed import (CURVE, GREETING, HELLO, INITIATE, MAGIC, PLAIN, TO_CLIENT, TO_SERVER, Boxes, Broken, Inbound,
+from ..errors import SealBroken
+from .sealed import (CURVE, GREETING, HELLO, INITIATE, MAGIC, PLAIN, TO_CLIENT, TO_SERVER, Boxes, Inbound,
                      Outbound, HELLO_NONCE, INITIATE_NONCE, READY_NONCE, address, raw_key, stream, user_id)
 
 log = logging.getLogger("ckptd.peer")
@@ -122,7 +123,7 @@ class Server:
                 conn.out.write(conn.sock)
             if mask & selectors.EVENT_READ:
                 self._read(conn, got)
-        except Broken as exc:
+        except SealBroken as exc:
             self._drop(conn, "protocol", f"it broke the protocol: {exc}")
         except OSError as exc:
             self._drop(conn, None, f"{exc.strerror or exc}")
@@ -252,11 +253,11 @@ class Server:
             else:
                 self._initiate(conn, got)
         except CryptoError:
-            raise Broken(f"its {conn.stage.upper()} does not open (another port's key, or not CurveZMQ)") from None
+            raise SealBroken(f"its {conn.stage.upper()} does not open (another port's key, or not CurveZMQ)") from None
 
     def _greeting(self, conn: _Conn, got: bytes) -> None:
         if got[:len(MAGIC)] != MAGIC:
-            raise Broken("its greeting is not ckptd's (not a ckptd peer, or another version)")
+            raise SealBroken("its greeting is not ckptd's (not a ckptd peer, or another version)")
         mine = CURVE if self.curve is not None else PLAIN
         if got[len(MAGIC):] != mine:
             self._drop(conn, "mode", "it dials " + ("in plaintext a port with keys" if mine == CURVE
@@ -269,7 +270,7 @@ class Server:
     def _hello(self, conn: _Conn, got: bytes) -> None:
         conn.client_eph = got[:32]
         if nb.crypto_box_open(got[32:], HELLO_NONCE, conn.client_eph, raw_key(self.curve.secret)) != bytes(64):
-            raise Broken("a HELLO of other than zeros")
+            raise SealBroken("a HELLO of other than zeros")
         eph_public, conn.eph_secret = nb.crypto_box_keypair()
         nonce = os.urandom(16)
         conn.out.raw.append(nonce + nb.crypto_box(eph_public, b"WELCOME-" + nonce, conn.client_eph,
@@ -283,7 +284,7 @@ class Server:
         client, vouch_nonce, vouch = inner[:32], inner[32:48], inner[48:]
         if nb.crypto_box_open(vouch, b"VOUCH---" + vouch_nonce, client, conn.eph_secret) \
                 != conn.client_eph + raw_key(self.curve.public):
-            raise Broken("an INITIATE whose vouch is not for this session")
+            raise SealBroken("an INITIATE whose vouch is not for this session")
         user = user_id(client)
         if not self.curve.callback("ckptd", user.encode()):
             self._drop(conn, None, "its key is not admitted")
