@@ -47,8 +47,9 @@ class _Conn:
 
 class Server:
     """``listen``: ``tcp://HOST:PORT`` or ``ipc://PATH``; ``curve``: the port's
-    ``PeerCurveServer`` (its ``callback`` admits a client key), None for plaintext.
-    OSError when it cannot listen there."""
+    ``PeerCurveServer`` (its ``callback`` admits a client key), None for plaintext; with
+    one key shared by every node, ``per_key`` does not apply. OSError when it cannot
+    listen there."""
 
     def __init__(self, listen: str, curve: Any, *, max_header: int, max_payload: int, unread_cap: int,
                  handshake_s: float = 10.0, stall_s: float = 10.0, max_connections: int = 256, per_key: int = 64,
@@ -289,7 +290,7 @@ class Server:
         if not self.curve.callback("ckptd", user.encode()):
             self._drop(conn, None, "its key is not admitted")
             return
-        if self._per_user.get(user, 0) >= self.per_key:
+        if self._per_user.get(user, 0) >= self.per_key and not getattr(self.curve, "shared", False):
             self._drop(conn, "per_key", f"key {user} has {self.per_key} connections open already")
             return
         conn.user = user
