@@ -2,8 +2,8 @@
 thread waits on every connection at once (``Server.poll``) and gets whole messages back
 with who sent them; answers are queued per connection and written as its socket takes
 them. Bounded (docs/tiers.md, "No message stops it"): connections in all and per client
-key; the bytes of unfinished messages in all (``assembling``: past it only the oldest
-unfinished message is read on); a connection's answers not yet written (past
+key; the bytes of unfinished messages in all (``assembling``: past two messages' bound
+only the oldest unfinished message is read on); a connection's answers not yet written (past
 ``unread_cap`` its requests are not read); a handshake within ``handshake_s``; a
 message's records never ``stall_s`` apart. A connection that breaks the protocol is
 closed, logged once a minute per kind."""
@@ -22,7 +22,7 @@ from nacl import bindings as nb
 from nacl.exceptions import CryptoError
 
 from ..errors import SealBroken
-from .sealed import (CURVE, GREETING, HELLO, INITIATE, MAGIC, PLAIN, TO_CLIENT, TO_SERVER, Boxes, Inbound,
+from .sealed import (CURVE, GREETING, HELLO, INITIATE, MAGIC, PLAIN, RECORD, TO_CLIENT, TO_SERVER, Boxes, Inbound,
                      Outbound, HELLO_NONCE, INITIATE_NONCE, READY_NONCE, address, raw_key, stream, user_id)
 
 log = logging.getLogger("ckptd.peer")
@@ -57,7 +57,8 @@ class Server:
         self.limits = max_header, max_payload
         self.unread_cap, self.handshake_s, self.stall_s = unread_cap, handshake_s, stall_s
         self.max_connections, self.per_key = max_connections, per_key
-        self.assembling_cap = max_header if assembling_cap is None else assembling_cap
+        message = max_header + max_payload + RECORD
+        self.assembling_cap = 2 * message if assembling_cap is None else assembling_cap
         self.curve = curve
         family, addr = address(listen)
         self.listener = stream(family)
