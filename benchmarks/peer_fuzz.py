@@ -2,8 +2,10 @@
 sending every op with random, extreme and wrongly typed fields, garbage and truncated
 msgpack, scripted transfers of a real share (whole, corrupt, partial, overflowing,
 parts after ``done``, cancelled), the memory probes (a 4 MiB header of empty maps, 48 unread
-4 MiB reads, an unfinished multipart message), then a lost node recovered bit-exact
-through the port. Prints one JSON object of figures; exits 1 when a bound is broken.
+4 MiB reads, an unfinished message, three at once), the transport probes (garbage before
+and inside the handshake, a length over the bound, a bad record, connections that never
+finish their handshake), then a lost node recovered bit-exact through the port. Prints
+one JSON object of figures; exits 1 when a bound is broken.
 
     python benchmarks/peer_fuzz.py --messages 1000000
 """
@@ -25,8 +27,10 @@ from typing import Any
 
 import msgpack
 import torch
-import zmq
 
+from ckptd.errors import PeerDown
+from ckptd.peer.messages import MAX_HEADER_BYTES
+from ckptd.transport import sealed, sealed_client
 from daemons import DaemonProcess, free_tcp_port
 
 OPS = ["ping", "offer", "part", "done", "cancel", "holds", "drop", "steps", "manifests", "read", "pull", "nonsense", None,
@@ -37,6 +41,44 @@ EXTREME = [0, 1, -1, 2**31, 2**62, 2**63 - 1, 2**64 - 1, -2**63, 1.5, float("nan
            b"\x00" * 100, "../job", "job", [], {}, [[["deep"]]]]
 GROWTH_LIMIT = 64 * 2**20
 RSS_LIMIT = 2**30
+FRAME = 4 * 2**20 + 65536  # the port's payload bound at the default [peer] frame
+MESSAGE_BOUND = MAX_HEADER_BYTES + FRAME + sealed.RECORD  # what one unfinished message may hold
+
+
+class Asker:
+    """A client of the peer port in its own transport that sends whatever header and
+    payload it is given, as a buggy or hostile node would; its answers are read only when
+    asked for (``poll``, ``recv_multipart``)."""
+
+    def __init__(self, endpoint: str, keys: Any = None) -> None:
+        self.chan = sealed_client.Channel(endpoint, keys, max_header=MAX_HEADER_BYTES, max_payload=2**31,
+                                          hwm=2**20)
+        self._got: list[tuple[bytes, Any]] = []
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        """``frames[0]`` the header, the rest (joined) the payload; a connection that the
+        port closed takes nothing (``poll`` then says False)."""
+        try:
+            self.chan.send(frames[0], b"".join(frames[1:]) if len(frames) > 1 else None, time.monotonic() + 30)
+        except PeerDown:
+            pass
+
+    def poll(self, ms: int) -> bool:
+        if not self._got:
+            try:
+                self._got.append(self.chan.recv(time.monotonic() + ms / 1000))
+            except PeerDown:
+                return False
+        return True
+
+    def recv_multipart(self) -> list[Any]:
+        if not self.poll(30_000):
+            raise PeerDown(f"{self.chan.endpoint}: no answer")
+        head, payload = self._got.pop(0)
+        return [bytes(head)] + ([payload] if payload is not None else [])
+
+    def close(self, linger: int = 0) -> None:
+        self.chan.close()
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:
@@ -83,7 +125,7 @@ def _status(node: DaemonProcess) -> dict[str, Any]:
     return json.loads(out.stdout)["peer"]
 
 
-def _ask(sock: zmq.Socket, frames: list[bytes], timeout: float = 30.0) -> dict[str, Any]:
+def _ask(sock: Asker, frames: list[bytes], timeout: float = 30.0) -> dict[str, Any]:
     sock.send_multipart(frames)
     if not sock.poll(int(timeout * 1000)):
         raise SystemExit("the peer port stopped answering")
@@ -97,7 +139,7 @@ class Share:
         self.manifest = (folder / "manifest-r00000.json").read_bytes()
         self.files = {n: (folder / n).read_bytes() for n in os.listdir(folder) if n.endswith(".safetensors")}
 
-    def transfer(self, sock: zmq.Socket, how: str) -> bool:
+    def transfer(self, sock: Asker, how: str) -> bool:
         """Send it in ``how`` (whole, corrupt, partial, overflowing, after_done, cancelled);
         whether the port answered as it must."""
         offer = {"op": "offer", "id": 1, "manifest": self.manifest, "keep_last": 2,
@@ -135,68 +177,134 @@ class Share:
 
 
 def _probe(node: DaemonProcess, action: Any) -> int:
+    """The daemon's peak resident memory during ``action`` over its resident memory before."""
+    try:
+        Path(f"/proc/{node.pid}/clear_refs").write_text("5")  # the peak starts again from here
+    except OSError:
+        pass
     before, _ = _memory(node.pid)
     action()
     time.sleep(2)
     return _memory(node.pid)[1] - before
 
 
-def _probes(ctx: zmq.Context, node: DaemonProcess, listen: str, own_file: str) -> dict[str, int]:
+def _probes(node: DaemonProcess, listen: str, own_file: str) -> dict[str, int]:
     def empty_maps() -> None:
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(listen)
+        sock = Asker(listen)
         _ask(sock, [msgpack.packb({"op": "holds", "id": 1, "shares": [{}] * (4 * 2**20 - 64)})], timeout=120)
-        sock.close(linger=0)
+        sock.close()
 
     def unread_reads() -> None:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RCVHWM, 1)
-        sock.setsockopt(zmq.RCVBUF, 4096)
-        sock.connect(listen)
+        sock = Asker(listen)
         read = {"op": "read", "run": "own", "step": 1, "rank": 0, "file": own_file, "offset": 0, "length": 4 * 2**20}
         for i in range(48):
             sock.send_multipart([msgpack.packb(dict(read, id=i))])
         time.sleep(3)
-        sock.close(linger=0)
+        sock.close()
 
-    def unfinished_multipart() -> None:
-        with _raw_zmtp(listen) as raw:  # libzmq's own DEALER never sends a message it has not finished
-            for _ in range(32):
-                raw.sendall(b"\x03" + (4 * 2**20).to_bytes(8, "big") + b"\x00" * (4 * 2**20))
-            time.sleep(3)
+    closed_early: list[int] = []
 
-    return {"empty_maps_header": _probe(node, empty_maps), "unread_reads": _probe(node, unread_reads),
-            "unfinished_multipart": _probe(node, unfinished_multipart)}
+    def unfinished(connections: int) -> None:
+        raws = [unfinished_message(listen) for _ in range(connections)]
+        time.sleep(3)
+        closed_early.append(sum(not still_open(raw) for raw in raws))  # a pending message, not a refused one
+        for raw in raws:
+            raw.close()
+
+    figures = {"empty_maps_header": _probe(node, empty_maps), "unread_reads": _probe(node, unread_reads),
+               "unfinished_message": _probe(node, lambda: unfinished(1)),
+               "unfinished_messages_3": _probe(node, lambda: unfinished(3))}
+    return {**figures, "unfinished_closed_early": sum(closed_early), **transport_probes(node, listen)}
 
 
-def _raw_zmtp(listen: str) -> socket.socket:
-    """A TCP connection that has spoken ZMTP 3.0's NULL greeting as a DEALER, for frames
-    sent by hand (flags, size, bytes)."""
+def plain(listen: str) -> socket.socket:
+    """A TCP connection to a plaintext peer port that has sent its greeting."""
     host, port = listen.removeprefix("tcp://").rsplit(":", 1)
     raw = socket.create_connection((host, int(port)))
-    raw.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31))
-    greeting = b""
-    while len(greeting) < 64:
-        greeting += raw.recv(64 - len(greeting))
-    body = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-    raw.sendall(b"\x04" + bytes([len(body)]) + body)
+    raw.sendall(sealed.MAGIC + sealed.PLAIN)
+    raw.recv(sealed.GREETING, socket.MSG_WAITALL)
     return raw
 
 
-def _fuzz(ctx: zmq.Context, listen: str, n: int, identities: int, share: Share, seed: int) -> dict[str, int]:
+def unfinished_message(listen: str) -> socket.socket:
+    """A connection that sends every record of the largest message the port takes
+    (a header of ``MAX_HEADER_BYTES``, a payload of ``FRAME``) but its last byte."""
+    raw = plain(listen)
+    raw.settimeout(3)  # a port that stops reading it (its cap on unfinished messages) is left so
+    first = sealed.RECORD - sealed.PREAMBLE.size
+    records = [sealed.PREAMBLE.pack(MAX_HEADER_BYTES, FRAME + 1) + bytes(first)]
+    records += [bytes(n) for n in _cut(MAX_HEADER_BYTES - first)] + [bytes(n) for n in _cut(FRAME - 1)]
+    try:
+        for record in records:
+            raw.sendall(sealed.LENGTH.pack(len(record)) + record)
+    except socket.timeout:
+        pass
+    return raw
+
+
+def _cut(n: int) -> list[int]:
+    """``n`` bytes as the sizes of the records that carry them."""
+    return [min(sealed.RECORD, n - off) for off in range(0, n, sealed.RECORD)]
+
+
+def still_open(raw: socket.socket) -> bool:
+    """Whether the port keeps ``raw`` open (its greeting read, nothing more to come)."""
+    raw.setblocking(False)
+    try:
+        return raw.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def closed(raw: socket.socket, timeout: float = 20.0) -> bool:
+    """Whether the port closed ``raw`` within ``timeout`` (its greeting is skipped)."""
+    raw.settimeout(timeout)
+    try:
+        while raw.recv(65536):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except socket.timeout:
+        return False
+    finally:
+        raw.close()
+    return True
+
+
+def transport_probes(node: DaemonProcess, listen: str) -> dict[str, int]:
+    """Each hostile connection is closed by the port (1) and the port serves on: the
+    number of probes that were not."""
+    host, port = listen.removeprefix("tcp://").rsplit(":", 1)
+    garbage = socket.create_connection((host, int(port)))
+    garbage.sendall(random.Random(1).randbytes(4096))
+    over = plain(listen)
+    over.sendall(sealed.LENGTH.pack(2**32 - 1))
+    stops = plain(listen)
+    stops.sendall(sealed.LENGTH.pack(4096) + sealed.PREAMBLE.pack(10, 0) + bytes(100))
+    results = [closed(garbage), closed(over)]
+    # never finishing a handshake: past the cap, refused at once; the rest closed after [peer] stall
+    idle = [socket.create_connection((host, int(port))) for _ in range(300)]
+    results.append(closed(idle[-1], timeout=5))
+    results += [closed(stops), all(closed(s, timeout=30) for s in idle[:-1])]
+    sock = Asker(listen)
+    served = _ask(sock, [msgpack.packb({"op": "ping", "id": 1})]).get("ok") is True
+    sock.close()
+    return {"transport_probes_not_closed": results.count(False) + (not served)}
+
+
+def _fuzz(listen: str, n: int, identities: int, share: Share, seed: int) -> dict[str, int]:
     rng = random.Random(seed)
-    socks: list[zmq.Socket] = []
+    socks: list[Asker] = []
     counts = {"sent": 0, "answered": 0, "transfers": 0, "transfers_wrong": 0, "reconnects": 0}
     hows = ["whole", "corrupt", "partial", "overflowing", "after_done", "cancelled"]
     while counts["sent"] < n:
         if len(socks) < identities or rng.random() < 0.05:
             if socks and len(socks) >= identities:
-                socks.pop(rng.randrange(len(socks))).close(linger=0)
+                socks.pop(rng.randrange(len(socks))).close()
                 counts["reconnects"] += 1
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(listen)
-            socks.append(sock)
+            socks.append(Asker(listen))
         sock = rng.choice(socks)
         batch = min(64, n - counts["sent"])
         for _ in range(batch):
@@ -212,7 +320,7 @@ def _fuzz(ctx: zmq.Context, listen: str, n: int, identities: int, share: Share, 
             counts["transfers"] += 1
             counts["transfers_wrong"] += not share.transfer(sock, hows[counts["transfers"] % len(hows)])
     for sock in socks:
-        sock.close(linger=0)
+        sock.close()
     return counts
 
 
@@ -226,12 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     a_, b_ = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2))
     a = DaemonProcess(base, None, name="a", tables={"peer": {"listen": a_, "peers": [b_]}})
     b = DaemonProcess(base, None, name="b", tables={"peer": {"listen": b_, "peers": [a_], "memory": "256MiB"}})
-    ctx = zmq.Context()
     began = time.monotonic()
     try:
-        figures = _run(ctx, a, b, a_, b_, args)
+        figures = _run(a, b, a_, b_, args)
     finally:
-        ctx.destroy(linger=0)
         for node in (a, b):
             node.close()
         shutil.rmtree(base, ignore_errors=True)
@@ -239,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(figures, indent=2))
     ok = (figures["thread_restarts"] == 0 and figures["peak_rss"] < RSS_LIMIT and figures["recovered_bit_exact"]
           and figures["empty_maps_header"] <= GROWTH_LIMIT and figures["unread_reads"] <= GROWTH_LIMIT
+          and figures["unfinished_message"] <= MESSAGE_BOUND
+          and figures["unfinished_messages_3"] <= 3 * MESSAGE_BOUND
+          and figures["unfinished_closed_early"] == 0 and figures["transport_probes_not_closed"] == 0
           and figures["transfers_wrong"] == 0)
     return 0 if ok else 1
 
@@ -252,7 +361,7 @@ def _save(node: DaemonProcess, run: str, step: int, nbytes: int) -> torch.Tensor
     return t
 
 
-def _run(ctx: zmq.Context, a: DaemonProcess, b: DaemonProcess, a_: str, b_: str,
+def _run(a: DaemonProcess, b: DaemonProcess, a_: str, b_: str,
          args: argparse.Namespace) -> dict[str, Any]:
     a.start()
     b.start()
@@ -266,8 +375,8 @@ def _run(ctx: zmq.Context, a: DaemonProcess, b: DaemonProcess, a_: str, b_: str,
     share = Share(a.root / "job" / "step-000000000001")
     own = b.root / "own" / "step-000000000001"
     own_file = next(n for n in os.listdir(own) if n.endswith(".safetensors"))
-    counts = _fuzz(ctx, b_, args.messages, args.identities, share, args.seed)
-    probes = _probes(ctx, b, b_, own_file)
+    counts = _fuzz(b_, args.messages, args.identities, share, args.seed)
+    probes = _probes(b, b_, own_file)
     status = _status(b)
     peak = _memory(b.pid)[1]
     a.kill()

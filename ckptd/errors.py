@@ -74,6 +74,11 @@ class PeerRefused(Exception):
     """A peer answered with an error (peer/messages.py)."""
 
 
+class SealBroken(Exception):
+    """A peer-port connection broke the protocol, or a box of it did not open: it is
+    closed (transport/sealed.py)."""
+
+
 class PeerVersion(PeerRefused):
     """A peer that speaks a newer protocol version than this node's."""
 

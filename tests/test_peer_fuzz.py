@@ -15,13 +15,13 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-import zmq
 
 import ckptd
 from ckptd.config import load as load_config
 from ckptd.layout import manifest_name, step_dir
 from ckptd.peer.keys import key_name
 from ckptd.transport import curve
+from ckptd.transport.sealed_server import Server
 from conftest import Daemon, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -86,17 +86,17 @@ def _request(rng: random.Random, i: int) -> list[bytes]:
     return frames
 
 
-def _client(ctx: zmq.Context, endpoint: str, secret: Path | None, server: Path | None) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+def _client(endpoint: str, secret: Path | None = None, server: Path | None = None) -> peer_fuzz.Asker:
+    """A client of the peer port; with ``secret``, it dials with that key pair a port whose
+    public key file is ``server``."""
+    keys = None
     if secret is not None and server is not None:
-        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(secret)
-        sock.curve_serverkey = zmq.auth.load_certificate(server)[0]
-    sock.connect(endpoint)
-    return sock
+        public, private = curve.load_secret(secret, "a test's key")
+        keys = curve.ClientKeys(curve.load_public(server, "a test's server key"), public, private, secret)
+    return peer_fuzz.Asker(endpoint, keys)
 
 
-def _ask(sock: zmq.Socket, frames: list[bytes], timeout: float = 10.0) -> dict:
+def _ask(sock: peer_fuzz.Asker, frames: list[bytes], timeout: float = 10.0) -> dict:
     sock.send_multipart(frames)
     assert sock.poll(int(timeout * 1000)), "the peer port stopped answering"
     answer = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
@@ -110,13 +110,12 @@ def test_no_message_stops_the_peer_port_and_a_lost_node_then_recovers_through_it
     secrets = node_keys(tmp_path / "keys", [a_, b_, spy_])  # spy: a key admitted as a peer, in hostile hands
     a = keyed_node(tmp_path / "a", a_, [b_], secrets[a_])
     b = keyed_node(tmp_path / "b", b_, [a_], secrets[b_], memory="64MiB")
-    ctx = zmq.Context()
     try:
         a.start()
         b.start()
         saved = _save(a, range(1, 2))
         _wait(lambda: _held(b).get((1, 0)) == "memory", "A's share held by B")
-        sock = _client(ctx, b_, secrets[spy_], tmp_path / "keys" / f"{key_name(b_)}.key")
+        sock = _client(b_, secrets[spy_], tmp_path / "keys" / f"{key_name(b_)}.key")
         # targeted: the fields that used to stop the thread or reach other nodes' replicas
         manifest = (step_dir(a.root, "job", 1) / manifest_name(0)).read_bytes()
         data_file = next(n for n in os.listdir(step_dir(a.root, "job", 1)) if n.endswith(".safetensors"))
@@ -153,7 +152,6 @@ def test_no_message_stops_the_peer_port_and_a_lost_node_then_recovers_through_it
         state = ckptd.load("job", 1)
         assert torch.equal(state["w"], saved[1])
     finally:
-        ctx.destroy(linger=0)
         for n in (a, b):
             n.cleanup()
 
@@ -162,12 +160,11 @@ def test_a_serve_thread_that_fails_is_restarted_and_counted(tmp_path, monkeypatc
     listen = f"tcp://127.0.0.1:{free_port()}"
     node = Daemon(tmp_path / "n", tables={"peer": {"listen": listen, "peers": [f"tcp://127.0.0.1:{free_port()}"]}},
                   metrics="127.0.0.1:0")
-    ctx = zmq.Context()
     try:
         monkeypatch.setenv("CKPTD_FAILPOINTS", "peer.serve_loop")  # every request fails outside any handler
         node.start()
         monkeypatch.delenv("CKPTD_FAILPOINTS")
-        sock = _client(ctx, listen, None, None)
+        sock = _client(listen)
         for i in range(3):
             sock.send_multipart([msgpack.packb({"op": "ping", "id": i})])
         _wait(lambda: _status(node)["peer"]["thread_restarts"] >= 3, "three restarts counted")
@@ -176,7 +173,6 @@ def test_a_serve_thread_that_fails_is_restarted_and_counted(tmp_path, monkeypatc
         with urllib.request.urlopen(_status(node)["metrics"], timeout=30) as page:
             assert "ckptd_peer_thread_restarts_total 3.0" in page.read().decode()
     finally:
-        ctx.destroy(linger=0)
         node.cleanup()
 
 
@@ -187,7 +183,6 @@ def test_the_peer_port_admits_only_peers_keys(tmp_path, keys) -> None:
     secrets = node_keys(tmp_path / "nodekeys", [a_, b_])
     a = keyed_node(tmp_path / "a", a_, [b_], secrets[a_])
     b = keyed_node(tmp_path / "b", b_, [a_], secrets[b_])
-    ctx = zmq.Context()
     try:
         a.start()
         b.start()
@@ -196,13 +191,12 @@ def test_the_peer_port_admits_only_peers_keys(tmp_path, keys) -> None:
         assert _held(b).get((1, 0)) == "memory"
         server = tmp_path / "nodekeys" / f"{key_name(b_)}.key"
         for secret in (keys["alice"], None):  # a producer's key; no key at all
-            sock = _client(ctx, b_, secret, server if secret else None)
+            sock = _client(b_, secret, server if secret else None)
             sock.send_multipart([msgpack.packb({"op": "list", "id": 1, "run": "job"})])
             assert not sock.poll(1500), "a key that is not a peer's was answered"
             sock.close()
         assert load_config(b.config).peer.curve_peers
     finally:
-        ctx.destroy(linger=0)
         for n in (a, b):
             n.cleanup()
 
@@ -240,10 +234,9 @@ def _plain_node(tmp_path: Path, **peer: object) -> tuple[Daemon, str]:
 
 def test_a_deeply_nested_field_is_refused_without_restarting_the_thread(tmp_path) -> None:
     node, listen = _plain_node(tmp_path)
-    ctx = zmq.Context()
     try:
         node.start()
-        sock = _client(ctx, listen, None, None)
+        sock = _client(listen)
         deep: object = "ping"
         for _ in range(1000):
             deep = [deep]
@@ -257,16 +250,14 @@ def test_a_deeply_nested_field_is_refused_without_restarting_the_thread(tmp_path
         assert _status(node)["peer"]["thread_restarts"] == 0
         assert "failed (restart" not in node.log_text()
     finally:
-        ctx.destroy(linger=0)
         node.cleanup()
 
 
 def test_a_header_of_empty_maps_is_refused_within_bounded_memory(tmp_path) -> None:
     node, listen = _plain_node(tmp_path)
-    ctx = zmq.Context()
     try:
         node.start()
-        sock = _client(ctx, listen, None, None)
+        sock = _client(listen)
         assert _ask(sock, [msgpack.packb({"op": "ping", "id": 0})])["ok"] is True
         before, _ = _memory(node)
         header = msgpack.packb({"op": "holds", "id": 1, "shares": [{}] * (4 * 2**20 - 64)})
@@ -274,24 +265,18 @@ def test_a_header_of_empty_maps_is_refused_within_bounded_memory(tmp_path) -> No
         assert answer["ok"] is False, answer
         assert _memory(node)[1] - before <= 64 * 2**20
     finally:
-        ctx.destroy(linger=0)
         node.cleanup()
 
 
 def test_unread_answers_are_capped(tmp_path) -> None:
     """48 reads of 4 MiB from the daemon's own root, their answers never read."""
     node, listen = _plain_node(tmp_path)
-    ctx = zmq.Context()
     try:
         node.start()
         _save(node, range(1, 2), nbytes=5 * 2**20)
         folder = step_dir(node.root, "job", 1)
         data_file = next(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 1)
-        sock.setsockopt(zmq.RCVBUF, 4096)
-        sock.connect(listen)
+        sock = _client(listen)  # its answers are read only when asked for
         sock.send_multipart([msgpack.packb({"op": "ping", "id": 0})])
         assert sock.poll(10000)
         sock.recv_multipart()
@@ -301,10 +286,9 @@ def test_unread_answers_are_capped(tmp_path) -> None:
             sock.send_multipart([msgpack.packb(dict(read, id=i + 1))])
         time.sleep(3)
         assert _memory(node)[1] - before <= 64 * 2**20
-        other = _client(ctx, listen, None, None)
+        other = _client(listen)
         assert _ask(other, [msgpack.packb({"op": "ping", "id": 1})])["ok"] is True
     finally:
-        ctx.destroy(linger=0)
         node.cleanup()
 
 
@@ -327,14 +311,13 @@ def test_an_offer_reserves_room_and_evicts_nothing_until_its_share_is_verified(t
     a = Daemon(tmp_path / "a", tables={"peer": {"listen": a_, "peers": [b_]}, "retention": {"keep_last": 3}})
     b = Daemon(tmp_path / "b", tables={"peer": {"listen": b_, "peers": [a_], "memory": "4MiB", "stall": "2s"}})
     manifest, files, _ = _big_share(tmp_path, 3 * 2**20)
-    ctx = zmq.Context()
     try:
         a.start()
         b.start()
         for step in range(1, 4):
             _save(a, range(step, step + 1))
             _wait(lambda: _status(b)["peer"]["held_shares"] == step, f"{step} of A's steps held by B")
-        sock = _client(ctx, b_, None, None)
+        sock = _client(b_)
         offer = {"op": "offer", "id": 1, "manifest": manifest, "files": files, "keep_last": 1}
         answer = _ask(sock, [msgpack.packb(offer, use_bin_type=True)])
         assert answer["ok"] is True, answer
@@ -349,7 +332,6 @@ def test_an_offer_reserves_room_and_evicts_nothing_until_its_share_is_verified(t
         assert answer["ok"] is False and "room" in answer["error"], answer
         assert _status(b)["peer"]["held_shares"] == 3
     finally:
-        ctx.destroy(linger=0)
         for n in (a, b):
             n.cleanup()
 
@@ -357,10 +339,9 @@ def test_an_offer_reserves_room_and_evicts_nothing_until_its_share_is_verified(t
 def test_parts_after_done_are_refused(tmp_path) -> None:
     node, listen = _plain_node(tmp_path, memory="64MiB")
     manifest, files, data = _big_share(tmp_path, 8 * 2**20)
-    ctx = zmq.Context()
     try:
         node.start()
-        sock = _client(ctx, listen, None, None)
+        sock = _client(listen)
         answer = _ask(sock, [msgpack.packb({"op": "offer", "id": 1, "manifest": manifest, "files": files,
                                             "keep_last": 1}, use_bin_type=True)])
         xfer = answer["xfer"]
@@ -382,7 +363,6 @@ def test_parts_after_done_are_refused(tmp_path) -> None:
         assert answers[20]["ok"] is True, answers[20]
         assert all(answers[21 + i]["ok"] is False for i in range(5)), answers
     finally:
-        ctx.destroy(linger=0)
         node.cleanup()
 
 
@@ -400,26 +380,23 @@ def test_versions_on_the_wire(tmp_path) -> None:
     old_ = f"tcp://127.0.0.1:{free_port()}"
     listen = f"tcp://127.0.0.1:{free_port()}"
     node = Daemon(tmp_path / "n", tables={"peer": {"listen": listen, "peers": [old_], "heartbeat": "1s"}})
-    ctx = zmq.Context()
-    old = ctx.socket(zmq.ROUTER)
-    old.bind(old_)
+    old = Server(old_, None, max_header=2**20, max_payload=2**20, unread_cap=2**20)
     stop = threading.Event()
 
     def answer_as_version_1() -> None:
         while not stop.is_set():
-            if old.poll(100):
-                ident, frame = old.recv_multipart()[:2]
-                request = msgpack.unpackb(frame, raw=False)
+            for ident, frames, _ in old.poll(0.1):
+                request = msgpack.unpackb(bytes(frames[0]), raw=False)
                 answer = {"ok": True, "id": request.get("id"), "node": "old", "listen": old_}
                 if request.get("op") == "holds":
                     answer["held"] = [True] * len(request["shares"])
-                old.send_multipart([ident, msgpack.packb(answer)])
+                old.send(ident, msgpack.packb(answer), None, counted=False)
 
     thread = threading.Thread(target=answer_as_version_1, daemon=True)
     thread.start()
     try:
         node.start()
-        sock = _client(ctx, listen, None, None)
+        sock = _client(listen)
         assert _ask(sock, [msgpack.packb({"op": "ping", "id": 1})])["v"] == 2  # a version 1 request
         answer = _ask(sock, [msgpack.packb({"op": "ping", "id": 2, "v": 99})])
         assert answer["ok"] is False and answer["code"] == "version" and "version 99" in answer["error"], answer
@@ -428,7 +405,7 @@ def test_versions_on_the_wire(tmp_path) -> None:
     finally:
         stop.set()
         thread.join()
-        ctx.destroy(linger=0)
+        old.close()
         node.cleanup()
 
 
@@ -438,10 +415,9 @@ def test_a_cancelled_transfer_frees_its_room_at_once_and_takes_nothing_after(tmp
     refused, and the same share offered again fits the room it freed."""
     node, listen = _plain_node(tmp_path, memory="12MiB", stall="600s")
     manifest, files, data = _big_share(tmp_path, 8 * 2**20)
-    ctx = zmq.Context()
     try:
         node.start()
-        sock = _client(ctx, listen, None, None)
+        sock = _client(listen)
         offer = {"op": "offer", "id": 1, "manifest": manifest, "files": files, "keep_last": 1}
         xfer = _ask(sock, [msgpack.packb(offer, use_bin_type=True)])["xfer"]
         name, blob = next(iter(data.items()))
@@ -460,5 +436,4 @@ def test_a_cancelled_transfer_frees_its_room_at_once_and_takes_nothing_after(tmp
         again = _ask(sock, [msgpack.packb(dict(offer, id=20), use_bin_type=True)])
         assert again["ok"] is True and again["xfer"] != xfer, again
     finally:
-        ctx.destroy(linger=0)
         node.cleanup()

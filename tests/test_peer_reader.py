@@ -349,17 +349,15 @@ def _served(node: Daemon) -> dict:
 
 
 def _ask_raw(endpoint: str, header: dict) -> dict:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    from ckptd.transport import sealed_client
+
+    chan = sealed_client.Channel(endpoint, None, max_header=messages.MAX_HEADER_BYTES, max_payload=2**30, hwm=8)
     try:
-        sock.connect(endpoint)
-        sock.send(msgpack.packb(dict(header, id=1), use_bin_type=True))
-        assert sock.poll(10000), f"{endpoint} did not answer {header}"
-        return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+        deadline = time.monotonic() + 10
+        chan.send(msgpack.packb(dict(header, id=1), use_bin_type=True), None, deadline)
+        return msgpack.unpackb(bytes(chan.recv(deadline)[0]), raw=False)
     finally:
-        sock.close()
-        ctx.term()
+        chan.close()
 
 
 def test_a_peer_with_many_steps_answers_within_bounds_and_a_load_asks_each_peer_once(tmp_path, monkeypatch) -> None:
@@ -684,13 +682,15 @@ def test_the_port_answers_others_while_a_received_share_is_verified(tmp_path, mo
     listen = f"tcp://127.0.0.1:{free_port()}"
     own_root = tmp_path / "holder"
     own_root.mkdir()
-    ctx = zmq.Context()
-    holder = Holder(64 << 20, 5.0)
-    server = PeerServer(ctx, listen, own_root, holder, None, (4 << 20) + 65536, "n")
-    server.start()
-    sender, asker = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from peer_fuzz import Asker
 
-    def ask(sock: zmq.Socket, header: dict, *payload: bytes) -> dict:
+    holder = Holder(64 << 20, 5.0)
+    server = PeerServer(None, listen, own_root, holder, None, (4 << 20) + 65536, "n")
+    server.start()
+    sender, asker = Asker(listen), Asker(listen)
+
+    def ask(sock: Asker, header: dict, *payload: bytes) -> dict:
         sock.send_multipart([msgpack.packb(header, use_bin_type=True), *payload])
         assert sock.poll(10000), f"no answer to {header['op']}"
         answer = msgpack.unpackb(sock.recv_multipart()[0], raw=False)
@@ -698,15 +698,12 @@ def test_the_port_answers_others_while_a_received_share_is_verified(tmp_path, mo
         return answer
 
     try:
-        for sock in (sender, asker):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(listen)
         offer = {"op": "offer", "id": 1, "manifest": manifest, "files": {n: len(b) for n, b in data.items()},
                  "keep_last": 1}
         xfer = ask(sender, offer)["xfer"]
         for n, b in data.items():
             ask(sender, {"op": "part", "id": 2, "xfer": xfer, "file": n, "offset": 0}, b)
-        sender.send(msgpack.packb({"op": "done", "id": 3, "xfer": xfer}))
+        sender.send_multipart([msgpack.packb({"op": "done", "id": 3, "xfer": xfer})])
         assert verifying.wait(10), "done was not verified"
         assert ask(asker, {"op": "steps", "id": 4, "run": "job", "limit": 4})["steps"] == []  # not held yet
         assert ask(asker, {"op": "ping", "id": 5})["node"] == "n"
@@ -725,4 +722,3 @@ def test_the_port_answers_others_while_a_received_share_is_verified(tmp_path, mo
         for sock in (sender, asker):
             sock.close()
         server.close()
-        ctx.term()

@@ -12,10 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import zmq
-
 from ..errors import ConfigError, PeerDown, PeerRefused, PeerRequestRefused as Refused, PeerVersion, ProtocolError
-from ..transport import wire
+from ..transport import sealed_client, wire
 
 VERSION = 2
 OLDEST_VERSION = 1
@@ -94,6 +92,7 @@ REQUESTS: dict[str, dict[str, str]] = {
     "pull": {"run": "str", "step": "int", "rank": "int"},
 }
 TOO_NEW = "version"
+RECONNECT_S = 0.1  # as libzmq's reconnect interval
 
 
 @dataclass(frozen=True)
@@ -155,92 +154,104 @@ def field(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> An
 
 
 class Link:
-    """One DEALER to one peer's ``listen`` endpoint: requests sent without blocking,
-    answers matched by id. Used from one thread; ``close`` it after a stall (a new
-    link starts clean, with no stale answers queued). ``version``: the peer protocol
-    version of the peer's last answer (an answer without ``v`` is version 1's)."""
+    """One connection to one peer's ``listen`` endpoint (``ckptd.transport.sealed_client``):
+    requests sent without waiting for their answers, answers matched by id. Used from
+    one thread; ``close`` it after a stall (a new link starts clean, with no stale
+    answers queued). A connection that breaks is made again by the next ``send``.
+    ``version``: the peer protocol version of the peer's last answer (an answer without
+    ``v`` is version 1's)."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, keys: Any = None, *, hwm: int = 64,
+    def __init__(self, ctx: Any, endpoint: str, keys: Any = None, *, hwm: int = 64,
                  max_message: int = MAX_HEADER_BYTES) -> None:
-        from ..transport.curve import secure_client
-
+        """``ctx``: unused (the peer port is not ZeroMQ's); ``max_message``: the largest
+        payload an answer may carry (a peer that answers more is cut off, not buffered)."""
         self.endpoint = endpoint
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # a peer that answers more than was asked is cut off by libzmq, not buffered
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message + 65536)
-        self.sock.setsockopt(zmq.SNDHWM, hwm)
-        self.sock.setsockopt(zmq.RCVHWM, hwm)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
         if hasattr(keys, "for_endpoint"):
             try:
                 keys = keys.for_endpoint(endpoint)
             except ConfigError as exc:
-                self.sock.close(linger=0)
                 raise PeerRefused(f"{endpoint}: {exc}") from None
-        self._handshake = secure_client(self.sock, keys)
-        self.sock.connect(endpoint)
+        self._keys, self._hwm, self._max = keys, hwm, max_message + 65536
+        self._chan = self._connect()
         self.version: int | None = None
 
+    @property
+    def sock(self) -> int:
+        """The file descriptor to poll (``zmq.Poller``, ``select``) for its answers."""
+        return self._chan.sock.fileno()
+
+    def _connect(self) -> sealed_client.Channel:
+        try:
+            return sealed_client.Channel(self.endpoint, self._keys, max_header=MAX_HEADER_BYTES,
+                                         max_payload=self._max, hwm=self._hwm)
+        except (OSError, ValueError) as exc:
+            raise PeerDown(f"{self.endpoint}: cannot connect: {exc}") from None
+
     def send(self, header: dict[str, Any], payload: Any = None, *, timeout: float) -> int:
-        """Send a request; its id. PeerDown when it cannot leave within ``timeout``."""
+        """Send a request; its id. PeerDown when it cannot leave within ``timeout`` (a
+        connection that broke, or was refused, is made again every ``RECONNECT_S``)."""
         rid = next(self._ids)
-        frames = [pack(dict(header, id=rid, v=VERSION))] + ([payload] if payload is not None else [])
-        if not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
-            raise PeerDown(f"{self.endpoint}: not connected or not taking requests after {timeout:g} s")
-        self.sock.send_multipart(frames, copy=payload is None or len(payload) < 65536, flags=zmq.NOBLOCK)
-        return rid
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._chan.broken is not None and time.monotonic() - self._chan.began >= RECONNECT_S:
+                self._chan.close()
+                self._chan = self._connect()
+            try:
+                self._chan.send(pack(dict(header, id=rid, v=VERSION)), payload, deadline)
+                return rid
+            except PeerDown:
+                if self._chan.broken is None or time.monotonic() + RECONNECT_S >= deadline:
+                    raise
+            time.sleep(max(0.0, self._chan.began + RECONNECT_S - time.monotonic()))
 
     def recv(self, rid: int, *, timeout: float) -> tuple[dict[str, Any], Any]:
         """The answer to request ``rid`` (older answers are skipped): (header, payload
-        frame or None). PeerDown after ``timeout`` s of silence, PeerRefused for an error."""
+        or None). PeerDown after ``timeout`` s of silence, PeerRefused for an error."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                raise PeerDown(f"{self.endpoint}: no answer in {timeout:g} s")
-            frames = self.sock.recv_multipart(copy=False)
-            header = unpack(frames[0])
-            if header.get("id") != rid:
-                if isinstance(header.get("id"), int) and header["id"] > rid:
-                    raise ProtocolError(f"{self.endpoint}: answers out of order")
-                continue
-            self._answered(header)
-            return header, frames[1] if len(frames) > 1 else None
+            head, payload = self._chan.recv(deadline)
+            header = unpack(head)
+            if self._mine(header, rid):
+                self._answered(header)
+                return header, payload
+
+    def _mine(self, header: dict[str, Any], rid: int) -> bool:
+        got = header.get("id")
+        if got != rid and isinstance(got, int) and got > rid:
+            raise ProtocolError(f"{self.endpoint}: answers out of order")
+        return got == rid
 
     def recv_into(self, rid: int, dst: memoryview, *, timeout: float) -> dict[str, Any]:
-        """The answer to request ``rid``, its bytes received straight into ``dst`` by
-        libzmq (no frame allocated, no copy under the GIL): exactly ``len(dst)`` of them,
-        else ProtocolError. PeerDown and PeerRefused as ``recv``."""
+        """The answer to request ``rid``, its bytes opened straight into ``dst``, record
+        by record: exactly ``len(dst)`` of them, else ProtocolError. PeerDown and
+        PeerRefused as ``recv``."""
         deadline = time.monotonic() + timeout
+        view = memoryview(dst).cast("B")
+
+        def sink(head: bytearray, n: int) -> Any:
+            header = unpack(head)
+            return view if n == len(view) and header.get("id") == rid and header.get("ok") is True else None
+
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                raise PeerDown(f"{self.endpoint}: no answer in {timeout:g} s")
-            header = unpack(self.sock.recv())
-            if header.get("id") != rid or not header.get("ok"):
-                self._discard_rest()
-                if header.get("id") != rid:
-                    if isinstance(header.get("id"), int) and header["id"] > rid:
-                        raise ProtocolError(f"{self.endpoint}: answers out of order")
-                    continue
-            self._answered(header)
-            n = self.sock.recv_into(dst) if self.sock.getsockopt(zmq.RCVMORE) else -1
-            if n != len(dst) or self.sock.getsockopt(zmq.RCVMORE):
-                self._discard_rest()
-                raise ProtocolError(f"{self.endpoint}: a part of {max(n, 0)} bytes, not {len(dst)}")
-            return header
+            head, payload = self._chan.recv(deadline, sink)
+            header = unpack(head)
+            if self._mine(header, rid):
+                self._answered(header)
+                if payload is not view:
+                    n = 0 if payload is None else memoryview(payload).nbytes
+                    raise ProtocolError(f"{self.endpoint}: a part of {n} bytes, not {len(view)}")
+                return header
 
     def recv_bytes(self, rid: int, n: int, *, timeout: float) -> memoryview:
         """The bytes answering request ``rid``: exactly ``n`` of them, else ProtocolError;
-        the message's own memory, writable (libzmq received it there: no copy made).
-        PeerDown and PeerRefused as ``recv``."""
-        _, frame = self.recv(rid, timeout=timeout)
-        if frame is None or len(frame) != n:
-            raise ProtocolError(f"{self.endpoint}: an answer of {0 if frame is None else len(frame)} bytes, not {n}")
-        return frame.buffer
+        memory of their own, writable. PeerDown and PeerRefused as ``recv``."""
+        _, payload = self.recv(rid, timeout=timeout)
+        if payload is None or len(payload) != n:
+            raise ProtocolError(f"{self.endpoint}: an answer of {0 if payload is None else len(payload)} bytes, "
+                                f"not {n}")
+        return memoryview(payload)
 
     def _answered(self, header: dict[str, Any]) -> None:
         """Note the answer's version; PeerVersion or PeerRefused for an error answer."""
@@ -255,13 +266,8 @@ class Link:
                               f"{VERSION}: {error}")
         raise PeerRefused(f"{self.endpoint}: {error}")
 
-    def _discard_rest(self) -> None:
-        while self.sock.getsockopt(zmq.RCVMORE):
-            self.sock.recv_into(bytearray())
-
     def request(self, header: dict[str, Any], payload: Any = None, *, timeout: float) -> tuple[dict[str, Any], Any]:
         return self.recv(self.send(header, payload, timeout=timeout), timeout=timeout)
 
     def close(self) -> None:
-        self._handshake.close()
-        self.sock.close(linger=0)
+        self._chan.close()

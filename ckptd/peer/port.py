@@ -1,6 +1,6 @@
-"""The ``ckptd-peer-serve`` thread: a ROUTER on ``[peer] listen`` that takes copies of
-other nodes' shares into the holder and serves shares to readers, from memory (copies)
-or from this daemon's own root. Each request is decoded against ``messages.REQUESTS``
+"""The ``ckptd-peer-serve`` thread: the port on ``[peer] listen``
+(``ckptd.transport.sealed_server``) that takes copies of other nodes' shares into the
+holder and serves shares to readers, from memory (copies) or from this daemon's own root. Each request is decoded against ``messages.REQUESTS``
 and handled by ``PeerServer.on_<op>``; a ``done`` is answered from the
 ``ckptd-peer-verify`` thread, which checksums the share while this one serves on."""
 
@@ -14,13 +14,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Union
 
-import zmq
-
 from .. import index, layout
 from .. import failpoints
 from ..errors import CheckpointCorrupt, ProtocolError
 from ..manifest import Manifest
 from ..names import check_run
+from ..transport.sealed_server import Server
 from . import messages, supervise
 from .holder import Full, Holder, NotYours
 from .messages import Request
@@ -41,65 +40,49 @@ class Later:
 Reply = Union[Answer, Later, None]
 UNREAD_FRAMES = 12
 UNREAD_TOTAL_FRAMES = 64
-TRACKED_BYTES = 65536
 
 
 class Backlog:
-    """Bytes of large answers made for an asker (read from disk, or packed) that libzmq
-    still holds, per asker and in all: an asker over
-    its share, or any asker while the total is over, has its reads and manifests
-    refused until they are taken."""
+    """Bytes of answers made for an asker (read from disk, or packed; not views of
+    memory held anyway) that its connection has not yet written, per asker and in all:
+    an asker over its share, or any asker while the total is over, has its reads and
+    manifests refused until they are taken. (The port also stops reading an asker's
+    requests while ``per_asker`` bytes of any answers to it wait.)"""
 
-    def __init__(self, per_asker: int, total: int) -> None:
-        self.per_asker, self.total = per_asker, total
-        self._sent: dict[bytes, deque[tuple[zmq.MessageTracker, int]]] = {}
-        self._bytes: dict[bytes, int] = {}
-
-    def add(self, ident: bytes, tracker: zmq.MessageTracker, nbytes: int) -> None:
-        self._sent.setdefault(ident, deque()).append((tracker, nbytes))
-        self._bytes[ident] = self._bytes.get(ident, 0) + nbytes
+    def __init__(self, port: Server, per_asker: int, total: int) -> None:
+        self.port, self.per_asker, self.total = port, per_asker, total
 
     def check(self, ident: bytes) -> None:
-        for who in list(self._sent):
-            self._settle(who)
-        mine, everyone = self._bytes.get(ident, 0), sum(self._bytes.values())
+        mine, everyone = self.port.unwritten(ident), self.port.unwritten()
         if mine > self.per_asker or everyone > self.total:
             raise ProtocolError(f"{mine} bytes of answers to this asker ({everyone} to all) are not yet taken "
                                 f"(at most {self.per_asker}, {self.total} in all): read them before asking more")
 
-    def _settle(self, ident: bytes) -> None:
-        sent = self._sent[ident]
-        while sent and sent[0][0].done:
-            self._bytes[ident] -= sent.popleft()[1]
-        if not sent:
-            del self._sent[ident], self._bytes[ident]
-
     def figures(self) -> int:
-        return sum(self._bytes.values())
+        return self.port.unwritten()
 
 
 class PeerServer:
-    def __init__(self, ctx: zmq.Context, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int,
+    def __init__(self, ctx: Any, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int,
                  node_id: str) -> None:
+        """``ctx``: unused (the port is not ZeroMQ's); ``curve``: a PeerCurveServer, or None
+        for plaintext; ``max_frame``: the largest payload a request carries."""
         self.node_id = node_id
         self.root = root
         self.holder = holder
         self.listen = listen
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, 1000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max(max_frame, messages.MAX_HEADER_BYTES) + 4096)
-        if curve is not None:
-            curve.secure(ctx, self.sock)
+        per_asker = UNREAD_FRAMES * max_frame
         try:
-            self.sock.bind(listen)
-        except zmq.ZMQError as exc:
-            self.sock.close()
+            self.port = Server(listen, curve, max_header=messages.MAX_HEADER_BYTES, max_payload=max_frame,
+                               unread_cap=per_asker, handshake_s=holder.stall, stall_s=holder.stall)
+        except (OSError, ValueError) as exc:
             raise ProtocolError(f"[peer] listen {listen!r}: cannot listen there: {exc}") from None
+        if curve is not None:
+            log.info("CurveZMQ on %s: daemon public key %s; peers admitted: the *.key files in %s", listen,
+                     curve.public.decode(), curve.clients)
         self.curve = curve
         self.max_read = max_frame
-        self.backlog = Backlog(UNREAD_FRAMES * max_frame, UNREAD_TOTAL_FRAMES * max_frame)
+        self.backlog = Backlog(self.port, per_asker, UNREAD_TOTAL_FRAMES * max_frame)
         self._logged: dict[str, float] = {}
         self._muted: set[int] = set()
         self.served: dict[str, list[int]] = {}
@@ -108,11 +91,8 @@ class PeerServer:
         self._stop = threading.Event()
         self._expired = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name="ckptd-peer-serve", daemon=True)
-        # the verify thread's answers, and a socket that wakes the serve thread for each
         self._verified: deque[tuple[bytes, dict[str, Any]]] = deque()
-        self._wake = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-        self._wake[0].bind(f"inproc://ckptd-peer-verified-{id(self)}")
-        self._wake[1].connect(f"inproc://ckptd-peer-verified-{id(self)}")
+        self._received: deque[tuple[bytes, list[Any], str | None]] = deque()
         self._verifier = _Verifier(self)
 
     def start(self) -> None:
@@ -123,37 +103,29 @@ class PeerServer:
         self._stop.set()
         self.thread.join()
         self._verifier.close()
-        for sock in (self.sock, *self._wake):
-            sock.close(linger=0)
+        self.port.close()
 
     def _loop(self) -> None:
         supervise.run(self.thread.name, self._serve, self._stop.is_set)
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake[0], zmq.POLLIN)
         while not self._stop.is_set():
-            ready = dict(poller.poll(200))
-            if self._wake[0] in ready:
-                while self._wake[0].poll(0):
-                    self._wake[0].recv()
-                while self._verified:
-                    self._send(*self._verified.popleft(), None)
+            self._received.extend(self.port.poll(0.2))
+            while self._received:  # kept across a restart of this thread
+                self._take(*self._received.popleft())
+            while self._verified:
+                self._send(*self._verified.popleft(), None)
             if time.monotonic() - self._expired > 1.0:
                 self._expired = time.monotonic()
                 self.holder.expire()
-            if self.sock in ready:
-                self._take(self.sock.recv_multipart(copy=False))
 
-    def _take(self, frames: list[zmq.Frame]) -> None:
-        """Answer one message: ``frames[0]`` the asker, the rest its request."""
+    def _take(self, ident: bytes, frames: list[Any], user: str | None) -> None:
+        """Answer one request (``frames``) of connection ``ident``, whose client key is ``user``."""
         failpoints.hit("peer.serve_loop")  # a failure outside any handler: the thread restarts
-        ident = frames[0].bytes
         request: Request | None = None
         rid = None
         try:
-            request = messages.decode_request(frames[1:])
+            request = messages.decode_request(frames)
         except ProtocolError as exc:
             rid = getattr(exc, "rid", None)
             reply: Reply = _refusal(exc), None
@@ -161,7 +133,6 @@ class PeerServer:
         except Exception as exc:
             reply = _refusal(exc, f"{type(exc).__name__} decoding the request"), None
         else:
-            user = _user(frames[1])
             reply = self._guard(request, lambda: self._dispatch(ident, request, user))
         if isinstance(reply, Later):
             assert request is not None
@@ -182,17 +153,9 @@ class PeerServer:
         op = answer.pop(_OP, None)
         head = messages.pack(answer)
         nbytes = len(head) + (len(payload) if payload is not None else 0)
-        frames_out = [ident, head] + ([payload] if payload is not None else [])
         self._count(op, nbytes)
-        track = nbytes >= TRACKED_BYTES and not isinstance(payload, memoryview)
-        try:
-            sent = self.sock.send_multipart(frames_out, copy=payload is None and not track, track=track,
-                                            flags=zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError) as exc:
-            log.debug("cannot answer a peer: %s", exc)
-            return
-        if track and sent is not None:
-            self.backlog.add(ident, sent, nbytes)
+        if not self.port.send(ident, head, payload, counted=not isinstance(payload, memoryview)):
+            log.debug("cannot answer a peer: its connection is gone")
 
     def _guard(self, request: Request, make: Callable[[], Reply]) -> Reply:
         """``make``'s reply to ``request``: any failure, expected or not, is an error
@@ -255,7 +218,7 @@ class PeerServer:
             return None
         if r.payload is None:
             raise ProtocolError("part: no bytes")
-        self.holder.part(xfer, r.fields["file"], r.fields["offset"], r.payload.buffer,
+        self.holder.part(xfer, r.fields["file"], r.fields["offset"], r.payload,
                          owner=self._writer(user, "part"))
         return {}, None
 
@@ -470,7 +433,7 @@ class _Verifier(supervise.Queued[Deferred]):
             reply = self.server._guard(request, make)
             assert isinstance(reply, tuple)
             self.server._verified.append((ident, _answer(reply[0], request)))
-            self.server._wake[1].send(b"", zmq.NOBLOCK)
+            self.server.port.wake()
 
 
 def _within(file: str, offset: int, length: int, size: int) -> None:
@@ -480,14 +443,6 @@ def _within(file: str, offset: int, length: int, size: int) -> None:
 
 def _summary(m: Manifest, where: str) -> dict[str, Any]:
     return {"rank": m.rank, "attempt": m.attempt, "world_size": m.world_size, "where": where}
-
-
-def _user(frame: Any) -> str | None:
-    """The asker's CurveZMQ public key (Z85), as the ZAP handler admitted it; None in plaintext."""
-    try:
-        return frame.get("User-Id") or None
-    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
-        return None
 
 
 def _manifest_ranks(path: Path) -> list[int]:
