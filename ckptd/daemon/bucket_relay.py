@@ -8,13 +8,14 @@ fetcher (``ckptd.tiers.peer_pull``), and copied from there. Start at ``BucketFet
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import layout
+from .. import failpoints, inflight, layout
 from ..config import Config
 from ..errors import CheckpointError
 from ..manifest import Manifest
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptd.daemon")
 
 THREADS = 4
+PIECE_BYTES = 2**20  # a file's bytes land, and become readable to the peers pulling it, this many at a time
+PAUSE_S = 30.0
 
 ShareKey = tuple[str, int, int]
 
@@ -41,9 +44,9 @@ class BucketFetch:
     the main loop, tells each reader once its shares are in the root."""
 
     def __init__(self, config: Config, replies: Replies, wake: Callable[[], None]) -> None:
-        store = bucket.open_store(None, config)
-        assert store is not None, "BucketFetch needs [remote] url"
-        self.store: Store = store
+        assert config.remote.url, "BucketFetch needs [remote] url"
+        self.store = Store(config.remote.url, part_bytes=min(config.remote.part_bytes, PIECE_BYTES),
+                           concurrency=config.remote.concurrency)
         self.root = config.root
         self.peers = PeerPull(config) if config.peer.enabled else None
         self.replies = replies
@@ -141,14 +144,17 @@ class BucketFetch:
         return True
 
     def _from_bucket(self, run: str, step: int, rank: int) -> None:
+        """Downloaded in order, each file readable by the peers that pull it up to its mark
+        as it lands (``ckptd.inflight``)."""
         got = 0
 
-        def download(store: Store, manifest: Manifest, file: str, path: Path) -> None:
+        def download(share: inflight.Landing, store: Store, manifest: Manifest, file: str, path: Path) -> None:
             nonlocal got
-            remote_fetch.download_file(store, manifest, file, path)
+            remote_fetch.download_file(store, manifest, file, path, functools.partial(_landed, share, file, path))
             got += path.stat().st_size
 
-        bucket.fetch_share(self.store, run, step, rank, self.root, download=download)
+        with inflight.track(layout.step_dir(self.root, run, step), rank) as share:
+            bucket.fetch_share(self.store, run, step, rank, self.root, download=functools.partial(download, share))
         with self._lock:
             self.counts["bytes"] += got
         if got:
@@ -157,15 +163,27 @@ class BucketFetch:
     def figures(self) -> dict[str, Any]:
         """``asks`` received, ``joined`` to a download under way, ``shares`` landed (or
         found landed by another process), ``bytes`` from the bucket, ``peer_bytes`` from fetcher peers,
-        ``pulls`` answered for peers, ``failed``; ``running`` now."""
+        ``pulls`` answered for peers, ``failed``; ``running`` now; ``streamed``: bytes
+        peers copied of shares still landing."""
         with self._lock:
-            return {**self.counts, "running": len(self.jobs.running())}
+            return {**self.counts, "running": len(self.jobs.running()), "streamed": inflight.streamed()}
 
     def close(self) -> None:
         if self.peers is not None:
             self.peers.closing.set()
         for pool in (self._peer_pool, self._bucket_pool):
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _landed(share: inflight.Landing, file: str, path: Path, nbytes: int) -> None:
+    """The failpoint ``fetch.piece``: after each piece, the download waits (up to
+    ``PAUSE_S``) until a peer has read all that landed, so that a test sees a pull stream."""
+    share.landed(file, path, nbytes)
+    try:
+        failpoints.hit("fetch.piece")
+    except failpoints.Failpoint:
+        if not share.wait_read(file, nbytes, PAUSE_S):
+            log.warning("failpoint fetch.piece: no peer read %s up to %d within %g s", file, nbytes, PAUSE_S)
 
 
 def _done() -> Future[None]:
