@@ -179,7 +179,7 @@ def test_a_dead_fetcher_leaves_its_shares_to_the_bucket_with_a_warning(s3, proxy
     assert proxy.served / unique <= 1.05, (proxy.served, unique)
     fetched = a.status()["fetched"]
     assert fetched["bytes"] == unique and fetched["peer_bytes"] == 0 and fetched["failed"] == 0, fetched
-    assert f"not from its fetcher {listens[1]}" in a.log_text(), a.log_text()[-3000:]
+    assert f"from its fetcher {listens[1]} not used" in a.log_text(), a.log_text()[-3000:]
 
 
 def test_a_pull_copies_a_share_while_its_fetcher_lands_it(s3, proxy, make_daemon, monkeypatch, tmp_path) -> None:
@@ -222,7 +222,7 @@ def test_a_fetcher_killed_while_a_pull_copies_leaves_the_share_to_the_bucket(s3,
     assert all(t == want for t in got)
     fetched = a.status()["fetched"]
     assert fetched["bytes"] > 0 and fetched["peer_bytes"] == 0 and fetched["failed"] == 0, fetched
-    assert f"not from its fetcher {listens[1]}" in a.log_text(), a.log_text()[-3000:]
+    assert f"from its fetcher {listens[1]} not used" in a.log_text(), a.log_text()[-3000:]
 
 
 def _two_peer_nodes(make_daemon, monkeypatch, proxy, stall: str, b_failpoints: str = ""):

@@ -1,24 +1,25 @@
 """Bucket shares read once a cluster (docs/tiers.md, "Read once"): each share of a step
 has one fetcher among the daemons of the ``[peer]`` list (``PeerPull.fetcher``);
 a daemon that is not its fetcher asks the fetcher (``pull`` on the peer port) to land it
-from the bucket, then copies its files from the fetcher's root, every tensor checked
-against the bucket's own manifest. Start at ``PeerPull.land``.
+from the bucket, and copies its files as they land there, every tensor checked against
+the bucket's own manifest. Start at ``FetcherCopy.fill``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
 from ..config import Config
-from ..errors import CheckpointCorrupt, PeerDown, PeerRefused, ProtocolError
+from ..errors import CheckpointCorrupt, CheckpointError, PeerDown, PeerRefused, ProtocolError
 from ..manifest import Manifest
 from ..peer import messages
 from ..remote import catalog, fetch
@@ -26,6 +27,8 @@ from ..remote.store import Store
 from . import landing
 from .peer_discovery import reader_keys
 from .peer_transfer import PeerTransfer, share_files
+
+log = logging.getLogger("ckptd.daemon")
 
 PULL_POLL_S = 0.05
 PULL_WAIT_S = 600.0
@@ -54,28 +57,41 @@ class PeerPull:
         node = self.nodes[(zlib.crc32(f"{run}/{step}".encode()) + rank) % len(self.nodes)]
         return None if node == self.cfg.listen else node
 
-    def land(self, endpoint: str, store: Store, root: Path, run: str, step: int, rank: int) -> int:
-        """The share landed in ``root`` from the fetcher at ``endpoint``, its files copied
-        as the fetcher lands them from the bucket; the bytes copied. One of ``FAILED``
-        when the fetcher cannot serve it (the caller then reads the bucket itself)."""
-        got = 0
-        fetcher = _Fetcher(self, endpoint, run, step, rank)
+    def source(self, endpoint: str, store: Store, run: str, step: int, rank: int,
+               count: Callable[[int], None]) -> FetcherCopy:
+        """The share as its fetcher at ``endpoint`` lands it (``landing.Source``);
+        ``count(bytes)`` once it is copied."""
+        return FetcherCopy(self, endpoint, store, (run, step, rank), count)
 
-        def files(folder: Path) -> Manifest:
-            nonlocal got
-            manifest = catalog.read_manifest(store, run, step, rank).unpacked()
-            sizes = {f: n for f, n in share_files(manifest).items() if f in fetch.missing_files(manifest, folder)}
-            landing.stream(folder, sizes, functools.partial(self.transfer.read_files, endpoint, manifest,
-                                                            readable=fetcher.readable))
-            got = sum(sizes.values())
-            return manifest
 
+class FetcherCopy:
+    """A share copied from its fetcher as the fetcher lands it from the bucket, every
+    tensor checked against the bucket's own manifest. Its failure is one of ``FAILED``,
+    or a CheckpointError when this daemon stops."""
+
+    def __init__(self, pull: PeerPull, endpoint: str, store: Store, key: tuple[str, int, int],
+                 count: Callable[[int], None]) -> None:
+        self.pull, self.endpoint, self.store, self.key, self.count = pull, endpoint, store, key, count
+        self.what = f"its fetcher {endpoint}"
+
+    def fill(self, folder: Path, placed: Callable[[str], None]) -> Manifest:
+        run, step, rank = self.key
+        fetcher = _Fetcher(self.pull, self.endpoint, run, step, rank)
         try:
             fetcher.ask()
-            landing.land(root, run, step, rank, files)
+            manifest = catalog.read_manifest(self.store, run, step, rank).unpacked()
+            sizes = {f: n for f, n in share_files(manifest).items() if f in fetch.missing_files(manifest, folder)}
+            landing.stream(folder, sizes, functools.partial(self.pull.transfer.read_files, self.endpoint, manifest,
+                                                            readable=fetcher.readable), placed)
+        except FAILED:
+            if self.pull.closing.is_set():
+                raise CheckpointError("this daemon is stopping") from None
+            raise
         finally:
             fetcher.close()
-        return got
+        self.count(sum(sizes.values()))
+        log.info("run %r step %d rank %d landed from %s (%d bytes)", run, step, rank, self.what, sum(sizes.values()))
+        return manifest
 
 
 class _Fetcher:
