@@ -41,8 +41,8 @@ _streamed = [0]
 
 @contextlib.contextmanager
 def track(folder: Path, rank: int) -> Iterator[Landing]:
-    """Rank ``rank``'s share downloading into step folder ``folder``, served by its marks
-    until this ends (then from the root, or not at all)."""
+    """Rank ``rank``'s share landing in step folder ``folder``, served by its marks until
+    this ends: once its manifest is written (then from the root), or it failed."""
     share = Landing()
     with _lock:
         _landing[(folder, rank)] = share
@@ -52,6 +52,12 @@ def track(folder: Path, rank: int) -> Iterator[Landing]:
         with _lock:
             if _landing.get((folder, rank)) is share:
                 del _landing[(folder, rank)]
+
+
+def tracked(folder: Path, rank: int) -> Landing:
+    """The share ``track`` registered, else one no peer sees."""
+    with _lock:
+        return _landing.get((folder, rank)) or Landing()
 
 
 def marks(folder: Path, rank: int) -> dict[str, int] | None:

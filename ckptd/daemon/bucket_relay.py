@@ -148,11 +148,11 @@ class BucketCopy:
         store = self.fetch.store
         manifest = catalog.read_manifest(store, run, step, rank)
         got = 0
-        with inflight.track(folder, rank) as share:
-            for file in remote_fetch.missing_files(manifest, folder):
-                landing.write_file(folder / file, functools.partial(self._download, share, manifest, file))
-                got += (folder / file).stat().st_size
-                placed(file)
+        share = inflight.tracked(folder, rank)
+        for file in remote_fetch.missing_files(manifest, folder):
+            landing.write_file(folder / file, functools.partial(self._download, share, manifest, file))
+            got += (folder / file).stat().st_size
+            placed(file)
         self.fetch._count("bytes", got)
         if got:
             log.info("fetch: run %r step %d rank %d landed from %s (%d bytes)", run, step, rank, store.url, got)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 
-from .. import layout
+from .. import inflight, layout
 from ..manifest import Manifest
 from ..tiers import landing
 from ..tiers.landing import Source
@@ -168,7 +168,8 @@ class ShareJobs:
     def _run(self, job: Job[ShareKey], sources: Callable[[], Sequence[Source]],
              failed: tuple[type[Exception], ...]) -> Manifest:
         run, step, rank = job.key
-        return landing.land_from(self.root, run, step, rank, sources(), failed, lambda f: self.jobs.placed(job, f))
+        with inflight.track(layout.step_dir(self.root, run, step), rank):
+            return landing.land_from(self.root, run, step, rank, sources(), failed, lambda f: self.jobs.placed(job, f))
 
     def close(self) -> None:
         """Jobs under way finish (each source bounded in time), those not started are dropped."""

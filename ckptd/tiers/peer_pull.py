@@ -116,7 +116,8 @@ class _Fetcher:
         marks = header.get("readable", {})
         if not isinstance(marks, dict) or not all(isinstance(f, str) and isinstance(n, int) for f, n in marks.items()):
             raise ProtocolError(f"{self.what}: a pull answer whose readable is {marks!r:.200}, not file -> bytes")
-        self.marks = marks
+        for file, n in marks.items():
+            self.marks[file] = max(n, self.marks.get(file, 0))
 
     def readable(self, file: str, need: int, wait: bool) -> int:
         """How far ``file`` may be read: all of it once landed, else up to its mark (asked
