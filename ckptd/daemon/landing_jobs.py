@@ -22,6 +22,7 @@ from ..tiers.landing import Source
 
 WAIT_S = 2.0  # a waiting reader hears at least this often that its jobs still run
 THREADS = 4
+PEER_THREADS = 16
 
 K = TypeVar("K", bound=Hashable)
 
@@ -145,15 +146,16 @@ class ShareJobs:
     rank) that lands it in the root from the first of its sources that serves it whole
     (``landing.land_from``: a peer's copy, the share's fetcher as it lands it, the bucket,
     in the order the asker gives). A reader's ``recover`` (``relay``), its ``fetch`` and a
-    peer's ``pull`` (``bucket_relay``) all join the job under way."""
+    peer's ``pull`` (``bucket_relay``) all join the job under way. A copy from a fetcher
+    goes at its download's pace: ``PEER_THREADS`` at once keep the link busy."""
 
     def __init__(self, root: Path, wake: Callable[[], None]) -> None:
         self.root = root
         self.jobs: Jobs[ShareKey] = Jobs(wake)
         self.closing = threading.Event()
         # downloads never wait on a peer, so a peer's pull is never stuck behind copies that wait on peers
-        self._pools = {near: ThreadPoolExecutor(THREADS, thread_name_prefix=f"ckptd-landing{near}")
-                       for near in ("", "-peer")}
+        self._pools = {near: ThreadPoolExecutor(n, thread_name_prefix=f"ckptd-landing{near}")
+                       for near, n in (("", THREADS), ("-peer", PEER_THREADS))}
 
     def land(self, key: ShareKey, sources: Callable[[], Sequence[Source]], failed: tuple[type[Exception], ...], *,
              from_peer: bool, user: str | None = None) -> tuple[Job[ShareKey], bool]:
