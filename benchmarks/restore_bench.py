@@ -169,6 +169,7 @@ def _restore_all(net: NetCluster, args: argparse.Namespace, work: Path, mode: st
             raise RuntimeError(f"{mode}: the nodes did not get ready")
         time.sleep(0.1)
     before = _tx_bytes(net)
+    go = time.time()
     (folder / "go").touch()
     for p in procs:
         if p.wait(900) != 0:
@@ -181,7 +182,9 @@ def _restore_all(net: NetCluster, args: argparse.Namespace, work: Path, mode: st
     seconds = max(r["seconds"] for n in results for r in n["ranks"])
     ideal = unique * 8 / _bits(args.link)
     return {"served_bytes": served, "served_ratio": served / unique, "seconds": seconds,
-            "ideal_seconds": ideal, "link_fraction": ideal / seconds,
+            "ideal_seconds": ideal, "link_fraction": ideal / seconds, "go": go,
+            "ranks_began_ended": [[round(r["began"] - go, 3), round(r["ended"] - go, 3)] for n in results
+                                  for r in n["ranks"]],
             "daemons": [n["fetched"] for n in results]}
 
 

@@ -5,8 +5,8 @@ environment, as torchrun and the node's config give them.
     python tests/read_once_job.py load RUN OUT          # ckptd.load: this rank's share, DDP-style
     python tests/read_once_job.py into RUN OUT SHAPE    # ckptd.load_into a whole tensor "w" of SHAPE (JSON)
 
-Writes OUT (JSON): the SHA-256 of each tensor read, by name, and the seconds the
-restore took. With ``READ_ONCE_GO`` set, touches OUT.ready and waits for that file to
+Writes OUT (JSON): the SHA-256 of each tensor read, by name, the seconds the restore
+took and when it began and ended (Unix seconds). With ``READ_ONCE_GO`` set, touches OUT.ready and waits for that file to
 exist first (the benchmark starts every rank at once, their imports done)."""
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ def main() -> None:
         Path(f"{out}.ready").touch()
     while go and not Path(go).exists():
         time.sleep(0.01)
-    start = time.monotonic()
+    start, began = time.monotonic(), time.time()
     if mode == "load":
         flat = flatten(ckptd.load(run))
     else:
         flat = {"w": torch.zeros(json.loads(sys.argv[4]))}
         ckptd.load_into(flat, run)
     seconds = time.monotonic() - start
-    Path(out).write_text(json.dumps({"seconds": seconds, "tensors": digests(flat)}))
+    Path(out).write_text(json.dumps({"seconds": seconds, "began": began, "ended": began + seconds,
+                                     "tensors": digests(flat)}))
 
 
 def warm() -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,11 +73,20 @@ def _unique(run: str) -> int:
 def _ranks(node, proxy: CountingProxy, world: int, args: list[str], out: Path, *, nodes: list | None = None) -> list[dict]:
     """``world`` ranks restoring at once, rank r on ``nodes[r]`` (default: all on ``node``);
     the digests of what each read."""
+    return _finish(_start(node, proxy, world, args, out, nodes=nodes), out)
+
+
+def _start(node, proxy: CountingProxy, world: int, args: list[str], out: Path, *,
+           nodes: list | None = None) -> list[subprocess.Popen]:
     on = nodes or [node] * world
     env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, "WORLD_SIZE": str(world)}
-    procs = [subprocess.Popen([sys.executable, str(JOB), args[0], args[1], str(out / f"r{r}.json"), *args[2:]],
-                              env={**env, "RANK": str(r), "CKPTD_CONFIG": str(on[r].config)},
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    return [subprocess.Popen([sys.executable, str(JOB), args[0], args[1], str(out / f"r{r}.json"), *args[2:]],
+                             env={**env, "RANK": str(r), "CKPTD_CONFIG": str(on[r].config)},
+                             stderr=subprocess.PIPE, text=True) for r in range(world)]
+
+
+def _finish(procs: list[subprocess.Popen], out: Path) -> list[dict]:
+    world = len(procs)
     try:
         for r, p in enumerate(procs):
             try:
@@ -169,19 +179,67 @@ def test_a_dead_fetcher_leaves_its_shares_to_the_bucket_with_a_warning(s3, proxy
     assert proxy.served / unique <= 1.05, (proxy.served, unique)
     fetched = a.status()["fetched"]
     assert fetched["bytes"] == unique and fetched["peer_bytes"] == 0 and fetched["failed"] == 0, fetched
-    assert f"not from its fetcher {listens[1]}" in a.log_text(), a.log_text()[-3000:]
+    assert f"from its fetcher {listens[1]} not used" in a.log_text(), a.log_text()[-3000:]
 
 
-def _two_peer_nodes(make_daemon, monkeypatch, proxy, stall: str):
-    """A DDP step in the bucket and two [peer] daemons reading it through ``proxy``: the
-    saved digests, the unique bytes, the daemons' ``listen`` endpoints and the daemons."""
+def test_a_pull_copies_a_share_while_its_fetcher_lands_it(s3, proxy, make_daemon, monkeypatch, tmp_path) -> None:
+    """The fetcher's download waits after each piece until the other node has read all
+    that landed (failpoint ``fetch.piece``): the other node copies each byte of the
+    shares it pulls while they are still landing, and its ranks read them as saved."""
+    want, unique, _, (a, b) = _two_peer_nodes(make_daemon, monkeypatch, proxy, "5s", b_failpoints="fetch.piece")
+    got = _ranks(a, proxy, 3, ["load", "ddp"], tmp_path)
+    assert all(t == want for t in got)
+    fa, fb = (n.status()["fetched"] for n in (a, b))
+    assert fa["failed"] == 0 and 0 < fa["peer_bytes"] == fb["bytes"] and fa["bytes"] + fb["bytes"] == unique, (fa, fb)
+    assert fb["streamed"] == fb["bytes"], fb  # every byte the fetcher landed was copied before it was whole
+    assert "no peer read" not in b.log_text(), b.log_text()[-3000:]
+
+
+def test_a_pull_from_a_fetcher_that_does_not_say_how_far_it_landed_waits_for_the_share(
+        s3, proxy, make_daemon, monkeypatch, tmp_path) -> None:
+    """A fetcher whose ``pull`` answers lack ``readable`` (as before it was added:
+    failpoint ``peer.pull_unmarked``) is copied from once it holds the whole share."""
+    want, unique, _, (a, b) = _two_peer_nodes(make_daemon, monkeypatch, proxy, "5s", b_failpoints="peer.pull_unmarked")
+    got = _ranks(a, proxy, 3, ["load", "ddp"], tmp_path)
+    assert all(t == want for t in got)
+    fa, fb = (n.status()["fetched"] for n in (a, b))
+    assert fa["failed"] == 0 and 0 < fa["peer_bytes"] == fb["bytes"] and fb["streamed"] == 0, (fa, fb)
+
+
+def test_a_fetcher_killed_while_a_pull_copies_leaves_the_share_to_the_bucket(s3, proxy, make_daemon, monkeypatch,
+                                                                             tmp_path) -> None:
+    """The fetcher dies once the other node has copied part of a share it was landing:
+    that node reads the share from the bucket itself, says so, and its ranks read every
+    byte as saved."""
+    want, unique, listens, (a, b) = _two_peer_nodes(make_daemon, monkeypatch, proxy, "3s", b_failpoints="fetch.piece")
+    procs = _start(a, proxy, 3, ["load", "ddp"], tmp_path)
+    deadline = time.monotonic() + RANK_S
+    while b.status()["fetched"]["streamed"] == 0:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no pull started streaming"
+        time.sleep(0.05)
+    b.kill()
+    got = _finish(procs, tmp_path)
+    assert all(t == want for t in got)
+    fetched = a.status()["fetched"]
+    assert fetched["bytes"] > 0 and fetched["peer_bytes"] == 0 and fetched["failed"] == 0, fetched
+    assert f"from its fetcher {listens[1]} not used" in a.log_text(), a.log_text()[-3000:]
+
+
+def _two_peer_nodes(make_daemon, monkeypatch, proxy, stall: str, b_failpoints: str = ""):
+    """A DDP step in the bucket and two [peer] daemons reading it through ``proxy``, the
+    second with ``b_failpoints`` armed: the saved digests, the unique bytes, the daemons'
+    ``listen`` endpoints and the daemons."""
     want = digests(_flat(_ddp_state()))
     _upload(make_daemon, monkeypatch, lambda p, r: p.save(_ddp_state(), STEP, replicated=True))
     unique = _unique("ddp")
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
     listens = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    nodes = [make_daemon(tables={"remote": {"url": URL},
-                                 "peer": {"listen": e, "peers": [o for o in listens if o != e], "stall": stall}})
-             for e in listens]
+    nodes = []
+    for e, armed in zip(listens, ["", b_failpoints]):
+        monkeypatch.setenv("CKPTD_FAILPOINTS", armed)
+        nodes.append(make_daemon(tables={"remote": {"url": URL},
+                                         "peer": {"listen": e, "peers": [o for o in listens if o != e],
+                                                  "stall": stall}}))
+    monkeypatch.delenv("CKPTD_FAILPOINTS")
     proxy.reset()
     return want, unique, listens, nodes

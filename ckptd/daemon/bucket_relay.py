@@ -8,49 +8,50 @@ fetcher (``ckptd.tiers.peer_pull``), and copied from there. Start at ``BucketFet
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import layout
+from .. import failpoints, inflight
 from ..config import Config
 from ..errors import CheckpointError
 from ..manifest import Manifest
-from ..remote import fetch as remote_fetch
+from ..remote import catalog, fetch as remote_fetch
 from ..remote.store import Store
-from ..tiers import bucket, landing
+from ..tiers import landing
 from ..tiers.peer_pull import FAILED, PeerPull
 from ..transport import wire
-from .landing_jobs import Ask, Job, Jobs
+from .landing_jobs import Ask, Job, ShareJobs, ShareKey
 
 if TYPE_CHECKING:
     from .replies import Replies
 
 log = logging.getLogger("ckptd.daemon")
 
-THREADS = 4
-
-ShareKey = tuple[str, int, int]
+PIECE_BYTES = 2**20
+PAUSE_S = 30.0
 
 
 class BucketFetch:
-    """The daemon's ``fetch`` jobs, one per share however many readers wait on it, run on
-    ``ckptd-landing`` threads with the daemon's own bucket credentials; ``answer(now)``, on
-    the main loop, tells each reader once its shares are in the root."""
+    """The daemon's ``fetch`` asks, each waiting on the one job per share (``ShareJobs``)
+    however many readers and peers wait on it, run with the daemon's own bucket
+    credentials; ``answer(now)``, on the main loop, tells each reader once its shares
+    are in the root."""
 
-    def __init__(self, config: Config, replies: Replies, wake: Callable[[], None]) -> None:
-        store = bucket.open_store(None, config)
-        assert store is not None, "BucketFetch needs [remote] url"
-        self.store: Store = store
+    def __init__(self, config: Config, replies: Replies, wake: Callable[[], None],
+                 shares: ShareJobs | None = None) -> None:
+        assert config.remote.url, "BucketFetch needs [remote] url"
+        self.store = Store(config.remote.url, part_bytes=min(config.remote.part_bytes, PIECE_BYTES),
+                           concurrency=config.remote.concurrency)
         self.root = config.root
+        self.shares = shares or ShareJobs(config.root, wake)
+        self.jobs = self.shares.jobs
         self.peers = PeerPull(config) if config.peer.enabled else None
+        if self.peers is not None:
+            self.peers.closing = self.shares.closing
         self.replies = replies
-        # downloads never wait on a peer, so a peer's pull is never stuck behind copies that wait on peers
-        self._bucket_pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ckptd-landing")
-        self._peer_pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ckptd-landing-peer")
-        self.jobs: Jobs[ShareKey] = Jobs(wake)
         self._lock = threading.Lock()
         self.counts = {"asks": 0, "joined": 0, "shares": 0, "failed": 0, "bytes": 0, "peer_bytes": 0, "pulls": 0}
 
@@ -69,23 +70,32 @@ class BucketFetch:
                            lambda a, now, _: self._progress(a, now, what)))
 
     def _job(self, key: ShareKey, *, peers: bool = True) -> Job[ShareKey]:
-        """The landing of share ``key`` under way, or a new one (``peers``: from its fetcher
-        where another daemon is, else from the bucket); one already done if it is in the root."""
+        """The landing of share ``key`` under way, or a new one: from its fetcher where
+        another daemon is (``peers``), else (or when that fails) from the bucket."""
         fetcher = self.peers.fetcher(*key) if peers and self.peers is not None else None
-        pool = self._bucket_pool if fetcher is None else self._peer_pool
-        landed = landing.read_share(layout.step_dir(self.root, key[0], key[1]), key[2]) is not None
-        job, joined = self.jobs.job(key, lambda _: _done() if landed else pool.submit(self._land, *key, fetcher))
+
+        def sources() -> list[landing.Source]:
+            bucket = BucketCopy(self, key)
+            if fetcher is None or self.peers is None:
+                return [bucket]
+            return [self.peers.source(fetcher, self.store, *key, functools.partial(self._count, "peer_bytes")), bucket]
+
+        job, joined = self.shares.land(key, sources, FAILED, from_peer=fetcher is not None)
         if joined:
-            with self._lock:
-                self.counts["joined"] += 1
+            self._count("joined", 1)
+        elif not job.future.done():
+            job.future.add_done_callback(lambda f: self._count("shares" if f.exception() is None else "failed", 1))
         return job
+
+    def _count(self, what: str, n: int) -> None:
+        with self._lock:
+            self.counts[what] += n
 
     def pull(self, run: str, step: int, rank: int) -> bool:
         """A peer's ``pull`` (on the peer port's thread): whether the share is in the root;
         else its download from the bucket is started, or joined. A failed one's error is
         the answer (the peer then reads the bucket itself)."""
-        with self._lock:
-            self.counts["pulls"] += 1
+        self._count("pulls", 1)
         done = self._job((run, step, rank), peers=False).future
         if done.done() and done.exception() is not None:
             raise CheckpointError(f"run {run!r} step {step} rank {rank} from {self.store.url}: {done.exception()}")
@@ -112,66 +122,56 @@ class BucketFetch:
         self.replies.send(a.identity, "error", seq=a.seq, step=None, message=f"fetch: {what}: {exc}",
                           code=wire.error_code(exc))
 
-    def _land(self, run: str, step: int, rank: int, fetcher: str | None) -> None:
-        """One share landed in the root, each file checked, the manifest last: from the
-        daemon ``fetcher`` (None: none), else from the bucket."""
-        try:
-            if fetcher is None or not self._from_peer(fetcher, run, step, rank):
-                self._from_bucket(run, step, rank)
-        except Exception:
-            with self._lock:
-                self.counts["failed"] += 1
-            raise
-        with self._lock:
-            self.counts["shares"] += 1
-
-    def _from_peer(self, fetcher: str, run: str, step: int, rank: int) -> bool:
-        assert self.peers is not None
-        try:
-            got = self.peers.land(fetcher, self.store, self.root, run, step, rank)
-        except FAILED as exc:
-            if self.peers.closing.is_set():
-                raise CheckpointError("fetch: this daemon is stopping") from None
-            log.warning("fetch: run %r step %d rank %d not from its fetcher %s (%s); from %s instead", run, step,
-                        rank, fetcher, exc, self.store.url)
-            return False
-        with self._lock:
-            self.counts["peer_bytes"] += got
-        log.info("fetch: run %r step %d rank %d landed from %s (%d bytes)", run, step, rank, fetcher, got)
-        return True
-
-    def _from_bucket(self, run: str, step: int, rank: int) -> None:
-        got = 0
-
-        def download(store: Store, manifest: Manifest, file: str, path: Path) -> None:
-            nonlocal got
-            remote_fetch.download_file(store, manifest, file, path)
-            got += path.stat().st_size
-
-        bucket.fetch_share(self.store, run, step, rank, self.root, download=download)
-        with self._lock:
-            self.counts["bytes"] += got
-        if got:
-            log.info("fetch: run %r step %d rank %d landed from %s (%d bytes)", run, step, rank, self.store.url, got)
-
     def figures(self) -> dict[str, Any]:
-        """``asks`` received, ``joined`` to a download under way, ``shares`` landed (or
+        """``asks`` received, ``joined`` to a landing under way, ``shares`` landed (or
         found landed by another process), ``bytes`` from the bucket, ``peer_bytes`` from fetcher peers,
-        ``pulls`` answered for peers, ``failed``; ``running`` now."""
+        ``pulls`` answered for peers, ``failed``; ``running`` now; ``streamed``: bytes
+        peers copied of shares still landing."""
         with self._lock:
-            return {**self.counts, "running": len(self.jobs.running())}
+            return {**self.counts, "running": len(self.jobs.running()), "streamed": inflight.streamed()}
 
     def close(self) -> None:
-        if self.peers is not None:
-            self.peers.closing.set()
-        for pool in (self._peer_pool, self._bucket_pool):
-            pool.shutdown(wait=True, cancel_futures=True)
+        self.shares.close()
 
 
-def _done() -> Future[None]:
-    done: Future[None] = Future()
-    done.set_result(None)
-    return done
+class BucketCopy:
+    """A share downloaded from the bucket, in order and ``PIECE_BYTES`` at a time, each
+    file readable by the peers that pull it up to its mark as it lands
+    (``ckptd.inflight``) and checked once whole."""
+
+    def __init__(self, fetch: BucketFetch, key: ShareKey) -> None:
+        self.fetch, self.key = fetch, key
+        self.what = fetch.store.url
+
+    def fill(self, folder: Path, placed: Callable[[str], None]) -> Manifest:
+        run, step, rank = self.key
+        store = self.fetch.store
+        manifest = catalog.read_manifest(store, run, step, rank)
+        got = 0
+        share = inflight.tracked(folder, rank)
+        for file in remote_fetch.missing_files(manifest, folder):
+            landing.write_file(folder / file, functools.partial(self._download, share, manifest, file))
+            got += (folder / file).stat().st_size
+            placed(file)
+        self.fetch._count("bytes", got)
+        if got:
+            log.info("fetch: run %r step %d rank %d landed from %s (%d bytes)", run, step, rank, store.url, got)
+        return manifest.unpacked()
+
+    def _download(self, share: inflight.Landing, manifest: Manifest, file: str, path: Path) -> None:
+        remote_fetch.download_file(self.fetch.store, manifest, file, path,
+                                   functools.partial(_landed, share, file, path))
+
+
+def _landed(share: inflight.Landing, file: str, path: Path, nbytes: int) -> None:
+    """The failpoint ``fetch.piece``: after each piece, the download waits (up to
+    ``PAUSE_S``) until a peer has read all that landed, so that a test sees a pull stream."""
+    share.landed(file, path, nbytes)
+    try:
+        failpoints.hit("fetch.piece")
+    except failpoints.Failpoint:
+        if not share.wait_read(file, nbytes, PAUSE_S):
+            log.warning("failpoint fetch.piece: no peer read %s up to %d within %g s", file, nbytes, PAUSE_S)
 
 
 def _same_dir(a: str, b: Path) -> bool:

@@ -6,6 +6,7 @@ for the same thing at once join one job (``landing_jobs``). Start at ``Relay.ask
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -17,7 +18,7 @@ from ..config import Config
 from ..errors import CheckpointError, CheckpointNotFound, NotOwner
 from ..manifest import CheckpointInfo
 from ..transport import wire
-from .landing_jobs import Ask, Job, Jobs
+from .landing_jobs import Ask, Job, Jobs, ShareJobs
 from .owners import Owners, describe
 
 if TYPE_CHECKING:
@@ -40,11 +41,13 @@ class Relay:
     """The daemon's ``recover`` jobs, run on ``ckptd-relay`` threads with its own peer
     tier (its key pair); ``answer(now)``, on the main loop, sends what is ready."""
 
-    def __init__(self, config: Config, replies: Replies, wake: Callable[[], None], owners: Owners) -> None:
+    def __init__(self, config: Config, replies: Replies, wake: Callable[[], None], owners: Owners,
+                 shares: ShareJobs | None = None) -> None:
         from ..tiers.peer_reader import PeerTier
 
         self.root = config.root
         self.tier = PeerTier(config, config.root)
+        self.shares = shares or ShareJobs(config.root, wake)
         self.replies, self.owners = replies, owners
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ckptd-relay")
         self.jobs: Jobs[Key] = Jobs(wake)
@@ -148,12 +151,24 @@ class Relay:
             if ranks is None:
                 info = CheckpointInfo.from_manifests(str(holding.path), holding.manifests, tiers=("peer",))
                 return {"info": info.to_dict(), "manifests": [m.to_json() for m in holding.manifests]}
-            holding.materialize(ranks, placed=lambda file: self.jobs.placed(job, file))
+            holding.materialize(ranks, placed=lambda file: self.jobs.placed(job, file),
+                                land=functools.partial(self._land, holding))
             return {"info": None, "manifests": None}
         except Exception:
             with self._lock:
                 self.counts["failed"] += 1
             raise
+
+    def _land(self, holding: PeerHolding, rank: int, placed: Callable[[str], None] | None = None) -> None:
+        """A share of ``holding`` landed by its one job (``ShareJobs``), from the peers'
+        copies unless another asker's job lands it meanwhile; ``placed`` as it lands."""
+        from ..tiers.peer_reader import FAILED
+
+        key = (holding.run, holding.step, rank)
+        job, _ = self.shares.land(key, functools.partial(holding.sources, rank), FAILED, from_peer=True)
+        if placed is not None:
+            self.shares.jobs.watch(job, placed)
+        job.future.result()
 
     def _check_claim(self, run: str, step: int | None, claim: str) -> None:
         """A run this node has no owner for is recovered only by the owner its manifests
@@ -202,6 +217,7 @@ class Relay:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.shares.close()
 
 
 def _same_dir(a: str, b: Path) -> bool:

@@ -36,6 +36,7 @@ from .notify import use_journal_priorities
 from .owners import Owners
 from .recovery import remove_orphans
 from .bucket_relay import BucketFetch
+from .landing_jobs import ShareJobs
 from .relay import Relay
 from .replies import Replies
 from .sessions import Sessions
@@ -107,10 +108,11 @@ class Daemon:
         sessions = self.sessions = Sessions(Liveness(cfg.session_timeout), Owners(root), ledger, self.replies,
                                             writer)
         reporter = self.reporter = Reporter(config, self.lifecycle, sessions, ledger, upkeep)
+        shares = ShareJobs(root, self.inbox.pipe.wake)
         relay = reporter.relay = Relay(config, self.replies, self.inbox.pipe.wake,
-                                       sessions.owners) if config.peer.enabled else None
-        fetch = reporter.fetch = BucketFetch(config, self.replies, self.inbox.pipe.wake) if config.remote.enabled \
-            else None
+                                       sessions.owners, shares) if config.peer.enabled else None
+        fetch = reporter.fetch = BucketFetch(config, self.replies, self.inbox.pipe.wake, shares) \
+            if config.remote.enabled else None
         if fetch is not None:
             upkeep.serve_pulls(fetch.pull)
         self.handlers = Handlers(config, sessions=sessions, ledger=ledger, replies=self.replies,

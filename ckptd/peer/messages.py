@@ -76,8 +76,9 @@ SAID = {
 # {node, listen}; offer {xfer} (room reserved); part {}; done {} once verified; cancel
 # {freed}; holds {held: [bool]}; drop {dropped}; steps {steps: [{step, shares: [{rank,
 # attempt, world_size, where}]}], more}; manifests {manifests: [{rank, where, manifest}],
-# left}; read {} + the bytes; pull {landed} (a bucket share in the root, else its download
-# started: docs/tiers.md, "Read once"). An error is {ok: false, error, code?}.
+# left}; read {} + the bytes; pull {landed, readable?} (a bucket share in the root, else
+# its download started, each file readable up to its mark: docs/tiers.md, "Read once").
+# An error is {ok: false, error, code?}.
 REQUESTS: dict[str, dict[str, str]] = {
     "ping": {},
     "offer": {"manifest": "bin", "files": "sizes", "keep_last": "int"},

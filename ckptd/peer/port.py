@@ -6,6 +6,7 @@ and handled by ``PeerServer.on_<op>``; a ``done`` is answered from the
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 from .. import index, layout
-from .. import failpoints
+from .. import failpoints, inflight
 from ..errors import CheckpointCorrupt, ProtocolError
 from ..manifest import Manifest
 from ..names import check_run
@@ -273,7 +274,16 @@ class PeerServer:
         f = r.fields
         if self.pull is None:
             raise ProtocolError("pull: this daemon has no [remote] bucket to fetch from")
-        return {"landed": self.pull(check_run(f["run"]), f["step"], f["rank"])}, None
+        run = check_run(f["run"])
+        landed = self.pull(run, f["step"], f["rank"])
+        try:
+            failpoints.hit("peer.pull_unmarked")
+        except failpoints.Failpoint:
+            return {"landed": landed}, None
+        if landed:
+            return {"landed": True}, None
+        marks = inflight.marks(layout.step_dir(self.root, run, f["step"]), f["rank"])
+        return {"landed": False, "readable": marks or {}}, None
 
     def _steps(self, run: str, limit: int, only: int | None) -> dict[str, Any]:
         """The newest ``limit`` steps of ``run`` of which this daemon can serve a share
@@ -366,18 +376,14 @@ class PeerServer:
             raise ProtocolError(f"read: {length} bytes at once from disk; ask at most {self.max_read} ([peer] frame) "
                                 "a request")
         step_path = layout.step_dir(self.root, run, key[1])
-        if index.read_share(step_path, key[2]) is None:
+        if index.read_share(step_path, key[2]) is not None:
+            return _pread(step_path, [file], offset, length)
+        landing = inflight.source(step_path, key[2], file, offset + length)
+        if not landing:
             raise KeyError(f"no share of run {run!r} step {key[1]} rank {key[2]} here")
-        dir_fd = layout.open_step_dir(step_path)
-        try:
-            fd = layout.open_regular(file, dir_fd=dir_fd)
-        finally:
-            os.close(dir_fd)
-        try:
-            _within(file, offset, length, os.fstat(fd).st_size)
-            return os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
+        data = _pread(step_path, [p.name for p in landing], offset, length)
+        inflight.count_streamed(length)
+        return data
 
     def _read_memory(self, key: tuple[str, int, int], buf: Any, file: str, offset: int, length: int) -> Any:
         """Any range of a file of a copy held here: a view of memory held anyway, sent without a copy."""
@@ -434,6 +440,31 @@ class _Verifier(supervise.Queued[Deferred]):
             assert isinstance(reply, tuple)
             self.server._verified.append((ident, _answer(reply[0], request)))
             self.server.port.wake()
+
+
+def _pread(step_path: Path, names: list[str], offset: int, length: int) -> bytes:
+    """Bytes of the first of ``names`` in the step folder that is there (a file still
+    landing is renamed into place once whole)."""
+    dir_fd = layout.open_step_dir(step_path)
+    try:
+        fd = _open_first(names, dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        _within(names[-1], offset, length, os.fstat(fd).st_size)
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
+def _open_first(names: list[str], dir_fd: int) -> int:
+    for name in names[:-1]:
+        try:
+            return layout.open_regular(name, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+    return layout.open_regular(names[-1], dir_fd=dir_fd)
 
 
 def _within(file: str, offset: int, length: int, size: int) -> None:

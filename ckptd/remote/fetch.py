@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from .. import dtypes
+from .. import dtypes, durable
 from ..errors import CheckpointCorrupt
 from ..manifest import Checksum, Manifest, TensorRecord, checksum
 from . import catalog, codec
@@ -97,17 +97,25 @@ def missing_files(manifest: Manifest, folder: Path) -> list[str]:
     return out
 
 
-def download_file(store: Store, manifest: Manifest, file: str, path: Path) -> None:
-    """``file`` of ``manifest``'s share downloaded to ``path``, every tensor checked."""
+def download_file(store: Store, manifest: Manifest, file: str, path: Path,
+                  landed: Callable[[int], None] | None = None) -> None:
+    """``file`` of ``manifest``'s share downloaded to ``path``, in order, every tensor
+    checked; ``landed(n)`` told each time its first ``n`` bytes are in ``path``."""
     k = catalog.key(manifest.run, manifest.step, file)
     packed = manifest.compression.get(file)
-    if packed is None:
-        store.download(k, path)
-    else:
-        with open(path, "xb") as fh:
-            unpacker = codec.Unpacker(packed, fh.write, store.where(k))
-            for piece in store.stream(k):
+    with open(path, "xb", buffering=0) as fh:
+        def write(data: Any) -> None:
+            durable.write_all(fh.fileno(), data)
+            if landed is not None:
+                landed(fh.tell())
+
+        unpacker = None if packed is None else codec.Unpacker(packed, write, store.where(k))
+        for piece in store.stream(k):
+            if unpacker is None:
+                write(piece)
+            else:
                 unpacker.feed(piece)
+        if unpacker is not None:
             unpacker.close()
     _check_file(path, file, manifest)
 

@@ -1,7 +1,8 @@
 """The one way a fetched share lands in a local root: under a per-share lock, its data
-files through the durable path, its manifest last. ``land`` is the entry point; the
-bucket and the peers call it. ``stream`` writes a share's files in place as their bytes
-arrive, each readable as soon as it is checked, all durable before the manifest.
+files through the durable path, its manifest last, from the first of its sources that
+serves it whole (``land_from``; ``land`` for one way of fetching it). ``stream`` writes
+a share's files in place as their bytes arrive, each readable as soon as it is checked,
+all durable before the manifest.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol, Sequence
 
 from .. import index, layout
 from ..durable import atomic_write, replacing, temp_path
-from ..errors import CheckpointCorrupt
+from ..errors import CheckpointCorrupt, CheckpointNotFound
 from ..manifest import Manifest
 
 log = logging.getLogger("ckptd.tiers")
@@ -42,6 +43,47 @@ def land(base: Path, run: str, step: int, rank: int, fetch: Callable[[Path], Man
         if manifest is not None:
             atomic_write(folder / layout.manifest_name(rank), manifest.to_json())
         return manifest
+
+
+class Source(Protocol):
+    """Where a share may come from (a peer's copy, its fetcher, the bucket): ``fill(folder,
+    placed)`` writes its data files in the step folder (``placed(file)`` as each is in place
+    and checked) and returns its manifest; a failure means the next source is asked."""
+
+    what: str
+
+    def fill(self, folder: Path, placed: Callable[[str], None]) -> Manifest: ...
+
+
+def land_from(base: Path, run: str, step: int, rank: int, sources: Sequence[Source],
+              failed: tuple[type[Exception], ...], placed: Callable[[str], None] | None = None) -> Manifest:
+    """Rank ``rank``'s share landed in root ``base`` (``land``) from the first of ``sources``
+    that serves it whole, each one that fails with one of ``failed`` logged and the next
+    asked; the last one's failure is raised, the files placed meanwhile removed."""
+    in_place: set[str] = set()
+
+    def place(file: str) -> None:
+        in_place.add(file)
+        if placed is not None:
+            placed(file)
+
+    def files(folder: Path) -> Manifest:
+        for i, source in enumerate(sources):
+            try:
+                return source.fill(folder, place)
+            except failed as exc:
+                rest = sources[i + 1:]
+                log.warning("run %r step %d rank %d from %s not used: %s; %s", run, step, rank, source.what, exc,
+                            f"from {rest[0].what} instead" if rest else "no other source is left")
+                if not rest:
+                    for file in in_place:
+                        (folder / file).unlink(missing_ok=True)
+                    raise
+        raise CheckpointNotFound(f"run {run!r} step {step} rank {rank}: no source to land it from")
+
+    manifest = land(base, run, step, rank, files)
+    assert manifest is not None
+    return manifest
 
 
 def write_file(path: Path, write: Callable[[Path], None]) -> None:

@@ -1,23 +1,25 @@
 """Bucket shares read once a cluster (docs/tiers.md, "Read once"): each share of a step
 has one fetcher among the daemons of the ``[peer]`` list (``PeerPull.fetcher``);
 a daemon that is not its fetcher asks the fetcher (``pull`` on the peer port) to land it
-from the bucket, then copies its files from the fetcher's root, every tensor checked
-against the bucket's own manifest. Start at ``PeerPull.land``.
+from the bucket, and copies its files as they land there, every tensor checked against
+the bucket's own manifest. Start at ``FetcherCopy.fill``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
 from ..config import Config
-from ..errors import CheckpointCorrupt, PeerDown, PeerRefused, ProtocolError
+from ..errors import CheckpointCorrupt, CheckpointError, PeerDown, PeerRefused, ProtocolError
 from ..manifest import Manifest
 from ..peer import messages
 from ..remote import catalog, fetch
@@ -26,7 +28,9 @@ from . import landing
 from .peer_discovery import reader_keys
 from .peer_transfer import PeerTransfer, share_files
 
-PULL_POLL_S = 0.1
+log = logging.getLogger("ckptd.daemon")
+
+PULL_POLL_S = 0.05
 PULL_WAIT_S = 600.0
 FAILED = (CheckpointCorrupt, PeerDown, PeerRefused, ProtocolError)
 
@@ -53,39 +57,85 @@ class PeerPull:
         node = self.nodes[(zlib.crc32(f"{run}/{step}".encode()) + rank) % len(self.nodes)]
         return None if node == self.cfg.listen else node
 
-    def land(self, endpoint: str, store: Store, root: Path, run: str, step: int, rank: int) -> int:
-        """The share landed in ``root`` from the fetcher at ``endpoint`` (once it has it);
-        the bytes copied. One of ``FAILED`` when the fetcher cannot serve it (the caller
-        then reads the bucket itself)."""
-        self._pulled(endpoint, run, step, rank)
-        got = 0
+    def source(self, endpoint: str, store: Store, run: str, step: int, rank: int,
+               count: Callable[[int], None]) -> FetcherCopy:
+        """The share as its fetcher at ``endpoint`` lands it (``landing.Source``);
+        ``count(bytes)`` once it is copied."""
+        return FetcherCopy(self, endpoint, store, (run, step, rank), count)
 
-        def files(folder: Path) -> Manifest:
-            nonlocal got
-            manifest = catalog.read_manifest(store, run, step, rank).unpacked()
-            sizes = {f: n for f, n in share_files(manifest).items() if f in fetch.missing_files(manifest, folder)}
-            landing.stream(folder, sizes, functools.partial(self.transfer.read_files, endpoint, manifest))
-            got = sum(sizes.values())
-            return manifest
 
-        landing.land(root, run, step, rank, files)
-        return got
+class FetcherCopy:
+    """A share copied from its fetcher as the fetcher lands it from the bucket, every
+    tensor checked against the bucket's own manifest. Its failure is one of ``FAILED``,
+    or a CheckpointError when this daemon stops."""
 
-    def _pulled(self, endpoint: str, run: str, step: int, rank: int) -> None:
-        """Once the fetcher says the share is in its root, asked every ``PULL_POLL_S``
-        while it downloads; PeerDown after ``PULL_WAIT_S``."""
-        link = messages.Link(self.ctx, endpoint, self.keys)
-        deadline = time.monotonic() + PULL_WAIT_S
+    def __init__(self, pull: PeerPull, endpoint: str, store: Store, key: tuple[str, int, int],
+                 count: Callable[[int], None]) -> None:
+        self.pull, self.endpoint, self.store, self.key, self.count = pull, endpoint, store, key, count
+        self.what = f"its fetcher {endpoint}"
+
+    def fill(self, folder: Path, placed: Callable[[str], None]) -> Manifest:
+        run, step, rank = self.key
+        fetcher = _Fetcher(self.pull, self.endpoint, run, step, rank)
         try:
-            while True:
-                header, _ = link.request({"op": "pull", "run": run, "step": step, "rank": rank},
-                                         timeout=self.cfg.stall)
-                if header.get("landed") is True:
-                    return
-                if time.monotonic() > deadline:
-                    raise PeerDown(f"{endpoint}: run {run!r} step {step} rank {rank} not landed after "
-                                   f"{PULL_WAIT_S:g} s")
-                if self.closing.wait(PULL_POLL_S):
-                    raise PeerDown("this daemon is stopping")
+            fetcher.ask()
+            manifest = catalog.read_manifest(self.store, run, step, rank).unpacked()
+            sizes = {f: n for f, n in share_files(manifest).items() if f in fetch.missing_files(manifest, folder)}
+            landing.stream(folder, sizes, functools.partial(self.pull.transfer.read_files, self.endpoint, manifest,
+                                                            readable=fetcher.readable), placed)
+        except FAILED:
+            if self.pull.closing.is_set():
+                raise CheckpointError("this daemon is stopping") from None
+            raise
         finally:
-            link.close()
+            fetcher.close()
+        self.count(sum(sizes.values()))
+        log.info("run %r step %d rank %d landed from %s (%d bytes)", run, step, rank, self.what, sum(sizes.values()))
+        return manifest
+
+
+class _Fetcher:
+    """A share as its fetcher lands it: ``pull`` asked (which starts its download) and
+    asked again, at most every ``PULL_POLL_S``, for how far each file is readable. A
+    fetcher whose answer has no ``readable`` (an older one) is read once it has the
+    whole share, as before."""
+
+    def __init__(self, pull: PeerPull, endpoint: str, run: str, step: int, rank: int) -> None:
+        self.pull, self.endpoint = pull, endpoint
+        self.request = {"op": "pull", "run": run, "step": step, "rank": rank}
+        self.what = f"{endpoint}: run {run!r} step {step} rank {rank}"
+        self.link = messages.Link(pull.ctx, endpoint, pull.keys)
+        self.landed, self.asked = False, 0.0
+        self.marks: dict[str, int] = {}
+        self.deadline = time.monotonic() + PULL_WAIT_S
+
+    def ask(self) -> None:
+        header, _ = self.link.request(self.request, timeout=self.pull.cfg.stall)
+        self.asked = time.monotonic()
+        self.landed = header.get("landed") is True
+        marks = header.get("readable", {})
+        if not isinstance(marks, dict) or not all(isinstance(f, str) and isinstance(n, int) for f, n in marks.items()):
+            raise ProtocolError(f"{self.what}: a pull answer whose readable is {marks!r:.200}, not file -> bytes")
+        for file, n in marks.items():
+            self.marks[file] = max(n, self.marks.get(file, 0))
+
+    def readable(self, file: str, need: int, wait: bool) -> int:
+        """How far ``file`` may be read: all of it once landed, else up to its mark (asked
+        anew when older than ``PULL_POLL_S``); ``wait``: once that reaches ``need``.
+        PeerDown after ``PULL_WAIT_S``, or when this daemon stops."""
+        while True:
+            have = sys.maxsize if self.landed else self.marks.get(file, 0)
+            left = self.asked + PULL_POLL_S - time.monotonic()
+            if have >= need or not wait and left > 0:
+                return have
+            if not wait:
+                self.ask()
+                continue
+            if time.monotonic() > self.deadline:
+                raise PeerDown(f"{self.what} not landed after {PULL_WAIT_S:g} s")
+            if self.pull.closing.wait(max(left, 0.0)):
+                raise PeerDown("this daemon is stopping")
+            self.ask()
+
+    def close(self) -> None:
+        self.link.close()

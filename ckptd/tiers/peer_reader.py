@@ -142,18 +142,25 @@ class PeerHolding:
         self.materialize(sorted({r for rec in records.values() if (r := layout.file_rank(rec.file)) is not None}))
         return read_tensors(self.path, records, verify=verify, into=into, mapped=mapped, convert=convert)
 
-    def materialize(self, ranks: Iterable[int] | None = None, placed: Callable[[str], None] | None = None) -> None:
+    def materialize(self, ranks: Iterable[int] | None = None, placed: Callable[[str], None] | None = None,
+                    land: Callable[[int, Callable[[str], None] | None], None] | None = None) -> None:
         """The shares of ``ranks`` (None: every rank) the root lacks landed in it, each
         once a node; CheckpointNotFound naming the ranks no peer served a good copy of.
-        ``placed(file)``: told of each data file in place, checked, before its share is."""
+        ``placed(file)``: told of each data file in place, checked, before its share is.
+        ``land(rank, placed)``: how a share lands (the daemon's one job per share), else
+        here (``land``)."""
         wanted = range(len(self.manifests)) if ranks is None else sorted(set(ranks))
         missing = [r for r in wanted if landing.read_share(self.path, r) is None]
-        land = functools.partial(self._land, placed=placed)
+        landing_one = land or self.land
+
+        def one(rank: int) -> None:
+            landing_one(rank, placed)
+
         if len(missing) > 1:
             with ThreadPoolExecutor(min(len(missing), FETCH_THREADS), thread_name_prefix="ckptd-peer-fetch") as pool:
-                list(pool.map(land, missing))
+                list(pool.map(lambda r: _quietly(one, r), missing))
         elif missing:
-            land(missing[0])
+            _quietly(one, missing[0])
         lacking = [r for r in missing if landing.read_share(self.path, r) is None]
         if lacking:
             asked = sorted({e for r in lacking for e, _, _ in self.held.get((self.step, r), [])})
@@ -161,35 +168,37 @@ class PeerHolding:
                                      f"{lacking} (asked: {', '.join(asked) or 'none holds it now'}; their daemons' "
                                      "logs say why); load another step (ckptd.latest)")
 
-    def _land(self, rank: int, placed: Callable[[str], None] | None = None) -> None:
-        """Rank ``rank``'s share landed from the first peer that serves it whole; files a
-        failed one placed are removed once none does."""
-        in_place: set[str] = set()
+    def land(self, rank: int, placed: Callable[[str], None] | None = None) -> None:
+        """Rank ``rank``'s share landed from the first peer that serves it whole."""
+        landing.land_from(self.tier.base, self.run, self.step, rank, self.sources(rank), FAILED, placed)
 
-        def place(file: str) -> None:
-            in_place.add(file)
-            if placed is not None:
-                placed(file)
+    def sources(self, rank: int) -> list[PeerCopy]:
+        """The peers' copies of rank ``rank``'s share, memory first."""
+        return [PeerCopy(self.tier, endpoint, where, m) for endpoint, where, m in self.held.get((self.step, rank), [])]
 
-        def files(folder: Path) -> Manifest | None:
-            for endpoint, where, m in self.held.get((self.step, rank), []):
-                try:
-                    sizes = share_files(m)
-                    landing.stream(folder, sizes, functools.partial(self.tier.transfer.read_files, endpoint, m),
-                                   place)
-                except FAILED as exc:
-                    log.warning("peer tier: run %r step %d rank %d from %s (%s) not used: %s; asking the next",
-                                self.run, self.step, rank, endpoint, where, exc)
-                    continue
-                self.tier.count_fetched(sum(sizes.values()))
-                log.info("peer tier: run %r step %d rank %d fetched from %s (%s)", self.run, self.step, rank,
-                         endpoint, where)
-                return m
-            for file in in_place:
-                (folder / file).unlink(missing_ok=True)
-            return None
 
-        landing.land(self.tier.base, self.run, self.step, rank, files)
+class PeerCopy:
+    """A share as a peer holds it (``where``: in its memory, or on its disk)."""
+
+    def __init__(self, tier: PeerTier, endpoint: str, where: str, manifest: Manifest) -> None:
+        self.tier, self.endpoint, self.manifest = tier, endpoint, manifest
+        self.what = f"{endpoint} ({where})"
+
+    def fill(self, folder: Path, placed: Callable[[str], None]) -> Manifest:
+        m = self.manifest
+        sizes = share_files(m)
+        landing.stream(folder, sizes, functools.partial(self.tier.transfer.read_files, self.endpoint, m), placed)
+        self.tier.count_fetched(sum(sizes.values()))
+        log.info("peer tier: run %r step %d rank %d fetched from %s", m.run, m.step, m.rank, self.what)
+        return m
+
+
+def _quietly(land: Callable[[int], None], rank: int) -> None:
+    """A share no source served is found missing by the caller, which says so."""
+    try:
+        land(rank)
+    except (CheckpointNotFound, *FAILED):
+        pass
 
 
 def step_info(step: int, path: Path, held: Held) -> CheckpointInfo | None:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import zmq
 
 from ..config import PeerConfig
-from ..errors import CheckpointCorrupt
+from ..errors import CheckpointCorrupt, ProtocolError
 from ..manifest import Checksum, Manifest
 from ..peer import messages
 from ..peer.holder import check_headers
@@ -21,6 +21,7 @@ from ..peer.pages import Prefault
 
 Span = tuple[str, int, int, str]
 Write = Callable[[int, memoryview], None]
+Readable = Callable[[str, int, bool], int]
 
 
 class PeerTransfer:
@@ -28,15 +29,17 @@ class PeerTransfer:
         self.ctx, self.cfg, self.keys = ctx, cfg, keys
 
     def read_files(self, endpoint: str, m: Manifest, into: dict[str, memoryview] | None = None,
-                   done: Callable[[str], None] | None = None,
-                   write: dict[str, Write] | None = None) -> dict[str, memoryview]:
+                   done: Callable[[str], None] | None = None, write: dict[str, Write] | None = None, *,
+                   readable: Readable | None = None) -> dict[str, memoryview]:
         """The files of ``m``'s share read from ``endpoint`` and checked: every tensor
         against its checksum, each chunk file's header against the manifest. ``into``:
         memory for each file (``share_files``' sizes), else fresh; ``done(file)`` is
         called as each file is in and checked, in turn. ``write``: for each file, where
         its parts go instead (``write(offset, bytes)``, a file's ``pwrite``: the kernel
         copies them into the page cache, with no page fault per page as a mapping
-        takes); ``into`` then only reads its header back."""
+        takes); ``into`` then only reads its header back. ``readable(file, need, wait)``:
+        how far ``file`` may be read now (a share its peer still lands), ``wait``: once
+        that reaches ``need``; every byte when None."""
         out = into if into is not None else {f: _fresh(n) for f, n in share_files(m).items()}
         where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
 
@@ -47,35 +50,35 @@ class PeerTransfer:
 
         ranges = [_Range(file, 0, buf, _tensor_spans(m, file, len(buf)), done=checked,
                          write=write.get(file) if write else None) for file, buf in out.items()]
-        self._read_ranges(endpoint, m, ranges, [] if write else list(out.values()))
+        self._read_ranges(endpoint, m, ranges, [] if write else list(out.values()), readable)
         return out
 
-    def _read_ranges(self, endpoint: str, m: Manifest, ranges: list[_Range], fresh: list[memoryview]) -> None:
-        """Each range's memory filled from ``endpoint``, the next part asked for before one
+    def _read_ranges(self, endpoint: str, m: Manifest, ranges: list[_Range], fresh: list[memoryview],
+                     readable: Readable | None = None) -> None:
+        """Each range's memory filled from ``endpoint``, the next parts asked for before one
         is hashed; ``fresh``: memory allocated for this read, whose pages a thread faults
-        in ahead of the bytes."""
+        in ahead of the bytes; ``readable`` as ``read_files``."""
         where = f"run {m.run!r} step {m.step} rank {m.rank} from {endpoint}"
         for r in ranges:
             r.check_empty(where)
             if r.size == 0 and r.done is not None:
                 r.done(r.file)
-        parts = ((r, off, min(self.cfg.frame, r.size - off)) for r in ranges for off in range(0, r.size, self.cfg.frame))
+        parts = _Parts(ranges, self.cfg.frame, readable)
         link = messages.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4,
                              max_message=max(messages.MAX_HEADER_BYTES, self.cfg.frame))
         prefault = Prefault(fresh, self.cfg.frame)
         in_flight: deque[tuple[int, _Range, int, int]] = deque()
 
         def ask() -> None:
-            part = next(parts, None)
-            if part is not None:
+            """Parts asked for up to ``window`` in flight, as far as they are readable; at least one while any is left."""
+            while len(in_flight) < self.cfg.window and (part := parts.next(wait=not in_flight)) is not None:
                 r, off, n = part
                 req = {"op": "read", "run": m.run, "step": m.step, "rank": m.rank, "file": r.file,
                        "offset": r.offset + off, "length": n}
                 in_flight.append((link.send(req, timeout=self.cfg.stall), r, off, n))
 
         try:
-            for _ in range(self.cfg.window):
-                ask()
+            ask()
             while in_flight:
                 rid, r, off, n = in_flight.popleft()
                 if r.write is not None:
@@ -91,6 +94,32 @@ class PeerTransfer:
         finally:
             prefault.close()
             link.close()
+
+
+class _Parts:
+    """The parts to ask for, file after file, each at most ``frame`` bytes and within what
+    ``readable`` says may be read of it."""
+
+    def __init__(self, ranges: list[_Range], frame: int, readable: Readable | None) -> None:
+        self.todo = deque(r for r in ranges if r.size)
+        self.frame, self.readable, self.at = frame, readable, 0
+
+    def next(self, *, wait: bool) -> tuple[_Range, int, int] | None:
+        """The next part; None when none is left, or (unless ``wait``) none is readable yet."""
+        if not self.todo:
+            return None
+        r, off = self.todo[0], self.at
+        end = r.size if self.readable is None else min(r.size, self.readable(r.file, r.offset + off + 1, wait) - r.offset)
+        n = min(self.frame, end - off)
+        if n <= 0 and wait:
+            raise ProtocolError(f"{r.file} is readable to {end + r.offset} bytes, not past {off + r.offset}")
+        if n <= 0:
+            return None
+        self.at += n
+        if self.at == r.size:
+            self.todo.popleft()
+            self.at = 0
+        return r, off, n
 
 
 class _Range:
