@@ -7,6 +7,7 @@ which serves on; an unfinished message grows it by at most one message's bound."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import msgpack
 import pytest
@@ -49,12 +51,21 @@ def _keys(secret: Path, server_public: Path) -> curve.ClientKeys:
     return curve.ClientKeys(curve.load_public(server_public, "a test's server key"), public, private, secret)
 
 
-def test_hostile_connections_to_a_plaintext_port_are_closed_and_it_serves_on(tmp_path) -> None:
+@contextlib.contextmanager
+def _plain_node(tmp_path: Path, stall: str) -> Iterator[tuple[Daemon, str]]:
+    """A started daemon whose peer port listens in plaintext on loopback: (it, its endpoint)."""
     listen = f"tcp://127.0.0.1:{free_port()}"
     node = Daemon(tmp_path / "n", tables={"peer": {"listen": listen, "peers": [f"tcp://127.0.0.1:{free_port()}"],
-                                                   "stall": "2s"}})
+                                                   "stall": stall}})
     try:
         node.start()
+        yield node, listen
+    finally:
+        node.cleanup()
+
+
+def test_hostile_connections_to_a_plaintext_port_are_closed_and_it_serves_on(tmp_path) -> None:
+    with _plain_node(tmp_path, "2s") as (node, listen):
         garbage = _connect(listen)
         garbage.sendall(random.Random(2).randbytes(4096))
         assert closed(garbage), "garbage before the handshake was not closed"
@@ -73,32 +84,20 @@ def test_hostile_connections_to_a_plaintext_port_are_closed_and_it_serves_on(tmp
         assert "broke the protocol" in log and "in the middle of a message" in log, log[-2000:]
         assert _ping(listen)["ok"] is True
         assert _status(node)["peer"]["thread_restarts"] == 0
-    finally:
-        node.cleanup()
 
 
 def test_connections_that_never_finish_their_handshake_are_capped_then_closed(tmp_path) -> None:
-    listen = f"tcp://127.0.0.1:{free_port()}"
-    node = Daemon(tmp_path / "n", tables={"peer": {"listen": listen, "peers": [f"tcp://127.0.0.1:{free_port()}"],
-                                                   "stall": "2s"}})
-    try:
-        node.start()
+    with _plain_node(tmp_path, "2s") as (node, listen):
         idle = [_connect(listen) for _ in range(300)]
         assert closed(idle[-1], timeout=5), "a connection past the cap was let in"
         assert all(closed(s, timeout=20) for s in idle[:-1]), "a handshake never finished was kept"
         assert "refused a connection" in node.log_text()
         assert "did not finish its handshake within 2 s" in node.log_text()
         assert _ping(listen)["ok"] is True
-    finally:
-        node.cleanup()
 
 
 def test_an_unfinished_message_holds_at_most_one_messages_bound(tmp_path) -> None:
-    listen = f"tcp://127.0.0.1:{free_port()}"
-    node = Daemon(tmp_path / "n", tables={"peer": {"listen": listen, "peers": [f"tcp://127.0.0.1:{free_port()}"],
-                                                   "stall": "600s"}})
-    try:
-        node.start()
+    with _plain_node(tmp_path, "600s") as (node, listen):
         assert _ping(listen)["ok"] is True
         for n, bound in ((1, MESSAGE_BOUND), (3, 3 * MESSAGE_BOUND)):  # past two, only the oldest is read on
             Path(f"/proc/{node.pid}/clear_refs").write_text("5")
@@ -112,8 +111,6 @@ def test_an_unfinished_message_holds_at_most_one_messages_bound(tmp_path) -> Non
                 assert _ping(listen)["ok"] is True  # others are served meanwhile
             for raw in raws:
                 raw.close()
-    finally:
-        node.cleanup()
 
 
 def test_a_keyed_port_closes_bad_handshakes_and_boxes_and_refuses_keys_it_does_not_admit(tmp_path) -> None:
