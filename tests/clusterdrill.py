@@ -368,20 +368,14 @@ class Drill:
             self._sample(i)
 
     def _sample(self, i: int) -> None:
-        root, steps, disk, numbers = self.root(i), {}, 0, {}
-        for path in root.rglob("*") if root.exists() else ():
-            try:
-                if path.is_file():
-                    disk += path.stat().st_size
-            except OSError:
-                continue  # removed while we walked: retention at work
+        root, steps, numbers = self.root(i), {}, {}
+        disk = _bytes_in(root, "**/*")
         for run in self.runs:
-            folders = sorted((root / run).glob("step-*")) if (root / run).exists() else []
+            folders = _folders(root / run, "step-*")
             steps[run] = len(folders)
             numbers[run] = [f.name.removeprefix("step-").lstrip("0") for f in folders]
             for f in folders:
-                size = sum(p.stat().st_size for p in f.rglob("*") if p.is_file()) if f.exists() else 0
-                data = sum(p.stat().st_size for p in f.glob("*.safetensors")) if f.exists() else 0
+                size, data = _bytes_in(f, "**/*"), _bytes_in(f, "*.safetensors")
                 self.step_bytes[(i, run)] = max(self.step_bytes.get((i, run), 0), size)
                 self.data_bytes = max(self.data_bytes, data)
         held = held_steps = held_ranks = None
@@ -627,6 +621,30 @@ class Drill:
                             "held_max": max((s.held or 0) for s in mine),
                             "steps_max": max((max(s.steps.values(), default=0) for s in mine), default=0)}
         return out
+
+
+def _folders(folder: Path, pattern: str) -> list[Path]:
+    """The sorted entries of ``folder`` matching ``pattern``; none if it is gone."""
+    try:
+        return sorted(folder.glob(pattern))
+    except OSError:
+        return []
+
+
+def _bytes_in(folder: Path, pattern: str) -> int:
+    """Bytes of the files under ``folder`` matching ``pattern``; what retention removes
+    while they are counted counts 0."""
+    total = 0
+    try:
+        for path in folder.glob(pattern):
+            try:
+                if path.is_file():
+                    total += path.stat().st_size
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return total
 
 
 def drill(base: Path, venv: Path, setup: str, *, nodes: int = 2, steps: int = 8, kill_at: int = 4,
