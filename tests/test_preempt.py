@@ -185,6 +185,35 @@ def test_a_wakeup_fd_set_before_hears_every_signal_and_is_put_back_at_close(daem
         theirs.close()
 
 
+LATE_BYTE = """
+import os, signal, sys, threading, time
+from ckptd.producer.preempt import Notices
+notices = Notices(("SIGUSR1",), 30.0, (None, "root"))
+notices.install()
+wakeup = notices._wakeup
+heard, late = wakeup._hear, threading.Event()
+def slow(signum):
+    late.wait(10)
+    heard(signum)
+wakeup._hear = slow
+os.kill(os.getpid(), signal.SIGUSR1)
+while not notices.preempted:
+    time.sleep(0.01)
+closing = threading.Thread(target=lambda: (time.sleep(0.5), late.set()))
+closing.start()
+notices.close()
+closing.join()
+print("alive")
+"""
+
+
+def test_a_signal_byte_the_thread_reads_after_close_does_not_end_the_process() -> None:
+    """The main thread took the notice and the producer closed before the signals thread
+    read its byte: that byte is the same signal, not a second one, and ends nothing."""
+    done = subprocess.run([sys.executable, "-c", LATE_BYTE], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "alive", (done.returncode, done.stderr[-2000:])
+
+
 def test_bad_preempt_signals_are_refused_by_name(daemon) -> None:
     with pytest.raises(ConfigError, match="SIGKILL"):
         daemon.producer("bad", preempt_signals=["SIGKILL"])

@@ -47,6 +47,8 @@ class Notices:
         self._heard_count = {"main": 0, "thread": 0}
         self._settled = threading.Event()
         self._heard = threading.Event()
+        self._closing = threading.Lock()
+        self._closed = False
         self._watcher: threading.Thread | None = None
 
     def install(self) -> None:
@@ -75,14 +77,16 @@ class Notices:
             self._notice(signum, "main")
 
     def _heard_signal(self, signum: int) -> None:
-        """On the ``ckptd-signals`` thread, as the signal arrives, whatever the main thread does."""
-        if signum not in self.signals:
-            return
-        if self._passing:
-            if self._found.get(signum) in (signal.SIG_DFL, None):
-                die_of(signum)
-        else:
-            self._notice(signum, "thread")
+        """On the ``ckptd-signals`` thread, as the signal arrives, whatever the main thread does.
+        Once closed, a byte still on its way is a signal the main thread took already."""
+        with self._closing:
+            if signum not in self.signals or self._closed:
+                return
+            if self._passing:
+                if self._found.get(signum) in (signal.SIG_DFL, None):
+                    die_of(signum)
+            else:
+                self._notice(signum, "thread")
 
     def _notice(self, signum: int, hearer: str) -> None:
         """Both hearers take the notice, whichever comes first (the thread's wakeup fd may
@@ -154,6 +158,8 @@ class Notices:
             self._previous = previous
 
     def close(self) -> None:
+        with self._closing:
+            self._closed = True
         self.restore()
         if self._wakeup is not None and threading.current_thread() is threading.main_thread():
             self._wakeup.close()
