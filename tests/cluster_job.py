@@ -4,7 +4,7 @@ seconds, until the step before is complete in the tiers ``DRILL_WAIT`` names (``
 ``remote``), as the copies are made while a real step runs. At the end, once every rank
 has closed its producer (its commits durable), each rank loads its share of the last
 step back and prints a digest of every tensor and value (``drill-digests``); each
-node's local rank 0 prints ``drill-time EVENT EPOCH`` lines.
+node's local rank 0 prints ``drill-time STARTED IMPORTED FIRST-STEP`` (epoch seconds).
 Forked from the drill's fork server, a process first joins its requester's network
 namespace (tests/netcluster.py)."""
 
@@ -42,8 +42,7 @@ started = False
 def paced(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     global started
     if not started and os.environ.get("LOCAL_RANK") == "0":
-        print(f"drill-time started {STARTED:.3f}\ndrill-time imported {IMPORTED:.3f}\n"
-              f"drill-time first-step {time.time():.3f}", flush=True)
+        print(f"drill-time {STARTED:.3f} {IMPORTED:.3f} {time.time():.3f}", flush=True)
     elif started and os.environ.get("RANK") == "0":  # the others wait for it in the step's collectives
         deadline = time.monotonic() + PACE
         for tier in TIERS:

@@ -489,12 +489,11 @@ class Drill:
         for k, (run, at) in enumerate(zip(self.launched, self.launch_times)):
             n = seen[run] = seen.get(run, -1) + 1
             logs = self.job_log(min(self.net.nodes), run)
-            events: dict[str, list[float]] = {}
-            for name, when in re.findall(r"^drill-time (\S+) ([\d.]+)$", logs, re.M):
-                events.setdefault(name, []).append(float(when))
-            if len(events.get("first-step", [])) <= n:
+            # one line per launch, found wherever another process's output ran into it
+            phases = re.findall(r"drill-time (\d+\.\d+) (\d+\.\d+) (\d+\.\d+)", logs)
+            if len(phases) <= n:
                 continue
-            start, imported, first = (events[e][n] for e in ("started", "imported", "first-step"))
+            start, imported, first = (float(v) for v in phases[n])
             end = self.ended.get(k)
             out.append({"run": run, "agent_s": round(start - at, 1), "import_s": round(imported - start, 1),
                         "setup_s": round(first - imported, 1), "steps_s": None if end is None else round(end - first, 1)})
