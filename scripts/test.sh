@@ -5,7 +5,7 @@
 # fixtures run once; the longest files go first, tests/conftest.py): CKPTD_TEST_WORKERS=N for N at
 # a time, 0 for one process. Three on 2 cores, because many tests wait on fsync, sockets and
 # subprocesses: pytest's part took 337 s with two and 276 s with three here (258 s with four), and
-# about 8 minutes (824 tests) on the 2-core machines this project runs on. The tests' Python
+# 8 to 9½ minutes (825 tests) on the 2-core machines this project runs on. The tests' Python
 # subprocesses (torchrun and its workers, the frameworks' scripts, the daemon) fork from servers
 # that imported torch, or the daemon's modules, once: tests/forkserver.py; CKPTD_TEST_FORK=0 execs
 # a fresh interpreter for each instead (the suite then takes 17 to 30 minutes).
