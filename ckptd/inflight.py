@@ -2,7 +2,9 @@
 files is readable: a prefix, as a download lands its bytes in order. The peer port
 serves a puller the bytes below that mark while the rest still lands (docs/tiers.md,
 "Read once"). The downloader ``track``s a share and moves each file's mark
-(``Landing.landed``); the port asks ``marks`` and ``source``. Start at ``track``.
+(``Landing.landed``); the port asks ``marks`` and ``source``, and is told by ``watch``
+each time a mark moves or a share stops landing (its waiting pulls are answered then,
+not on a timer). Start at ``track``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 ShareAt = tuple[Path, int]
 
@@ -27,6 +29,7 @@ class Landing:
     def landed(self, file: str, path: Path, nbytes: int) -> None:
         with self.changed:
             self.files[file] = (path, nbytes)
+        _moved()
 
     def wait_read(self, file: str, nbytes: int, timeout: float) -> bool:
         """Whether a peer read ``file`` up to ``nbytes`` within ``timeout``."""
@@ -37,6 +40,27 @@ class Landing:
 _lock = threading.Lock()
 _landing: dict[ShareAt, Landing] = {}
 _streamed = [0]
+_watchers: list[Callable[[], None]] = []
+
+
+def watch(moved: Callable[[], None]) -> None:
+    """``moved()`` called, on the downloader's thread, each time a mark moves or a share
+    stops landing here: it must return at once (a port's wake)."""
+    with _lock:
+        _watchers.append(moved)
+
+
+def unwatch(moved: Callable[[], None]) -> None:
+    with _lock:
+        if moved in _watchers:
+            _watchers.remove(moved)
+
+
+def _moved() -> None:
+    with _lock:
+        watchers = list(_watchers)
+    for moved in watchers:
+        moved()
 
 
 @contextlib.contextmanager
@@ -52,6 +76,7 @@ def track(folder: Path, rank: int) -> Iterator[Landing]:
         with _lock:
             if _landing.get((folder, rank)) is share:
                 del _landing[(folder, rank)]
+        _moved()
 
 
 def tracked(folder: Path, rank: int) -> Landing:

@@ -76,7 +76,7 @@ def _request(rng: random.Random, i: int) -> list[bytes]:
     if rng.random() < 0.25:  # garbage frames
         return [rng.randbytes(rng.randrange(0, 200)) for _ in range(rng.randrange(1, 4))]
     fields = ["run", "step", "rank", "file", "offset", "length", "xfer", "files", "manifest", "keep_last",
-              "shares", "steps", "limit", "ranks"]
+              "shares", "steps", "limit", "ranks", "have", "wait_ms"]
     header = {"op": rng.choice(OPS), "id": i}
     for name in rng.sample(fields, rng.randrange(len(fields))):
         header[name] = _value(rng)

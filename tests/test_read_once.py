@@ -17,7 +17,10 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.config import load as load_config
+from ckptd.peer import messages
 from ckptd.remote import catalog
+from ckptd.tiers.peer_pull import PeerPull
 from ckptd.remote.store import Store
 from conftest import free_port
 from countproxy import CountingProxy
@@ -208,10 +211,10 @@ def test_a_pull_from_a_fetcher_that_does_not_say_how_far_it_landed_waits_for_the
 
 def test_a_fetcher_killed_while_a_pull_copies_leaves_the_share_to_the_bucket(s3, proxy, make_daemon, monkeypatch,
                                                                              tmp_path) -> None:
-    """The fetcher dies once the other node has copied part of a share it was landing:
-    that node reads the share from the bucket itself, says so, and its ranks read every
-    byte as saved."""
-    want, unique, listens, (a, b) = _two_peer_nodes(make_daemon, monkeypatch, proxy, "3s", b_failpoints="fetch.piece")
+    """The fetcher dies once the other node has copied part of a share it was landing
+    (failpoint ``fetch.hold``: it lands nothing more once that is read): that node reads
+    the share from the bucket itself, says so, and its ranks read every byte as saved."""
+    want, unique, listens, (a, b) = _two_peer_nodes(make_daemon, monkeypatch, proxy, "3s", b_failpoints="fetch.hold")
     procs = _start(a, proxy, 3, ["load", "ddp"], tmp_path)
     deadline = time.monotonic() + RANK_S
     while b.status()["fetched"]["streamed"] == 0:
@@ -223,6 +226,47 @@ def test_a_fetcher_killed_while_a_pull_copies_leaves_the_share_to_the_bucket(s3,
     fetched = a.status()["fetched"]
     assert fetched["bytes"] > 0 and fetched["peer_bytes"] == 0 and fetched["failed"] == 0, fetched
     assert f"from its fetcher {listens[1]} not used" in a.log_text(), a.log_text()[-3000:]
+
+
+def test_a_pull_that_waits_is_answered_once_its_fetchers_mark_moves(s3, proxy, make_daemon, monkeypatch,
+                                                                     tmp_path) -> None:
+    """A ``pull`` with ``wait_ms`` is not answered while nothing more has landed: the
+    fetcher's download holds after each piece until it is read (failpoint
+    ``fetch.piece``), and the waiting pull's answer carries the next piece's mark, once
+    the asker read the last. One asking to wait longer than the fetcher waits is refused."""
+    _, _, listens, (a, b) = _two_peer_nodes(make_daemon, monkeypatch, proxy, "5s", b_failpoints="fetch.piece")
+    pull = PeerPull(load_config(a.config))
+    rank = next(r for r in range(3) if pull.fetcher("ddp", STEP, r) == listens[1])
+    req = {"op": "pull", "run": "ddp", "step": STEP, "rank": rank}
+    asks, reads = (messages.Link(pull.ctx, listens[1], pull.keys) for _ in range(2))
+    try:
+        with pytest.raises(messages.PeerRefused, match="wait_ms 5001 is more than this node waits"):
+            asks.request({**req, "wait_ms": 5001}, timeout=30)
+        deadline = time.monotonic() + RANK_S
+        while not (marks := asks.request(req, timeout=30)[0]["readable"]):
+            assert time.monotonic() < deadline, "the fetcher never landed a piece"
+            time.sleep(0.05)
+        (file, first), = marks.items()
+        waiting = asks.send({**req, "have": marks, "wait_ms": 5000}, timeout=30)
+        asks.recv(asks.send({"op": "ping"}, timeout=30), timeout=30)  # answered while the pull still waits
+        reads.request({"op": "read", "run": "ddp", "step": STEP, "rank": rank, "file": file, "offset": 0,
+                       "length": first}, timeout=30)
+        answer, _ = asks.recv(waiting, timeout=30)
+        assert answer["readable"][file] > first, (answer, first)
+        _copy_out(asks, reads, req, {file: first})
+    finally:
+        asks.close()
+        reads.close()
+
+
+def _copy_out(asks, reads, req: dict, read_to: dict) -> None:
+    """A share read from its fetcher as it lands, until it has landed."""
+    while not (answer := asks.request({**req, "have": read_to, "wait_ms": 1000}, timeout=30)[0])["landed"]:
+        for file, mark in answer["readable"].items():
+            if mark > read_to.get(file, 0):
+                reads.request({**req, "op": "read", "file": file, "offset": read_to.get(file, 0),
+                               "length": mark - read_to.get(file, 0)}, timeout=30)
+                read_to[file] = mark
 
 
 def _two_peer_nodes(make_daemon, monkeypatch, proxy, stall: str, b_failpoints: str = ""):

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptd.daemon")
 
-PIECE_BYTES = 2**20
+PIECE_BYTES = 2**17  # a file's mark moves this often: a peer copies each piece one piece behind the download
 PAUSE_S = 30.0
 
 
@@ -91,11 +91,13 @@ class BucketFetch:
         with self._lock:
             self.counts[what] += n
 
-    def pull(self, run: str, step: int, rank: int) -> bool:
+    def pull(self, run: str, step: int, rank: int, *, asked: bool = True) -> bool:
         """A peer's ``pull`` (on the peer port's thread): whether the share is in the root;
         else its download from the bucket is started, or joined. A failed one's error is
-        the answer (the peer then reads the bucket itself)."""
-        self._count("pulls", 1)
+        the answer (the peer then reads the bucket itself). ``asked``: counted as a
+        pull answered (not when a waiting pull is looked at again)."""
+        if asked:
+            self._count("pulls", 1)
         done = self._job((run, step, rank), peers=False).future
         if done.done() and done.exception() is not None:
             raise CheckpointError(f"run {run!r} step {step} rank {rank} from {self.store.url}: {done.exception()}")
@@ -164,14 +166,19 @@ class BucketCopy:
 
 
 def _landed(share: inflight.Landing, file: str, path: Path, nbytes: int) -> None:
-    """The failpoint ``fetch.piece``: after each piece, the download waits (up to
-    ``PAUSE_S``) until a peer has read all that landed, so that a test sees a pull stream."""
+    """The failpoints: ``fetch.piece``, after each piece the download waits (up to
+    ``PAUSE_S``) until a peer has read all that landed, so that a test sees a pull stream;
+    ``fetch.hold``, once a peer has read the first piece it lands nothing more for
+    ``PAUSE_S``, so that a test stops the fetcher mid-share."""
     share.landed(file, path, nbytes)
-    try:
-        failpoints.hit("fetch.piece")
-    except failpoints.Failpoint:
-        if not share.wait_read(file, nbytes, PAUSE_S):
-            log.warning("failpoint fetch.piece: no peer read %s up to %d within %g s", file, nbytes, PAUSE_S)
+    for point in ("fetch.piece", "fetch.hold"):
+        try:
+            failpoints.hit(point)
+        except failpoints.Failpoint:
+            if not share.wait_read(file, nbytes, PAUSE_S):
+                log.warning("failpoint %s: no peer read %s up to %d within %g s", point, file, nbytes, PAUSE_S)
+            elif point == "fetch.hold":
+                share.wait_read(file, nbytes + 1, PAUSE_S)  # none reads past what landed: the full pause
 
 
 def _same_dir(a: str, b: Path) -> bool:

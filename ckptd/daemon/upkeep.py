@@ -121,7 +121,7 @@ class Upkeep:
         sends = [t.send_staged(find, sent) for t in self.targets if isinstance(t, SendsStaged)]
         return any(sends)
 
-    def serve_pulls(self, pull: Callable[[str, int, int], bool]) -> None:
+    def serve_pulls(self, pull: Callable[..., bool]) -> None:
         """Peers' ``pull``s of bucket shares answered by ``pull`` (``Pulls``)."""
         for t in self.targets:
             if isinstance(t, Pulls):

@@ -77,7 +77,8 @@ SAID = {
 # {freed}; holds {held: [bool]}; drop {dropped}; steps {steps: [{step, shares: [{rank,
 # attempt, world_size, where}]}], more}; manifests {manifests: [{rank, where, manifest}],
 # left}; read {} + the bytes; pull {landed, readable?} (a bucket share in the root, else
-# its download started, each file readable up to its mark: docs/tiers.md, "Read once").
+# its download started, each file readable up to its mark: docs/tiers.md, "Read once";
+# with wait_ms, answered once a mark passes have, or within that time).
 # An error is {ok: false, error, code?}.
 REQUESTS: dict[str, dict[str, str]] = {
     "ping": {},
@@ -90,7 +91,7 @@ REQUESTS: dict[str, dict[str, str]] = {
     "steps": {"run": "str", "limit": "int", "step": "int?"},
     "manifests": {"run": "str", "step": "int", "ranks": "ranks"},
     "read": {"run": "str", "step": "int", "rank": "int", "file": "str", "offset": "int", "length": "int"},
-    "pull": {"run": "str", "step": "int", "rank": "int"},
+    "pull": {"run": "str", "step": "int", "rank": "int", "have": "sizes?", "wait_ms": "int?"},
 }
 TOO_NEW = "version"
 RECONNECT_S = 0.1  # as libzmq's reconnect interval

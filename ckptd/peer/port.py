@@ -7,11 +7,13 @@ and handled by ``PeerServer.on_<op>``; a ``done`` is answered from the
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Union
 
@@ -38,9 +40,26 @@ class Later:
         self.make = make
 
 
-Reply = Union[Answer, Later, None]
+@dataclass
+class Parked:
+    """A ``pull`` that waits (``wait_ms``) until its share's marks pass ``have``, it
+    lands, or ``deadline``: looked at again each time a mark moves (``inflight.watch``),
+    on the serve thread, which meanwhile serves every other connection."""
+
+    run: str
+    step: int
+    rank: int
+    have: dict[str, int]
+    deadline: float
+    ident: bytes = b""
+    request: Request | None = None
+
+
+Reply = Union[Answer, Later, Parked, None]
 UNREAD_FRAMES = 12
 UNREAD_TOTAL_FRAMES = 64
+PULL_WAIT_MS = 5000  # the longest a pull may wait: under any asker's stall, so it never reads as a dead peer
+PARKED_PULLS = 256  # pulls waiting at once, in all; past them a pull is answered at once
 
 
 class Backlog:
@@ -87,7 +106,8 @@ class PeerServer:
         self._logged: dict[str, float] = {}
         self._muted: set[int] = set()
         self.served: dict[str, list[int]] = {}
-        self.pull: Callable[[str, int, int], bool] | None = None
+        self.pull: Callable[..., bool] | None = None
+        self._parked: list[Parked] = []
         self._disk: dict[Path, tuple[tuple[int, int, int], Manifest | None]] = {}
         self._stop = threading.Event()
         self._expired = time.monotonic()
@@ -97,10 +117,12 @@ class PeerServer:
         self._verifier = _Verifier(self)
 
     def start(self) -> None:
+        inflight.watch(self.port.wake)
         self._verifier.start()
         self.thread.start()
 
     def close(self) -> None:
+        inflight.unwatch(self.port.wake)
         self._stop.set()
         self.thread.join()
         self._verifier.close()
@@ -116,6 +138,8 @@ class PeerServer:
                 self._take(*self._received.popleft())
             while self._verified:
                 self._send(*self._verified.popleft(), None)
+            if self._parked:
+                self._unpark(time.monotonic())
             if time.monotonic() - self._expired > 1.0:
                 self._expired = time.monotonic()
                 self.holder.expire()
@@ -138,6 +162,9 @@ class PeerServer:
         if isinstance(reply, Later):
             assert request is not None
             self._verifier.put((ident, request, reply.make))
+        elif isinstance(reply, Parked):
+            reply.ident, reply.request = ident, request
+            self._parked.append(reply)
         elif reply is not None:
             self._send(ident, _answer(reply[0], request, rid), reply[1])
 
@@ -271,19 +298,56 @@ class PeerServer:
         return {}, self._read(r.fields)
 
     def on_pull(self, r: Request, user: str | None) -> Reply:
+        """The share's download started (or joined) and how far it landed; with
+        ``wait_ms``, answered once a mark passes ``have`` (or it lands, or fails), at
+        most that long after: the asker learns of each piece as it lands, without polling."""
         f = r.fields
         if self.pull is None:
             raise ProtocolError("pull: this daemon has no [remote] bucket to fetch from")
-        run = check_run(f["run"])
+        run, wait = check_run(f["run"]), f["wait_ms"] or 0
+        if wait > PULL_WAIT_MS:
+            raise ProtocolError(f"pull: wait_ms {wait} is more than this node waits ({PULL_WAIT_MS}); ask again instead")
         landed = self.pull(run, f["step"], f["rank"])
         try:
             failpoints.hit("peer.pull_unmarked")
         except failpoints.Failpoint:
             return {"landed": landed}, None
+        answer = self._pulled(run, f["step"], f["rank"], landed)
+        have = f["have"] or {}
+        if wait and not _passed(answer, have) and len(self._parked) < PARKED_PULLS:
+            return Parked(run, f["step"], f["rank"], have, time.monotonic() + wait / 1000)
+        return answer, None
+
+    def _pulled(self, run: str, step: int, rank: int, landed: bool) -> dict[str, Any]:
         if landed:
-            return {"landed": True}, None
-        marks = inflight.marks(layout.step_dir(self.root, run, f["step"]), f["rank"])
-        return {"landed": False, "readable": marks or {}}, None
+            return {"landed": True}
+        marks = inflight.marks(layout.step_dir(self.root, run, step), rank)
+        return {"landed": False, "readable": marks or {}}
+
+    def _unpark(self, now: float) -> None:
+        """Each waiting pull whose marks moved past what it has, whose share stopped
+        landing (landed, or failed: its error), or whose time is up, answered."""
+        waiting = []
+        for p in self._parked:
+            marks = inflight.marks(layout.step_dir(self.root, p.run, p.step), p.rank)
+            if marks is not None and now < p.deadline and not _passed({"readable": marks}, p.have):
+                waiting.append(p)
+                continue
+            assert p.request is not None
+            reply = self._guard(p.request, functools.partial(self._pulled_again, p))
+            assert isinstance(reply, tuple)
+            if reply[0].get("landed") is False and marks is None and now < p.deadline:
+                waiting.append(p)  # its download not begun yet
+                continue
+            self._send(p.ident, _answer(reply[0], p.request), None)
+        self._parked = waiting
+
+    def _pulled_again(self, p: Parked) -> Answer:
+        """A waiting pull's answer: landed once its manifest is in the root (its job may
+        not have ended yet), else as the job says (its failure raised)."""
+        assert self.pull is not None
+        there = self._disk_share(layout.step_dir(self.root, p.run, p.step), p.run, p.step, p.rank) is not None
+        return self._pulled(p.run, p.step, p.rank, there or self.pull(p.run, p.step, p.rank, asked=False)), None
 
     def _steps(self, run: str, limit: int, only: int | None) -> dict[str, Any]:
         """The newest ``limit`` steps of ``run`` of which this daemon can serve a share
@@ -401,6 +465,11 @@ class PeerServer:
 
 
 _OP = "\x00op"
+
+
+def _passed(answer: dict[str, Any], have: dict[str, int]) -> bool:
+    """Whether a pull's ``answer`` tells its asker more than ``have``: landed, or a file's mark past it."""
+    return answer.get("landed") is True or any(n > have.get(f, 0) for f, n in answer.get("readable", {}).items())
 
 
 def _refusal(exc: Exception, error: str | None = None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ input (``Manifest.from_json``). Start at ``latest`` and ``manifests``.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from .. import index, layout
 from ..errors import CheckpointCorrupt
@@ -46,6 +47,15 @@ def read_manifest(store: Store, run: str, step: int, rank: int) -> Manifest:
     return m
 
 
+def read_manifests(store: Store, run: str, step: int, ranks: list[int]) -> list[Manifest]:
+    """``ranks``' manifests, read ``store.concurrency`` at a time: a reader's lookup
+    waits on one round trip per batch, not per rank."""
+    if len(ranks) < 2:
+        return [read_manifest(store, run, step, r) for r in ranks]
+    with ThreadPoolExecutor(min(store.concurrency, len(ranks)), thread_name_prefix="ckptd-manifests") as pool:
+        return list(pool.map(lambda r: read_manifest(store, run, step, r), ranks))
+
+
 def manifests(store: Store, run: str, step: int, objects: dict[str, int], *,
               world_size: int | None = None) -> list[Manifest] | None:
     """All ranks' manifests of a step complete in the bucket, else None; a manifest that
@@ -54,12 +64,13 @@ def manifests(store: Store, run: str, step: int, objects: dict[str, int], *,
     ranks = sorted(int(m.group(1)) for n in objects if (m := layout.MANIFEST.fullmatch(n)))
     if not ranks or (world_size is not None and ranks != list(range(world_size))):
         return None
-    first = read_manifest(store, run, step, ranks[0])
-    if ranks != list(range(first.world_size)):
+    # ranks 0 to n - 1 listed: all read at once, else the first says whether more are due
+    read = read_manifests(store, run, step, ranks if ranks == list(range(len(ranks))) else ranks[:1])
+    if ranks != list(range(read[0].world_size)):
         return None
     # the local rule (index.one_attempt): shares of two attempts of the job, one left by
     # a node that died and one saved again after the restart, never make a step complete
-    found = index.one_attempt([first] + [read_manifest(store, run, step, r) for r in ranks[1:]],
+    found = index.one_attempt(read + read_manifests(store, run, step, ranks[len(read):]),
                               store.where(step_prefix(run, step)))
     if found is None:
         return None
@@ -82,6 +93,12 @@ def _needed(m: Manifest) -> dict[str, int]:
 
 def step_info(store: Store, run: str, step: int, objects: dict[str, int], *,
               warn: bool = False, world_size: int | None = None) -> CheckpointInfo | None:
+    found = _complete(store, run, step, objects, warn=warn, world_size=world_size)
+    return None if found is None else found[0]
+
+
+def _complete(store: Store, run: str, step: int, objects: dict[str, int], *, warn: bool = False,
+              world_size: int | None = None) -> tuple[CheckpointInfo, list[Manifest]] | None:
     try:
         found = manifests(store, run, step, objects, world_size=world_size)
     except (CheckpointCorrupt, FileNotFoundError) as exc:
@@ -89,7 +106,8 @@ def step_info(store: Store, run: str, step: int, objects: dict[str, int], *,
         return None
     if found is None:
         return None
-    return CheckpointInfo.from_manifests(store.where(step_prefix(run, step)).rstrip("/"), found, tiers=(TIER,))
+    path = store.where(step_prefix(run, step)).rstrip("/")
+    return CheckpointInfo.from_manifests(path, found, tiers=(TIER,)), found
 
 
 def list_checkpoints(store: Store, run: str, *, warn: bool = True) -> list[CheckpointInfo]:
@@ -104,10 +122,16 @@ def list_checkpoints(store: Store, run: str, *, warn: bool = True) -> list[Check
 
 def latest(store: Store, run: str) -> CheckpointInfo | None:
     """The newest step complete in the bucket (manifests read newest first, until one is)."""
+    found = newest(store, run)
+    return None if found is None else found[0]
+
+
+def newest(store: Store, run: str) -> tuple[CheckpointInfo, list[Manifest]] | None:
+    """``latest``, with the step's manifests."""
     for step, objects in sorted(run_objects(store, run).items(), reverse=True):
-        info = step_info(store, run, step, objects, warn=True)
-        if info is not None and not info.refused:
-            return info
+        found = _complete(store, run, step, objects, warn=True)
+        if found is not None and not found[0].refused:
+            return found
     return None
 
 

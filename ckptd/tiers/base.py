@@ -107,9 +107,10 @@ class SendsStaged(Protocol):
 
 @runtime_checkable
 class Pulls(Protocol):
-    def serve_pulls(self, pull: Callable[[str, int, int], bool]) -> None:
-        """Answer peers' ``pull``s with ``pull(run, step, rank)``: whether that bucket share
-        is in the root (else its download starts)."""
+    def serve_pulls(self, pull: Callable[..., bool]) -> None:
+        """Answer peers' ``pull``s with ``pull(run, step, rank, asked=True)``: whether that
+        bucket share is in the root (else its download starts); ``asked=False`` when a
+        waiting pull is looked at again (not counted as one more)."""
 
 
 @runtime_checkable

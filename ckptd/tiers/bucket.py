@@ -28,6 +28,7 @@ from .base import missing_manifests
 from .files import bytes_of, read_tensors
 
 NAME = catalog.TIER
+FOUND_S = 5.0  # the manifests ``latest`` read serve an ``open`` of its step this long after
 TABLE = "remote"
 
 log = logging.getLogger("ckptd.remote")
@@ -103,16 +104,25 @@ class BucketTier:
         self.store, self.base, self.daemon = store, base, daemon
         self.where = f"in {store.url}"
         self.poll_interval = poll_interval
+        self._newest: tuple[str, int, list[Manifest], float] | None = None
 
     def latest(self, run: str) -> CheckpointInfo | None:
+        """The newest step; its manifests kept for an ``open`` of it that follows."""
         with _reached(self.store):
-            return catalog.latest(self.store, run)
+            found = catalog.newest(self.store, run)
+        self._newest = None if found is None else (run, found[0].step, found[1], time.monotonic() + FOUND_S)
+        return None if found is None else found[0]
 
     def steps(self, run: str) -> list[CheckpointInfo]:
         with _reached(self.store):
             return catalog.list_checkpoints(self.store, run)
 
     def open(self, run: str, step: int) -> BucketHolding | None:
+        """The step as the bucket holds it: as the ``latest`` just before found it (the
+        lookup a load makes first, within ``FOUND_S``), else listed and read anew."""
+        newest, self._newest = self._newest, None
+        if newest is not None and newest[:2] == (run, step) and time.monotonic() < newest[3]:
+            return BucketHolding(self.store, run, step, newest[2], self.base, self.daemon)
         with _reached(self.store):
             found = catalog.manifests(self.store, run, step, catalog.run_objects(self.store, run).get(step, {}))
         return None if found is None else BucketHolding(self.store, run, step, found, self.base, self.daemon)

@@ -99,7 +99,7 @@ class PeerTarget:
         self.replicator.staged, self.replicator.on_sent = find, sent
         return bool(self.replicator.peers) and self.cfg.replicas > 0
 
-    def serve_pulls(self, pull: Callable[[str, int, int], bool]) -> None:
+    def serve_pulls(self, pull: Callable[..., bool]) -> None:
         self.server.pull = pull
 
     def on_persisted(self, callback: Callable[[str, int, int, float], None]) -> None:

@@ -30,8 +30,10 @@ from .peer_transfer import PeerTransfer, share_files
 
 log = logging.getLogger("ckptd.daemon")
 
-PULL_POLL_S = 0.05
+PULL_POLL_S = 0.05  # a fetcher that answers a pull at once is asked again this often
+PULL_LONG_MS = 1000  # a pull waits at its fetcher at most this long for a mark to move
 PULL_WAIT_S = 600.0
+CLOSING_S = 0.1  # a copy waiting on its fetcher sees this daemon stop within this long
 FAILED = (CheckpointCorrupt, PeerDown, PeerRefused, ProtocolError)
 
 
@@ -95,47 +97,83 @@ class FetcherCopy:
 
 
 class _Fetcher:
-    """A share as its fetcher lands it: ``pull`` asked (which starts its download) and
-    asked again, at most every ``PULL_POLL_S``, for how far each file is readable. A
-    fetcher whose answer has no ``readable`` (an older one) is read once it has the
-    whole share, as before."""
+    """A share as its fetcher lands it: ``pull`` asked (which starts its download), then
+    asked again on a thread of its own (``ckptd-pull-marks``), each ask waiting at the
+    fetcher (``wait_ms``) until a mark passes what this one has: the copy hears of each
+    piece as it lands. A fetcher that answers at once (one that does not wait) is asked
+    at most every ``PULL_POLL_S``; one whose answer has no ``readable`` (older still) is
+    read once it has the whole share, as before."""
 
     def __init__(self, pull: PeerPull, endpoint: str, run: str, step: int, rank: int) -> None:
         self.pull, self.endpoint = pull, endpoint
         self.request = {"op": "pull", "run": run, "step": step, "rank": rank}
         self.what = f"{endpoint}: run {run!r} step {step} rank {rank}"
         self.link = messages.Link(pull.ctx, endpoint, pull.keys)
-        self.landed, self.asked = False, 0.0
+        self.landed = False
         self.marks: dict[str, int] = {}
+        self.failed: Exception | None = None
+        self.changed = threading.Condition()
+        self.done = threading.Event()
         self.deadline = time.monotonic() + PULL_WAIT_S
 
     def ask(self) -> None:
-        header, _ = self.link.request(self.request, timeout=self.pull.cfg.stall)
-        self.asked = time.monotonic()
-        self.landed = header.get("landed") is True
+        """The first pull (its download started: its refusal is raised here); the marks
+        then followed on a thread, which closes the link once it is done."""
+        try:
+            self._ask(0)
+        except BaseException:
+            self.link.close()
+            raise
+        threading.Thread(target=self._follow, name="ckptd-pull-marks", daemon=True).start()
+
+    def _ask(self, wait_ms: int) -> bool:
+        """One pull; whether its answer told more than was known."""
+        with self.changed:
+            have = dict(self.marks)
+        request = {**self.request, "have": have, "wait_ms": wait_ms} if wait_ms else self.request
+        header, _ = self.link.request(request, timeout=self.pull.cfg.stall + wait_ms / 1000)
         marks = header.get("readable", {})
         if not isinstance(marks, dict) or not all(isinstance(f, str) and isinstance(n, int) for f, n in marks.items()):
             raise ProtocolError(f"{self.what}: a pull answer whose readable is {marks!r:.200}, not file -> bytes")
-        for file, n in marks.items():
-            self.marks[file] = max(n, self.marks.get(file, 0))
+        with self.changed:
+            moved = header.get("landed") is True and not self.landed or any(n > self.marks.get(f, 0)
+                                                                          for f, n in marks.items())
+            self.landed = self.landed or header.get("landed") is True
+            for file, n in marks.items():
+                self.marks[file] = max(n, self.marks.get(file, 0))
+            self.changed.notify_all()
+        return moved
+
+    def _follow(self) -> None:
+        try:
+            while not self.landed and not self.done.is_set() and not self.pull.closing.is_set():
+                asked = time.monotonic()
+                if not self._ask(PULL_LONG_MS) and time.monotonic() - asked < PULL_POLL_S:
+                    self.done.wait(PULL_POLL_S)  # answered at once, unchanged: a fetcher that does not wait
+        except Exception as exc:
+            with self.changed:
+                self.failed = exc
+                self.changed.notify_all()
+        finally:
+            self.link.close()
 
     def readable(self, file: str, need: int, wait: bool) -> int:
-        """How far ``file`` may be read: all of it once landed, else up to its mark (asked
-        anew when older than ``PULL_POLL_S``); ``wait``: once that reaches ``need``.
-        PeerDown after ``PULL_WAIT_S``, or when this daemon stops."""
-        while True:
-            have = sys.maxsize if self.landed else self.marks.get(file, 0)
-            left = self.asked + PULL_POLL_S - time.monotonic()
-            if have >= need or not wait and left > 0:
-                return have
-            if not wait:
-                self.ask()
-                continue
-            if time.monotonic() > self.deadline:
-                raise PeerDown(f"{self.what} not landed after {PULL_WAIT_S:g} s")
-            if self.pull.closing.wait(max(left, 0.0)):
-                raise PeerDown("this daemon is stopping")
-            self.ask()
+        """How far ``file`` may be read: all of it once landed, else up to its mark;
+        ``wait``: once that reaches ``need``. The follower's failure raised; PeerDown
+        after ``PULL_WAIT_S``, or when this daemon stops."""
+        with self.changed:
+            while True:
+                if self.failed is not None:
+                    raise self.failed
+                have = sys.maxsize if self.landed else self.marks.get(file, 0)
+                if have >= need or not wait:
+                    return have
+                if time.monotonic() > self.deadline:
+                    raise PeerDown(f"{self.what} not landed after {PULL_WAIT_S:g} s")
+                if self.pull.closing.is_set():
+                    raise PeerDown("this daemon is stopping")
+                self.changed.wait(CLOSING_S)
 
     def close(self) -> None:
-        self.link.close()
+        """The follower stops after the pull it waits on (at most ``PULL_LONG_MS``)."""
+        self.done.set()
