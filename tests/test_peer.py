@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import zmq
 from safetensors.torch import load_file
 
 import ckptd
@@ -426,7 +425,7 @@ def test_peers_with_curve_keys_replicate_and_serve_only_admitted_keys(tmp_path, 
         from ckptd.transport.curve import ClientKeys, load_public, load_secret
 
         alice = ClientKeys(load_public(keys["server"], "server"), *load_secret(keys["alice"], "alice"), keys["alice"])
-        link = messages.Link(zmq.Context.instance(), listens[1], alice)  # a producer's key: admitted, not served
+        link = messages.Link(listens[1], alice)  # a producer's key: admitted, not served
         try:
             with pytest.raises(messages.PeerRefused, match="only a peer daemon's key is served here"):
                 link.request({"op": "steps", "run": "job", "limit": 1}, timeout=30)

@@ -629,8 +629,7 @@ def test_manifests_beyond_one_answer_are_asked_again(tmp_path, monkeypatch) -> N
     saved = {r: _save(writer, range(1, 2), rank=r, world=3) for r in range(3)}
     writer.cleanup()
     listen = f"tcp://127.0.0.1:{free_port()}"
-    ctx = zmq.Context()
-    server = PeerServer(ctx, listen, writer.root, Holder(64 << 20, 5.0), None, (4 << 20) + 65536, "n")
+    server = PeerServer(listen, writer.root, Holder(64 << 20, 5.0), None, (4 << 20) + 65536, "n")
     server.start()
     monkeypatch.setattr(messages, "MAX_MANIFEST_BYTES", 1)
     try:
@@ -651,7 +650,6 @@ def test_manifests_beyond_one_answer_are_asked_again(tmp_path, monkeypatch) -> N
         assert torch.equal(out, saved[2][1])
     finally:
         server.close()
-        ctx.term()
 
 
 def test_the_port_answers_others_while_a_received_share_is_verified(tmp_path, monkeypatch) -> None:
@@ -686,7 +684,7 @@ def test_the_port_answers_others_while_a_received_share_is_verified(tmp_path, mo
     from peer_fuzz import Asker
 
     holder = Holder(64 << 20, 5.0)
-    server = PeerServer(None, listen, own_root, holder, None, (4 << 20) + 65536, "n")
+    server = PeerServer(listen, own_root, holder, None, (4 << 20) + 65536, "n")
     server.start()
     sender, asker = Asker(listen), Asker(listen)
 

@@ -238,7 +238,7 @@ def test_a_pull_that_waits_is_answered_once_its_fetchers_mark_moves(s3, proxy, m
     pull = PeerPull(load_config(a.config))
     rank = next(r for r in range(3) if pull.fetcher("ddp", STEP, r) == listens[1])
     req = {"op": "pull", "run": "ddp", "step": STEP, "rank": rank}
-    asks, reads = (messages.Link(pull.ctx, listens[1], pull.keys) for _ in range(2))
+    asks, reads = (messages.Link(listens[1], pull.keys) for _ in range(2))
     try:
         with pytest.raises(messages.PeerRefused, match="wait_ms 5001 is more than this node waits"):
             asks.request({**req, "wait_ms": 5001}, timeout=30)

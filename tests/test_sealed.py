@@ -39,7 +39,7 @@ def _connect(listen: str) -> socket.socket:
 
 
 def _ping(listen: str, keys: object = None) -> dict:
-    link = messages.Link(None, listen, keys)
+    link = messages.Link(listen, keys)
     try:
         return link.request({"op": "ping"}, timeout=10)[0]
     finally:

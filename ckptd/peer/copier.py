@@ -15,7 +15,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
-import zmq
 
 from .. import index, layout, picks
 from ..config import ConfigError, PeerConfig
@@ -32,7 +31,7 @@ Key = tuple[str, int, int]
 
 
 class Copier(supervise.Supervised):
-    def __init__(self, ctx: zmq.Context, root: Path, config: PeerConfig, keys: Any,
+    def __init__(self, root: Path, config: PeerConfig, keys: Any,
                  keep_last: Callable[[str], int], node_id: str, *, direct_io: bool = False) -> None:
         if config.rate and config.frame / config.rate > config.stall / 2:
             raise ConfigError(f"[peer] rate {config.rate} bytes/s sends a frame of {config.frame} bytes in "
@@ -41,7 +40,6 @@ class Copier(supervise.Supervised):
                               f"{int(config.rate * config.stall / 2)} bytes")
         self.node_id = node_id
         self.direct_io = direct_io
-        self.ctx = ctx
         self.root = root
         self.cfg = config
         self.keys = keys
@@ -218,7 +216,7 @@ class Copier(supervise.Supervised):
         sender = self._senders.get(peer)
         if sender is None:
             sender = self._senders[peer] = PartnerSender(
-                len(self._senders) + 1, peer, self.ctx, self.keys, self.cfg, self.root, self._pacer,
+                len(self._senders) + 1, peer, self.keys, self.cfg, self.root, self._pacer,
                 lambda: self.busy(), self._wanted, self._done, direct_io=self.direct_io,
                 staged=lambda key: self.staged(key), count=self._count, cancellable=self._cancellable)
             sender.start()
@@ -300,7 +298,7 @@ class Copier(supervise.Supervised):
     def _control(self, peer: str) -> messages.Link:
         link = self._links.get(peer)
         if link is None:
-            link = self._links[peer] = messages.Link(self.ctx, peer, self.keys)
+            link = self._links[peer] = messages.Link(peer, self.keys)
         return link
 
     def _ask(self, requests: dict[str, dict[str, Any]], timeout: float) -> dict[str, dict[str, Any] | Exception]:

@@ -165,9 +165,9 @@ class Link:
 
     _ids = itertools.count(1)
 
-    def __init__(self, ctx: Any, endpoint: str, keys: Any = None, *, hwm: int = 64,
+    def __init__(self, endpoint: str, keys: Any = None, *, hwm: int = 64,
                  max_message: int = MAX_HEADER_BYTES) -> None:
-        """``ctx``: unused (the peer port is not ZeroMQ's); ``max_message``: the largest
+        """``max_message``: the largest
         payload an answer may carry (a peer that answers more is cut off, not buffered)."""
         self.endpoint = endpoint
         if hasattr(keys, "for_endpoint"):

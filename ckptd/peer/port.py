@@ -83,9 +83,9 @@ class Backlog:
 
 
 class PeerServer:
-    def __init__(self, ctx: Any, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int,
+    def __init__(self, listen: str, root: Path, holder: Holder, curve: Any, max_frame: int,
                  node_id: str) -> None:
-        """``ctx``: unused (the port is not ZeroMQ's); ``curve``: a PeerCurveServer, or None
+        """``curve``: a PeerCurveServer, or None
         for plaintext; ``max_frame``: the largest payload a request carries."""
         self.node_id = node_id
         self.root = root

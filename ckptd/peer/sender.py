@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import zmq
 
 from .. import layout
 from ..config import PeerConfig
@@ -79,7 +78,7 @@ class Pacer:
 
 
 class PartnerSender(supervise.Queued[Job]):
-    def __init__(self, index: int, peer: str, ctx: zmq.Context, keys: Any, cfg: PeerConfig, root: Path,
+    def __init__(self, index: int, peer: str, keys: Any, cfg: PeerConfig, root: Path,
                  pacer: Pacer, busy: Callable[[], bool], wanted: Callable[[Key], bool],
                  on_done: Callable[[str, Job, str, int, float], None], *, direct_io: bool = False,
                  staged: Callable[[Key], Any] = lambda key: None,
@@ -89,7 +88,7 @@ class PartnerSender(supervise.Queued[Job]):
         self.cancellable = cancellable
         self.staged, self.count = staged, count
         self.direct_io = direct_io
-        self.ctx, self.keys, self.cfg, self.root = ctx, keys, cfg, root
+        self.keys, self.cfg, self.root = keys, cfg, root
         self.pacer = pacer
         self.busy = busy
         self.wanted = wanted
@@ -163,7 +162,7 @@ class PartnerSender(supervise.Queued[Job]):
 
     def _send(self, job: Job, share: "ShareFiles") -> None:
         if self._link is None:
-            self._link = messages.Link(self.ctx, self.peer, self.keys, hwm=self.cfg.window * 2 + 4)
+            self._link = messages.Link(self.peer, self.keys, hwm=self.cfg.window * 2 + 4)
         link, stall = self._link, self.cfg.stall
         run, step, rank = job.key
         offer = {"op": "offer", "run": run, "step": step, "rank": rank, "manifest": job.manifest_json,

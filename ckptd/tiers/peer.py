@@ -36,8 +36,6 @@ class PeerTarget:
     name = NAME
 
     def __init__(self, config: Config, keep_last: Callable[[str], int]) -> None:
-        import zmq
-
         from ..peer.holder import Holder
         from ..peer.keys import daemon_curve
         from ..peer.copier import Copier
@@ -48,17 +46,11 @@ class PeerTarget:
             raise ConfigError(f"[peer] peers of {config.path or 'the config'} names only this daemon's own listen "
                               f"endpoint {cfg.listen}: list the other nodes' [peer] listen endpoints")
         server_curve, self.keys = daemon_curve(config)
-        self.ctx = zmq.Context()
         self.holder = Holder(cfg.memory, cfg.stall)
         node_id = uuid.uuid4().hex  # this daemon, told apart from its peers (a peer list may name it)
-        try:
-            self.server = PeerServer(self.ctx, cfg.listen, config.root, self.holder, server_curve,
-                                     cfg.frame + 65536, node_id)
-        except Exception:
-            self.ctx.term()
-            raise
+        self.server = PeerServer(cfg.listen, config.root, self.holder, server_curve, cfg.frame + 65536, node_id)
         self._curve = server_curve
-        self.replicator = Copier(self.ctx, config.root, cfg, self.keys, keep_last, node_id,
+        self.replicator = Copier(config.root, cfg, self.keys, keep_last, node_id,
                                      direct_io=config.daemon.direct_io)
         self.cfg = cfg
 
@@ -75,7 +67,6 @@ class PeerTarget:
         self.server.close()
         if self._curve is not None:
             self._curve.close()
-        self.ctx.term()
 
     def committed(self, run: str, step: int, rank: int, nbytes: int, due: tuple[str, ...] | None) -> None:
         self.replicator.enqueue(run, step, rank, due)

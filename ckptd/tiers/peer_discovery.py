@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zmq
 
 from .. import layout
 from ..config import Config, ConfigError
@@ -61,8 +60,8 @@ def reader_keys(config: Config) -> Any:
 
 
 class PeerDiscovery:
-    def __init__(self, config: Config, ctx: zmq.Context, silent: Backoff | None = None) -> None:
-        self.config, self.cfg, self.ctx = config, config.peer, ctx
+    def __init__(self, config: Config, silent: Backoff | None = None) -> None:
+        self.config, self.cfg = config, config.peer
         self.endpoints = list(dict.fromkeys([self.cfg.listen, *self.cfg.peers]))
         self.silent = silent or Backoff(DEAD_S, DEAD_MAX_S)
         self.wait, self.retry = self.cfg.timeout, set[str]()
@@ -108,7 +107,7 @@ class PeerDiscovery:
                 log.info("peer tier: %s not asked: it did not answer; asked again in %.0f s", e, self.silent.left(e))
                 continue
             try:
-                links[e] = messages.Link(self.ctx, e, keys)
+                links[e] = messages.Link(e, keys)
             except messages.PeerRefused as exc:
                 self.warn_once(f"peer tier: {exc}; that peer is not asked")
         try:

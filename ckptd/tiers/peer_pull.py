@@ -16,7 +16,6 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-import zmq
 
 from ..config import Config
 from ..errors import CheckpointCorrupt, CheckpointError, PeerDown, PeerRefused, ProtocolError
@@ -41,7 +40,6 @@ class PeerPull:
     def __init__(self, config: Config) -> None:
         self.config, self.cfg = config, config.peer
         self.nodes = sorted({self.cfg.listen, *self.cfg.peers})
-        self.ctx: zmq.Context = zmq.Context.instance()
         self.closing = threading.Event()
 
     @functools.cached_property
@@ -50,7 +48,7 @@ class PeerPull:
 
     @functools.cached_property
     def transfer(self) -> PeerTransfer:
-        return PeerTransfer(self.ctx, self.cfg, self.keys)
+        return PeerTransfer(self.cfg, self.keys)
 
     def fetcher(self, run: str, step: int, rank: int) -> str | None:
         """The ``listen`` endpoint of the daemon that reads this share from the bucket;
@@ -108,7 +106,7 @@ class _Fetcher:
         self.pull, self.endpoint = pull, endpoint
         self.request = {"op": "pull", "run": run, "step": step, "rank": rank}
         self.what = f"{endpoint}: run {run!r} step {step} rank {rank}"
-        self.link = messages.Link(pull.ctx, endpoint, pull.keys)
+        self.link = messages.Link(endpoint, pull.keys)
         self.landed = False
         self.marks: dict[str, int] = {}
         self.failed: Exception | None = None

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
-import zmq
 
 from .. import index, layout
 from ..config import Config
@@ -46,8 +45,7 @@ class PeerTier:
     def __init__(self, config: Config, base: Path | None = None, silent: Backoff | None = None) -> None:
         self.config, self.cfg = config, config.peer
         self.base = base or config.root
-        self.ctx: zmq.Context = zmq.Context.instance()
-        self.discovery = PeerDiscovery(config, self.ctx, silent)
+        self.discovery = PeerDiscovery(config, silent)
         self.fetched = {"fetched_shares": 0, "fetched_bytes": 0}  # landed in the root from the peers
         self._counting = threading.Lock()
 
@@ -58,7 +56,7 @@ class PeerTier:
 
     @functools.cached_property
     def transfer(self) -> PeerTransfer:
-        return PeerTransfer(self.ctx, self.cfg, self.discovery.keys)
+        return PeerTransfer(self.cfg, self.discovery.keys)
 
     def latest(self, run: str) -> CheckpointInfo | None:
         """The newest step whose every rank's share is in the root or with a peer: one

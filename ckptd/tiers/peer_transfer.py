@@ -9,7 +9,6 @@ import mmap
 from collections import deque
 from typing import Any, Callable
 
-import zmq
 
 from ..config import PeerConfig
 from ..errors import CheckpointCorrupt, ProtocolError
@@ -25,8 +24,8 @@ Readable = Callable[[str, int, bool], int]
 
 
 class PeerTransfer:
-    def __init__(self, ctx: zmq.Context, cfg: PeerConfig, keys: Any) -> None:
-        self.ctx, self.cfg, self.keys = ctx, cfg, keys
+    def __init__(self, cfg: PeerConfig, keys: Any) -> None:
+        self.cfg, self.keys = cfg, keys
 
     def read_files(self, endpoint: str, m: Manifest, into: dict[str, memoryview] | None = None,
                    done: Callable[[str], None] | None = None, write: dict[str, Write] | None = None, *,
@@ -64,7 +63,7 @@ class PeerTransfer:
             if r.size == 0 and r.done is not None:
                 r.done(r.file)
         parts = _Parts(ranges, self.cfg.frame, readable)
-        link = messages.Link(self.ctx, endpoint, self.keys, hwm=self.cfg.window * 2 + 4,
+        link = messages.Link(endpoint, self.keys, hwm=self.cfg.window * 2 + 4,
                              max_message=max(messages.MAX_HEADER_BYTES, self.cfg.frame))
         prefault = Prefault(fresh, self.cfg.frame)
         in_flight: deque[tuple[int, _Range, int, int]] = deque()
