@@ -2,7 +2,9 @@
 # Set up, then lint, type check and run the whole test suite (real daemons, torchrun, SeaweedFS,
 # the frameworks). Arguments go to pytest: -m "not slow" skips the multi-process jobs. The suite
 # runs three test files at a time (pytest-xdist; a file's tests stay together, so its module-scoped
-# fixtures run once; the longest files go first, tests/conftest.py): CKPTD_TEST_WORKERS=N for N at
+# fixtures run once; the longest files go first, in tests/conftest.py's order, which
+# --no-loadscope-reorder keeps: by default xdist hands out the files with most tests first, which
+# left the multi-process files, of few tests each, to the end): CKPTD_TEST_WORKERS=N for N at
 # a time, 0 for one process. Three on 2 cores, because many tests wait on fsync, sockets and
 # subprocesses: pytest's part took 337 s with two and 276 s with three here (258 s with four), and
 # 8 to 9½ minutes (825 tests) on the 2-core machines this project runs on. The tests' Python
@@ -39,4 +41,4 @@ echo "scripts/test.sh: lint (ruff) and type check (mypy ckptd; settings in pypro
 "$py" -m ruff check --quiet ckptd tests benchmarks examples
 "$py" -m mypy
 echo "scripts/test.sh: running the test suite" >&2
-exec "$py" -m pytest -q -n "${CKPTD_TEST_WORKERS:-3}" --dist loadfile "$@"
+exec "$py" -m pytest -q -n "${CKPTD_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"

@@ -43,15 +43,17 @@ def reuse_bytecode() -> None:
 reuse_bytecode()
 
 
-# The files that cost most (CPU-seconds of each file run alone, the first seven; then
-# ``pytest --durations=60`` of the whole suite, 2 cores), most first; re-measure when the
-# suite changes. Other files follow, those with more multi-process jobs (``slow``) first.
-LONGEST = ("test_cluster.py", "test_transformers.py", "test_lightning.py", "test_peer.py", "test_fuzz.py",
-           "test_peer_reader.py", "test_optim_resume.py", "test_peer_fuzz.py", "test_faults.py", "test_dcp.py",
-           "test_model.py", "test_sharded_training.py", "test_replicas_training.py", "test_peer_keep.py",
-           "test_peer_send.py", "test_systemd.py", "test_writer_death.py", "test_reuse.py", "test_fastpaths.py",
-           "test_hostile_files.py", "test_newcomer.py", "test_hdf5.py", "test_accelerate.py", "test_transport.py",
-           "test_docs.py", "test_crash.py")
+# The files that take longest (the sum of their tests' times in ``pytest -n 2 --junitxml``
+# of the whole suite, 2 cores), most first; re-measure when the suite changes. Other files
+# follow, those with more multi-process jobs (``slow``) first.
+LONGEST = ("test_cluster.py", "test_peer.py", "test_peer_fuzz.py", "test_peer_reader.py", "test_systemd.py",
+           "test_writer_death.py", "test_model.py", "test_peer_send.py", "test_fastpaths.py", "test_read_once.py",
+           "test_cluster_retention.py", "test_remote_faults.py", "test_fuzz.py", "test_newcomer.py",
+           "test_reuse.py", "test_faults.py", "test_crash.py", "test_tiers.py", "test_advise.py",
+           "test_transformers.py", "test_index.py", "test_plan.py", "test_hdf5.py", "test_preempt.py",
+           "test_liveness.py", "test_transport.py", "test_lightning.py", "test_docs.py", "test_retention.py",
+           "test_sharded_training.py", "test_sealed.py", "test_hostile_files.py", "test_notify.py",
+           "test_example_ddp.py", "test_dcp.py", "test_multinode.py", "test_optim_resume.py", "test_accelerate.py")
 
 
 FORKSERVER = pytest.StashKey[tuple]()
@@ -77,7 +79,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest files first. pytest-xdist hands out whole files in collection order
-    (scripts/test.sh: ``--dist loadfile``), so the longest start at once and the last
+    (scripts/test.sh: ``--dist loadfile --no-loadscope-reorder``; without the second, it
+    hands out the files with most tests first), so the longest start at once and the last
     file to finish is a short one rather than a one-minute torchrun job started at the end."""
     slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
 
