@@ -116,6 +116,31 @@ def test_unchanged_tensors_are_recognised_without_a_declaration(make_daemon) -> 
         assert_loads(d.root, step, lora_state(step, base))
 
 
+def test_a_tensor_that_stops_changing_is_written_once_more_then_recognised(make_daemon) -> None:
+    """A tensor that changed at its last comparison is written while its checksum is
+    computed, not after (reuse.Changing): once it stops changing, it is written once
+    more, found unchanged, and recognised from the next save on."""
+    d = make_daemon(chunk_size="64MiB")
+    base = make_base(n=2, numel=2**16)
+    w = torch.zeros(2**16)
+    saved = {}
+    with d.producer() as p:
+        for step in range(1, 7):
+            if step in (2, 3):
+                w.add_(1)
+            state = {"model": {**base, "w": w}, "optim": {"lr": 0.1}, "step": step}
+            saved[step] = {"model": {k: v.clone() for k, v in state["model"].items()}, "optim": {"lr": 0.1},
+                           "step": step}
+            p.save(state, step).wait(30)
+    written = [inode(d.root, s, "model.w") != inode(d.root, s - 1, "model.w") for s in range(2, 7)]
+    #           step 2: changed  3: changed  4: unchanged, written once more  5, 6: recognised
+    assert written == [True, True, True, False, False], written
+    for step in (3, 4, 5, 6):  # the base is recognised throughout
+        assert inode(d.root, step, "model.base.layer0.weight") == inode(d.root, 2, "model.base.layer0.weight")
+    for step in saved:
+        assert_loads(d.root, step, saved[step])
+
+
 def test_reuse_unchanged_off_writes_everything(make_daemon) -> None:
     d = make_daemon(chunk_size="64MiB", reuse_unchanged=False)
     base = make_base(n=2, numel=2**16)

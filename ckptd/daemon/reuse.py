@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +24,46 @@ from ..format import Entry
 from ..manifest import Manifest, TensorRecord
 
 log = logging.getLogger("ckptd.writer")
+
+
+class Changing:
+    """The tensors of each (root, run, rank) found changed at their last comparison with
+    a base. Checking a tensor against its base waits for its checksum; one that changed
+    last time most likely changed again, so it is written while its checksum is
+    computed, and compared after (``learn``): a tensor that stopped changing is written
+    once more, then recognised. Only a hint: either way the step holds every byte."""
+
+    KEPT = 256  # (root, run, rank)s remembered, the least recently saved forgotten first
+
+    def __init__(self) -> None:
+        self._names: OrderedDict[tuple[str, str, int], set[str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def split(self, share: Any, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """``entries`` as (to compare with the base, to write at once)."""
+        with self._lock:
+            names = self._names.get(_key(share), set())
+            if not names:
+                return entries, []
+            ask = [e for e in entries if e.name not in names]
+            return ask, [e for e in entries if e.name in names]
+
+    def learn(self, base: "Base", share: Any, written: list[Entry], digests: Any) -> None:
+        """``written`` (with their ``digests``) against ``base``: remember those that changed."""
+        changed = {e.name for e in written if (old := base.match(e)) is not None and digests[e.name] != old.checksum}
+        key = _key(share)
+        with self._lock:
+            names = self._names.pop(key, set())
+            names.difference_update(e.name for e in written)
+            names |= changed
+            if names:
+                self._names[key] = names
+                while len(self._names) > self.KEPT:
+                    self._names.popitem(last=False)
+
+
+def _key(share: Any) -> tuple[str, str, int]:
+    return str(share.id.root), share.run, share.rank
 
 
 class Base:

@@ -47,6 +47,7 @@ class Writer:
         self._notify = notify
         self.holds = holds or StagingHolds()
         self._reuse = reuse_unchanged
+        self._changing = reuse.Changing()
         self._committing: dict[tuple[str, int], Share] = {}
         self._committing_lock = threading.Lock()
         self._after_commit = after_commit
@@ -362,6 +363,7 @@ class Writer:
         failpoints.hit(f"writer.{fmt.name}")
         written = fmt.write_batch(self._io(share), name, entries, digests, listed=listed)
         self._apply(share, name, written, digests)
+        self._learn(share, [e for e, _, _ in written.placed], digests)
         if staged and written.fd is not None:
             self.holds.add(share, name, [(at, b) for e, _, offset in written.placed if offset is not None
                                          for at, b in _at(offset, e.buffers)])
@@ -398,11 +400,13 @@ class Writer:
         checksums); return the others, to write."""
         if not self._reuse:
             return entries
+        ask, left = self._changing.split(share, entries)
+        if not ask:
+            return entries
         base = self._base(share)
         if base is None:
             return entries
-        left = []
-        for e in entries:
+        for e in ask:
             old = base.match(e)
             if old is not None and digests[e.name] == old.checksum:
                 try:
@@ -413,6 +417,11 @@ class Writer:
                                 share.rank, e.name, exc)
             left.append(e)
         return left
+
+    def _learn(self, share: Share, written: list[Entry], digests: Mapping[str, str]) -> None:
+        """Which of the tensors just written changed since the base (``reuse.Changing``)."""
+        if self._reuse and written and (base := self._base(share)) is not None:
+            self._changing.learn(base, share, written, digests)
 
     def _refer(self, share: Share, base: Any, name: str, old: TensorRecord, received: bool = False) -> None:
         """Tensor ``name`` is ``old``, stored in ``base``: the share's format links or
