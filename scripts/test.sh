@@ -6,11 +6,11 @@
 # --no-loadscope-reorder keeps: by default xdist hands out the files with most tests first, which
 # left the multi-process files, of few tests each, to the end): CKPTD_TEST_WORKERS=N for N at
 # a time, 0 for one process. Three on 2 cores, because many tests wait on fsync, sockets and
-# subprocesses: pytest's part took 337 s with two and 276 s with three here (258 s with four), and
-# 8 to 9½ minutes (825 tests) on the 2-core machines this project runs on. The tests' Python
-# subprocesses (torchrun and its workers, the frameworks' scripts, the daemon) fork from servers
-# that imported torch, or the daemon's modules, once: tests/forkserver.py; CKPTD_TEST_FORK=0 execs
-# a fresh interpreter for each instead (the suite then takes 17 to 30 minutes).
+# subprocesses: the suite then takes about 6½ minutes on the 2-core machines this project runs on.
+# The tests' Python subprocesses (torchrun and its workers, the frameworks' scripts, the daemon)
+# fork from servers that imported torch, or the daemon's modules, once: tests/forkserver.py;
+# CKPTD_TEST_FORK=0 execs a fresh interpreter for each instead (the suite then takes 17 to 30
+# minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Tools some tests run, from Debian packages: tests/test_systemd.py checks the shipped units
