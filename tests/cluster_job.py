@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 STARTED = time.time()
+# A node's ranks write one log. Under PYTHONUNBUFFERED a print is two writes, its text and
+# then its newline, and another rank's line could come between them: one write a line.
+sys.stdout.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import netcluster  # noqa: E402  (tests/, this script's folder, is on sys.path)
