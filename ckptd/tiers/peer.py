@@ -50,8 +50,7 @@ class PeerTarget:
         node_id = uuid.uuid4().hex  # this daemon, told apart from its peers (a peer list may name it)
         self.server = PeerServer(cfg.listen, config.root, self.holder, server_curve, cfg.frame + 65536, node_id)
         self._curve = server_curve
-        self.replicator = Copier(config.root, cfg, self.keys, keep_last, node_id,
-                                     direct_io=config.daemon.direct_io)
+        self.replicator = Copier(config.root, cfg, self.keys, keep_last, node_id, direct_io=config.daemon.direct_io)
         self.cfg = cfg
 
     def start(self) -> None:

@@ -16,7 +16,6 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-
 from ..config import Config
 from ..errors import CheckpointCorrupt, CheckpointError, PeerDown, PeerRefused, ProtocolError
 from ..manifest import Manifest
